@@ -1,0 +1,9 @@
+"""Inference engines and their launchers.
+
+- `server`/`core`: the embedded CPU engine, a FastAPI app over a transformers causal LM that
+  serves SGLang's native HTTP API (see docs/engine.md for what is implemented).
+- `router`: launches the real sglang-router with consistent hashing on loopback.
+- `sglang_launcher`: builds the `sglang.launch_server` command from `--sglang-*` options.
+
+Must not hold training logic.
+"""

@@ -1,0 +1,1 @@
+"""Environments: each is a small package of tasks, an openai-SDK agent loop and a verifier."""

@@ -1,0 +1,1 @@
+"""Code-in-a-sandbox environment (a later issue)."""

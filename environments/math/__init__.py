@@ -1,0 +1,1 @@
+"""Math environment (SDK issue)."""

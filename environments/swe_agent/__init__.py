@@ -1,0 +1,1 @@
+"""SWE-agent style environment (a later issue)."""

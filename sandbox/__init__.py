@@ -1,0 +1,1 @@
+"""Isolated execution backends: docker and bubblewrap (a later issue)."""

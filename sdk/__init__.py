@@ -1,0 +1,1 @@
+"""What an environment writer touches: Environment, Session, the rollout runner (SDK issue)."""

@@ -1,0 +1,1 @@
+"""Megatron trainer: losses, packing, snapshots, teacher scoring, weight sync (trainer issue)."""
