@@ -192,7 +192,7 @@ class Engine:
             updates.append((params[name], tensor))
         if not updates:
             raise RequestError("no tensors in the update")
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():  # parameters are normal tensors
             for param, tensor in updates:
                 param.copy_(tensor.to(param.dtype))
         return len(updates)
@@ -203,31 +203,42 @@ class Engine:
 
     # -- scheduler thread ---------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            with self._cond:
-                while not self._stop and not self._has_work():
-                    self._cond.wait(timeout=1.0)
-                if self._stop:
-                    return
-                controls, self._controls = self._controls, deque()
-                aborts, self._aborts = self._aborts, []
-                self.waiting.extend(self._incoming)
-                self._incoming = []
-            try:
-                for rid, abort_all, message in aborts:
-                    self._abort_matching(rid, abort_all, message)
-                idle_wait = self._run_controls(controls)
-                if not self.paused and not idle_wait:
-                    self._admit()
-                if not self.paused and self.running:
-                    self._decode_step()
-            except Exception:  # never let the scheduler die: fail what is in flight, keep serving
-                log.exception("engine step failed; aborting in-flight requests")
-                self._abort_matching("", True, "internal engine error", kind="abort", status=500)
-                self.batch = self.runner.new_batch()
-            self.metrics.running.set(len(self.running))
-            self.metrics.waiting.set(len(self.waiting))
+        # Everything the scheduler creates (KV buffers, cache entries) is an inference tensor.
+        with torch.inference_mode():
+            while self._step():
+                pass
+
+    def _step(self) -> bool:
+        with self._cond:
+            while not self._stop and not self._has_work():
+                self._cond.wait(timeout=1.0)
+            if self._stop:
+                return False
+            controls, self._controls = self._controls, deque()
+            aborts, self._aborts = self._aborts, []
+            self.waiting.extend(self._incoming)
+            self._incoming = []
+        try:
+            for rid, abort_all, message in aborts:
+                self._abort_matching(rid, abort_all, message)
+            idle_wait = self._run_controls(controls)
+            if not self.paused and not idle_wait:
+                self._admit()
+            if not self.paused and self.running:
+                self._decode_step()
+        except Exception as exc:  # never let the scheduler die: fail what is running, keep serving
+            log.exception("engine step failed; failing the running requests")
+            self._fail_running(f"internal engine error: {exc}")
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))
+        return True
+
+    def _fail_running(self, message: str) -> None:
+        failed, self.running = self.running, []
+        self.batch = self.runner.new_batch()
+        for seq in failed:
+            seq.row = None
+            self._finish(seq, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalError"})
 
     def _has_work(self) -> bool:
         if self._controls or self._aborts:
@@ -268,7 +279,13 @@ class Engine:
         while self.waiting and len(self.running) < self.max_running_requests and budget > 0:
             seq = self.waiting.popleft()
             budget -= len(seq.spec.input_ids)
-            self._prefill(seq)
+            try:
+                self._prefill(seq)
+            except Exception as exc:  # this request fails alone; the batch keeps running
+                log.exception("prefill failed for %s", seq.rid)
+                if seq.finish_reason is None and seq.row is None:
+                    self._finish(seq, {"type": "abort", "message": f"internal engine error: {exc}",
+                                       "status_code": 500, "err_type": "InternalError"})
 
     def _prefill(self, seq: Sequence) -> None:
         spec = seq.spec
@@ -292,6 +309,7 @@ class Engine:
         if reason is None:
             seq.row = self.batch.add(kv)
             self.running.append(seq)
+            self._progress(seq)
         else:
             self.prefix_cache.insert(ids, kv)
             self._finish(seq, reason)
@@ -334,6 +352,8 @@ class Engine:
             reason = self._check_stop(seq)
             if reason is not None:
                 done.append((seq, reason))
+            else:
+                self._progress(seq)
         for seq, reason in sorted(done, key=lambda d: -(d[0].row or 0)):
             self._finish(seq, reason)
 
@@ -366,7 +386,11 @@ class Engine:
         else:
             seq.version_spans.append([self.weight_version, n - 1, n])
         self.metrics.generation_tokens.inc()
-        if n % (spec.params.stream_interval or 1) == 0:
+
+    def _progress(self, seq: Sequence) -> None:
+        """Tells a streaming client about new tokens (every `stream_interval` tokens; the final chunk comes from `_finish`)."""
+        n = len(seq.output_ids)
+        if n % (seq.spec.params.stream_interval or 1) == 0:
             seq.notify(seq, n, False)
 
     def _check_stop(self, seq: Sequence) -> dict[str, Any] | None:

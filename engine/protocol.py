@@ -75,6 +75,7 @@ _TOP_LEVEL = {
     "data_parallel_rank",
     "conversation_id",
     "background",
+    "model",  # sglang-router 0.3.2 re-serialises /generate bodies with "model": null
 }
 # Known SGLang fields the embedded engine does not implement: accepted only when unset.
 _UNSUPPORTED_TOP_LEVEL = {

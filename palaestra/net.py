@@ -1,0 +1,212 @@
+"""Loopback networking helpers shared by the launchers, tests, benchmarks and demos.
+
+`free_port()` asks the kernel for an unused 127.0.0.1 port, `wait_http_ok()` polls a URL until it
+answers 2xx, and `ServerProcess` runs a local HTTP server as a subprocess (output to a log file,
+start-up wait, terminate-then-kill) so that the router and SGLang launchers share one lifecycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+__all__ = ["ServerProcess", "ServerStartError", "free_port", "wait_http_ok"]
+
+LOOPBACK = "127.0.0.1"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """Return a TCP port that is free on `host` right now.
+
+    The socket is closed before returning, so another process may still take the port before the
+    caller binds it; callers that can bind a socket themselves should pass that socket instead.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_http_ok(
+    url: str,
+    timeout: float,
+    *,
+    predicate: Callable[[httpx.Response], bool] | None = None,
+    interval: float = 0.05,
+    abort: Callable[[], None] | None = None,
+) -> httpx.Response:
+    """Poll `GET url` until it answers 2xx (and `predicate(response)` holds); return that response.
+
+    `abort`, if given, is called before every attempt and may raise to stop waiting early (e.g.
+    because the server process died). Raises `TimeoutError` naming the last status or error.
+    """
+    deadline = time.monotonic() + timeout
+    last = "no attempt"
+    with httpx.Client(timeout=max(1.0, interval * 10), trust_env=False) as client:
+        while True:
+            if abort is not None:
+                abort()
+            try:
+                response = client.get(url)
+                if response.is_success and (predicate is None or predicate(response)):
+                    return response
+                last = f"HTTP {response.status_code}: {response.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{url} did not become ready within {timeout:g} s (last: {last})")
+            time.sleep(interval)
+
+
+class ServerStartError(RuntimeError):
+    """A server subprocess exited or timed out during start-up; the message carries its log tail."""
+
+
+class ServerProcess:
+    """A local HTTP server run as a subprocess.
+
+    Its stdout and stderr go to one log file (never a pipe: a chatty server would block once the
+    pipe buffer fills). `start()` waits until `GET {url}{ready_path}` answers 2xx and `ready`
+    accepts the answer; if the process dies or the wait times out it raises `ServerStartError`
+    with the log tail. `stop()` sends SIGTERM, then SIGKILL after `stop_timeout` seconds.
+    Use it as a context manager.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        url: str,
+        *,
+        name: str = "server",
+        ready_path: str = "/health",
+        ready: Callable[[httpx.Response], bool] | None = None,
+        startup_timeout: float = 60.0,
+        stop_timeout: float = 10.0,
+        log_path: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        log_noise: str | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.url = url.rstrip("/")
+        self.name = name
+        self.ready_path = ready_path
+        self.ready = ready
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.env = dict(env) if env is not None else None
+        # Lines matching this (e.g. the server logging our own readiness polls) are left out of tails.
+        self.log_noise = re.compile(log_noise) if log_noise else None
+        self._own_log = log_path is None
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.startup_seconds: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def poll(self) -> int | None:
+        """The exit code, or None while running (or before start)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def start(self) -> ServerProcess:
+        if self._proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        if self.log_path is None:
+            fd, path = tempfile.mkstemp(prefix=f"palaestra-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(path)
+        env = {**os.environ, **self.env} if self.env is not None else None
+        began = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        try:
+            wait_http_ok(
+                self.url + self.ready_path,
+                self.startup_timeout,
+                predicate=self.ready,
+                abort=self._raise_if_exited,
+            )
+        except TimeoutError as exc:
+            self._terminate()
+            raise ServerStartError(f"{self.name} did not start: {exc}\n{self._tail_block()}") from None
+        except ServerStartError:
+            self._terminate()
+            raise
+        self.startup_seconds = time.monotonic() - began
+        return self
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the process exits (raises subprocess.TimeoutExpired after `timeout`)."""
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self._proc.wait(timeout)
+
+    def stop(self) -> int | None:
+        """Terminate (then kill) the process; return its exit code. Safe to call twice."""
+        code = self._terminate()
+        if self._own_log and self.log_path is not None:
+            # A clean stop leaves nothing worth keeping; a failed start keeps its log (see message).
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
+        return code
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        """The last `max_chars` characters of the process output, ANSI colours removed."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            size = log.tell()
+            log.seek(max(0, size - 64 * max_chars))
+            text = _ANSI.sub("", log.read().decode("utf-8", "replace"))
+        if self.log_noise is not None:
+            text = "".join(line for line in text.splitlines(True) if not self.log_noise.search(line))
+        return text[-max_chars:]
+
+    def _raise_if_exited(self) -> None:
+        code = self.poll()
+        if code is not None:
+            raise ServerStartError(
+                f"{self.name} exited with code {code} during start-up\n{self._tail_block()}"
+            )
+
+    def _tail_block(self) -> str:
+        return f"--- last output of {self.name} ({self.log_path}) ---\n{self.log_tail()}"
+
+    def _terminate(self) -> int | None:
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        return self._proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

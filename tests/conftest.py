@@ -1,0 +1,34 @@
+"""Shared fixtures: the `tiny` preset (built once per session) and a running embedded engine."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+# Nothing in the test suite may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    from palaestra.presets import resolve_model
+
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """A `palaestra engine serve --model tiny` subprocess on a free loopback port."""
+    from palaestra.engine.cli import engine_process
+
+    with engine_process("tiny", extra_args=["--num-threads", "1"]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with httpx.Client(base_url=engine.url, timeout=120, trust_env=False) as c:
+        yield c
