@@ -23,65 +23,122 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("palaestra.engine").warning("binding %s: the engine has no auth; keep it on a private network", args.host)
+        logging.getLogger("palaestra.engine").warning(
+            "binding %s: the engine has no auth; keep it on a private network", args.host
+        )
     model_path = str(resolve_model(args.model))
     config = EngineConfig(
-        model_path=model_path, host=args.host, port=args.port, served_model_name=args.served_model_name or args.model,
-        weight_version=args.weight_version, max_running_requests=args.max_running_requests,
-        prefill_token_budget=args.prefill_token_budget, prefix_cache_mb=args.prefix_cache_mb,
-        incremental_streaming_output=args.incremental_streaming_output, num_threads=args.num_threads,
+        model_path=model_path,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model,
+        weight_version=args.weight_version,
+        max_running_requests=args.max_running_requests,
+        prefill_token_budget=args.prefill_token_budget,
+        prefix_cache_mb=args.prefix_cache_mb,
+        incremental_streaming_output=args.incremental_streaming_output,
+        num_threads=args.num_threads,
     )
     server = EngineServer(config)
-    print(f"palaestra engine: serving {args.model} ({model_path}) on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"palaestra engine: serving {args.model} ({model_path}) on http://{args.host}:{args.port}", flush=True
+    )
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="preset name (tiny, smollm2-135m) or a HF-format directory of a Llama/Qwen2 model")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="preset name (tiny, smollm2-135m) or a HF-format directory of a Llama/Qwen2 model",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=30000, help="TCP port (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
-    p.add_argument("--weight-version", default="default",
-                   help="initial weight version string, as SGLang's --weight-version (default: %(default)s)")
-    p.add_argument("--max-running-requests", type=int, default=64,
-                   help="most sequences decoded together in one batch; more wait (default: %(default)s)")
-    p.add_argument("--prefill-token-budget", type=int, default=4096,
-                   help="prompt tokens prefilled per scheduler step before the next decode step, so long "
-                        "prompts do not stall running sequences; at least one request is always admitted "
-                        "(default: %(default)s)")
-    p.add_argument("--prefix-cache-mb", type=int, default=1024,
-                   help="memory for the prefix cache (KV of finished sequences) in MiB; 0 disables it "
-                        "(default: %(default)s)")
-    p.add_argument("--incremental-streaming-output", action="store_true",
-                   help="stream deltas instead of cumulative text/ids/logprobs (SGLang's flag of the same name)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="log level (default: %(default)s)")
+    p.add_argument(
+        "--weight-version",
+        default="default",
+        help="initial weight version string, as SGLang's --weight-version (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=64,
+        help="most sequences decoded together in one batch; more wait (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=int,
+        default=4096,
+        help="prompt tokens prefilled per scheduler step before the next decode step, so long "
+        "prompts do not stall running sequences; at least one request is always admitted "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=1024,
+        help="memory for the prefix cache (KV of finished sequences) in MiB; 0 disables it "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="stream deltas instead of cumulative text/ids/logprobs (SGLang's flag of the same name)",
+    )
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default: %(default)s)",
+    )
 
 
 def register(groups) -> None:
-    engine = groups.add_parser("engine", help="the embedded CPU inference engine",
-                               description="The embedded CPU inference engine (speaks SGLang's native HTTP API).")
+    engine = groups.add_parser(
+        "engine",
+        help="the embedded CPU inference engine",
+        description="The embedded CPU inference engine (speaks SGLang's native HTTP API).",
+    )
     sub = engine.add_subparsers(dest="engine_cmd", metavar="COMMAND", required=True)
     serve = sub.add_parser(
-        "serve", help="serve a model over SGLang's native HTTP API",
+        "serve",
+        help="serve a model over SGLang's native HTTP API",
         description="Serve a causal LM on CPU with SGLang's native HTTP API: /generate (batched decoding, "
-                    "prefix cache, logprobs, scoring with max_new_tokens=0), /abort_request, "
-                    "/pause_generation, /continue_generation, /flush_cache, /update_weights_from_disk, "
-                    "/update_weights_from_tensor, /update_weight_version, /get_weight_version, /health, "
-                    "/server_info, /model_info, /v1/models and Prometheus /metrics. See docs/engine.md.",
+        "prefix cache, logprobs, scoring with max_new_tokens=0), /abort_request, "
+        "/pause_generation, /continue_generation, /flush_cache, /update_weights_from_disk, "
+        "/update_weights_from_tensor, /update_weight_version, /get_weight_version, /health, "
+        "/server_info, /model_info, /v1/models and Prometheus /metrics. See docs/engine.md.",
     )
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
 
 
-def engine_process(model: str = "tiny", port: int | None = None, extra_args: list[str] | None = None,
-                   startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> ServerProcess:
+def engine_process(
+    model: str = "tiny",
+    port: int | None = None,
+    extra_args: list[str] | None = None,
+    startup_timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
     """`palaestra engine serve` as a subprocess on a free loopback port (call `.start()` or use `with`)."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "palaestra.cli", "engine", "serve", "--model", model, "--port", str(port),
-            *(extra_args or [])]
-    return ServerProcess(argv, f"http://127.0.0.1:{port}", name=f"engine-{port}",
-                         startup_timeout=startup_timeout, env=env)
+    argv = [
+        sys.executable,
+        "-m",
+        "palaestra.cli",
+        "engine",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        *(extra_args or []),
+    ]
+    return ServerProcess(
+        argv, f"http://127.0.0.1:{port}", name=f"engine-{port}", startup_timeout=startup_timeout, env=env
+    )

@@ -238,7 +238,9 @@ class Engine:
         self.batch = self.runner.new_batch()
         for seq in failed:
             seq.row = None
-            self._finish(seq, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalError"})
+            self._finish(
+                seq, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalError"}
+            )
 
     def _has_work(self) -> bool:
         if self._controls or self._aborts:
@@ -284,8 +286,15 @@ class Engine:
             except Exception as exc:  # this request fails alone; the batch keeps running
                 log.exception("prefill failed for %s", seq.rid)
                 if seq.finish_reason is None and seq.row is None:
-                    self._finish(seq, {"type": "abort", "message": f"internal engine error: {exc}",
-                                       "status_code": 500, "err_type": "InternalError"})
+                    self._finish(
+                        seq,
+                        {
+                            "type": "abort",
+                            "message": f"internal engine error: {exc}",
+                            "status_code": 500,
+                            "err_type": "InternalError",
+                        },
+                    )
 
     def _prefill(self, seq: Sequence) -> None:
         spec = seq.spec

@@ -46,8 +46,13 @@ class EngineConfig:
 
 def _error(message: str, status: int = 400) -> JSONResponse:
     # Both SGLang shapes at once: the validation one (top-level) and the handler one ("error").
-    body = {"object": "error", "message": message, "type": "BadRequestError" if status < 500 else "InternalServerError",
-            "code": status, "error": {"message": message, "code": status}}
+    body = {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError" if status < 500 else "InternalServerError",
+        "code": status,
+        "error": {"message": message, "code": status},
+    }
     return JSONResponse(body, status_code=status)
 
 
@@ -58,7 +63,11 @@ def load_model(model_path: str):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     eos: set[int] = set()
-    for source in (model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (
+        model.config.eos_token_id,
+        getattr(model.generation_config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ):
         if isinstance(source, int):
             eos.add(source)
         elif isinstance(source, (list, tuple)):
@@ -81,8 +90,12 @@ class EngineServer:
         model, self.tokenizer, eos, self.defaults = load_model(config.model_path)
         self.model_config = model.config
         self.engine = Engine(
-            model, self.tokenizer, eos_token_ids=eos, max_running_requests=config.max_running_requests,
-            prefill_token_budget=config.prefill_token_budget, prefix_cache_bytes=config.prefix_cache_mb << 20,
+            model,
+            self.tokenizer,
+            eos_token_ids=eos,
+            max_running_requests=config.max_running_requests,
+            prefill_token_budget=config.prefill_token_budget,
+            prefix_cache_bytes=config.prefix_cache_mb << 20,
             weight_version=config.weight_version,
         )
         self.engine.metrics.set_weight_version(config.weight_version)
@@ -108,10 +121,13 @@ class EngineServer:
         if final and seq.trimmed_text is not None:
             text = seq.trimmed_text
         else:
-            text = self.tokenizer.decode(out, skip_special_tokens=p.skip_special_tokens,
-                                         spaces_between_special_tokens=p.spaces_between_special_tokens)
+            text = self.tokenizer.decode(
+                out,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens,
+            )
         if since:
-            text = text[len(self.tokenizer.decode(out[:since], skip_special_tokens=p.skip_special_tokens)):]
+            text = text[len(self.tokenizer.decode(out[:since], skip_special_tokens=p.skip_special_tokens)) :]
         spans = [s for s in seq.version_spans if s[1] < max(n, 1)]
         meta: dict[str, Any] = {
             "id": spec.rid,
@@ -131,7 +147,9 @@ class EngineServer:
             meta["output_token_logprobs_length"] = n - since
             start = spec.logprob_start_len
             in_ids = spec.input_ids[start:] if start >= 0 else []
-            meta["input_token_logprobs"] = self._triples(seq.input_logprobs, in_ids[: len(seq.input_logprobs)], want)
+            meta["input_token_logprobs"] = self._triples(
+                seq.input_logprobs, in_ids[: len(seq.input_logprobs)], want
+            )
             if spec.top_logprobs_num:
                 meta["output_top_logprobs"] = self._tops(seq.output_top[since:n], want)
                 meta["input_top_logprobs"] = self._tops(seq.input_top, want)
@@ -152,8 +170,10 @@ class EngineServer:
             return _error(f"malformed JSON body: {exc}")
         try:
             req = parse_generate(
-                body, tokenize=lambda t: self.tokenizer.encode(t, add_special_tokens=False),
-                vocab_size=self.engine.runner.vocab_size, context_length=self.engine.runner.context_length,
+                body,
+                tokenize=lambda t: self.tokenizer.encode(t, add_special_tokens=False),
+                vocab_size=self.engine.runner.vocab_size,
+                context_length=self.engine.runner.context_length,
                 defaults=self.defaults,
             )
         except RequestError as exc:
@@ -237,8 +257,13 @@ class EngineServer:
             count = await self._control(apply, needs_idle=True)
         except RequestError as exc:
             return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-        return JSONResponse({"success": True, "num_paused_requests": 0,
-                             "message": f"Succeeded to update {count} tensors from {source}."})
+        return JSONResponse(
+            {
+                "success": True,
+                "num_paused_requests": 0,
+                "message": f"Succeeded to update {count} tensors from {source}.",
+            }
+        )
 
     def _info(self) -> dict[str, Any]:
         cfg = self.model_config
@@ -259,15 +284,24 @@ class EngineServer:
         return {
             **asdict(self.config),
             "served_model_name": self.served_name,
-            "tp_size": 1, "dp_size": 1, "pp_size": 1,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
             "context_length": ctx,
+            "vocab_size": self.engine.runner.vocab_size,
             "max_total_num_tokens": ctx * self.config.max_running_requests,
             "max_running_requests": self.config.max_running_requests,
             "max_req_input_len": ctx - 1,
             "weight_version": self.engine.weight_version,
             "skip_tokenizer_init": False,
-            "internal_states": [{"running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                                 "paused": self.engine.paused, "prefix_cache_entries": len(self.engine.prefix_cache)}],
+            "internal_states": [
+                {
+                    "running": len(self.engine.running),
+                    "waiting": len(self.engine.waiting),
+                    "paused": self.engine.paused,
+                    "prefix_cache_entries": len(self.engine.prefix_cache),
+                }
+            ],
             "version": VERSION,
             "engine": "palaestra-embedded",
         }
@@ -308,11 +342,19 @@ class EngineServer:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{
-                "id": server.served_name, "object": "model", "created": int(server.started),
-                "owned_by": "sglang", "root": server.served_name,
-                "max_model_len": server.engine.runner.context_length,
-            }]}
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": server.served_name,
+                        "object": "model",
+                        "created": int(server.started),
+                        "owned_by": "sglang",
+                        "root": server.served_name,
+                        "max_model_len": server.engine.runner.context_length,
+                    }
+                ],
+            }
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -372,7 +414,9 @@ class EngineServer:
             if not isinstance(path, str) or not path:
                 raise RequestError("model_path is required")
             if body.get("load_format") not in (None, "auto", "safetensors"):
-                raise RequestError("load_format must be null, 'auto' or 'safetensors' for the embedded engine")
+                raise RequestError(
+                    "load_format must be null, 'auto' or 'safetensors' for the embedded engine"
+                )
             try:
                 named = await asyncio.to_thread(read_safetensors, path)
             except RequestError as exc:

@@ -16,8 +16,13 @@ LONG = {"max_new_tokens": 3000, "ignore_eos": True}
 
 
 def greedy(client, n=12):
-    r = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
-        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    r = client.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -34,9 +39,19 @@ def wait_running(client, count=1, timeout=20.0):
 
 def test_abort_by_rid_prefix_returns_partial_output(client):
     with cf.ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(client.post, "/generate", json={
-            "input_ids": PROMPT, "rid": f"job-7_{i}", "sampling_params": LONG, "return_logprob": True})
-            for i in range(2)]
+        futs = [
+            pool.submit(
+                client.post,
+                "/generate",
+                json={
+                    "input_ids": PROMPT,
+                    "rid": f"job-7_{i}",
+                    "sampling_params": LONG,
+                    "return_logprob": True,
+                },
+            )
+            for i in range(2)
+        ]
         wait_running(client, 2)
         time.sleep(0.2)
         assert client.post("/abort_request", json={"rid": "job-7"}).status_code == 200
@@ -53,11 +68,16 @@ def test_abort_by_rid_prefix_returns_partial_output(client):
 
 def test_pause_in_place_blocks_new_requests_until_continue(client):
     with cf.ThreadPoolExecutor(2) as pool:
-        running = pool.submit(client.post, "/generate", json={
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+        running = pool.submit(
+            client.post,
+            "/generate",
+            json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
+        )
         wait_running(client, 1)
         assert client.post("/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
-        late = pool.submit(client.post, "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}})
+        late = pool.submit(
+            client.post, "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+        )
         time.sleep(0.6)
         assert not running.done() and not late.done()  # both wait while paused
         assert client.get("/health").status_code == 200  # health stays cheap while paused
@@ -91,9 +111,13 @@ def test_weight_update_from_disk_changes_outputs_and_version(client, tiny_model_
     version0 = client.get("/get_weight_version").json()["weight_version"]
     original = _state_dict(tiny_model_dir)
     gen = torch.Generator().manual_seed(0)
-    changed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) if "mlp" in k else v for k, v in original.items()}
+    changed = {
+        k: v + 0.05 * torch.randn(v.shape, generator=gen) if "mlp" in k else v for k, v in original.items()
+    }
     save_file(changed, str(tmp_path / "model.safetensors"))
-    r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "step-1"})
+    r = client.post(
+        "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "step-1"}
+    )
     assert r.status_code == 200 and r.json()["success"], r.text
     assert client.get("/get_weight_version").json() == {"weight_version": "step-1"}
     assert client.get("/model_info").json()["weight_version"] == "step-1"
@@ -101,7 +125,9 @@ def test_weight_update_from_disk_changes_outputs_and_version(client, tiny_model_
     assert after["meta_info"]["weight_version"] == "step-1"
     assert after["output_ids"] != before["output_ids"]
     # restoring the original weights restores the original outputs exactly
-    r = client.post("/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": version0})
+    r = client.post(
+        "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": version0}
+    )
     assert r.json()["success"]
     assert greedy(client)["output_ids"] == before["output_ids"]
 
@@ -112,24 +138,43 @@ def test_weight_update_from_tensor_both_layouts(client, tiny_model_dir):
     name = "model.layers.0.mlp.down_proj.weight"
     bumped = [(name, original[name] * 3.0)]
     for flattened, version in ((False, "tensor-1"), (True, "tensor-2")):
-        r = client.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [serialize_named_tensors(bumped, flattened=flattened)],
-            "load_format": "flattened_bucket" if flattened else None, "weight_version": version})
+        r = client.post(
+            "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [serialize_named_tensors(bumped, flattened=flattened)],
+                "load_format": "flattened_bucket" if flattened else None,
+                "weight_version": version,
+            },
+        )
         assert r.status_code == 200 and r.json()["success"], r.text
         assert client.get("/get_weight_version").json()["weight_version"] == version
         assert greedy(client)["output_ids"] != before["output_ids"]
-    r = client.post("/update_weights_from_tensor", json={
-        "serialized_named_tensors": [serialize_named_tensors([(name, original[name])])], "weight_version": "restored"})
+    r = client.post(
+        "/update_weights_from_tensor",
+        json={
+            "serialized_named_tensors": [serialize_named_tensors([(name, original[name])])],
+            "weight_version": "restored",
+        },
+    )
     assert r.json()["success"]
     assert greedy(client)["output_ids"] == before["output_ids"]
 
 
-@pytest.mark.parametrize("payload, needle", [
-    ({"serialized_named_tensors": ["!!notbase64"]}, "cannot decode"),
-    ({"serialized_named_tensors": "x"}, "one base64 string"),
-    ({"serialized_named_tensors": [serialize_named_tensors([("model.nope.weight", torch.zeros(2))])]}, "unknown parameter"),
-    ({"serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", torch.zeros(3))])]}, "shape mismatch"),
-])
+@pytest.mark.parametrize(
+    "payload, needle",
+    [
+        ({"serialized_named_tensors": ["!!notbase64"]}, "cannot decode"),
+        ({"serialized_named_tensors": "x"}, "one base64 string"),
+        (
+            {"serialized_named_tensors": [serialize_named_tensors([("model.nope.weight", torch.zeros(2))])]},
+            "unknown parameter",
+        ),
+        (
+            {"serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", torch.zeros(3))])]},
+            "shape mismatch",
+        ),
+    ],
+)
 def test_bad_weight_updates_fail_cleanly(client, payload, needle):
     version = client.get("/get_weight_version").json()["weight_version"]
     before = greedy(client)
@@ -151,8 +196,11 @@ def test_update_weight_version_and_span_tracking(client):
     assert greedy(client, 2)["meta_info"]["weight_version"] == "v-explicit"
     # a version change while a request is paused in place is reported as spans over output tokens
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(client.post, "/generate", json={
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
+        fut = pool.submit(
+            client.post,
+            "/generate",
+            json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}},
+        )
         wait_running(client, 1)
         client.post("/pause_generation", json={"mode": "in_place"})
         client.post("/update_weight_version", json={"new_version": "v-next", "abort_all_requests": False})
@@ -167,11 +215,17 @@ def test_update_weight_version_and_span_tracking(client):
 def test_weight_update_waits_for_running_requests(client, tiny_model_dir):
     """Not paused: the update takes effect only after in-flight requests finish (SGLang's writer lock)."""
     with cf.ThreadPoolExecutor(2) as pool:
-        running = pool.submit(client.post, "/generate", json={
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
+        running = pool.submit(
+            client.post,
+            "/generate",
+            json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}},
+        )
         wait_running(client, 1)
-        update = pool.submit(client.post, "/update_weights_from_disk",
-                             json={"model_path": str(tiny_model_dir), "weight_version": "after-drain"})
+        update = pool.submit(
+            client.post,
+            "/update_weights_from_disk",
+            json={"model_path": str(tiny_model_dir), "weight_version": "after-drain"},
+        )
         meta = running.result(timeout=60).json()["meta_info"]
         assert update.result(timeout=60).json()["success"]
     assert "weight_versions" not in meta and meta["weight_version"] != "after-drain"

@@ -13,8 +13,11 @@ PROMPT = [5, 77, 301, 12, 999, 45, 8, 1200]
 
 
 def gen(client, ids=PROMPT, **sampling):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, **sampling},
-            "return_logprob": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, **sampling},
+        "return_logprob": True,
+    }
     r = client.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -24,34 +27,63 @@ def test_scoring_matches_generation_logprobs(client):
     out = gen(client, temperature=1.0, sampling_seed=11)
     ids = out["output_ids"]
     assert len(ids) == 24 == len(out["meta_info"]["output_token_logprobs"])
-    scored = client.post("/generate", json={
-        "input_ids": PROMPT + ids, "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True, "logprob_start_len": 0,
-    }).json()
+    scored = client.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT + ids,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    ).json()
     inp = scored["meta_info"]["input_token_logprobs"]
     assert len(inp) == len(PROMPT) + len(ids)
     assert inp[0][0] is None and inp[0][1] == PROMPT[0]
-    assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": 0,
+    }
     gen_lp = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
-    score_lp = [e[0] for e in inp[len(PROMPT):]]
-    assert [e[1] for e in inp[len(PROMPT):]] == ids
+    score_lp = [e[0] for e in inp[len(PROMPT) :]]
+    assert [e[1] for e in inp[len(PROMPT) :]] == ids
     delta = max(abs(a - b) for a, b in zip(gen_lp, score_lp, strict=True))
     print(f"max |generation - scoring| logprob = {delta:.2e}")
     assert delta <= 1e-5
 
 
 def test_logprob_start_len_alignment(client):
-    r = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0},
-                                       "return_logprob": True, "logprob_start_len": 3}).json()
+    r = client.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 3,
+        },
+    ).json()
     inp = r["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in inp] == PROMPT[3:]
     assert inp[0][0] is None and all(isinstance(e[0], float) for e in inp[1:])
-    full = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0},
-                                          "return_logprob": True, "logprob_start_len": 0}).json()
+    full = client.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    ).json()
     full_lp = [e[0] for e in full["meta_info"]["input_token_logprobs"]]
     assert [e[0] for e in inp[1:]] == pytest.approx(full_lp[4:], abs=1e-5)
-    at_end = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0},
-                                            "return_logprob": True, "logprob_start_len": len(PROMPT)}).json()
+    at_end = client.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": len(PROMPT),
+        },
+    ).json()
     assert at_end["meta_info"]["input_token_logprobs"] == []
 
 
@@ -66,17 +98,27 @@ def test_seeded_requests_reproduce(client):
 
 def test_batched_and_single_decoding_agree(client):
     prompts = [[7 + i, 100 + 3 * i, 42, 9 * i + 1][: 2 + i % 3] for i in range(8)]
-    params = [{"max_new_tokens": 20, "ignore_eos": True, "temperature": 0.9, "sampling_seed": 100 + i}
-              for i in range(8)]
-    single = [client.post("/generate", json={"input_ids": p, "sampling_params": s}).json()["output_ids"]
-              for p, s in zip(prompts, params, strict=True)]
+    params = [
+        {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0.9, "sampling_seed": 100 + i}
+        for i in range(8)
+    ]
+    single = [
+        client.post("/generate", json={"input_ids": p, "sampling_params": s}).json()["output_ids"]
+        for p, s in zip(prompts, params, strict=True)
+    ]
     batch = client.post("/generate", json={"input_ids": prompts, "sampling_params": params}).json()
     assert isinstance(batch, list) and len(batch) == 8
     assert [b["output_ids"] for b in batch] == single
     # the same through concurrent HTTP requests, decoded together by the scheduler
     with cf.ThreadPoolExecutor(8) as pool:
-        conc = list(pool.map(lambda ps: client.post("/generate", json={"input_ids": ps[0], "sampling_params": ps[1]})
-                             .json()["output_ids"], zip(prompts, params, strict=True)))
+        conc = list(
+            pool.map(
+                lambda ps: client.post(
+                    "/generate", json={"input_ids": ps[0], "sampling_params": ps[1]}
+                ).json()["output_ids"],
+                zip(prompts, params, strict=True),
+            )
+        )
     assert conc == single
 
 
@@ -105,11 +147,18 @@ def test_stop_string_trims_text(client):
 
 
 def test_top_logprobs_and_token_ids_logprob(client):
-    out = client.post("/generate", json={
-        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 5},
-        "return_logprob": True, "top_logprobs_num": 4, "token_ids_logprob": [3, 4], "logprob_start_len": 0,
-        "return_text_in_logprobs": True,
-    }).json()
+    out = client.post(
+        "/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 5},
+            "return_logprob": True,
+            "top_logprobs_num": 4,
+            "token_ids_logprob": [3, 4],
+            "logprob_start_len": 0,
+            "return_text_in_logprobs": True,
+        },
+    ).json()
     meta = out["meta_info"]
     assert len(meta["output_top_logprobs"]) == 5
     for chosen, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
@@ -121,8 +170,14 @@ def test_top_logprobs_and_token_ids_logprob(client):
 
 
 def test_n_samples_and_text_prompt(client):
-    out = client.post("/generate", json={"text": "Hello world", "rid": "nreq",
-                                         "sampling_params": {"max_new_tokens": 4, "n": 3, "sampling_seed": 1}}).json()
+    out = client.post(
+        "/generate",
+        json={
+            "text": "Hello world",
+            "rid": "nreq",
+            "sampling_params": {"max_new_tokens": 4, "n": 3, "sampling_seed": 1},
+        },
+    ).json()
     assert isinstance(out, list) and len(out) == 3
     assert [o["meta_info"]["id"] for o in out] == ["nreq_0_0", "nreq_0_1", "nreq_0_2"]
 
@@ -136,7 +191,8 @@ def test_prefix_cache_hit_on_next_turn(client):
     metrics = client.get("/metrics").text
     assert "palaestra_engine_prefix_cache_hit_tokens_total" in metrics
     assert _metric(metrics, "palaestra_engine_prefix_cache_hits_total") > _metric(
-        metrics_before, "palaestra_engine_prefix_cache_hits_total")
+        metrics_before, "palaestra_engine_prefix_cache_hits_total"
+    )
     # a cache hit must not change the numbers: compare with a cold engine state
     assert client.post("/flush_cache").status_code == 200
     cold = gen(client, ids=history + [5, 6, 7], temperature=0.0)
@@ -156,8 +212,16 @@ def _metric(text: str, name: str) -> float:
 
 def test_streaming_is_cumulative_and_ends_with_done(client):
     events = []
-    with client.stream("POST", "/generate", json={"input_ids": PROMPT, "stream": True, "return_logprob": True,
-                                                  "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}) as r:
+    with client.stream(
+        "POST",
+        "/generate",
+        json={
+            "input_ids": PROMPT,
+            "stream": True,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True},
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -176,7 +240,10 @@ def test_streaming_is_cumulative_and_ends_with_done(client):
     "body, needle",
     [
         ({"input_ids": PROMPT, "bogus": 1}, "unknown field 'bogus'"),
-        ({"input_ids": PROMPT, "sampling_params": {"temprature": 0.5}}, "unknown sampling_params field 'temprature'"),
+        (
+            {"input_ids": PROMPT, "sampling_params": {"temprature": 0.5}},
+            "unknown sampling_params field 'temprature'",
+        ),
         ({"input_ids": [1, 2, 10**7]}, "out of vocabulary"),
         ({"input_ids": []}, "input_ids"),
         ({}, "Either text, input_ids or input_embeds should be provided."),
@@ -249,14 +316,26 @@ def test_generate_via_httpx_async_concurrency(engine):
 
     async def run():
         async with httpx.AsyncClient(base_url=engine.url, timeout=120, trust_env=False) as ac:
-            rs = await asyncio.gather(*[
-                ac.post("/generate", json={"input_ids": [3 + i, 50, 60], "sampling_params": {
-                    "max_new_tokens": 16, "ignore_eos": True}}) for i in range(32)])
+            rs = await asyncio.gather(
+                *[
+                    ac.post(
+                        "/generate",
+                        json={
+                            "input_ids": [3 + i, 50, 60],
+                            "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+                        },
+                    )
+                    for i in range(32)
+                ]
+            )
             return rs, (await ac.get("/metrics")).text
 
     rs, metrics = asyncio.run(run())
     assert all(r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 16 for r in rs)
-    big = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith("palaestra_engine_decode_batch_size_bucket") and 'le="1.0"' in line)
+    big = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("palaestra_engine_decode_batch_size_bucket") and 'le="1.0"' in line
+    )
     total = _metric(metrics, "palaestra_engine_decode_batch_size_count")
     assert total > big, "some decode steps should have run more than one sequence"

@@ -21,8 +21,8 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from palaestra.engine import router, sglang_launcher
 
+from palaestra.engine import router, sglang_launcher
 from palaestra.net import ServerStartError, free_port, wait_http_ok
 
 W1, W2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
