@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra import presets
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
+    from palaestra.gateway import cli as gateway_cli
 
     parser = argparse.ArgumentParser(
         prog="palaestra",
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.register(groups)
     sglang_launcher.register(groups)
     presets.register(groups)
+    gateway_cli.register(groups)
     return parser
 
 

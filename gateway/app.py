@@ -1,0 +1,83 @@
+"""The gateway app: mounts the routes over one `GatewayService`.
+
+    palaestra gateway serve --model tiny --engine-url http://127.0.0.1:30000 --port 8000 \
+        --api-key $KEY --admin-key $ADMIN
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.routes import admin, openai, public, sessions
+from palaestra.gateway.service import GatewayService
+from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.state import GatewayConfig
+
+log = logging.getLogger("palaestra.gateway")
+
+
+def _engine_context_length(engine_url: str) -> int | None:
+    try:
+        info = httpx.get(f"{engine_url.rstrip('/')}/server_info", timeout=10, trust_env=False).json()
+        return int(info["context_length"])
+    except (httpx.HTTPError, KeyError, ValueError, TypeError):
+        return None
+
+
+def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
+    """Builds the app. `tokenizer` defaults to the model's (preset name or HF directory)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from palaestra.presets import resolve_model
+
+    config.resolve_keys()
+    if tokenizer is None or config.context_length is None:
+        model_dir = resolve_model(config.model)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+        if config.context_length is None:
+            config.context_length = _engine_context_length(config.engine_url) or int(
+                getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 4096)
+            )
+    engine = EngineClient(
+        config.engine_url,
+        timeout_s=config.engine_timeout_s,
+        retries=config.engine_retries,
+        incremental_stream=config.engine_incremental_stream,
+    )
+    spool = SampleSpool(config.spool_dir)
+    svc = GatewayService(config, tokenizer, config.context_length, engine, spool)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await engine.close()
+        spool.close()
+
+    app = FastAPI(title="palaestra gateway", lifespan=lifespan)
+    app.state.service = svc
+    for router in (public, openai, sessions, admin):
+        app.include_router(router)
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return GatewayError(f"invalid request: {exc.errors()}", 400).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected gateway error")
+        return GatewayError(f"internal gateway error: {type(exc).__name__}: {exc}", 500).response()
+
+    return app

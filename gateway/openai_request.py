@@ -1,0 +1,163 @@
+"""OpenAI request fields -> SGLang sampling parameters, with OpenAI-style errors.
+
+Accepted fields are listed in `CHAT_FIELDS` / `COMPLETION_FIELDS`; docs/gateway.md says which are
+honoured and which are accepted and ignored. Any other top-level key is a 400
+("Unrecognized request argument supplied: ..."), as OpenAI answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from palaestra.gateway.errors import GatewayError
+
+_COMMON = {
+    "model",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "stop",
+    "seed",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    # SGLang / vLLM extensions many clients send through `extra_body`
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "skip_special_tokens",
+    "ignore_eos",
+    # accepted, not used
+    "metadata",
+    "store",
+    "service_tier",
+    "prediction",
+    "safety_identifier",
+    "prompt_cache_key",
+}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_completion_tokens",
+    "response_format",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "modalities",
+    "functions",
+    "function_call",
+    "separate_reasoning",
+    "verbosity",
+    "web_search_options",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+@dataclass
+class GenerationParams:
+    sampling: dict[str, Any]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    stop: list[str]
+    max_tokens: int | None
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (integer and not float(value).is_integer())
+    ):
+        raise GatewayError(f"'{key}' must be {'an integer' if integer else 'a number'}", param=key)
+    if not lo <= value <= hi:
+        raise GatewayError(f"'{key}' must be between {lo} and {hi}; got {value}", param=key)
+    return int(value) if integer else float(value)
+
+
+def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> GenerationParams:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise GatewayError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    sampling: dict[str, Any] = {}
+    temperature = _number(body, "temperature", 0, 2)
+    sampling["temperature"] = 1.0 if temperature is None else temperature  # OpenAI's default
+    top_p = _number(body, "top_p", 0, 1)
+    sampling["top_p"] = 1.0 if top_p is None else max(top_p, 1e-6)
+    if body.get("top_k") is not None:
+        sampling["top_k"] = _number(body, "top_k", -1, 1 << 30, integer=True)
+    if body.get("min_p") is not None:
+        sampling["min_p"] = _number(body, "min_p", 0, 1)
+    if body.get("repetition_penalty") is not None:
+        sampling["repetition_penalty"] = _number(body, "repetition_penalty", 0.01, 2)
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) is not None:
+            sampling[key] = _number(body, key, -2, 2)
+    if body.get("min_tokens") is not None:
+        sampling["min_new_tokens"] = _number(body, "min_tokens", 0, 1 << 30, integer=True)
+    if body.get("ignore_eos") is not None:
+        sampling["ignore_eos"] = bool(body["ignore_eos"])
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise GatewayError("'seed' must be an integer", param="seed")
+        sampling["sampling_seed"] = seed
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict):
+            raise GatewayError("'logit_bias' must be an object {token_id: bias}", param="logit_bias")
+        sampling["logit_bias"] = {str(k): float(v) for k, v in bias.items()}
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise GatewayError("'max_tokens' must be a positive integer", param="max_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        stops = [s for s in stop if s]
+    else:
+        raise GatewayError("'stop' must be a string or an array of up to 16 strings", param="stop")
+    if stops:
+        sampling["stop"] = stops
+    n = _number(body, "n", 1, 64, integer=True) or 1
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise GatewayError("'stream' must be a boolean", param="stream")
+    if stream and n > 1:
+        raise GatewayError("streaming supports n = 1 only", param="n")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise GatewayError("'stream_options' must be an object", param="stream_options")
+    logprobs_raw = body.get("logprobs")
+    if chat:
+        logprobs = bool(logprobs_raw)
+        top = _number(body, "top_logprobs", 0, 20, integer=True) or 0
+        if top and not logprobs:
+            raise GatewayError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    else:  # completions: logprobs is an integer count of alternatives
+        top = _number(body, "logprobs", 0, 5, integer=True) or 0
+        logprobs = logprobs_raw is not None
+    if n > 1:
+        sampling["n"] = n
+    return GenerationParams(
+        sampling, n, stream, bool(options.get("include_usage")), logprobs, top, stops, max_tokens
+    )

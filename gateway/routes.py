@@ -1,0 +1,227 @@
+"""HTTP routes: OpenAI-compatible calls under a session prefix, the session API, samples, admin."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+
+from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.service import GatewayService
+from palaestra.sample import STATUSES
+
+
+def service(request: Request) -> GatewayService:
+    return request.app.state.service
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def _check(request: Request, expected: str | None, what: str) -> None:
+    if expected is None:  # --insecure-local
+        return
+    got = _bearer(request)
+    if got is None or not hmac.compare_digest(got.encode(), expected.encode()):
+        raise GatewayError(
+            f"Incorrect or missing {what} key. Send it as 'Authorization: Bearer <key>'.",
+            401,
+            type="invalid_request_error",
+            code="invalid_api_key",
+        )
+
+
+def require_api_key(request: Request) -> None:
+    cfg = service(request).config
+    _check(request, cfg.api_key, "API")
+
+
+def require_admin_key(request: Request) -> None:
+    cfg = service(request).config
+    _check(request, cfg.admin_key, "admin")
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GatewayError(f"We could not parse the JSON body of your request: {exc}", 400) from None
+    if not isinstance(body, dict):
+        raise GatewayError("The request body must be a JSON object.", 400)
+    return body
+
+
+openai = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_api_key)])
+
+
+@openai.post("/chat/completions")
+async def chat_completions(session_id: str, request: Request) -> Response:
+    svc = service(request)
+    try:
+        result = await svc.chat(session_id, await json_body(request))
+    except GatewayError as exc:
+        svc.metrics.calls.labels(route="chat", status=str(exc.status)).inc()
+        raise
+    svc.metrics.calls.labels(route="chat", status="200").inc()
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@openai.post("/completions")
+async def completions(session_id: str, request: Request) -> Response:
+    svc = service(request)
+    try:
+        result = await svc.completion(session_id, await json_body(request))
+    except GatewayError as exc:
+        svc.metrics.calls.labels(route="completions", status=str(exc.status)).inc()
+        raise
+    svc.metrics.calls.labels(route="completions", status="200").inc()
+    return JSONResponse(result)
+
+
+@openai.get("/models")
+async def models(session_id: str, request: Request) -> dict[str, Any]:
+    svc = service(request)
+    svc.sessions.get(session_id)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": svc.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "palaestra",
+                "max_model_len": svc.context_length,
+            }
+        ],
+    }
+
+
+sessions = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@sessions.post("/sessions")
+async def create_session(request: Request) -> dict[str, Any]:
+    svc = service(request)
+    body = await json_body(request)
+    env, task_id = body.get("env", "default"), body.get("task_id", "")
+    group_id, metadata = body.get("group_id"), body.get("metadata") or {}
+    session_id = body.get("session_id")
+    for name, value in (("env", env), ("task_id", task_id)):
+        if not isinstance(value, str):
+            raise GatewayError(f"'{name}' must be a string", param=name)
+    if group_id is not None and not isinstance(group_id, str):
+        raise GatewayError("'group_id' must be a string", param="group_id")
+    if session_id is not None and (
+        not isinstance(session_id, str) or not session_id.replace("-", "").isalnum()
+    ):
+        raise GatewayError("'session_id' must be letters, digits and dashes", param="session_id")
+    if not isinstance(metadata, dict):
+        raise GatewayError("'metadata' must be an object", param="metadata")
+    session = svc.sessions.create(env, task_id, group_id, metadata, session_id)
+    base = (svc.config.public_url or str(request.base_url)).rstrip("/")
+    return {
+        "session_id": session.session_id,
+        "group_id": session.group_id,
+        "base_url": f"{base}/s/{session.session_id}/v1",
+    }
+
+
+@sessions.post("/sessions/{session_id}/reward")
+async def reward(session_id: str, request: Request) -> dict[str, Any]:
+    svc = service(request)
+    body = await json_body(request)
+    value = body.get("reward")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GatewayError("'reward' must be a number", param="reward")
+    metrics = body.get("metrics") or {}
+    if not isinstance(metrics, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()
+    ):
+        raise GatewayError("'metrics' must be an object of numbers", param="metrics")
+    status = body.get("status", "completed")
+    if status not in STATUSES:
+        raise GatewayError(f"'status' must be one of {', '.join(STATUSES)}", param="status")
+    if body.get("done", True) is not True:
+        raise GatewayError("only final rewards are supported ('done': true)", param="done")
+    return await svc.finish(session_id, float(value), {k: float(v) for k, v in metrics.items()}, status)
+
+
+@sessions.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+    return service(request).sessions.get(session_id).trajectory()
+
+
+@sessions.get("/samples")
+async def samples(request: Request, after: int = 0, limit: int = 100) -> dict[str, Any]:
+    svc = service(request)
+    records = await asyncio.to_thread(svc.spool.read, after, max(1, min(limit, 1000)))
+    return {
+        "samples": [r["sample"] for r in records],
+        "cursors": [r["cursor"] for r in records],
+        "cursor": records[-1]["cursor"] if records else after,
+        "last_cursor": svc.spool.last_cursor,
+    }
+
+
+@sessions.get("/samples/stream")
+async def samples_stream(request: Request, after: int = 0, heartbeat_s: float = 15.0) -> StreamingResponse:
+    """Server-sent events: every sample after `after`, then new ones as they become durable."""
+    svc = service(request)
+
+    async def events():
+        cursor = after
+        while not await request.is_disconnected():
+            records = await asyncio.to_thread(svc.spool.read, cursor, 500)
+            for r in records:
+                yield f"id: {r['cursor']}\ndata: {json.dumps(r['sample'])}\n\n"
+                cursor = r["cursor"]
+            if not records and not await svc.spool.wait_for(cursor, heartbeat_s):
+                yield ": heartbeat\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin_key)])
+
+
+@admin.post("/pause")
+async def pause(request: Request, wait: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
+    """New generation calls wait (or get 429); with ?wait=true, returns once in-flight calls finished."""
+    svc = service(request)
+    svc.gate.pause()
+    drained = await svc.gate.drained(timeout_s) if wait else svc.gate.in_flight == 0
+    return {"paused": True, "in_flight": svc.gate.in_flight, "drained": drained}
+
+
+@admin.post("/resume")
+async def resume(request: Request) -> dict[str, Any]:
+    svc = service(request)
+    svc.gate.resume()
+    return {"paused": False, "in_flight": svc.gate.in_flight}
+
+
+public = APIRouter()
+
+
+@public.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@public.get("/metrics", dependencies=[Depends(require_api_key)])
+async def metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(service(request).metrics.registry), media_type="text/plain; version=0.0.4"
+    )

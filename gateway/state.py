@@ -1,0 +1,260 @@
+"""The gateway's state: configuration, sessions, the pause gate and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.trajectory import FORK_REASONS, Turn
+
+
+@dataclass
+class GatewayConfig:
+    """Options of `palaestra gateway serve` (see `--help` for each)."""
+
+    model: str
+    engine_url: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str | None = None  # base of the session URLs handed to agents
+    api_key: str | None = None
+    admin_key: str | None = None
+    insecure_local: bool = False
+    spool_dir: str = "runs/spool"
+    served_model_name: str | None = None
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    reasoning_policy: str = "strip"  # "strip": fork when the template drops reasoning; "keep": bridge anyway
+    default_max_tokens: int = 4096
+    context_length: int | None = None  # default: the engine's /server_info context_length
+    pause_mode: str = "wait"  # "wait" (bounded by pause_wait_s) or "reject" (429 + Retry-After)
+    pause_wait_s: float = 600.0
+    retry_after_s: int = 5
+    engine_timeout_s: float = 600.0
+    engine_retries: int = 2
+    engine_incremental_stream: bool = False
+    max_sessions: int = 100_000  # finished sessions are evicted oldest-first beyond this
+
+    def resolve_keys(self) -> None:
+        self.api_key = self.api_key or os.environ.get("PALAESTRA_API_KEY") or None
+        self.admin_key = self.admin_key or os.environ.get("PALAESTRA_ADMIN_KEY") or None
+        if not self.insecure_local and (not self.api_key or not self.admin_key):
+            missing = [
+                n
+                for n, v in (
+                    ("--api-key / PALAESTRA_API_KEY", self.api_key),
+                    ("--admin-key / PALAESTRA_ADMIN_KEY", self.admin_key),
+                )
+                if not v
+            ]
+            raise SystemExit(
+                f"palaestra gateway: no {' and no '.join(missing)} given. Every route but /health needs the "
+                "run's API key and admin routes the admin key. Set them, or pass --insecure-local explicitly "
+                "to serve without authentication on loopback."
+            )
+
+
+@dataclass
+class Session:
+    session_id: str
+    env: str
+    task_id: str
+    group_id: str
+    metadata: dict[str, Any]
+    created: float = field(default_factory=time.time)
+    turns: list[Turn] = field(default_factory=list)
+    by_digest: dict[bytes, list[Turn]] = field(default_factory=dict)
+    forks: list[dict[str, Any]] = field(default_factory=list)
+    failed_calls: list[dict[str, Any]] = field(default_factory=list)
+    finished: bool = False
+    status: str | None = None
+    reward: float | None = None
+    sample_ids: list[str] = field(default_factory=list)
+    cursors: list[int] = field(default_factory=list)
+    finish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def add_turn(self, turn: Turn) -> None:
+        self.turns.append(turn)
+        if turn.parent is not None:
+            turn.parent.children += 1
+        if turn.digest is not None:
+            self.by_digest.setdefault(turn.digest, []).append(turn)
+        if turn.fork_reason:
+            self.forks.append(
+                {"turn_id": turn.turn_id, "reason": turn.fork_reason, "detail": turn.fork_detail}
+            )
+
+    def leaves(self) -> list[Turn]:
+        return [t for t in self.turns if t.children == 0]
+
+    def trajectory(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "env": self.env,
+            "task_id": self.task_id,
+            "group_id": self.group_id,
+            "metadata": self.metadata,
+            "finished": self.finished,
+            "status": self.status,
+            "reward": self.reward,
+            "turns": [t.summary() for t in self.turns],
+            "forks": self.forks,
+            "failed_calls": self.failed_calls,
+            "sample_ids": self.sample_ids,
+        }
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "palaestra_gateway"
+        self.calls = Counter(f"{p}_calls", "OpenAI calls answered", ["route", "status"], registry=r)
+        self.turns = Counter(f"{p}_turns", "Turns recorded (one per sampled choice)", ["kind"], registry=r)
+        self.forks = Counter(
+            f"{p}_forks", "Turns that started a new sample, by reason", ["reason"], registry=r
+        )
+        for reason in FORK_REASONS:
+            self.forks.labels(reason=reason)
+        self.bridged = Counter(
+            f"{p}_bridged_turns", "Turns built on the previous turn's exact tokens", registry=r
+        )
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens sent to engines", registry=r)
+        self.completion_tokens = Counter(f"{p}_completion_tokens", "Tokens sampled", registry=r)
+        self.engine_errors = Counter(f"{p}_engine_errors", "Failed engine calls", ["code"], registry=r)
+        self.sessions_created = Counter(f"{p}_sessions_created", "Sessions created", registry=r)
+        self.sessions_finished = Counter(
+            f"{p}_sessions_finished", "Sessions finished", ["status"], registry=r
+        )
+        self.samples = Counter(f"{p}_samples_spooled", "Samples made durable", registry=r)
+        self.active = Gauge(f"{p}_active_sessions", "Sessions not yet rewarded", registry=r)
+        self.in_flight = Gauge(f"{p}_in_flight_calls", "Generation calls in flight", registry=r)
+        self.paused = Gauge(f"{p}_paused", "1 while generation is paused", registry=r)
+        self.overhead = Histogram(
+            f"{p}_call_overhead_seconds",
+            "Gateway time per call outside the engine",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+            registry=r,
+        )
+
+
+class PauseGate:
+    """Drain control: while paused, new generation calls wait (bounded) or get 429; in-flight ones finish."""
+
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics):
+        self.config = config
+        self.metrics = metrics
+        self._open = asyncio.Event()
+        self._open.set()
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    def pause(self) -> None:
+        self._open.clear()
+        self.metrics.paused.set(1)
+
+    def resume(self) -> None:
+        self._open.set()
+        self.metrics.paused.set(0)
+
+    async def drained(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def enter(self) -> None:
+        if self.paused:
+            if self.config.pause_mode == "reject":
+                raise GatewayError(
+                    "generation is paused for a weight update; retry shortly",
+                    429,
+                    type="rate_limit_error",
+                    code="paused",
+                    headers={"Retry-After": str(self.config.retry_after_s)},
+                )
+            try:
+                await asyncio.wait_for(self._open.wait(), self.config.pause_wait_s)
+            except TimeoutError:
+                raise GatewayError(
+                    f"generation stayed paused for {self.config.pause_wait_s:g} s",
+                    503,
+                    type="server_error",
+                    code="paused_too_long",
+                    headers={"Retry-After": str(self.config.retry_after_s)},
+                ) from None
+        self.in_flight += 1
+        self._idle.clear()
+        self.metrics.in_flight.set(self.in_flight)
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        if self.in_flight == 0:
+            self._idle.set()
+
+
+class SessionStore:
+    def __init__(self, max_sessions: int, metrics: GatewayMetrics):
+        self.max_sessions = max_sessions
+        self.metrics = metrics
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+
+    def create(
+        self,
+        env: str,
+        task_id: str,
+        group_id: str | None,
+        metadata: dict[str, Any],
+        session_id: str | None = None,
+    ) -> Session:
+        sid = session_id or uuid.uuid4().hex
+        if sid in self._sessions:
+            raise GatewayError(f"session {sid!r} already exists", 409, code="session_exists")
+        session = Session(sid, env, task_id, group_id or f"{env}/{task_id}", metadata)
+        self._sessions[sid] = session
+        self.metrics.sessions_created.inc()
+        self.metrics.active.inc()
+        self._evict()
+        return session
+
+    def _evict(self) -> None:
+        while len(self._sessions) > self.max_sessions:
+            victim = next((k for k, s in self._sessions.items() if s.finished), None)
+            if victim is None:
+                return
+            del self._sessions[victim]
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise GatewayError(
+                f"unknown session {session_id!r}; create one with POST /sessions",
+                404,
+                code="session_not_found",
+            )
+        return session
+
+    def open(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session.finished:
+            raise GatewayError(f"session {session_id!r} is already finished", 409, code="session_finished")
+        return session
+
+
+def spool_path(config: GatewayConfig) -> Path:
+    return Path(config.spool_dir)

@@ -1,0 +1,149 @@
+"""A session's trajectory tree and its linearisation into Samples.
+
+Every sampled choice of every call is a `Turn`. A turn that continues an earlier one (the agent
+sent back exactly what the model produced, plus new messages) is its child, and its prompt is the
+parent's prompt + the parent's exact output ids + the template's tokens for the new messages. A
+turn that cannot continue anything starts a new root: a *fork*, with a named reason.
+
+At reward time each leaf becomes one `Sample`: tokens = the leaf's prompt + output; loss_mask 1
+exactly on the output ids of the turns along its path, 0 on everything between them (template and
+tool tokens); rollout_logprobs and weight_versions aligned with it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from palaestra.sample import Sample, sample_id_for
+
+FORK_REASONS = (
+    "prefix_changed",  # earlier messages edited, dropped or compacted
+    "assistant_edited",  # the agent changed what the model said
+    "template_nonmonotonic",  # the template renders the shared history differently once extended
+    "reasoning_stripped",  # the template drops reasoning the model produced
+    "truncated",  # the previous turn was cut by max_tokens; the next one starts a fresh sample
+    "branched",  # a second continuation of the same turn (retries, n > 1 picks)
+)
+
+
+@dataclass
+class Turn:
+    turn_id: int
+    call_id: str
+    choice: int
+    parent: Turn | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_version: str
+    weight_spans: list[dict[str, Any]]
+    finish_reason: dict[str, Any]
+    latency_s: float
+    cached_tokens: int
+    kind: str  # "chat" | "completion"
+    n_messages: int = 0  # chat: request messages this turn answered
+    digest: bytes | None = None  # chat: chain digest of those messages
+    reply_digest: bytes | None = None  # chat: digest of the assistant message we returned
+    rendered: str = ""  # chat: the template text of the prompt; completion: prompt + output text
+    output_text: str = ""  # decoded output incl. special tokens
+    had_reasoning: bool = False
+    fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
+    fork_detail: str = ""
+    children: int = 0
+    created: float = field(default_factory=time.time)
+
+    @property
+    def root(self) -> Turn:
+        t = self
+        while t.parent is not None:
+            t = t.parent
+        return t
+
+    def path(self) -> list[Turn]:
+        out, t = [], self
+        while t is not None:
+            out.append(t)
+            t = t.parent
+        return out[::-1]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "turn_id": self.turn_id,
+            "call_id": self.call_id,
+            "choice": self.choice,
+            "parent": self.parent.turn_id if self.parent else None,
+            "kind": self.kind,
+            "prompt_len": len(self.prompt_ids),
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.output_ids,
+            "output_logprobs": self.output_logprobs,
+            "weight_version": self.weight_version,
+            "finish_reason": self.finish_reason,
+            "latency_s": self.latency_s,
+            "cached_tokens": self.cached_tokens,
+            "fork_reason": self.fork_reason,
+            "fork_detail": self.fork_detail,
+        }
+
+
+def _versions(turn: Turn) -> list[str]:
+    n = len(turn.output_ids)
+    if not turn.weight_spans:
+        return [turn.weight_version] * n
+    out = [turn.weight_version] * n
+    for span in turn.weight_spans:
+        for i in range(int(span["start"]), min(int(span["end"]), n)):
+            out[i] = str(span["version"])
+    return out
+
+
+def linearize(
+    leaf: Turn,
+    *,
+    session_id: str,
+    group_id: str,
+    env: str,
+    task_id: str,
+    fork_index: int,
+    reward: float,
+    metrics: dict[str, float],
+    status: str,
+) -> Sample:
+    path = leaf.path()
+    root = path[0]
+    prompt_len = len(root.prompt_ids)
+    tokens = leaf.prompt_ids + leaf.output_ids
+    n = len(tokens) - prompt_len
+    mask = [0] * n
+    logprobs = [0.0] * n
+    versions = [""] * n
+    for turn in path:
+        start = len(turn.prompt_ids) - prompt_len
+        end = start + len(turn.output_ids)
+        assert tokens[start + prompt_len : end + prompt_len] == turn.output_ids, "turn tokens moved"
+        mask[start:end] = [1] * len(turn.output_ids)
+        logprobs[start:end] = turn.output_logprobs
+        versions[start:end] = _versions(turn)
+    if status == "completed" and leaf.finish_reason.get("type") == "length":
+        status = "truncated"
+    if status == "completed" and leaf.finish_reason.get("type") == "abort":
+        status = "aborted"
+    return Sample(
+        sample_id=sample_id_for(session_id, fork_index),
+        session_id=session_id,
+        group_id=group_id,
+        env=env,
+        task_id=task_id,
+        tokens=tokens,
+        prompt_len=prompt_len,
+        loss_mask=mask,
+        rollout_logprobs=logprobs,
+        weight_versions=versions,
+        reward=reward,
+        metrics={**metrics, "turns": float(len(path))},
+        status=status,
+        fork_index=fork_index,
+        fork_reason=next((t.fork_reason for t in reversed(path) if t.fork_reason), None),
+    )
