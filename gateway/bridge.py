@@ -52,10 +52,10 @@ def _fork(renderer: ChatRenderer, rendered: str, reason: str | None, detail: str
 
 def plan_chat(
     renderer: ChatRenderer,
-    turns_by_digest: dict[bytes, list[Turn]],
+    turns_by_digest: dict[int, list[Turn]],
     has_turns: bool,
     messages: list[dict[str, Any]],
-    digests: list[bytes],
+    digests: list[int],
     tools: list[dict[str, Any]] | None,
     stop_text: dict[int, str],
     reasoning_policy: str = "strip",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
 from palaestra.gateway.errors import GatewayError
 
@@ -76,6 +77,10 @@ class EngineClient:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
+    @staticmethod
+    def _headers(session_id: str) -> dict[str, str]:
+        return {ROUTING_HEADER: session_id, "content-type": "application/json"}
+
     async def close(self) -> None:
         await self._client.aclose()
 
@@ -111,7 +116,7 @@ class EngineClient:
         for attempt in range(self.retries + 1):
             try:
                 r = await self._client.post(
-                    f"{self.url}/generate", json=body, headers={ROUTING_HEADER: session_id}
+                    f"{self.url}/generate", content=orjson.dumps(body), headers=self._headers(session_id)
                 )
             except httpx.TimeoutException:
                 raise GatewayError(
@@ -126,7 +131,7 @@ class EngineClient:
                 )
             else:
                 if r.status_code == 200:
-                    answer = r.json()
+                    answer = orjson.loads(r.content)
                     return [_generation(a) for a in (answer if isinstance(answer, list) else [answer])]
                 try:
                     self._raise_for(r)
@@ -149,7 +154,10 @@ class EngineClient:
             sent = 0
             try:
                 async with self._client.stream(
-                    "POST", f"{self.url}/generate", json=body, headers={ROUTING_HEADER: session_id}
+                    "POST",
+                    f"{self.url}/generate",
+                    content=orjson.dumps(body),
+                    headers=self._headers(session_id),
                 ) as r:
                     if r.status_code != 200:
                         await r.aread()

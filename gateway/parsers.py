@@ -106,7 +106,8 @@ class ParsedOutput:
 class ToolCallParser(Protocol):
     name: str
     start_marker: str
-    """Text that begins a tool call: a streaming response holds content back from here on."""
+    """Text that begins a tool call: a streaming response holds content back from here on.
+    Empty for a parser that never finds calls (``none``): then nothing is held back."""
 
     def parse(
         self, text: str, seed: str, tools: Tools | None = None
@@ -214,13 +215,15 @@ class HermesToolParser:
             obj = json.loads(body)
         except json.JSONDecodeError as error:
             return error.msg + f" (line {error.lineno} column {error.colno} of the call)"
+        except RecursionError:
+            return "nested too deeply"
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return 'not a JSON object with a string "name"'
         arguments = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(arguments, str):  # some models double-encode the arguments
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return '"arguments" is a string that is not JSON'
         if not isinstance(arguments, dict):
             return '"arguments" is not a JSON object'
@@ -287,7 +290,7 @@ class Glm45ToolParser:
 def _json_or_string(raw: str) -> Any:
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return raw
 
 
@@ -309,8 +312,11 @@ class ThinkReasoningParser:
     def split(self, text: str) -> tuple[str | None, str]:
         head, closed, rest = text.partition("</think>")
         if closed:
-            reasoning = head.split("<think>")[-1]  # as the templates read it
-            return reasoning.strip(self._strip), rest.lstrip(self._strip)
+            # The templates take what follows the last <think> as reasoning and drop what is
+            # before it; we keep such text (rare: the block should open the output) as content.
+            before, _, reasoning = head.rpartition("<think>")
+            content = rest.lstrip(self._strip)
+            return reasoning.strip(self._strip), f"{before}{content}" if before.strip() else content
         opened = text.lstrip()
         if opened.startswith("<think>"):  # never closed: cut off while thinking
             return opened[len("<think>") :].strip(self._strip), ""
@@ -420,12 +426,21 @@ def parse_output(
     index). ``tools`` is the request's tool list: with it, argument types follow the schemas and
     calls of tools not in the list are noted in ``parse_errors`` (they are still returned).
     """
-    reasoning, rest = reasoning_parser.split(text) if reasoning_parser is not None else (None, text)
     calls: list[ToolCall] = []
     errors: list[str] = []
+    reasoning, rest = None, text
+    if reasoning_parser is not None:
+        try:
+            reasoning, rest = reasoning_parser.split(text)
+        except Exception as error:  # a plug-in's bug must not fail the request: keep the text
+            errors.append(f"reasoning parser {reasoning_parser.name!r} failed: {error!r}")
     content = rest
     if tools_enabled and tool_parser is not None:
-        content, calls, errors = tool_parser.parse(rest, seed, tools)
+        try:
+            content, calls, parser_errors = tool_parser.parse(rest, seed, tools)
+        except Exception as error:  # likewise: the text stays content
+            content, parser_errors = rest, [f"tool-call parser {tool_parser.name!r} failed: {error!r}"]
+        errors += parser_errors
         if tools is not None:
             known = {_tool_name(tool) for tool in tools}
             errors += [
@@ -441,8 +456,8 @@ def parse_output(
     )
 
 
-def _tool_name(tool: Mapping[str, Any]) -> str | None:
-    function = tool.get("function", tool)
+def _tool_name(tool: object) -> str | None:
+    function = tool.get("function", tool) if isinstance(tool, Mapping) else None
     return function.get("name") if isinstance(function, Mapping) else None
 
 

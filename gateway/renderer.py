@@ -15,9 +15,7 @@ message list is a prefix of the new one.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from palaestra.gateway.errors import GatewayError
@@ -121,37 +119,60 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def message_digest(msg: dict[str, Any], *, loose_assistant: bool = False) -> bytes:
-    """Canonical digest of a normalised message (tool-call ids are not part of it: clients rewrite them)."""
+def message_digest(msg: dict[str, Any], *, loose_assistant: bool = False) -> int:
+    """Digest of a normalised message; tool-call ids are left out (clients rewrite them).
+
+    Python's tuple hash (64-bit, C speed): this runs over every message of every request, so it must
+    be cheap. A collision would only make the gateway consider a wrong earlier turn as the parent;
+    `bridge.plan_chat` re-checks the template rendering of the shared history, so it would fork, not
+    silently mix.
+    """
     if msg["role"] == "assistant":
         content = msg.get("content") or ""
-        body = {
-            "role": "assistant",
-            "content": content.strip() if loose_assistant else content,
-            "tool_calls": [
-                [c["function"]["name"], c["function"]["arguments"]] for c in msg.get("tool_calls", [])
-            ],
-        }
-    else:
-        body = {k: v for k, v in msg.items() if k != "tool_call_id"}
-    return hashlib.blake2b(
-        json.dumps(body, sort_keys=True, ensure_ascii=False).encode(), digest_size=16
-    ).digest()
+        calls = tuple(
+            (c["function"]["name"], repr(c["function"]["arguments"])) for c in msg.get("tool_calls", ())
+        )
+        return hash(("assistant", content.strip() if loose_assistant else content, calls))
+    return hash((msg["role"], msg.get("content"), msg.get("name")))
 
 
-def chain_digests(messages: list[dict[str, Any]]) -> list[bytes]:
+def chain_digests(messages: list[dict[str, Any]]) -> list[int]:
     """d[i] identifies messages[: i + 1] (a hash chain, so prefix equality is one comparison)."""
-    out, prev = [], b""
+    out, prev = [], 0
     for m in messages:
-        prev = hashlib.blake2b(prev + message_digest(m), digest_size=16).digest()
+        prev = hash((prev, message_digest(m)))
         out.append(prev)
     return out
 
 
-@dataclass
 class ChatRenderer:
-    tokenizer: Any
-    template_kwargs: dict[str, Any] | None = None
+    """Renders with the tokenizer's chat template.
+
+    The template is compiled once, in transformers' own sandboxed jinja environment, and rendered
+    directly with the normalised messages (transformers' `apply_chat_template` deep-converts every
+    message on every call, which costs more than the rendering itself on long histories). The
+    result is identical to `apply_chat_template(..., tokenize=False)`; tests/test_gateway_templates.py
+    checks that on real templates. Falls back to `apply_chat_template` if that environment is not
+    available in the installed transformers.
+    """
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None):
+        self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs or {}
+        template = getattr(tokenizer, "chat_template", None)
+        self._compiled = None
+        if isinstance(template, str):
+            try:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+
+                self._compiled = _compile_jinja_template(template)
+            except ImportError:  # other transformers versions: the public (slower) path
+                self._compiled = None
+        self._specials = {
+            k: v
+            for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+            if isinstance(v, str)
+        }
 
     def render(
         self,
@@ -160,13 +181,35 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
     ) -> str:
-        kwargs = {**(self.template_kwargs or {}), **(extra or {})}
+        kwargs = {**self.template_kwargs, **(extra or {})}
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            if self._compiled is None:
+                return self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **kwargs,
+                )
+            chat = [_aliased(m) for m in messages]
+            return self._compiled.render(
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._specials,
+                **kwargs,
             )
         except Exception as exc:  # a template error is the request's fault (bad roles/order/schema)
             raise GatewayError(f"the chat template rejected these messages: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _aliased(message: dict[str, Any]) -> dict[str, Any]:
+    """Reasoning under every name templates read (as transformers does)."""
+    reasoning = message.get("reasoning_content")
+    if reasoning is None:
+        return message
+    return {**message, "thinking": reasoning, "reasoning": reasoning}

@@ -7,6 +7,7 @@ import hmac
 import json
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
@@ -53,8 +54,8 @@ def require_admin_key(request: Request) -> None:
 async def json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw) if raw.strip() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
         raise GatewayError(f"We could not parse the JSON body of your request: {exc}", 400) from None
     if not isinstance(body, dict):
         raise GatewayError("The request body must be a JSON object.", 400)

@@ -196,7 +196,7 @@ class GatewayService:
     # -- chat -----------------------------------------------------------------------------------
     def _plan_chat(
         self, session: Session, body: dict[str, Any]
-    ) -> tuple[Plan, list[dict], list[bytes], Any, Any]:
+    ) -> tuple[Plan, list[dict], list[int], Any, Any]:
         messages = normalize_messages(body.get("messages"))
         tools = normalize_tools(body.get("tools"))
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
@@ -253,7 +253,7 @@ class GatewayService:
             msg["reasoning_content"] = parsed.reasoning_content
         return msg
 
-    def _reply_digest(self, msg: dict[str, Any]) -> bytes:
+    def _reply_digest(self, msg: dict[str, Any]) -> int:
         return message_digest(normalize_messages([msg])[0], loose_assistant=True)
 
     async def chat(self, session_id: str, body: dict[str, Any]) -> dict[str, Any] | AsyncIterator[str]:

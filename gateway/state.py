@@ -72,7 +72,7 @@ class Session:
     metadata: dict[str, Any]
     created: float = field(default_factory=time.time)
     turns: list[Turn] = field(default_factory=list)
-    by_digest: dict[bytes, list[Turn]] = field(default_factory=dict)
+    by_digest: dict[int, list[Turn]] = field(default_factory=dict)
     forks: list[dict[str, Any]] = field(default_factory=list)
     failed_calls: list[dict[str, Any]] = field(default_factory=list)
     finished: bool = False

@@ -44,8 +44,8 @@ class Turn:
     cached_tokens: int
     kind: str  # "chat" | "completion"
     n_messages: int = 0  # chat: request messages this turn answered
-    digest: bytes | None = None  # chat: chain digest of those messages
-    reply_digest: bytes | None = None  # chat: digest of the assistant message we returned
+    digest: int | None = None  # chat: chain digest of those messages
+    reply_digest: int | None = None  # chat: digest of the assistant message we returned
     rendered: str = ""  # chat: the template text of the prompt; completion: prompt + output text
     output_text: str = ""  # decoded output incl. special tokens
     had_reasoning: bool = False
