@@ -6,7 +6,7 @@ why this and not the `renderers` package.
 
 Messages are normalised first, the way the templates expect them:
 * content given as a list of text parts becomes one string (any role, system included);
-* `content: null` stays None (templates test for it);
+* `content: null` becomes "" (Qwen templates treat both alike; GLM's would print "None");
 * tool-call `arguments` arrive from OpenAI clients as JSON *strings*; templates serialise them with
   `tojson`, so they are parsed to objects (a string that is not JSON is left as it is).
 Each normalised message also gets a canonical digest, used to find a session's earlier calls whose
@@ -94,7 +94,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 msg["tool_call_id"] = str(m["tool_call_id"])
             if m.get("name") is not None:
                 msg["name"] = str(m["name"])
-        if msg["content"] is None and role != "assistant":
+        if msg["content"] is None:  # GLM templates print a None content as the text "None"
             msg["content"] = ""
         out.append(msg)
     return out
