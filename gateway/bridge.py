@@ -83,27 +83,26 @@ def plan_chat(
     parent = max(matching, key=lambda t: (t.children == 0, t.turn_id))  # prefer the live tip
     if parent.finish_reason.get("type") == "length":
         return _fork(renderer, rendered, "truncated", f"turn {parent.turn_id} ended at max_tokens")
-    shared_history_ok = rendered.startswith(parent.rendered)
-    sentinel_msgs = [
-        *messages[:prefix_k],
-        {"role": "assistant", "content": SENTINEL},
-        *messages[prefix_k + 1 :],
-    ]
+    sentinel = {"role": "assistant", "content": SENTINEL}
+    if messages[prefix_k].get("reasoning_content"):  # templates render reasoning before the content
+        sentinel["reasoning_content"] = messages[prefix_k]["reasoning_content"]
+    sentinel_msgs = [*messages[:prefix_k], sentinel, *messages[prefix_k + 1 :]]
     with_sentinel = renderer.render(sentinel_msgs, tools, True, template_extra)
-    pos = (
-        with_sentinel.find(SENTINEL, len(parent.rendered))
-        if with_sentinel.startswith(parent.rendered)
-        else -1
-    )
+    pos = with_sentinel.find(SENTINEL)
     if pos < 0:
-        shared_history_ok = False
-    if not shared_history_ok:
-        reason = "reasoning_stripped" if _path_had_reasoning(parent) else "template_nonmonotonic"
-        if reason == "reasoning_stripped" and reasoning_policy == "keep" and pos >= 0:
-            pass  # bridge anyway below
-        else:
+        return _fork(
+            renderer, rendered, "template_nonmonotonic", "the template does not render assistant content"
+        )
+    history_ok = (
+        rendered.startswith(parent.rendered)
+        and with_sentinel.startswith(parent.rendered)
+        and pos >= len(parent.rendered)
+    )
+    if not history_ok:
+        reason = "reasoning_stripped" if _lost_reasoning(parent, rendered) else "template_nonmonotonic"
+        if not (reason == "reasoning_stripped" and reasoning_policy == "keep"):
             return _fork(renderer, rendered, reason, "the template renders the earlier turns differently now")
-    before_content = with_sentinel[len(parent.rendered) : pos]
+    before_content = with_sentinel[len(parent.rendered) : pos] if history_ok else ""
     tail = with_sentinel[pos + len(SENTINEL) :]
     if not rendered.endswith(tail):
         return _fork(
@@ -137,8 +136,21 @@ def plan_chat(
     return Plan(parent.prompt_ids + parent.output_ids + bridge, rendered, parent, bridge_tokens=len(bridge))
 
 
-def _path_had_reasoning(turn: Turn) -> bool:
-    return any(t.had_reasoning for t in turn.path())
+def _lost_reasoning(parent: Turn, rendered: str) -> bool:
+    """Whether what the template now renders differently is reasoning (or an empty think block).
+
+    Qwen3 without thinking opens every generation with an empty `<think></think>` that later turns
+    drop; GLM drops `<think>...</think>` of turns before the last user message.
+    """
+    if any(t.had_reasoning for t in parent.path()):
+        return True
+    before = parent.rendered
+    same = 0
+    for a, b in zip(before, rendered, strict=False):  # the fork path only: first difference
+        if a != b:
+            break
+        same += 1
+    return "think>" in before[same:]
 
 
 def _reasoning_kept(rendered: str, turn: Turn) -> bool:

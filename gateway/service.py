@@ -548,6 +548,7 @@ class GatewayService:
             session.finished, session.status, session.reward = True, status, reward
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
+            session.sampled_tokens = sum(s.num_sampled for s in samples)
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.metrics.active.dec()
@@ -561,6 +562,7 @@ class GatewayService:
             "reward": session.reward,
             "sample_ids": session.sample_ids,
             "cursors": session.cursors,
+            "sampled_tokens": session.sampled_tokens,
             "durable": True,
         }
 

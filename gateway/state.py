@@ -80,6 +80,7 @@ class Session:
     reward: float | None = None
     sample_ids: list[str] = field(default_factory=list)
     cursors: list[int] = field(default_factory=list)
+    sampled_tokens: int = 0
     finish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def add_turn(self, turn: Turn) -> None:
