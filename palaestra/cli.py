@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
     from palaestra.gateway import cli as gateway_cli
+    from palaestra.sdk import cli as sdk_cli
 
     parser = argparse.ArgumentParser(
         prog="palaestra",
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sglang_launcher.register(groups)
     presets.register(groups)
     gateway_cli.register(groups)
+    sdk_cli.register(groups)
     return parser
 
 

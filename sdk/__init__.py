@@ -1,1 +1,24 @@
-"""What an environment writer touches: Environment, Session, the rollout runner (SDK issue)."""
+"""What an environment writer touches: `Environment`, `Session`, the rollout runner.
+
+Must not know about tokens or the trainer: an environment talks to the model only through
+`session.client`, an `openai.AsyncOpenAI` bound to the session's gateway URL.
+"""
+
+from palaestra.sdk.environment import Environment, Reward, Task
+from palaestra.sdk.registry import load_environment
+from palaestra.sdk.runner import RolloutResult, RolloutSummary, run_rollouts, wilson_interval
+from palaestra.sdk.session import GatewayClient, GatewayError, Session
+
+__all__ = [
+    "Environment",
+    "GatewayClient",
+    "GatewayError",
+    "Reward",
+    "RolloutResult",
+    "RolloutSummary",
+    "Session",
+    "Task",
+    "load_environment",
+    "run_rollouts",
+    "wilson_interval",
+]

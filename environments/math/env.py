@@ -1,0 +1,83 @@
+"""The math environment: an ordinary openai-client agent plus the math verifier.
+
+Two variants:
+* `MathEnv` ("math"): one turn, the answer goes in `\\boxed{}`;
+* `MathToolEnv` ("math-tool"): the model may call a `calculator` tool (OpenAI tools) for up to
+  `max_turns` turns; the environment evaluates each call safely (`calculator.py`, no eval).
+
+Tasks come from the seeded generator (`tasks.py`) or, with `data=PATH`, from a GSM8K-format JSONL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from palaestra.environments.math.calculator import CALCULATOR_TOOL, run_calculator_tool
+from palaestra.environments.math.tasks import MathTask, iter_tasks, load_gsm8k_jsonl
+from palaestra.sdk.environment import Environment, Reward
+from palaestra.sdk.session import Session
+from palaestra.verifiers.math import averify_math
+
+SYSTEM = "Solve the problem. Put the final answer in \\boxed{}."
+TOOL_SYSTEM = "Solve the problem. Use the calculator tool for arithmetic. Put the final answer in \\boxed{}."
+
+
+class MathEnv(Environment):
+    name = "math"
+
+    def __init__(
+        self, difficulty: int = 1, data: str | None = None, max_tokens: int = 256, temperature: float = 1.0
+    ):
+        self.difficulty, self.data = difficulty, data
+        self.max_tokens, self.temperature = max_tokens, temperature
+
+    def tasks(self, seed: int) -> Iterable[MathTask]:
+        return load_gsm8k_jsonl(self.data) if self.data else iter_tasks(seed, self.difficulty)
+
+    async def rollout(self, session: Session, task: MathTask) -> Reward:
+        reply = await session.client.chat.completions.create(
+            model=self.model,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}],
+        )
+        result = await averify_math(reply.choices[0].message.content or "", task.answer)
+        return Reward(
+            result.reward, {"correct": float(result.correct), "answered": float(result.parsed is not None)}
+        )
+
+
+class MathToolEnv(MathEnv):
+    name = "math-tool"
+
+    def __init__(self, max_turns: int = 4, **kwargs):
+        super().__init__(**kwargs)
+        self.max_turns = max_turns
+
+    async def rollout(self, session: Session, task: MathTask) -> Reward:
+        messages = [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": task.question}]
+        calls = 0
+        for _ in range(self.max_turns):
+            reply = await session.client.chat.completions.create(
+                model=self.model,
+                messages=messages,
+                tools=[CALCULATOR_TOOL],
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+            )
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                break
+            for call in message.tool_calls:
+                calls += 1
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "content": run_calculator_tool(call.function.arguments),
+                    }
+                )
+        final = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"), "")
+        result = await averify_math(final, task.answer)
+        return Reward(result.reward, {"correct": float(result.correct), "tool_calls": float(calls)})

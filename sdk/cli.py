@@ -1,0 +1,203 @@
+"""`palaestra rollout`, `palaestra eval` and `palaestra session new|reward`.
+
+    palaestra rollout --env math --gateway http://127.0.0.1:8000 --tasks 16 --samples-per-task 4 --concurrency 16
+    palaestra eval --env math --gateway http://127.0.0.1:8000 --tasks 200
+    palaestra session new --env my-agent          # prints a base URL and key for any external agent
+    palaestra session reward SESSION_ID 1.0
+
+The gateway's API key comes from --api-key or PALAESTRA_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+
+def _gateway(args: argparse.Namespace):
+    from palaestra.sdk.session import GatewayClient
+
+    key = args.api_key or os.environ.get("PALAESTRA_API_KEY") or "local"
+    return GatewayClient(args.gateway, key, retries=args.retries)
+
+
+def _env(args: argparse.Namespace):
+    from palaestra.sdk.registry import load_environment
+
+    kwargs = json.loads(args.env_args) if args.env_args else {}
+    if not isinstance(kwargs, dict):
+        raise SystemExit("--env-args must be a JSON object")
+    return load_environment(args.env, **kwargs)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from palaestra.sdk.runner import run_rollouts, take_tasks
+
+    env = _env(args)
+    tasks = take_tasks(env, args.tasks, args.seed)
+    gateway = _gateway(args)
+
+    async def run():
+        try:
+            return await run_rollouts(
+                env,
+                gateway,
+                tasks,
+                samples_per_task=args.samples_per_task,
+                concurrency=args.concurrency,
+                progress=not args.quiet,
+            )
+        finally:
+            await gateway.close()
+
+    summary = asyncio.run(run())
+    print(summary.line())
+    failed = [r for r in summary.results if r.status == "failed"]
+    for r in failed[:5]:
+        print(f"  failed: task {r.task_id} session {r.session_id}: {r.error}", file=sys.stderr)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "reward_mean": summary.reward_mean,
+                    "reward_std": summary.reward_std,
+                    "statuses": summary.statuses,
+                    "sampled_tokens": summary.sampled_tokens,
+                    "wall_s": summary.wall_s,
+                    "sample_ids": [s for r in summary.results for s in r.sample_ids],
+                }
+            )
+        )
+    return 1 if failed and len(failed) == len(summary.results) else 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from palaestra.sdk.runner import run_rollouts, take_tasks, wilson_interval
+
+    env = _env(args)
+    if hasattr(env, "temperature"):
+        env.temperature = args.temperature
+    tasks = take_tasks(env, args.tasks, args.seed)
+    gateway = _gateway(args)
+
+    async def run():
+        try:
+            return await run_rollouts(
+                env, gateway, tasks, samples_per_task=1, concurrency=args.concurrency, progress=not args.quiet
+            )
+        finally:
+            await gateway.close()
+
+    summary = asyncio.run(run())
+    scored = [r for r in summary.results if r.status != "failed"]
+    correct = sum(r.metrics.get("correct", float(r.reward > 0)) for r in scored)
+    lo, hi = wilson_interval(correct, len(scored))
+    acc = correct / len(scored) if scored else float("nan")
+    print(
+        f"accuracy {acc:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {len(scored)} tasks "
+        f"({len(summary.results) - len(scored)} failed), {summary.wall_s:.1f} s"
+    )
+    if args.json:
+        print(json.dumps({"accuracy": acc, "ci95": [lo, hi], "n": len(scored)}))
+    return 0
+
+
+def _session_new(args: argparse.Namespace) -> int:
+    gateway = _gateway(args)
+
+    async def run():
+        try:
+            s = await gateway.session(args.env, args.task_id, args.group_id)
+            await s.client.close()
+            return s
+        finally:
+            await gateway.close()
+
+    s = asyncio.run(run())
+    print(f"session_id: {s.session_id}\nbase_url:   {s.base_url}\napi_key:    {gateway.api_key}")
+    return 0
+
+
+def _session_reward(args: argparse.Namespace) -> int:
+    gateway = _gateway(args)
+
+    async def run():
+        try:
+            return await gateway.reward(
+                args.session_id, args.value, json.loads(args.metrics or "{}"), args.status
+            )
+        finally:
+            await gateway.close()
+
+    print(json.dumps(asyncio.run(run())))
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gateway", required=True, help="gateway URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None, help="the run's API key (default: env PALAESTRA_API_KEY)")
+    p.add_argument(
+        "--retries", type=int, default=3, help="retries of transient gateway errors (default: %(default)s)"
+    )
+
+
+def _env_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", required=True, help="math, math-tool, or package.module:Class")
+    p.add_argument(
+        "--env-args",
+        default=None,
+        help="JSON keyword arguments for the environment, e.g. '{\"difficulty\": 2}'",
+    )
+    p.add_argument("--tasks", type=int, default=16, help="number of tasks (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="task seed (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8, help="sessions at once (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="also print a JSON summary line")
+
+
+def register(groups) -> None:
+    p = groups.add_parser(
+        "rollout",
+        help="run an environment's rollouts through a gateway",
+        description="Run K sessions per task (one group each) with bounded concurrency; "
+        "prints reward mean/std, per-status counts, sampled tokens and wall time.",
+    )
+    _common(p)
+    _env_args(p)
+    p.add_argument(
+        "--samples-per-task",
+        type=int,
+        default=4,
+        help="sessions per task = group size (default: %(default)s)",
+    )
+    p.set_defaults(func=_rollout)
+
+    p = groups.add_parser(
+        "eval",
+        help="accuracy of an environment with a 95%% confidence interval",
+        description="One session per task; accuracy from the 'correct' metric (else reward > 0), "
+        "with a Wilson 95%% interval.",
+    )
+    _common(p)
+    _env_args(p)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)")
+    p.set_defaults(func=_eval)
+
+    session = groups.add_parser("session", help="sessions for external agents")
+    sub = session.add_subparsers(dest="session_cmd", metavar="COMMAND", required=True)
+    p = sub.add_parser("new", help="create a session and print its base URL and key")
+    _common(p)
+    p.add_argument("--env", required=True, help="environment name recorded with the samples")
+    p.add_argument("--task-id", default="", help="task id recorded with the samples")
+    p.add_argument("--group-id", default=None, help="group id (default: env/task_id)")
+    p.set_defaults(func=_session_new)
+    p = sub.add_parser("reward", help="finish a session with a reward")
+    _common(p)
+    p.add_argument("session_id")
+    p.add_argument("value", type=float)
+    p.add_argument("--metrics", default=None, help="JSON object of numbers, e.g. '{\"correct\": 1}'")
+    p.add_argument("--status", default="completed", choices=["completed", "failed", "aborted", "truncated"])
+    p.set_defaults(func=_session_reward)

@@ -1,0 +1,153 @@
+"""Running rollouts: groups of K samples per task, bounded concurrency, retries, progress, summary.
+
+    summary = await run_rollouts(env, GatewayClient(url, key), tasks, samples_per_task=4, concurrency=16)
+    print(summary.line())
+
+Each task's K sessions share one `group_id` (`env/task_id/run`), so GRPO-style estimators normalise
+within the group. A rollout that raises closes its session as `failed` (never trained on) and is
+counted; transient gateway errors (unreachable, 429, 5xx) on session calls are retried with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import statistics
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from palaestra.sdk.environment import Environment, as_reward
+from palaestra.sdk.session import GatewayClient
+
+
+@dataclass
+class RolloutResult:
+    task_id: str
+    group_id: str
+    session_id: str | None
+    reward: float
+    status: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    sample_ids: list[str] = field(default_factory=list)
+    sampled_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RolloutSummary:
+    results: list[RolloutResult]
+    wall_s: float
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.results if r.status != "failed"]
+
+    @property
+    def reward_mean(self) -> float:
+        return statistics.fmean(self.rewards) if self.rewards else float("nan")
+
+    @property
+    def reward_std(self) -> float:
+        return statistics.pstdev(self.rewards) if len(self.rewards) > 1 else 0.0
+
+    @property
+    def statuses(self) -> dict[str, int]:
+        return dict(Counter(r.status for r in self.results))
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(r.sampled_tokens for r in self.results)
+
+    def line(self) -> str:
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(self.statuses.items()))
+        return (
+            f"{len(self.results)} rollouts in {self.wall_s:.1f} s: reward {self.reward_mean:.3f} ± "
+            f"{self.reward_std:.3f}; {statuses}; {self.sampled_tokens} sampled tokens "
+            f"({self.sampled_tokens / max(self.wall_s, 1e-9):.0f}/s)"
+        )
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (sane at 0, 1 and small n)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def take_tasks(env: Environment, n: int, seed: int) -> list[Any]:
+    return list(itertools.islice(iter(env.tasks(seed)), n))
+
+
+async def _one(env: Environment, gateway: GatewayClient, task: Any, group_id: str) -> RolloutResult:
+    task_id = str(task.task_id)
+    try:
+        session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id)
+    except Exception as exc:  # could not even start: counted, nothing to close
+        return RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}")
+    try:
+        async with session:
+            reward = as_reward(await env.rollout(session, task))
+            done = await session.reward(reward.value, reward.metrics)
+        return RolloutResult(
+            task_id,
+            group_id,
+            session.session_id,
+            reward.value,
+            done.get("status", "completed"),
+            reward.metrics,
+            done.get("sample_ids", []),
+            int(done.get("sampled_tokens", 0)),
+        )
+    except Exception as exc:  # the session was closed as failed by its context manager
+        return RolloutResult(
+            task_id, group_id, session.session_id, 0.0, "failed", error=f"{type(exc).__name__}: {exc}"
+        )
+
+
+async def run_rollouts(
+    env: Environment,
+    gateway: GatewayClient,
+    tasks: Iterable[Any],
+    *,
+    samples_per_task: int = 1,
+    concurrency: int = 8,
+    progress: bool = True,
+    run_id: str | None = None,
+) -> RolloutSummary:
+    """Runs `samples_per_task` sessions per task, at most `concurrency` at once."""
+    run_id = run_id or uuid.uuid4().hex[:8]
+    jobs = [(task, f"{env.name}/{task.task_id}/{run_id}") for task in tasks for _ in range(samples_per_task)]
+    sem = asyncio.Semaphore(concurrency)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs), desc=f"rollout {env.name}", unit="ep", dynamic_ncols=True)
+    rewards: list[float] = []
+
+    async def guarded(task: Any, group: str) -> RolloutResult:
+        async with sem:
+            result = await _one(env, gateway, task, group)
+        if result.status != "failed":
+            rewards.append(result.reward)
+        if bar is not None:
+            bar.set_postfix(reward=f"{statistics.fmean(rewards):.3f}" if rewards else "-", refresh=False)
+            bar.update(1)
+        return result
+
+    t0 = time.perf_counter()
+    try:
+        results = await asyncio.gather(*[guarded(t, g) for t, g in jobs])
+    finally:
+        if bar is not None:
+            bar.close()
+    return RolloutSummary(list(results), time.perf_counter() - t0)

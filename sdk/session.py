@@ -1,0 +1,139 @@
+"""Sessions: one episode of an environment, seen by the agent as an OpenAI endpoint.
+
+    async with await gateway.session(env="math", task_id="t1", group_id="g") as session:
+        reply = await session.client.chat.completions.create(model="policy", messages=[...])
+        await session.reward(1.0, metrics={"correct": 1.0})
+
+`session.client` is an `openai.AsyncOpenAI` bound to the session's base URL; the agent needs nothing
+else. Leaving the `async with` block by an exception closes the session as `failed` (its samples are
+marked and the trainer drops them); leaving it without a reward closes it as `aborted`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+
+class GatewayError(RuntimeError):
+    """The gateway refused a session call; `status` is the HTTP status (0: unreachable)."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+TRANSIENT = {0, 429, 502, 503, 504}
+
+
+@dataclass
+class GatewayClient:
+    """The gateway's session API (create, reward) with retries on transient failures."""
+
+    url: str
+    api_key: str = "local"
+    retries: int = 3
+    backoff_s: float = 0.5
+    timeout_s: float = 600.0
+    _http: httpx.AsyncClient | None = field(default=None, repr=False)
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                base_url=self.url.rstrip("/"),
+                timeout=self.timeout_s,
+                trust_env=False,
+                headers={"Authorization": f"Bearer {self.api_key}"},
+            )
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        last: GatewayError | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = await self._client().post(path, json=body)
+            except httpx.HTTPError as exc:
+                last = GatewayError(f"gateway unreachable at {self.url}: {exc}", 0)
+            else:
+                if r.status_code == 200:
+                    return r.json()
+                try:
+                    message = r.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = r.text
+                last = GatewayError(f"POST {path}: {r.status_code} {message}", r.status_code)
+                if r.status_code not in TRANSIENT:
+                    raise last
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        assert last is not None
+        raise last
+
+    async def session(
+        self,
+        env: str,
+        task_id: str = "",
+        group_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        max_retries: int = 2,
+    ) -> Session:
+        info = await self._post(
+            "/sessions", {"env": env, "task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
+        )
+        client = openai.AsyncOpenAI(
+            base_url=info["base_url"], api_key=self.api_key, max_retries=max_retries, timeout=self.timeout_s
+        )
+        return Session(info["session_id"], info["group_id"], info["base_url"], client, self)
+
+    async def reward(
+        self,
+        session_id: str,
+        reward: float,
+        metrics: dict[str, float] | None = None,
+        status: str = "completed",
+    ) -> dict[str, Any]:
+        return await self._post(
+            f"/sessions/{session_id}/reward",
+            {"reward": float(reward), "metrics": metrics or {}, "status": status, "done": True},
+        )
+
+
+@dataclass
+class Session:
+    session_id: str
+    group_id: str
+    base_url: str
+    client: openai.AsyncOpenAI
+    gateway: GatewayClient
+    result: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    async def reward(
+        self, value: float, metrics: dict[str, float] | None = None, status: str = "completed"
+    ) -> dict[str, Any]:
+        """Finishes the session; returns once its samples are durable on the gateway."""
+        self.result = await self.gateway.reward(self.session_id, value, metrics, status)
+        return self.result
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            if not self.finished:
+                status = "failed" if exc_type is not None else "aborted"
+                await self.reward(0.0, {"error": 1.0} if exc_type is not None else {}, status=status)
+        finally:
+            await self.client.close()
