@@ -324,3 +324,59 @@ def test_content_parts_null_content_and_template_kwargs(stack, tok):
     first = engine.exchanges[0].body
     assert first["sampling_params"]["sampling_seed"] == 3 and first["sampling_params"]["stop"] == ["\n\n\n"]
     assert "sys prompt" in tok.decode(first["input_ids"])
+
+
+def test_langchain_tool_calls_round_trip(stack):
+    from langchain_core.messages import ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    gw, engine, script = stack
+    s = new_session(gw)
+    llm = ChatOpenAI(base_url=s["base_url"], api_key="k-test", model="tiny").bind_tools([CALC])
+    script.queue += [render_tool_call_text("hermes", "calculator", '{"expression": "9*9"}'), "81."]
+    first = llm.invoke("What is 9*9?")
+    call = first.tool_calls[0]
+    assert call["name"] == "calculator" and call["args"] == {"expression": "9*9"}
+    second = llm.invoke(["What is 9*9?", first, ToolMessage(content="81", tool_call_id=call["id"])])
+    assert second.content == "81."
+    assert trajectory(gw, s["session_id"])["forks"] == []  # LangChain's echo of the call bridges
+
+
+def test_samples_stream_and_pause_reject_mode(tok, tmp_path):
+    script = Script(tok)
+    engine = ScriptedEngine(script, stop_ids={script.end})
+    with ThreadServer(engine.app()) as eng:
+        config = GatewayConfig(
+            model="tiny",
+            engine_url=eng.url,
+            spool_dir=str(tmp_path),
+            api_key="k-test",
+            admin_key="k-admin",
+            pause_mode="reject",
+            retry_after_s=7,
+        )
+        with ThreadServer(create_app(config, tokenizer=tok)) as gw:
+            s = new_session(gw)
+            client = openai.OpenAI(base_url=s["base_url"], api_key="k-test", max_retries=0)
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+            admin = {"Authorization": "Bearer k-admin"}
+            assert httpx.post(f"{gw.url}/admin/pause", headers=admin).json()["paused"] is True
+            r = httpx.post(
+                f"{s['base_url']}/chat/completions",
+                headers={"Authorization": "Bearer k-test"},
+                json={"model": "tiny", "messages": [{"role": "user", "content": "y"}]},
+            )
+            assert r.status_code == 429 and r.headers["retry-after"] == "7"
+            httpx.post(f"{gw.url}/admin/resume", headers=admin)
+            done = reward(gw, s["session_id"])
+            with httpx.stream(
+                "GET",
+                f"{gw.url}/samples/stream",
+                params={"after": 0, "heartbeat_s": 1},
+                headers={"Authorization": "Bearer k-test"},
+                timeout=10,
+            ) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: "):
+                        assert json.loads(line[6:])["sample_id"] == done["sample_ids"][0]
+                        break
