@@ -162,11 +162,21 @@ def main() -> None:
                 await asyncio.gather(*[session(u) for u in urls])
                 return concurrency * calls_each / (time.perf_counter() - t0)
 
-        rates = {n: asyncio.run(load(n, max(4, 256 // n))) for n in (1, 16, 128)}
+        rates, cpu = {}, {}
+        for n in (1, 16, 128):
+            calls = max(4, 256 // n)
+            before = cpu_seconds(gw.pid)
+            rates[n] = asyncio.run(load(n, calls))
+            cpu[n] = (cpu_seconds(gw.pid) - before) / (n * calls + n)  # + one session creation each
         print(
             "turns/s through the gateway: "
             + ", ".join(f"{n} sessions = {r:.0f}" for n, r in rates.items())
             + f"  -> 128 vs 1: {rates[128] / rates[1]:.2f}x"
+        )
+        print(
+            "gateway CPU per call: "
+            + ", ".join(f"{n} sessions = {c * 1e3:.2f} ms" for n, c in cpu.items())
+            + f"  -> 128 vs 1: {cpu[128] / cpu[1]:.2f}x (client, engine and gateway share 2 cores)"
         )
 
 
