@@ -112,7 +112,7 @@ def register(groups) -> None:
         help="the engines run with --incremental-streaming-output (deltas instead of cumulative)",
     )
     p.add_argument(
-        "--max-sessions", type=int, default=100_000, help="sessions kept in memory (finished ones evicted)"
+        "--max-sessions", type=int, default=10_000, help="sessions kept in memory (finished ones evicted)"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_serve)

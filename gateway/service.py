@@ -549,6 +549,8 @@ class GatewayService:
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
             session.sampled_tokens = sum(s.num_sampled for s in samples)
+            for turn in session.turns:  # only bridging needed these; a finished session takes no calls
+                turn.rendered = turn.output_text = ""
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.metrics.active.dec()

@@ -42,7 +42,7 @@ class GatewayConfig:
     engine_timeout_s: float = 600.0
     engine_retries: int = 2
     engine_incremental_stream: bool = False
-    max_sessions: int = 100_000  # finished sessions are evicted oldest-first beyond this
+    max_sessions: int = 10_000  # finished sessions are evicted oldest-first beyond this
 
     def resolve_keys(self) -> None:
         self.api_key = self.api_key or os.environ.get("PALAESTRA_API_KEY") or None
