@@ -1,0 +1,406 @@
+"""What a run shows when it is done: the reward curve (PNG) and a static trajectory viewer (HTML).
+
+    from palaestra.report import plot_reward_curve, write_trajectory_viewer
+    plot_reward_curve(step_rows, "runs/demo/reward_curve.png", teacher_accuracy=0.62)
+    write_trajectory_viewer([s.to_dict() for s in samples], tokenizer, "runs/demo/trajectories.html",
+                            title="demo: last step")
+
+`step_rows` are the per-step metric dicts the training loop logs (keys below; a row may lack any
+of them, e.g. held-out accuracy exists only on evaluation steps). The viewer is one HTML file with
+inline CSS and JS and no network access: a filterable list of samples and, for the selected one,
+its response tokens coloured by loss mask (policy-sampled vs environment/template tokens) or by
+the student−teacher logprob gap. Token strings are embedded once per sample as JSON and put on
+the page with `textContent`, so whatever the model wrote (`<script>` included) stays text.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from palaestra.sample import Sample
+
+__all__ = [
+    "EVAL_ACCURACY",
+    "REWARD_MEAN",
+    "REWARD_STD",
+    "STEP",
+    "TEACHER_ACCURACY",
+    "plot_reward_curve",
+    "token_texts",
+    "write_trajectory_viewer",
+]
+
+# Metric keys read from each step's row (the loop's namespaced metrics).
+STEP = "train/step"
+REWARD_MEAN = "rollout/reward_mean"
+REWARD_STD = "rollout/reward_std"
+EVAL_ACCURACY = "eval/accuracy"  # held-out accuracy of the student, on evaluation steps
+TEACHER_ACCURACY = "eval/teacher_accuracy"  # the teacher's held-out accuracy (a reference line)
+
+
+def _number(row: Mapping[str, Any], key: str) -> float | None:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def plot_reward_curve(
+    rows: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    *,
+    title: str = "Training reward",
+    teacher_accuracy: float | None = None,
+) -> Path:
+    """Reward mean (± std band) per step, held-out accuracy where measured, the teacher's as a line.
+
+    A row's step is `train/step` (its index when absent). `teacher_accuracy` defaults to the last
+    `eval/teacher_accuracy` in the rows. Writes a PNG (matplotlib's Agg canvas; no display needed).
+    """
+    from matplotlib.figure import Figure  # a Figure without pyplot: no global backend or state
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [_number(r, STEP) for r in rows]
+    steps = [float(i) if s is None else s for i, s in enumerate(steps)]
+    reward = [
+        (s, _number(r, REWARD_MEAN), _number(r, REWARD_STD) or 0.0) for s, r in zip(steps, rows, strict=True)
+    ]
+    reward = [(s, m, sd) for s, m, sd in reward if m is not None]
+    accuracy = [
+        (s, a) for s, r in zip(steps, rows, strict=True) if (a := _number(r, EVAL_ACCURACY)) is not None
+    ]
+    if teacher_accuracy is None:
+        teacher_values = [t for r in rows if (t := _number(r, TEACHER_ACCURACY)) is not None]
+        teacher_accuracy = teacher_values[-1] if teacher_values else None
+
+    show_accuracy = bool(accuracy) or teacher_accuracy is not None
+    fig = Figure(figsize=(8, 6 if show_accuracy else 4.5), dpi=120, layout="constrained")
+    if show_accuracy:  # two panels on one step axis: reward and accuracy have different scales
+        ax, acc_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    else:
+        ax, acc_ax = fig.subplots(1, 1), None
+    if reward:
+        xs, means, stds = zip(*reward, strict=True)
+        ax.fill_between(
+            xs,
+            [m - s for m, s in zip(means, stds, strict=True)],
+            [m + s for m, s in zip(means, stds, strict=True)],
+            color="tab:blue",
+            alpha=0.2,
+            linewidth=0,
+            label="± std over the step's samples",
+        )
+        ax.plot(xs, means, color="tab:blue", marker="o", markersize=3, label="mean reward")
+        ax.legend(loc="best", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no reward recorded", transform=ax.transAxes, ha="center", color="gray")
+    ax.set_ylabel("reward per sample")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    bottom = ax
+    if acc_ax is not None:
+        if accuracy:
+            xs, values = zip(*accuracy, strict=True)
+            acc_ax.plot(xs, values, color="tab:green", marker="s", markersize=5, label="student")
+            for x, v in accuracy:
+                acc_ax.annotate(
+                    f"{v:.2f}",
+                    (x, v),
+                    textcoords="offset points",
+                    xytext=(0, 7),
+                    ha="center",
+                    fontsize=8,
+                    bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
+                )
+        if teacher_accuracy is not None:
+            acc_ax.axhline(
+                teacher_accuracy, color="tab:red", linestyle="--", label=f"teacher ({teacher_accuracy:.2f})"
+            )
+        acc_ax.set_ylim(0, 1.08)
+        acc_ax.set_ylabel("held-out accuracy")
+        acc_ax.grid(alpha=0.3)
+        acc_ax.legend(loc="lower right", fontsize="small")
+        bottom = acc_ax
+    bottom.set_xlabel("training step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The trajectory viewer
+# ----------------------------------------------------------------------------------------------
+def token_texts(tokenizer, ids: Sequence[int], start: int = 0) -> list[str]:
+    """The text each of `ids[start:]` adds, decoded in context (incremental detokenization).
+
+    Decoding tokens one by one breaks multi-byte characters and drops sentencepiece's leading
+    spaces, so each token's text is the growth of a decoded window that starts a few tokens
+    earlier; a token that ends inside a character gets "" and the next one carries the character.
+    """
+    ids = list(ids)
+    texts: list[str] = []
+    prefix, read = max(start - 5, 0), start
+    for i in range(start, len(ids)):
+        before = tokenizer.decode(ids[prefix:read], skip_special_tokens=False)
+        after = tokenizer.decode(ids[prefix : i + 1], skip_special_tokens=False)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            texts.append(after[len(before) :])
+            prefix, read = read, i + 1
+        else:
+            texts.append("")
+    return texts
+
+
+def _rounded(x: float) -> float | None:
+    return round(x, 3) if math.isfinite(x) else None  # JSON has no inf; shown as "–"
+
+
+def _sample_record(sample: Mapping[str, Any], tokenizer, index: int) -> dict[str, Any]:
+    """What the page's script needs of one sample: token strings once, mask, logprobs, gaps."""
+    tokens, prompt_len = list(sample["tokens"]), int(sample["prompt_len"])
+    mask = [int(m) for m in sample.get("loss_mask") or []]
+    rollout = list(sample.get("rollout_logprobs") or [])
+    teacher = sample.get("teacher_logprobs")
+    gap = None
+    if teacher is not None:
+        # student − teacher only where both exist: masked tokens carry no rollout logprob.
+        gap = [
+            _rounded(r - t) if m == 1 and t is not None else None
+            for r, t, m in zip(rollout, teacher, mask, strict=True)
+        ]
+    return {
+        "id": str(sample.get("sample_id", index)),
+        "prompt": tokenizer.decode(tokens[:prompt_len], skip_special_tokens=False),
+        "tok": token_texts(tokenizer, tokens, prompt_len),
+        "mask": mask,
+        "lp": [_rounded(x) if m == 1 else None for x, m in zip(rollout, mask, strict=True)],
+        "gap": gap,
+        "teacher": sample.get("teacher"),
+    }
+
+
+def _script_json(value: Any) -> str:
+    """JSON that is safe inside <script>: no `<`, `>` or `&` survive, so no `</script>` can occur."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def _cell(value: Any) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def write_trajectory_viewer(
+    samples: Sequence[Mapping[str, Any] | Sample], tokenizer, path: str | Path, *, title: str
+) -> Path:
+    """One self-contained HTML file: the samples (`Sample`s or their `to_dict()`), filterable by
+    reward range, status and fork reason; the selected one's response tokens coloured by loss mask
+    or by the student−teacher logprob gap (where the sample has teacher logprobs)."""
+    samples = [s.to_dict() if isinstance(s, Sample) else s for s in samples]
+    records = [_sample_record(s, tokenizer, i) for i, s in enumerate(samples)]
+    gaps = sorted(abs(g) for r in records for g in (r["gap"] or []) if g is not None)
+    # The colour scale saturates at the 95th percentile of |gap| (at least 0.5 nats), so a few
+    # extreme tokens do not wash out the rest; the legend states the bound.
+    scale = max(0.5, round(gaps[int(0.95 * (len(gaps) - 1))], 1)) if gaps else 1.0
+    reasons = sorted({s.get("fork_reason") or "" for s in samples})
+    statuses = sorted({str(s.get("status", "")) for s in samples})
+
+    rows = []
+    for i, s in enumerate(samples):
+        reward = float(s.get("reward", 0.0))
+        response = len(s["tokens"]) - int(s["prompt_len"])
+        rows.append(
+            f'<tr data-i="{i}" data-reward="{reward!r}" data-status="{_cell(s.get("status"))}" '
+            f'data-fork="{_cell(s.get("fork_reason") or "")}"><td>{i}</td><td>{reward:.3f}</td>'
+            f"<td>{_cell(s.get('status'))}</td><td>{_cell(s.get('fork_reason') or '—')}</td>"
+            f"<td>{_cell(s.get('env'))}</td><td>{_cell(s.get('task_id'))}</td>"
+            f"<td>{response}</td><td>{sum(records[i]['mask'])}</td>"
+            f'<td class="mono">{_cell(s.get("sample_id"))}</td></tr>'
+        )
+    rewards = [float(s.get("reward", 0.0)) for s in samples] or [0.0]
+    fork_options = "".join(
+        f'<option value="{_cell(r)}">{_cell(r or "none (first sample of a session)")}</option>'
+        for r in reasons
+    )
+    status_options = "".join(f'<option value="{_cell(s)}">{_cell(s)}</option>' for s in statuses)
+    slots = {
+        "TITLE": html.escape(title),
+        "COUNT": str(len(samples)),
+        "ROWS": "\n".join(rows),
+        "FORK_OPTIONS": fork_options,
+        "STATUS_OPTIONS": status_options,
+        "RMIN": repr(min(rewards)),
+        "RMAX": repr(max(rewards)),
+        "SCALE": f"{scale:g}",
+        "DATA": _script_json({"samples": records, "scale": scale}),
+    }
+    # One pass, so text inside a slot (a task id, a token) is never taken for another slot.
+    page = re.sub(r"__([A-Z_]+)__", lambda m: slots[m.group(1)], _PAGE)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>__TITLE__</title>
+<style>
+[hidden]{display:none!important}
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222;background:#fafafa}
+header{padding:10px 16px;background:#263238;color:#fff}
+header h1{font-size:18px;margin:0}
+header p{margin:2px 0 0;color:#b0bec5;font-size:12px}
+#filters{padding:8px 16px;background:#eceff1;display:flex;gap:16px;flex-wrap:wrap;align-items:center}
+#filters input[type=number]{width:6em}
+main{display:grid;grid-template-columns:minmax(320px,42%) 1fr;height:calc(100vh - 100px)}
+#list{overflow:auto;border-right:1px solid #cfd8dc}
+table{border-collapse:collapse;width:100%;font-size:13px}
+th,td{padding:3px 6px;text-align:left;border-bottom:1px solid #eceff1;white-space:nowrap}
+th{position:sticky;top:0;background:#fff}
+tbody tr{cursor:pointer}
+tbody tr:hover{background:#e3f2fd}
+tbody tr.sel{background:#bbdefb}
+.mono{font-family:ui-monospace,monospace;font-size:11px;color:#607d8b}
+#detail{overflow:auto;padding:10px 16px}
+#meta{margin:0 0 8px}
+#tokens{font-family:ui-monospace,monospace;font-size:13px;white-space:pre-wrap;word-break:break-word;
+ background:#fff;border:1px solid #cfd8dc;padding:8px;line-height:1.7}
+#tokens span{border-radius:2px;box-shadow:inset -1px 0 0 rgba(255,255,255,.9)}
+.m1{background:#c8e6c9}
+.m0{background:#eeeeee;color:#757575}
+.nogap{color:#9e9e9e}
+.legend{display:flex;gap:12px;align-items:center;margin:6px 0;font-size:12px;flex-wrap:wrap}
+.sw{display:inline-block;width:14px;height:14px;border:1px solid #bbb;vertical-align:middle;margin-right:4px}
+#bar{width:200px;height:12px;background:linear-gradient(90deg,rgb(33,102,172),#fff,rgb(178,24,43));border:1px solid #bbb}
+details{margin:8px 0}
+details pre{white-space:pre-wrap;word-break:break-word;background:#fff;border:1px solid #cfd8dc;padding:8px;font-size:12px}
+.empty{color:#777;padding:16px}
+</style></head>
+<body>
+<header><h1>__TITLE__</h1><p>__COUNT__ samples &middot; click one to see its tokens</p></header>
+<div id="filters">
+ <label>reward from <input id="rmin" type="number" step="any" value="__RMIN__"></label>
+ <label>to <input id="rmax" type="number" step="any" value="__RMAX__"></label>
+ <label>fork reason <select id="fork"><option value="*">any</option>__FORK_OPTIONS__</select></label>
+ <label>status <select id="status"><option value="*">any</option>__STATUS_OPTIONS__</select></label>
+ <span id="shown"></span>
+</div>
+<main>
+<div id="list"><table><thead><tr><th>#</th><th>reward</th><th>status</th><th>fork reason</th><th>env</th>
+<th>task</th><th>resp. tokens</th><th>sampled</th><th>sample id</th></tr></thead>
+<tbody id="rows">
+__ROWS__
+</tbody></table></div>
+<div id="detail">
+ <div class="legend"><b>colour by</b>
+  <label><input type="radio" name="mode" value="mask" checked> loss mask</label>
+  <label><input type="radio" name="mode" value="gap"> student − teacher logprob</label>
+ </div>
+ <div class="legend" id="legend-mask"><span><span class="sw m1"></span>sampled by the policy (loss_mask 1)</span>
+  <span><span class="sw m0"></span>environment / template tokens (loss_mask 0)</span></div>
+ <div class="legend" id="legend-gap" hidden><span>teacher more likely (−__SCALE__ nats)</span><span id="bar"></span>
+  <span>student more likely (+__SCALE__ nats)</span><span class="nogap">grey: no teacher logprob or not sampled</span></div>
+ <div id="meta" class="empty">Select a sample on the left.</div>
+ <details id="prompt-box"><summary>prompt</summary><pre id="prompt"></pre></details>
+ <div id="tokens"></div>
+</div>
+</main>
+<script type="application/json" id="data">__DATA__</script>
+<script>
+"use strict";
+const DATA = JSON.parse(document.getElementById("data").textContent);
+const $ = (id) => document.getElementById(id);
+let current = null;
+
+function mode() { return document.querySelector("input[name=mode]:checked").value; }
+
+function gapColour(g) {
+  const t = Math.max(-1, Math.min(1, g / DATA.scale));
+  const [r, gr, b] = t < 0 ? [33, 102, 172] : [178, 24, 43];
+  const a = Math.abs(t);
+  const mix = (c) => Math.round(255 + (c - 255) * a);
+  return "rgb(" + mix(r) + "," + mix(gr) + "," + mix(b) + ")";
+}
+
+function fmt(x) { return x === null || x === undefined ? "–" : x.toFixed(3); }
+
+function render() {
+  const m = mode();
+  $("legend-mask").hidden = m !== "mask";
+  $("legend-gap").hidden = m !== "gap";
+  if (current === null) return;
+  const s = DATA.samples[current];
+  const box = $("tokens");
+  box.textContent = "";
+  const frag = document.createDocumentFragment();
+  s.tok.forEach((text, k) => {
+    const span = document.createElement("span");
+    span.textContent = text.replace(/\\n/g, "\\u21b5\\n");
+    const gap = s.gap ? s.gap[k] : null;
+    if (m === "mask") {
+      span.className = s.mask[k] ? "m1" : "m0";
+    } else if (gap === null) {
+      span.className = "nogap";
+    } else {
+      span.style.background = gapColour(gap);
+      if (Math.abs(gap) > 0.6 * DATA.scale) span.style.color = "#fff";  // legible on dark shades
+    }
+    span.title = "token " + k + (s.mask[k] ? " · sampled" : " · env/template") +
+      " · logprob " + fmt(s.lp[k]) + (gap === null ? "" : " · teacher " + fmt(s.lp[k] - gap) + " · gap " + fmt(gap));
+    frag.appendChild(span);
+  });
+  box.appendChild(frag);
+}
+
+function select(i) {
+  current = i;
+  document.querySelectorAll("#rows tr.sel").forEach((tr) => tr.classList.remove("sel"));
+  const row = document.querySelector('#rows tr[data-i="' + i + '"]');
+  if (row) row.classList.add("sel");
+  const s = DATA.samples[i];
+  const sampled = s.mask.reduce((a, b) => a + b, 0);
+  $("meta").className = "";
+  $("meta").textContent = "sample " + s.id + " · " + s.tok.length + " response tokens, " + sampled +
+    " sampled · " + (s.gap ? "teacher: " + (s.teacher || "yes") : "no teacher logprobs");
+  $("prompt").textContent = s.prompt;
+  render();
+}
+
+function applyFilters() {
+  const lo = parseFloat($("rmin").value), hi = parseFloat($("rmax").value);
+  const fork = $("fork").value, status = $("status").value;
+  let shown = 0;
+  document.querySelectorAll("#rows tr").forEach((tr) => {
+    const r = parseFloat(tr.dataset.reward);
+    const ok = (isNaN(lo) || r >= lo) && (isNaN(hi) || r <= hi) &&
+      (fork === "*" || tr.dataset.fork === fork) && (status === "*" || tr.dataset.status === status);
+    tr.hidden = !ok;
+    if (ok) shown++;
+  });
+  $("shown").textContent = "showing " + shown + " of " + DATA.samples.length;
+}
+
+$("rows").addEventListener("click", (e) => {
+  const tr = e.target.closest("tr");
+  if (tr) select(Number(tr.dataset.i));
+});
+document.querySelectorAll("input[name=mode]").forEach((r) => r.addEventListener("change", render));
+["rmin", "rmax", "fork", "status"].forEach((id) => $(id).addEventListener("input", applyFilters));
+// A link can open a given sample and colouring: viewer.html#sample=3&mode=gap
+const want = new URLSearchParams(location.hash.slice(1));
+if (want.get("mode") === "gap") document.querySelector("input[name=mode][value=gap]").checked = true;
+applyFilters();
+const first = Number(want.get("sample") || 0);
+if (DATA.samples.length) select(first < DATA.samples.length ? first : 0);
+</script>
+</body></html>
+"""

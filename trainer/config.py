@@ -1,0 +1,175 @@
+"""`TrainerConfig`: every option of the trainer, typed, with what it means and its unit.
+
+Megatron's own options pass through untouched under Megatron's names, in three dicts:
+``megatron`` (`TransformerConfig` fields, parallel sizes included: ``tensor_model_parallel_size``,
+``pipeline_model_parallel_size``, ``context_parallel_size``, ``expert_model_parallel_size``, ...),
+``megatron_ddp`` (`DistributedDataParallelConfig`) and ``megatron_optimizer`` (`OptimizerConfig`:
+``lr``, ``weight_decay``, ``adam_beta1``, ``clip_grad``, ...). The trainer re-declares none of them.
+`to_dict()` is what a checkpoint stores next to the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["TrainerConfig"]
+
+DEFAULT_OPTIMIZER: dict[str, Any] = {
+    "optimizer": "adam",
+    "lr": 1e-6,
+    "min_lr": 0.0,
+    "weight_decay": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.98,
+    "adam_eps": 1e-8,
+    "clip_grad": 1.0,
+}
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 1234
+    """Seed of torch's generators (and Megatron's RNG tracker on GPU)."""
+
+    dist_init_method: str | None = None
+    """torch.distributed rendezvous for multi-process runs (RANK/WORLD_SIZE set): None = env://
+    (MASTER_ADDR/MASTER_PORT), or e.g. file:///shared/rdzv. A single process needs none."""
+
+    megatron: dict[str, Any] = field(default_factory=dict)
+    """`TransformerConfig` fields applied over what the HF config implies (parallel sizes too).
+    Architecture fields (layers, heads, sizes, norm, GLU, biases) may not contradict the HF config."""
+
+    megatron_ddp: dict[str, Any] = field(default_factory=dict)
+    """`DistributedDataParallelConfig` fields (``grad_reduce_in_fp32`` defaults to True)."""
+
+    megatron_optimizer: dict[str, Any] = field(default_factory=dict)
+    """`OptimizerConfig` fields, merged over `DEFAULT_OPTIMIZER` (Adam, lr 1e-6, clip_grad 1.0)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts. Trainer logprobs are log_softmax(logits / T), the
+    engine's convention for sampled tokens; 0 (greedy) means 1."""
+
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one packed micro-batch (tokens of whole samples; a longer sample runs alone)."""
+
+    dp_balance: Literal["pack_first", "distribute_first"] = "pack_first"
+    """How samples reach DP ranks. pack_first: pack micro-batches, then give them to ranks by
+    Karmarkar-Karp on estimated FLOPs. distribute_first: Karmarkar-Karp over samples, then pack per
+    rank — better balanced for long-tailed lengths with few micro-batches per rank (bench/trainer.py)."""
+
+    advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_pp_baseline"] = "grpo"
+    """grpo: (r − mean_g)/(std_g + eps); dr_grpo: r − mean_g; reinforce_pp_baseline: r − mean_g,
+    whitened over the batch's loss tokens. Groups by `Sample.group_id`, sessions counted once."""
+
+    advantage_eps: float = 1e-6
+    """eps in the std divisions of grpo and reinforce_pp_baseline."""
+
+    eps_clip: float = 0.2
+    """PPO clip: the ratio is clipped to [1 − eps_clip, 1 + eps_clip_high]."""
+
+    eps_clip_high: float | None = None
+    """Upper clip (clip-higher, DAPO); None = eps_clip."""
+
+    dual_clip_c: float | None = None
+    """Dual-clip bound c > 1 for negative advantages: loss ≤ −A·c. None = off."""
+
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """token_mean: mean over every loss token of the global batch; seq_mean: mean over sequences
+    of each sequence's token mean."""
+
+    kl_coef: float = 0.0
+    """β_kl of the KL to the reference model (the initial weights, held in the `ref` snapshot);
+    0 = no KL and no reference copy."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator per token with d = lp − ref: k1 = d, k2 = d²/2, k3 = exp(−d) − 1 + d."""
+
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """loss: + β_kl·kl_t in the loss (differentiable through lp); reward: Â_t −= β_kl·kl_t (detached)."""
+
+    opd_kl_coef: float = 0.0
+    """β of on-policy distillation: Â_t = A_t − β·(lp_t − teacher_t). 0 = no teacher is consulted."""
+
+    teacher_mode: Literal["megatron", "sglang"] | None = None
+    """Where teacher logprobs come from when opd_kl_coef > 0 (samples that already carry
+    `teacher_logprobs` are not rescored)."""
+
+    teacher_model: str | None = None
+    """megatron mode: HF directory (or preset) of the teacher; same architecture as the student."""
+
+    teacher_urls: list[str] = field(default_factory=list)
+    """sglang mode: teacher engine URLs (or one router URL)."""
+
+    teacher_concurrency: int = 8
+    """sglang mode: scoring requests in flight."""
+
+    use_tis: bool = False
+    """Truncated importance sampling: multiply each token's policy loss by
+    clip(exp(old − roll), tis_clip_low, tis_clip_high)."""
+
+    tis_clip_low: float = 0.0
+    """Lower TIS bound."""
+
+    tis_clip_high: float = 2.0
+    """Upper TIS bound."""
+
+    rs_mode: Literal["token", "sequence"] | None = None
+    """Rejection sampling of train/rollout mismatch: drop tokens (token) or whole sequences
+    (sequence, geometric-mean ratio) whose exp(old − roll) leaves [rs_low, rs_high]. None = off."""
+
+    rs_low: float = 0.5
+    """Lower RS bound (inclusive)."""
+
+    rs_high: float = 2.0
+    """Upper RS bound (inclusive)."""
+
+    keep_old_actor: bool = False
+    """Compute the PPO 'old' logprobs with the previous step's weights (kept in the `old_actor`
+    snapshot) — for one-step-off-policy rollouts. False: the weights before this step's update."""
+
+    sync_mode: Literal["tensor", "disk"] = "tensor"
+    """Weight sync: tensor = /update_weights_from_tensor (in-host bytes; the embedded engine),
+    disk = safetensors + /update_weights_from_disk (real SGLang)."""
+
+    sync_bucket_mb: int = 512
+    """Largest tensor bucket per /update_weights_from_tensor call, MiB."""
+
+    sync_retries: int = 3
+    """Attempts per engine call before the sync fails (engines are then left paused)."""
+
+    sync_timeout_s: float = 300.0
+    """HTTP timeout of one sync call, seconds."""
+
+    sync_dir: str | None = None
+    """disk mode: directory the engines can read; each version goes to sync_dir/v<version>."""
+
+    sync_pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
+    """/pause_generation mode during a sync."""
+
+    def __post_init__(self) -> None:
+        self.megatron_optimizer = {**DEFAULT_OPTIMIZER, **self.megatron_optimizer}
+        if self.opd_kl_coef and self.teacher_mode is None:
+            raise ValueError("opd_kl_coef > 0 needs teacher_mode ('megatron' or 'sglang')")
+        if self.teacher_mode == "megatron" and not self.teacher_model:
+            raise ValueError("teacher_mode 'megatron' needs teacher_model (a HF directory)")
+        if self.teacher_mode == "sglang" and not self.teacher_urls:
+            raise ValueError("teacher_mode 'sglang' needs teacher_urls")
+        if self.max_tokens_per_microbatch <= 0:
+            raise ValueError("max_tokens_per_microbatch must be positive")
+        if not 0 <= self.tis_clip_low <= self.tis_clip_high:
+            raise ValueError("need 0 <= tis_clip_low <= tis_clip_high")
+        if not 0 <= self.rs_low <= self.rs_high:
+            raise ValueError("need 0 <= rs_low <= rs_high")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown trainer options: {unknown}")
+        return cls(**data)

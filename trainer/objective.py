@@ -1,0 +1,103 @@
+"""The training objective of one micro-batch, and the step metrics it reports.
+
+`microbatch_loss` turns the logits of a packed micro-batch into the numerator and denominator of
+the global loss (`losses.aggregate`) plus a vector of per-token sums for the metrics;
+`step_metrics` turns those sums, added over micro-batches and DP ranks, into namespaced metrics.
+Per response token t, with w_t = loss_mask_t · rs_keep_t:
+
+    lp_t   = log_softmax(logits / T)[x_t]                      (differentiable)
+    ℓ_t    = PPO-clip(lp_t, old_t, Â_t) · tis_t                 (tis_t = 1 without TIS)
+           + β_kl · kl(lp_t, ref_t)                             (kl_mode "loss" only)
+    loss   = Σ_mb Σ_t w_t ℓ_t / Σ_mb n_mb                       (token_mean; seq_mean per sequence)
+
+The division by the global denominator is Megatron's own (`calculate_per_token_loss`: the
+schedule sums the denominators and `finalize_model_grads` scales the gradients by their DP sum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from palaestra.trainer import losses
+from palaestra.trainer.config import TrainerConfig
+from palaestra.trainer.packing import MicroBatch
+
+__all__ = ["SUM_KEYS", "microbatch_loss", "step_metrics"]
+
+# Per-token sums reduced over micro-batches and DP ranks, then divided by their denominator.
+SUM_KEYS = (
+    "loss_num", "loss_den", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "ratio", "tokens",
+    "mask_tokens", "abs_diff", "mismatch_kl", "tis_clipped", "rs_masked", "opd_rkl", "teacher_tokens",
+)  # fmt: skip
+
+
+def microbatch_loss(
+    mb: MicroBatch, rows: torch.Tensor, c: TrainerConfig
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(loss numerator, denominator, metric sums in `SUM_KEYS` order) from the rows' logits [R, V/tp]."""
+    dev = rows.device
+    lp = losses.vocab_parallel_logprobs(rows, mb.targets.to(dev), c.temperature)
+    entropy = losses.vocab_parallel_entropy(rows, c.temperature)
+    old, a = mb.old_logprobs.to(dev), mb.advantages.to(dev)
+    pl = losses.policy_loss(lp, old, a, c.eps_clip, c.eps_clip_high, c.dual_clip_c)
+    token_loss = pl.loss * mb.extras["tis"].to(dev) if c.use_tis else pl.loss
+    kl = torch.zeros_like(lp)
+    if c.kl_coef > 0:
+        kl = losses.kl_estimate(lp, mb.ref_logprobs.to(dev), c.kl_estimator)
+        if c.kl_mode == "loss":
+            token_loss = token_loss + c.kl_coef * kl
+    weight = mb.extras["weight"].to(dev)
+    num, den = losses.aggregate(token_loss, weight, mb.seq_index.to(dev), c.loss_agg)
+    with torch.no_grad():
+        m = mb.loss_mask.to(dev)
+        roll = mb.rollout_logprobs.to(dev)
+        zero = m.new_zeros(())
+        teacher = mb.teacher_logprobs.to(dev) if mb.teacher_logprobs is not None else None
+        stats = {
+            "loss_num": num.detach(),
+            "loss_den": torch.tensor(float(den), device=dev),
+            "pg_loss": (pl.loss * weight).sum(),
+            "kl": (kl.detach() * weight).sum(),
+            "entropy": (entropy * weight).sum(),
+            "clipped": (pl.clipped.float() * weight).sum(),
+            "dual_clipped": (pl.dual_clipped.float() * weight).sum(),
+            "ratio": (pl.ratio * weight).sum(),
+            "tokens": weight.sum(),
+            "mask_tokens": m.sum(),
+            "abs_diff": ((old - roll).abs() * m).sum(),
+            "mismatch_kl": (losses.kl_estimate(roll, old, "k3") * m).sum(),
+            "tis_clipped": (mb.extras["tis_clipped"].to(dev) * m).sum() if c.use_tis else zero,
+            "rs_masked": ((1 - weight) * m).sum(),
+            "opd_rkl": ((old - teacher) * m).sum() if teacher is not None else zero,
+            "teacher_tokens": m.sum() if teacher is not None else zero,
+        }
+        sums = torch.stack([stats[k].float() for k in SUM_KEYS])
+    return num, den, sums
+
+
+def step_metrics(sums: torch.Tensor, c: TrainerConfig) -> dict[str, float]:
+    """train/, mismatch/ and opd/ metrics from `SUM_KEYS` sums over the whole step (all DP ranks).
+
+    train/* averages over the tokens that train (loss mask after RS); mismatch/* over every
+    policy-sampled token; opd/reverse_kl is the k1 estimate mean(old − teacher) over them.
+    """
+    s = dict(zip(SUM_KEYS, sums.tolist(), strict=True))
+    tok, mask = max(s["tokens"], 1.0), max(s["mask_tokens"], 1.0)
+    metrics = {
+        "train/loss": s["loss_num"] / max(s["loss_den"], 1.0),
+        "train/pg_loss": s["pg_loss"] / tok,
+        "train/kl": s["kl"] / tok,
+        "train/entropy": s["entropy"] / tok,
+        "train/clipfrac": s["clipped"] / tok,
+        "train/dual_clipfrac": s["dual_clipped"] / tok,
+        "train/ratio_mean": s["ratio"] / tok,
+        "train/loss_tokens": s["tokens"],
+        "mismatch/logprob_abs_diff": s["abs_diff"] / mask,
+        "mismatch/kl": s["mismatch_kl"] / mask,
+        "mismatch/tis_clip_frac": s["tis_clipped"] / mask,
+        "mismatch/rs_mask_frac": s["rs_masked"] / mask,
+    }
+    if c.opd_kl_coef > 0:
+        metrics["opd/reverse_kl"] = s["opd_rkl"] / max(s["teacher_tokens"], 1.0)
+        metrics["opd/kl_coef"] = c.opd_kl_coef
+    return metrics

@@ -1,0 +1,452 @@
+"""The trainer: `Sample`s in, better weights out, pushed to the inference engines.
+
+    trainer = Trainer(TrainerConfig(...), "tiny", engine_urls=["http://127.0.0.1:30001"])
+    metrics = trainer.step(samples)     # one optimizer step, then weight sync
+    trainer.save("ckpt/step-10"); trainer.load("ckpt/step-10"); trainer.export_hf("hf-out")
+
+`Trainer.step` is the algorithm; everything it calls lives in a module of its own:
+
+    schedule     pack samples into micro-batches, spread them over DP ranks   (packing.py)
+    teacher      teacher logprobs for OPD (snapshot swap, or a teacher engine) (teacher.py)
+    ref / old    logprobs of the reference and the pre-update policy           (snapshots.py)
+    advantages   estimator per group, then the OPD and KL-reward terms         (advantages.py)
+    train        PPO-clip loss with TIS/RS/KL, one optimizer step    (objective.py, losses.py)
+    sync         new weights to every engine, weight_version + 1               (weight_sync.py)
+
+Simplifications, on purpose: one optimizer step per call (no PPO epochs or mini-batches — call
+`step` again for more); constant learning rate (`megatron_optimizer["lr"]`). Tensor and data
+parallelism work (Megatron's own options); pipeline, context and expert parallelism are refused
+with the reason. With several processes every rank calls `step`; rank 0's samples are used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from palaestra.sample import Sample
+from palaestra.trainer import advantages as adv
+from palaestra.trainer import cpu_shim, losses, objective
+from palaestra.trainer.config import TrainerConfig
+from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
+from palaestra.trainer.megatron_model import (
+    build_model,
+    init_parallel,
+    quiet_megatron_deprecations,
+    transformer_config,
+    unwrap,
+)
+from palaestra.trainer.packing import MicroBatch, build_micro_batch, dummy_micro_batch, schedule
+from palaestra.trainer.snapshots import SnapshotStore
+from palaestra.trainer.weight_sync import WeightSync
+
+__all__ = ["Trainer", "format_metrics"]
+
+_UNSUPPORTED_PARALLEL = {
+    "pipeline_model_parallel_size": "pipeline schedules and per-stage weight gathering are not wired yet",
+    "context_parallel_size": "context parallelism needs TransformerEngine attention; the local spec has none",
+    "expert_model_parallel_size": "the HF conversion covers dense Llama/Qwen models only (no MoE)",
+}
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """One console line: the keys that matter most first."""
+    keys = ["train/step", "train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/clipfrac",
+            "train/grad_norm", "opd/reverse_kl", "mismatch/logprob_abs_diff", "perf/tokens_per_s"]  # fmt: skip
+    return " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in keys if k in metrics)
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig, model_dir: str | Path, engine_urls: Sequence[str] = ()):
+        cpu_shim.import_megatron()
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from transformers import AutoConfig
+
+        from palaestra.presets import resolve_model
+
+        self.config = config
+        self.model_dir = resolve_model(str(model_dir))
+        self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
+        cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
+        for key, why in _UNSUPPORTED_PARALLEL.items():
+            if int(config.megatron.get(key) or 1) != 1:
+                raise ValueError(f"{key} > 1 is not supported by this trainer: {why}")
+        init_parallel(config.megatron, config.dist_init_method)
+        cpu_shim.setup_rng(config.seed)
+        self.transformer_config = transformer_config(self.arch, config.megatron)
+        self.model = build_model(self.arch, self.transformer_config, config.megatron_ddp)
+        self.gpt = unwrap(self.model)
+        self.load_hf_weights(self.model_dir)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**config.megatron_optimizer), [self.model])
+        self._wire_megatron_schedule()
+
+        self.snapshots = SnapshotStore(self.gpt, live_tag="actor")
+        if config.kl_coef > 0:
+            self.snapshots.save("ref")
+        if config.keep_old_actor:
+            self.snapshots.save("old_actor")
+        self.sglang_teacher = None
+        if config.opd_kl_coef > 0 and config.teacher_mode == "megatron":
+            from palaestra.trainer.teacher import load_teacher_tensors
+
+            teacher = load_teacher_tensors(resolve_model(config.teacher_model), self.arch)
+            self.snapshots.load("teacher", self.shard_tp(teacher))
+        elif config.opd_kl_coef > 0 and config.teacher_mode == "sglang":
+            from palaestra.trainer.teacher import SGLangTeacher
+
+            self.sglang_teacher = SGLangTeacher(
+                config.teacher_urls, self.model_dir, config.teacher_concurrency
+            )
+        self.sync = (
+            WeightSync(
+                engine_urls,
+                mode=config.sync_mode,
+                bucket_mb=config.sync_bucket_mb,
+                retries=config.sync_retries,
+                timeout_s=config.sync_timeout_s,
+                disk_dir=config.sync_dir,
+                pause_mode=config.sync_pause_mode,
+            )
+            if engine_urls
+            else None
+        )
+        self.step_count = 0
+        self.weight_version = 0
+
+    # ==========================================================================================
+    # The algorithm
+    # ==========================================================================================
+    def step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One RL/OPD step over `samples`: returns namespaced metrics (train/, opd/, mismatch/, perf/)."""
+        started = time.perf_counter()
+        samples = self._broadcast(list(samples))
+        mbs, plan_metrics = self._schedule(samples)
+        if self.config.opd_kl_coef > 0:
+            self._teacher_logprobs(samples, mbs)
+        if self.config.kl_coef > 0:
+            self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
+        old_policy = "old_actor" if self.config.keep_old_actor else "actor"
+        self._store(mbs, "old_logprobs", self.logprobs(mbs, tag=old_policy))
+        self._advantages(samples, mbs)
+        if self.config.keep_old_actor:
+            self.snapshots.save("old_actor")  # the next step's "old" = these pre-update weights
+        metrics = self._train(mbs)
+        self.step_count += 1
+        self.weight_version += 1
+        metrics.update(plan_metrics)
+        metrics["train/step"] = float(self.step_count)
+        metrics["train/weight_version"] = float(self.weight_version)
+        metrics["train/reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
+        if self.sync is not None:
+            metrics.update(self.sync_weights())
+        elapsed = time.perf_counter() - started
+        metrics["perf/step_s"] = elapsed
+        metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / elapsed
+        return metrics
+
+    # ==========================================================================================
+    # Mechanics
+    # ==========================================================================================
+    def _broadcast(self, samples: list[Sample]) -> list[Sample]:
+        if dist.get_world_size() == 1:
+            return samples
+        box = [samples]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _schedule(self, samples: list[Sample]) -> tuple[list[MicroBatch], dict[str, float]]:
+        """This DP rank's micro-batches (`packing.schedule`, order `dp_balance`) and schedule metrics."""
+        from megatron.core import parallel_state
+
+        if not samples:
+            raise ValueError("step() needs at least one sample")
+        dp_size = parallel_state.get_data_parallel_world_size()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        lengths = [len(s.tokens) for s in samples]
+        plan = schedule(
+            lengths, self.config.max_tokens_per_microbatch, dp_size, self.arch, self.config.dp_balance
+        )
+        mbs = [build_micro_batch(samples, plan.bins[b]) for b in plan.per_rank[dp_rank]]
+        if not mbs:  # fewer micro-batches than DP ranks: run one that trains nothing
+            mbs = [dummy_micro_batch()]
+        loads = plan.rank_flops()
+        return mbs, {
+            "perf/microbatches": float(len(plan.bins)),
+            "perf/pack_fill_ratio": plan.fill_ratio(self.config.max_tokens_per_microbatch),
+            "perf/dp_load_max_over_mean": max(loads) / (sum(loads) / len(loads)) if sum(loads) else 1.0,
+        }
+
+    @staticmethod
+    def _store(mbs: list[MicroBatch], name: str, values: list[torch.Tensor]) -> None:
+        for mb, v in zip(mbs, values, strict=True):
+            setattr(mb, name, v)
+            mb.check()
+
+    def _teacher_logprobs(self, samples: list[Sample], mbs: list[MicroBatch]) -> None:
+        """Fills mb.teacher_logprobs: from the samples when they carry them, else from the teacher."""
+        missing = [i for mb in mbs for i in mb.sample_indices if samples[i].teacher_logprobs is None]
+        scored: dict[int, list[float]] = {}
+        if missing and self.config.teacher_mode == "sglang":
+            assert self.sglang_teacher is not None
+            from megatron.core import parallel_state
+
+            group, rank, size = self._tp()
+            box: list[Any] = [None]
+            if rank == 0:  # TP ranks share their micro-batches: score once, share the answer
+                box[0] = self.sglang_teacher.score([samples[i] for i in missing])
+            if size > 1:
+                dist.broadcast_object_list(
+                    box, src=parallel_state.get_tensor_model_parallel_src_rank(), group=group
+                )
+            scored = dict(zip(missing, box[0], strict=True))
+        elif missing:
+            computed = self.logprobs(mbs, tag="teacher", temperature=1.0)
+            for mb, rows in zip(mbs, computed, strict=True):
+                scored.update(zip(mb.sample_indices, (r.tolist() for r in mb.per_sample(rows)), strict=True))
+        for mb in mbs:
+            rows = [
+                samples[i].teacher_logprobs if samples[i].teacher_logprobs is not None else scored[i]
+                for i in mb.sample_indices
+            ]
+            flat = [x for r in rows for x in r] if not mb.dummy else [0.0] * mb.num_rows
+            mb.teacher_logprobs = torch.tensor(flat, dtype=torch.float32)
+            mb.check()
+
+    def _advantages(self, samples: list[Sample], mbs: list[MicroBatch]) -> None:
+        """Sequence-level estimator over all samples, then per-token OPD / KL-reward terms, TIS, RS."""
+        c = self.config
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        groups, sessions = [s.group_id for s in samples], [s.session_id for s in samples]
+        if c.advantage_estimator == "grpo":
+            per_sample = adv.grpo(rewards, groups, sessions, eps=c.advantage_eps)
+        elif c.advantage_estimator == "dr_grpo":
+            per_sample = adv.dr_grpo(rewards, groups, sessions)
+        elif c.advantage_estimator == "reinforce_pp_baseline":
+            counts = torch.tensor([s.num_sampled for s in samples], dtype=torch.float32)
+            per_sample = adv.reinforce_pp_baseline(rewards, groups, sessions, counts, eps=c.advantage_eps)
+        else:
+            raise ValueError(f"unknown advantage_estimator {c.advantage_estimator!r}")
+        for mb in mbs:
+            assert mb.old_logprobs is not None
+            lengths = torch.tensor(
+                [b - a for a, b in zip(mb.response_offsets[:-1], mb.response_offsets[1:], strict=True)]
+            )
+            a = (
+                per_sample[mb.sample_indices].repeat_interleave(lengths)
+                if mb.sample_indices
+                else mb.old_logprobs * 0
+            )
+            if c.opd_kl_coef > 0:
+                a = adv.opd_adjust(a, mb.old_logprobs, mb.teacher_logprobs, c.opd_kl_coef)
+            if c.kl_coef > 0 and c.kl_mode == "reward":
+                kl = losses.kl_estimate(mb.old_logprobs, mb.ref_logprobs, c.kl_estimator)
+                a = adv.kl_reward_adjust(a, kl, c.kl_coef)
+            mb.advantages = a
+            keep = torch.ones_like(mb.loss_mask)
+            if c.rs_mode is not None:
+                keep = losses.rs_keep_mask(
+                    mb.old_logprobs,
+                    mb.rollout_logprobs,
+                    mb.loss_mask,
+                    mb.seq_index,
+                    c.rs_low,
+                    c.rs_high,
+                    c.rs_mode,
+                )
+            mb.extras["weight"] = mb.loss_mask * keep
+            if c.use_tis:
+                w, clipped = losses.tis_weights(
+                    mb.old_logprobs, mb.rollout_logprobs, c.tis_clip_low, c.tis_clip_high
+                )
+                mb.extras["tis"], mb.extras["tis_clipped"] = w, clipped.float()
+            mb.check()
+
+    # -- forward passes through Megatron's schedule --------------------------------------------
+    def _wire_megatron_schedule(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        cfg = self.transformer_config
+        cfg.no_sync_func = self.model.no_sync
+        cfg.finalize_model_grads_func = finalize_model_grads
+        cfg.grad_scale_func = self.optimizer.scale_loss
+
+    def _device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        dev = self._device()
+        logits = model(
+            mb.tokens.to(dev)[None],
+            mb.position_ids.to(dev)[None],
+            None,
+            packed_seq_params=mb.packed_seq_params(dev),
+        )
+        return logits, partial(loss_fn, mb)
+
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        with quiet_megatron_deprecations():
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn),
+                data_iterator=iter(mbs),
+                model=[self.model],
+                num_microbatches=len(mbs),
+                seq_length=max(mb.num_tokens for mb in mbs),
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+
+    def _rows(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        return logits[0, mb.label_positions.to(logits.device)]
+
+    def _logprob_loss(self, temperature: float, mb: MicroBatch, logits: torch.Tensor):
+        lp = losses.vocab_parallel_logprobs(self._rows(mb, logits), mb.targets.to(logits.device), temperature)
+        return logits.new_zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": lp.detach().float().cpu()}
+
+    def logprobs(
+        self, mbs: list[MicroBatch], tag: str = "actor", temperature: float | None = None
+    ) -> list[torch.Tensor]:
+        """Per micro-batch, log_softmax(logits / T)[token] of every response row, with weights `tag`."""
+        t = self.config.temperature if temperature is None else temperature
+        self.snapshots.switch(tag)
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                out = self._run(mbs, partial(self._logprob_loss, t), forward_only=True)
+        finally:
+            self.snapshots.switch("actor")
+        return [o["logprobs"] for o in out]
+
+    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
+        num, den, sums = objective.microbatch_loss(mb, self._rows(mb, logits), self.config)
+        return num, torch.tensor(den, dtype=torch.int, device=logits.device), {"sums": sums}
+
+    def _train(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        from megatron.core import parallel_state
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run(mbs, self._policy_loss, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.snapshots.mark_live_changed()
+        sums = torch.stack([o["sums"] for o in out]).sum(0)
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        metrics = objective.step_metrics(sums, self.config)
+        metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["train/update_successful"] = float(bool(ok))
+        metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    # ==========================================================================================
+    # Weights in and out
+    # ==========================================================================================
+    def _tp(self) -> tuple[Any, int, int]:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        return group, dist.get_rank(group), dist.get_world_size(group)
+
+    def gather_tp(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole-model tensors from this rank's TP shards (a collective over the TP group)."""
+        group, _, size = self._tp()
+        if size == 1:
+            return local
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+        for name, t in local.items():
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            for r in range(size):
+                shards[r][name] = parts[r]
+        return tp_unshard(shards)
+
+    def shard_tp(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's TP shard of whole-model tensors."""
+        _, rank, size = self._tp()
+        return tp_shard(full, rank, size)
+
+    def megatron_state(self) -> dict[str, torch.Tensor]:
+        """The live weights of the whole model by Megatron name (gathered over TP: a collective)."""
+        return self.gather_tp({name: p.detach() for name, p in self.gpt.named_parameters()})
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The live weights by HF name, on CPU (a collective over TP)."""
+        return {k: v.cpu() for k, v in megatron_to_hf(self.megatron_state(), self.arch).items()}
+
+    @torch.no_grad()
+    def load_megatron_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copies whole-model Megatron tensors into the live model (this rank takes its TP shard)."""
+        params = dict(self.gpt.named_parameters())
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        if missing or extra:
+            raise KeyError(f"Megatron weights: missing {missing[:5]}, unexpected {extra[:5]}")
+        local = self.shard_tp(tensors)
+        for name, p in params.items():
+            if tuple(local[name].shape) != tuple(p.shape):
+                raise ValueError(f"{name}: checkpoint {tuple(local[name].shape)}, model {tuple(p.shape)}")
+            p.copy_(local[name])
+
+    def load_hf_weights(self, model_dir: str | Path) -> None:
+        """Reads HF safetensors from `model_dir` into the live model (converted to Megatron names)."""
+        from palaestra.engine.weights import read_safetensors
+
+        self.load_megatron_state(hf_to_megatron(dict(read_safetensors(model_dir)), self.arch))
+        if hasattr(self, "snapshots"):
+            self.snapshots.mark_live_changed()
+
+    def sync_weights(self) -> dict[str, float]:
+        """Pushes the live weights to every engine as `weight_version` (global rank 0 sends)."""
+        if self.sync is None:
+            return {}
+        if self.snapshots.live != "actor":
+            raise RuntimeError(f"the live weights are {self.snapshots.live!r}, not the actor")
+        error, report = None, None
+        if dist.get_rank() == 0:
+            try:
+                report = self.sync.push(list(self.hf_state().items()), self.weight_version)
+            except Exception as exc:  # every rank must learn about it, or the others hang
+                error = exc
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if error is not None:
+            raise error
+        if box[0] is not None:
+            raise RuntimeError(f"weight sync failed on rank 0: {box[0]}")
+        if report is None:
+            return {}
+        return {
+            "perf/sync_s": report.seconds,
+            "perf/sync_gb_per_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
+            "perf/sync_buckets": float(report.buckets),
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Checkpoint: model, optimizer, RNG, step, weight version, config (checkpoint.py)."""
+        from palaestra.trainer import checkpoint
+
+        checkpoint.save(self, Path(path))
+
+    def load(self, path: str | Path) -> None:
+        """Resumes from a checkpoint written by `save`."""
+        from palaestra.trainer import checkpoint
+
+        checkpoint.load(self, Path(path))
+
+    def export_hf(self, path: str | Path) -> Path:
+        """HF directory (safetensors with HF names + config + tokenizer) that engines load."""
+        from palaestra.trainer import checkpoint
+
+        return checkpoint.export_hf(self, Path(path))
