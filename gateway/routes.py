@@ -65,15 +65,21 @@ async def json_body(request: Request) -> dict[str, Any]:
 openai = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_api_key)])
 
 
-@openai.post("/chat/completions")
-async def chat_completions(session_id: str, request: Request) -> Response:
+async def _counted(request: Request, route: str, call) -> Any:
+    """Reads the JSON body and runs a service call on it, counting it by route and status in /metrics."""
     svc = service(request)
     try:
-        result = await svc.chat(session_id, await json_body(request))
+        result = await call(svc, await json_body(request))
     except GatewayError as exc:
-        svc.metrics.calls.labels(route="chat", status=str(exc.status)).inc()
+        svc.metrics.calls.labels(route=route, status=str(exc.status)).inc()
         raise
-    svc.metrics.calls.labels(route="chat", status="200").inc()
+    svc.metrics.calls.labels(route=route, status="200").inc()
+    return result
+
+
+@openai.post("/chat/completions")
+async def chat_completions(session_id: str, request: Request) -> Response:
+    result = await _counted(request, "chat", lambda svc, body: svc.chat(session_id, body))
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream")
@@ -81,14 +87,9 @@ async def chat_completions(session_id: str, request: Request) -> Response:
 
 @openai.post("/completions")
 async def completions(session_id: str, request: Request) -> Response:
-    svc = service(request)
-    try:
-        result = await svc.completion(session_id, await json_body(request))
-    except GatewayError as exc:
-        svc.metrics.calls.labels(route="completions", status=str(exc.status)).inc()
-        raise
-    svc.metrics.calls.labels(route="completions", status="200").inc()
-    return JSONResponse(result)
+    return JSONResponse(
+        await _counted(request, "completions", lambda svc, body: svc.completion(session_id, body))
+    )
 
 
 @openai.get("/models")

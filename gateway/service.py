@@ -147,6 +147,22 @@ class GatewayService:
         )
         self.metrics.engine_errors.labels(code=exc.code or str(exc.status)).inc()
 
+    async def _generate(
+        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
+    ) -> tuple[list[Generation], float]:
+        """One non-streaming engine call behind the pause gate; a failure is recorded on the session."""
+        await self.gate.enter()
+        try:
+            t0 = time.perf_counter()
+            try:
+                gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs)
+            except GatewayError as exc:
+                self._record_failure(session, call_id, exc)
+                raise
+            return gens, time.perf_counter() - t0
+        finally:
+            self.gate.leave()
+
     def _text_of(self, gen: Generation) -> tuple[str, str]:
         """(text for the agent, text incl. the final stop token) of a generation."""
         ids = gen.output_ids
@@ -277,17 +293,9 @@ class GatewayService:
             return self._chat_stream(
                 session, params, plan, sampling, call_id, tools, tools_on, turn_extra, t0
             )
-        await self.gate.enter()
-        try:
-            t_engine = time.perf_counter()
-            try:
-                gens = await self.engine.generate(session_id, plan.prompt_ids, sampling, params.top_logprobs)
-            except GatewayError as exc:
-                self._record_failure(session, call_id, exc)
-                raise
-            engine_s = time.perf_counter() - t_engine
-        finally:
-            self.gate.leave()
+        gens, engine_s = await self._generate(
+            session, call_id, plan.prompt_ids, sampling, params.top_logprobs
+        )
         choices = []
         for i, gen in enumerate(gens):
             text, full = self._text_of(gen)
@@ -465,19 +473,8 @@ class GatewayService:
             fork = "prefix_changed" if any(t.kind == "completion" for t in session.turns) else None
         max_tokens = self._max_tokens(params, len(ids))
         call_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        await self.gate.enter()
-        try:
-            t_engine = time.perf_counter()
-            try:
-                gens = await self.engine.generate(
-                    session_id, ids, {**params.sampling, "max_new_tokens": max_tokens}, params.top_logprobs
-                )
-            except GatewayError as exc:
-                self._record_failure(session, call_id, exc)
-                raise
-            engine_s = time.perf_counter() - t_engine
-        finally:
-            self.gate.leave()
+        sampling = {**params.sampling, "max_new_tokens": max_tokens}
+        gens, engine_s = await self._generate(session, call_id, ids, sampling, params.top_logprobs)
         choices = []
         for i, gen in enumerate(gens):
             text, full = self._text_of(gen)
