@@ -272,6 +272,38 @@ class GatewayService:
     def _reply_digest(self, msg: dict[str, Any]) -> int:
         return message_digest(normalize_messages([msg])[0], loose_assistant=True)
 
+    def _chat_turn(
+        self,
+        session: Session,
+        call_id: str,
+        choice: int,
+        plan: Plan,
+        gen: Generation,
+        latency: float,
+        tools: list[dict[str, Any]] | None,
+        tools_on: bool,
+        turn_extra: dict[str, Any],
+    ) -> tuple[parsers.ParsedOutput, dict[str, Any]]:
+        """Parses one sampled choice into an assistant message and records it as a turn."""
+        text, full = self._text_of(gen)
+        parsed = self._parse(text, f"{call_id}/{choice}", tools, tools_on)
+        msg = self._message(parsed)
+        self._new_turn(
+            session,
+            call_id,
+            choice,
+            plan.parent,
+            plan.prompt_ids,
+            gen,
+            latency,
+            "chat",
+            reply_digest=self._reply_digest(msg),
+            output_text=full,
+            had_reasoning=parsed.reasoning_content is not None,
+            **turn_extra,
+        )
+        return parsed, msg
+
     async def chat(self, session_id: str, body: dict[str, Any]) -> dict[str, Any] | AsyncIterator[str]:
         t0 = time.perf_counter()
         session = self.sessions.open(session_id)
@@ -298,22 +330,8 @@ class GatewayService:
         )
         choices = []
         for i, gen in enumerate(gens):
-            text, full = self._text_of(gen)
-            parsed = self._parse(text, f"{call_id}/{i}", tools, tools_on)
-            msg = self._message(parsed)
-            self._new_turn(
-                session,
-                call_id,
-                i,
-                plan.parent,
-                plan.prompt_ids,
-                gen,
-                engine_s,
-                "chat",
-                reply_digest=self._reply_digest(msg),
-                output_text=full,
-                had_reasoning=parsed.reasoning_content is not None,
-                **turn_extra,
+            parsed, msg = self._chat_turn(
+                session, call_id, i, plan, gen, engine_s, tools, tools_on, turn_extra
             )
             finish = "tool_calls" if parsed.tool_calls else FINISH.get(gen.finish_reason.get("type"), "stop")
             choice: dict[str, Any] = {"index": i, "message": msg, "finish_reason": finish, "logprobs": None}
@@ -404,23 +422,7 @@ class GatewayService:
         finally:
             self.gate.leave()
         assert final is not None
-        text, full = self._text_of(final)
-        parsed = self._parse(text, f"{call_id}/0", tools, tools_on)
-        msg = self._message(parsed)
-        self._new_turn(
-            session,
-            call_id,
-            0,
-            plan.parent,
-            plan.prompt_ids,
-            final,
-            0.0,
-            "chat",
-            reply_digest=self._reply_digest(msg),
-            output_text=full,
-            had_reasoning=parsed.reasoning_content is not None,
-            **turn_extra,
-        )
+        parsed, _ = self._chat_turn(session, call_id, 0, plan, final, 0.0, tools, tools_on, turn_extra)
         if parsed.reasoning_content is not None:
             yield chunk({"reasoning_content": parsed.reasoning_content})
         content = parsed.content or ""
