@@ -2,7 +2,8 @@
 
 Each command group lives next to the code it drives and registers its sub-commands here:
 `palaestra engine serve` (engine/cli.py), `palaestra router serve` (engine/router.py),
-`palaestra sglang launch` (engine/sglang_launcher.py), `palaestra model build` (palaestra/presets.py).
+`palaestra sglang launch` (engine/sglang_launcher.py), `palaestra model build` (palaestra/presets.py),
+`palaestra train` (palaestra/train.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from palaestra import presets
+    from palaestra import train as train_cmd
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
     from palaestra.gateway import cli as gateway_cli
@@ -29,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     presets.register(groups)
     gateway_cli.register(groups)
     sdk_cli.register(groups)
+    train_cmd.register(groups)
     return parser
 
 

@@ -1,0 +1,200 @@
+"""Where a training run's metrics go: a console line per step, TensorBoard, W&B, a JSON-lines file.
+
+    tracker = make_tracker(cfg.logging, output_dir, run_name="demo", config=config_to_dict(cfg))
+    tracker.log({"rollout/reward_mean": 0.4, "train/loss": 0.1}, step=3)
+    print(console_line(3, 20, metrics))
+    tracker.close()
+
+Keys are namespaced by what produced them — `rollout/` (generation and the sample feed), `train/`
+(the optimizer step), `opd/` (distillation), `mismatch/` (rollout vs trainer logprobs), `perf/`
+(time and throughput), `eval/` (held-out accuracy) — and go to every backend unchanged.
+
+The loop never asks which backends are on: `make_tracker` always returns one object. TensorBoard
+is used when `logging.tensorboard_dir` is set (`torch.utils.tensorboard`, the `tensorboard`
+package); W&B when `logging.wandb_project` is set and `wandb` is installed (offline by default;
+`wandb sync` uploads later); without either the tracker is a no-op. `metrics.jsonl` in the output
+directory is always written: one JSON object per step, what `palaestra.report` plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from palaestra.config import LoggingOptions
+
+__all__ = [
+    "NAMESPACES",
+    "JsonlTracker",
+    "MultiTracker",
+    "NoopTracker",
+    "TensorBoardTracker",
+    "Tracker",
+    "WandbTracker",
+    "console_line",
+    "make_tracker",
+]
+
+log = logging.getLogger("palaestra.train")
+
+NAMESPACES = ("rollout/", "train/", "opd/", "mismatch/", "perf/", "eval/")
+
+
+class Tracker(Protocol):
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite-or-not numeric entries (bools count as 0/1); anything else is not a scalar."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+
+
+class NoopTracker:
+    """Takes everything, does nothing (so the loop has no `if tensorboard:` branches)."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlTracker:
+    """Appends `{"step": k, **metrics}` per call. A step may have several rows (the held-out
+    evaluation after the last step is its own row) and a resumed run appends again: readers merge
+    the rows of a step, later keys winning."""
+
+    def __init__(self, path: str | Path, *, append: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        row = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in _scalars(metrics).items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardTracker:
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for key, value in _scalars(metrics).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, project: str, mode: str, name: str, directory: Path, config: Mapping[str, Any]):
+        import wandb
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, mode=mode, dir=str(directory), config=dict(config))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log(_scalars(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MultiTracker:
+    def __init__(self, trackers: Sequence[Tracker]):
+        self.trackers = list(trackers)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for t in self.trackers:
+            t.log(metrics, step)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+
+
+def make_tracker(
+    options: LoggingOptions,
+    output_dir: str | Path,
+    *,
+    run_name: str,
+    config: Mapping[str, Any],
+    fresh: bool = True,
+) -> MultiTracker:
+    """metrics.jsonl always (started over when `fresh`, appended to on resume); TensorBoard and
+    W&B as `options` say and as installed (a missing package is one warning, not a failed run)."""
+    output_dir = Path(output_dir)
+    trackers: list[Tracker] = [JsonlTracker(output_dir / "metrics.jsonl", append=not fresh)]
+    if options.tensorboard_dir:
+        try:
+            trackers.append(TensorBoardTracker(output_dir / options.tensorboard_dir))
+        except ImportError as exc:
+            log.warning("TensorBoard is off: %s (pip install tensorboard)", exc)
+    if options.wandb_project and options.wandb_mode != "disabled":
+        try:
+            trackers.append(
+                WandbTracker(options.wandb_project, options.wandb_mode, run_name, output_dir, config)
+            )
+        except ImportError:
+            log.warning("W&B is off: wandb is not installed (pip install wandb)")
+    return MultiTracker(trackers)
+
+
+def _fmt(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
+        return f"{value:.2e}"
+    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+# (key, label) in the order a reader scans a step: progress, reward, data, loss, health, time.
+CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
+    ("rollout/reward_mean", "reward"),
+    ("rollout/reward_std", "±"),
+    ("rollout/samples", "samples"),
+    ("rollout/staleness_max", "lag"),
+    ("rollout/dropped", "dropped"),
+    ("train/loss", "loss"),
+    ("train/kl", "kl"),
+    ("train/entropy", "ent"),
+    ("train/grad_norm", "gnorm"),
+    ("opd/reverse_kl", "opd_kl"),
+    ("mismatch/logprob_abs_diff", "mismatch"),
+    ("train/weight_version", "v"),
+    ("eval/accuracy", "eval_acc"),
+    ("perf/step_wall_s", "step_s"),
+    ("perf/gen_s", "gen_s"),
+    ("perf/train_s", "train_s"),
+    ("perf/sync_s", "sync_s"),
+    ("perf/wait_s", "wait_s"),
+)
+
+
+def console_line(step: int, steps: int, metrics: Mapping[str, Any]) -> str:
+    """`step 3/20 | reward 0.250±0.433 samples 32 ... | step_s 4.1 gen_s 2.0 ...` — one line."""
+    parts = [f"step {step}/{steps}"]
+    for key, label in CONSOLE_KEYS:
+        value = metrics.get(key)
+        if not isinstance(value, int | float):
+            continue
+        if label == "±":
+            parts[-1] += f"±{_fmt(float(value))}"
+        elif label in ("samples", "v", "dropped", "lag"):
+            parts.append(f"{label} {int(value)}")
+        else:
+            parts.append(f"{label} {_fmt(float(value))}")
+    return " ".join(parts)
