@@ -8,7 +8,7 @@ STAMP := $(VENV)/.palaestra-installed
 # CUDA build of torch you want into .venv first and run `make install TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-fast demo lint bench clean
+.PHONY: install test test-fast demo chat-demo lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# Warm-starts a teacher and a student (cached), then trains the student with GRPO + OPD through
+# engines, router, gateway and the Megatron trainer on Ray: ~10 min on 2 CPU cores.
 demo: install
 	$(PY) -m palaestra.demo
+
+# The inference side only: 2 engines behind sglang-router and a multi-turn chat (smollm2-135m).
+chat-demo: install
+	$(PY) -m palaestra.chat_demo
 
 lint: install
 	$(VENV)/bin/ruff check .

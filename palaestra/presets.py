@@ -62,7 +62,10 @@ PRESETS: dict[str, str] = {
     "tiny-qwen3": "10M-parameter Qwen3, random weights, Qwen3's real tokenizer and chat template",
     "tiny-glm4.7": "10M-parameter Qwen3, random weights, GLM-4.7-Flash's real tokenizer and chat template",
     "tiny-glm5": "10M-parameter Qwen3, random weights, GLM-5's chat template, GLM-4.7-Flash's tokenizer",
+    "demo-teacher": "tiny after 600 SFT steps on single-digit sums (~98% greedy; ~2 min to build)",
+    "demo-student": "the demo teacher's SFT run stopped early (~40% greedy; built with the teacher)",
 }
+_WARM_STARTS = {"demo-teacher": "teacher", "demo-student": "student"}  # palaestra.warmstart builds them
 
 # Bump a version whenever its recipe changes: the directory name carries it, so old builds
 # are left alone and a new one is made.
@@ -111,6 +114,10 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     `cache_root()`) and reused afterwards. Anything that is not a preset name must be a
     directory containing ``config.json``.
     """
+    if name_or_path in _WARM_STARTS:
+        from palaestra.warmstart import warm_start
+
+        return warm_start(_WARM_STARTS[name_or_path], cache_dir)
     if name_or_path in PRESETS:
         root = Path(cache_dir).expanduser().absolute() if cache_dir is not None else cache_root()
         target = root / "models" / f"{name_or_path}-v{_VERSIONS[name_or_path]}"

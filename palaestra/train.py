@@ -301,6 +301,7 @@ def train(cfg: RunConfig, *, on_step=None) -> RunResult:
     """
     out = cfg.output_dir
     state, ckpt = _prepare(cfg, out)
+    _build_presets(cfg)
     t0 = time.perf_counter()
     started_ray = init_ray(cfg.run.host, logical_cpus_needed(cfg))
     ray_s = time.perf_counter() - t0
@@ -626,6 +627,18 @@ class _Loop:
         _print(result.summary, None)
 
 
+def _build_presets(cfg: RunConfig) -> None:
+    """Builds the presets the run names (the demo's warm-started teacher and student take ~2 min
+    the first time) here, with progress on the console, before any actor asks for them."""
+    from palaestra.presets import PRESETS, resolve_model
+
+    for name in dict.fromkeys([cfg.model.student, cfg.model.teacher, cfg.trainer.teacher_model]):
+        if name in PRESETS:
+            t0 = time.perf_counter()
+            path = resolve_model(name)
+            log.info("model %s: %s (%.1f s)", name, path, time.perf_counter() - t0)
+
+
 def _warn_off_policy(cfg: RunConfig) -> None:
     tr = cfg.trainer
     if cfg.run.mode != "sync" and not (tr.keep_old_actor or tr.use_tis or tr.rs_mode):
@@ -660,6 +673,7 @@ def _print(line: str, bar) -> None:
 def _command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # parameter lists when a model is built
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]  # only overrides, no file

@@ -65,9 +65,22 @@ def test_prefixes_iterator_and_task_ids():
     assert all(t.kind == "fraction" for t in only_fractions)
 
 
+def test_difficulty_zero_is_single_digit_arithmetic_only():
+    tasks = generate_tasks(400, seed=5, difficulty=0, kinds=["arithmetic"])
+    problems = set()
+    for t in tasks:
+        x, op, y = t.question.rstrip("?.").split()[-3:]
+        assert 0 <= int(x) <= 9 and 0 <= int(y) <= 9 and op in "+-"
+        assert int(t.answer) == (int(x) + int(y) if op == "+" else int(x) - int(y))
+        problems.add((x, op, y))
+    assert len(problems) > 150  # of the 200 possible problems
+    with pytest.raises(ValueError, match="0 exists only for arithmetic"):
+        generate_tasks(2, seed=0, difficulty=0)  # the second task would be a word problem
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError):
-        generate_tasks(1, seed=0, difficulty=0)
+        generate_tasks(1, seed=0, difficulty=-1)
     with pytest.raises(ValueError):
         generate_tasks(1, seed=0, difficulty=6)
     with pytest.raises(ValueError):

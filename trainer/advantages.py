@@ -7,6 +7,12 @@ Sequence-level estimators (one advantage per sample, broadcast to its response t
 * `dr_grpo`: Â_i = r_i − mean_g — no std division (https://arxiv.org/abs/2503.20783).
 * `reinforce_pp_baseline`: Â_i = r_i − mean_g, then whitened over all loss tokens of the batch,
   (Â − μ_tok) / (σ_tok + eps) (REINFORCE++ with baseline, https://arxiv.org/abs/2501.03262).
+* `sft`: Â_i = 1 for every sample; rewards and groups are ignored. With one optimizer step per
+  call the PPO ratio is 1 (old = the weights being trained), so the gradient is exactly that of the
+  mean negative log-likelihood of the loss-mask tokens: supervised fine-tuning on given responses
+  (`palaestra.warmstart` uses it to warm-start the demo's teacher and student).
+* `none`: Â_i = 0; only the per-token terms below remain — with `opd_kl_coef` > 0 that is pure
+  on-policy distillation (rewards ignored).
 
 Groups and forks. A group's statistics are over its *sessions*, not its samples: a session whose
 history was rewritten forks into several samples of the same group (same `session_id`), and it is
@@ -35,6 +41,8 @@ __all__ = [
     "kl_reward_adjust",
     "opd_adjust",
     "reinforce_pp_baseline",
+    "sft",
+    "zero",
 ]
 
 
@@ -122,6 +130,16 @@ def reinforce_pp_baseline(
     mu = (w * centered).sum() / total
     sigma = ((w * (centered - mu) ** 2).sum() / total).sqrt()
     return ((centered - mu) / (sigma + eps)).float()
+
+
+def sft(num_samples: int) -> torch.Tensor:
+    """SFT: advantage 1 for every sample (the policy-gradient loss becomes the NLL's gradient)."""
+    return torch.ones(num_samples, dtype=torch.float32)
+
+
+def zero(num_samples: int) -> torch.Tensor:
+    """`none`: no sequence-level advantage (pure on-policy distillation with opd_kl_coef > 0)."""
+    return torch.zeros(num_samples, dtype=torch.float32)
 
 
 def opd_adjust(

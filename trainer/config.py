@@ -59,9 +59,11 @@ class TrainerConfig:
     Karmarkar-Karp on estimated FLOPs. distribute_first: Karmarkar-Karp over samples, then pack per
     rank — better balanced for long-tailed lengths with few micro-batches per rank (bench/trainer.py)."""
 
-    advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_pp_baseline"] = "grpo"
+    advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_pp_baseline", "sft", "none"] = "grpo"
     """grpo: (r − mean_g)/(std_g + eps); dr_grpo: r − mean_g; reinforce_pp_baseline: r − mean_g,
-    whitened over the batch's loss tokens. Groups by `Sample.group_id`, sessions counted once."""
+    whitened over the batch's loss tokens. Groups by `Sample.group_id`, sessions counted once.
+    sft: 1 for every sample (rewards ignored), i.e. supervised fine-tuning on the given responses.
+    none: 0 (rewards ignored): with opd_kl_coef > 0, pure on-policy distillation."""
 
     advantage_eps: float = 1e-6
     """eps in the std divisions of grpo and reinforce_pp_baseline."""

@@ -28,6 +28,7 @@ __all__ = ["SUM_KEYS", "microbatch_loss", "step_metrics"]
 SUM_KEYS = (
     "loss_num", "loss_den", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "ratio", "tokens",
     "mask_tokens", "abs_diff", "mismatch_kl", "tis_clipped", "rs_masked", "opd_rkl", "teacher_tokens",
+    "nll",
 )  # fmt: skip
 
 
@@ -70,6 +71,7 @@ def microbatch_loss(
             "rs_masked": ((1 - weight) * m).sum(),
             "opd_rkl": ((old - teacher) * m).sum() if teacher is not None else zero,
             "teacher_tokens": m.sum() if teacher is not None else zero,
+            "nll": (-old * weight).sum(),
         }
         sums = torch.stack([stats[k].float() for k in SUM_KEYS])
     return num, den, sums
@@ -92,6 +94,7 @@ def step_metrics(sums: torch.Tensor, c: TrainerConfig) -> dict[str, float]:
         "train/dual_clipfrac": s["dual_clipped"] / tok,
         "train/ratio_mean": s["ratio"] / tok,
         "train/loss_tokens": s["tokens"],
+        "train/nll": s["nll"] / tok,
         "mismatch/logprob_abs_diff": s["abs_diff"] / mask,
         "mismatch/kl": s["mismatch_kl"] / mask,
         "mismatch/tis_clip_frac": s["tis_clipped"] / mask,

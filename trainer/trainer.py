@@ -57,7 +57,7 @@ _UNSUPPORTED_PARALLEL = {
 
 def format_metrics(metrics: dict[str, float]) -> str:
     """One console line: the keys that matter most first."""
-    keys = ["train/step", "train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/clipfrac",
+    keys = ["train/step", "train/loss", "train/nll", "train/pg_loss", "train/kl", "train/entropy", "train/clipfrac",
             "train/grad_norm", "opd/reverse_kl", "mismatch/logprob_abs_diff", "perf/tokens_per_s"]  # fmt: skip
     return " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in keys if k in metrics)
 
@@ -127,8 +127,10 @@ class Trainer:
         started = time.perf_counter()
         samples = self._broadcast(list(samples))
         mbs, plan_metrics = self._schedule(samples)
+        t_teacher = time.perf_counter()
         if self.config.opd_kl_coef > 0:
             self._teacher_logprobs(samples, mbs)
+        t_score = time.perf_counter()
         if self.config.kl_coef > 0:
             self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
         old_policy = "old_actor" if self.config.keep_old_actor else "actor"
@@ -136,7 +138,11 @@ class Trainer:
         self._advantages(samples, mbs)
         if self.config.keep_old_actor:
             self.snapshots.save("old_actor")  # the next step's "old" = these pre-update weights
+        t_update = time.perf_counter()
         metrics = self._train(mbs)
+        metrics["perf/teacher_s"] = t_score - t_teacher  # teacher scoring (OPD)
+        metrics["perf/score_s"] = t_update - t_score  # old/ref logprob passes and advantages
+        metrics["perf/update_s"] = time.perf_counter() - t_update  # forward+backward+optimizer
         self.step_count += 1
         self.weight_version += 1
         metrics.update(plan_metrics)
@@ -230,6 +236,10 @@ class Trainer:
         elif c.advantage_estimator == "reinforce_pp_baseline":
             counts = torch.tensor([s.num_sampled for s in samples], dtype=torch.float32)
             per_sample = adv.reinforce_pp_baseline(rewards, groups, sessions, counts, eps=c.advantage_eps)
+        elif c.advantage_estimator == "sft":
+            per_sample = adv.sft(len(samples))
+        elif c.advantage_estimator == "none":
+            per_sample = adv.zero(len(samples))
         else:
             raise ValueError(f"unknown advantage_estimator {c.advantage_estimator!r}")
         for mb in mbs:

@@ -10,10 +10,16 @@ Tasks come from the seeded generator (`tasks.py`) or, with `data=PATH`, from a G
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from palaestra.environments.math.calculator import CALCULATOR_TOOL, run_calculator_tool
-from palaestra.environments.math.tasks import MathTask, iter_tasks, load_gsm8k_jsonl
+from palaestra.environments.math.tasks import (
+    KINDS,
+    MathTask,
+    generate_task,
+    iter_tasks,
+    load_gsm8k_jsonl,
+)
 from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session
 from palaestra.verifiers.math import averify_math
@@ -26,13 +32,25 @@ class MathEnv(Environment):
     name = "math"
 
     def __init__(
-        self, difficulty: int = 1, data: str | None = None, max_tokens: int = 256, temperature: float = 1.0
+        self,
+        difficulty: int = 1,
+        data: str | None = None,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        kinds: Sequence[str] = KINDS,
     ):
-        self.difficulty, self.data = difficulty, data
+        """`difficulty` 0-5 and `kinds` (arithmetic, word_problem, fraction; cycled) choose the
+        generated tasks; `data` (a GSM8K-format JSONL) replaces them."""
+        self.difficulty, self.data, self.kinds = difficulty, data, tuple(kinds)
         self.max_tokens, self.temperature = max_tokens, temperature
+        if not data:  # a bad difficulty or kind fails here, clearly, not in the middle of a run
+            if not self.kinds:
+                raise ValueError("kinds must not be empty")
+            for kind in self.kinds:
+                generate_task(0, 0, difficulty, kind)
 
     def tasks(self, seed: int) -> Iterable[MathTask]:
-        return load_gsm8k_jsonl(self.data) if self.data else iter_tasks(seed, self.difficulty)
+        return load_gsm8k_jsonl(self.data) if self.data else iter_tasks(seed, self.difficulty, self.kinds)
 
     async def rollout(self, session: Session, task: MathTask) -> Reward:
         reply = await session.client.chat.completions.create(

@@ -9,7 +9,9 @@ Three kinds, cycled by index (``kinds[index % len(kinds)]``):
   the answer is always an integer (a product has one small factor, a quotient divides exactly).
   Difficulty 1-5 sets the number of operators (1-5), the operand size (up to 2, 2, 3, 3, 4 digits),
   the operators (``+ -``; then ``*``; from 3 on ``/``), factors up to 9 (19 from 4 on) and, from 4
-  on, negative operands.
+  on, negative operands. Difficulty 0 (arithmetic only) is one ``+`` or ``-`` between two digits
+  0-9: 200 problems in four phrasings, small enough for a 4M-parameter model to learn on a CPU in
+  two minutes (the demo's distribution, `palaestra.warmstart`).
 - ``word_problem``: eight templates of 2-4 steps (shopping change, packs, a factory, sharing,
   savings, a discount, a trip, ages) with names, objects and quantities drawn at random; every
   answer is an integer. Difficulty raises the magnitudes, admits the longer templates (1: two
@@ -60,7 +62,7 @@ class MathTask:
     answer: str
     """The reference answer: an integer, a decimal or a reduced fraction ``"a/b"``."""
     difficulty: int
-    """1-5 for generated tasks; 0 (unknown) for loaded ones."""
+    """1-5 for generated tasks (0: single-digit arithmetic, or a loaded task)."""
     kind: str
     """``arithmetic``, ``word_problem``, ``fraction`` or ``gsm8k``."""
 
@@ -106,7 +108,13 @@ def _render(node: Node) -> str:
     return f"{left_text} {op} {right_text}"
 
 
+_QUESTIONS = ("What is {}?", "Compute {}.", "Evaluate {}.", "Calculate {}.")
+
+
 def _arithmetic(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    if difficulty == 0:
+        x, y, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+-")
+        return rng.choice(_QUESTIONS).format(f"{x} {op} {y}"), str(x + y if op == "+" else x - y)
     n_ops = difficulty
     digits = (2, 2, 3, 3, 4)[difficulty - 1]
     small = 9 if difficulty <= 3 else 19  # the largest factor or divisor
@@ -138,7 +146,7 @@ def _arithmetic(rng: random.Random, difficulty: int) -> tuple[str, str]:
 
     tree = build(n_ops)
     expression = _render(tree)
-    question = rng.choice(("What is {}?", "Compute {}.", "Evaluate {}.", "Calculate {}.")).format(expression)
+    question = rng.choice(_QUESTIONS).format(expression)
     return question, format_fraction(_evaluate(tree))
 
 
@@ -348,8 +356,12 @@ def generate_task(seed: int, index: int, difficulty: int, kind: str) -> MathTask
     """Task ``index`` of the stream for ``seed``; depends on nothing else."""
     if kind not in _GENERATORS:
         raise ValueError(f"unknown kind {kind!r}; choose from {sorted(_GENERATORS)}")
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(f"difficulty must be 1..{MAX_DIFFICULTY}, got {difficulty}")
+    low = 0 if kind == "arithmetic" else 1
+    if not low <= difficulty <= MAX_DIFFICULTY:
+        raise ValueError(
+            f"difficulty must be {low}..{MAX_DIFFICULTY} for {kind} tasks, got {difficulty}"
+            + (" (0 exists only for arithmetic)" if difficulty == 0 else "")
+        )
     rng = random.Random(f"palaestra.math/{kind}/d{difficulty}/s{seed}/{index}")
     question, answer = _GENERATORS[kind](rng, difficulty)
     task_id = f"{kind}-d{difficulty}-s{seed}-{index}"

@@ -1,0 +1,121 @@
+"""GRPO alone, OPD alone and GRPO+OPD on the demo's task: steps to 90 % of the teacher's accuracy.
+
+    .venv/bin/python bench/opd_vs_grpo.py                          # 3 arms x 60 steps, eval every 5
+    .venv/bin/python bench/opd_vs_grpo.py --arms opd,grpo --steps 100 --eval-every 10
+
+Every arm is a real `palaestra train` run (the Python API, the CLI's code path) of
+configs/demo.yaml — the warm-started student on 2 embedded engines behind sglang-router, the
+gateway, the math environment's agents, the Megatron trainer, all on a local Ray — with the same
+seeds and task order, from the same student weights. Only the objective differs:
+
+* `grpo`: GRPO advantages, no teacher (model.teacher=null, trainer.opd_kl_coef=0);
+* `opd`: on-policy distillation alone — advantage_estimator=none, so every token's advantage is
+  −β·(log π_student − log π_teacher) and rewards are ignored;
+* `grpo+opd`: both (the demo's setting).
+
+The teacher's held-out accuracy is measured first (a 0-step run of the teacher); the target is
+`--target` x that. Held-out accuracy is greedy on the config's `env.eval_tasks` tasks, measured
+through the stack every `--eval-every` steps, so steps-to-target has that resolution. Prints each
+arm's curve, the first evaluated step at target ("not reached within N" otherwise), the ratio of
+those counts and each arm's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from palaestra.config import load_config  # noqa: E402
+from palaestra.train import train  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+ARMS = {
+    "grpo": ["model.teacher=null", "trainer.opd_kl_coef=0", "trainer.teacher_mode=null",
+             "trainer.teacher_model=null"],
+    "opd": ["trainer.advantage_estimator=none"],
+    "grpo+opd": [],
+}  # fmt: skip
+
+
+def run(name: str, out: Path, overrides: list[str]) -> tuple[list[tuple[int, float]], float]:
+    """(step, held-out accuracy) pairs of one run, and its wall seconds."""
+    started = time.perf_counter()
+    cfg = load_config(CONFIG, [f"run.output_dir={out}", f"run.name=bench-{name}", "run.checkpoint_every=0",
+                               "logging.tensorboard_dir=null", *overrides])  # fmt: skip
+    result = train(cfg)
+    curve = [(0, result.eval_before["accuracy"])] if result.eval_before else []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "eval/accuracy" in row and row.get("train/step", 0) > 0:
+            curve.append((int(row["train/step"]), row["eval/accuracy"]))
+    if result.eval_after and (not curve or curve[-1][0] != result.state.step):
+        curve.append((result.state.step, result.eval_after["accuracy"]))
+    return curve, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of grpo, opd, grpo+opd")
+    ap.add_argument("--steps", type=int, default=60, help="training steps per arm (default: %(default)s)")
+    ap.add_argument(
+        "--eval-every", type=int, default=5, help="steps between evaluations (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--target", type=float, default=0.9, help="fraction of the teacher's accuracy (default: %(default)s)"
+    )
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="more dotted config overrides for every arm, e.g. trainer.megatron_optimizer.lr=2e-4",
+    )
+    args = ap.parse_args(argv)  # fmt: skip
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    results: dict[str, tuple[list[tuple[int, float]], float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-opd-") as tmp:
+        teacher_cfg = load_config(CONFIG)
+        (teacher_curve, _) = run("teacher", Path(tmp) / "teacher", [
+            f"model.student={teacher_cfg.model.teacher}", *ARMS["grpo"], "run.steps=0", *args.overrides])  # fmt: skip
+        teacher_acc = teacher_curve[0][1]
+        target = args.target * teacher_acc
+        print(f"teacher held-out accuracy {teacher_acc:.3f} -> target {target:.3f}", flush=True)
+        common = [f"run.steps={args.steps}", f"env.eval_every={args.eval_every}", *args.overrides]
+        for arm in arms:
+            results[arm] = run(arm, Path(tmp) / arm, [*ARMS[arm], *common])
+            print(f"{arm}: {' '.join(f'{s}:{a:.2f}' for s, a in results[arm][0])}", flush=True)
+
+    print(f"\n== {CONFIG.name} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "
+          f"target {args.target:.0%} of it = {target:.3f}")  # fmt: skip
+    reached: dict[str, int | None] = {}
+    for arm, (curve, wall) in results.items():
+        reached[arm] = next((s for s, a in curve if a >= target), None)
+        when = (
+            f"{reached[arm]} steps"
+            if reached[arm] is not None
+            else f"not reached within {curve[-1][0]} steps"
+        )
+        print(f"{arm:9s} {curve[0][1]:.3f} -> {curve[-1][1]:.3f} (best {max(a for _, a in curve):.3f}); "
+              f"target: {when}; {wall:.0f} s")  # fmt: skip
+        print(f"          curve {' '.join(f'{s}:{a:.2f}' for s, a in curve)}")
+    for a, b in (("opd", "grpo"), ("grpo+opd", "grpo")):
+        if a in reached and b in reached:
+            sa, sb = reached[a], reached[b]
+            if sa is not None and sb is not None:
+                print(f"steps to target {a} / {b}: {sa} / {sb} = {sa / sb:.2f} (goal for OPD: <= 0.20)")
+            else:
+                print(
+                    f"steps to target {a} / {b}: {sa or 'not reached'} / {sb or 'not reached'} (ratio undefined)"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
