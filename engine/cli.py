@@ -124,9 +124,13 @@ def engine_process(
     extra_args: list[str] | None = None,
     startup_timeout: float = 180.0,
     env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
 ) -> ServerProcess:
-    """`palaestra engine serve` as a subprocess on a free loopback port (call `.start()` or use `with`)."""
+    """`palaestra engine serve` as a subprocess (call `.start()` or use `with`), bound to `host`
+    (loopback by default) on `port` (a free one by default); its URL names `host`, or loopback
+    when `host` is a wildcard address."""
     port = port or free_port()
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     argv = [
         sys.executable,
         "-m",
@@ -135,10 +139,11 @@ def engine_process(
         "serve",
         "--model",
         model,
+        "--host",
+        host,
         "--port",
         str(port),
         *(extra_args or []),
     ]
-    return ServerProcess(
-        argv, f"http://127.0.0.1:{port}", name=f"engine-{port}", startup_timeout=startup_timeout, env=env
-    )
+    url = f"http://[{reach}]:{port}" if ":" in reach else f"http://{reach}:{port}"
+    return ServerProcess(argv, url, name=f"engine-{port}", startup_timeout=startup_timeout, env=env)

@@ -33,7 +33,7 @@ from palaestra.engine.metrics import EngineMetrics
 from palaestra.engine.model_runner import ModelRunner, SeqKV
 from palaestra.engine.prefix_cache import PrefixCache
 from palaestra.engine.protocol import PromptSpec, RequestError
-from palaestra.engine.sampling import RowState, sample
+from palaestra.engine.sampling import RowState, log_softmax, sample
 
 log = logging.getLogger("palaestra.engine")
 
@@ -327,7 +327,7 @@ class Engine:
         ids = seq.spec.input_ids
         if seq.spec.logprob_start_len >= len(ids):
             return  # start == prompt length: nothing to report
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = log_softmax(logits)
         targets = torch.tensor(ids[start + 1 :], dtype=torch.long)
         vals = lp[torch.arange(len(targets)), targets].tolist() if len(targets) else []
         seq.input_logprobs = [None, *vals]

@@ -89,8 +89,8 @@ class ServerHost:
         if backend == "embedded":
             from palaestra.engine.cli import engine_process
 
-            argv = engine_process(model, port=port).argv
-            argv += [*flags, "--host", host, "--weight-version", weight_version]
+            argv = engine_process(model, port=port, host=host).argv
+            argv += [*flags, "--weight-version", weight_version]
         else:
             from palaestra.engine import sglang_launcher
 

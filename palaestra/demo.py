@@ -31,6 +31,16 @@ from palaestra.train import train
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
+def _fresh_name(name: str) -> str:
+    """`name`, or `name-2`, `name-3`, ... when runs/<name> already holds a run (a second
+    `make demo` keeps the first one's results instead of refusing to start)."""
+    candidate, n = name, 1
+    while (Path("runs") / candidate / "checkpoints").exists():
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
+
+
 def main(argv: list[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in overrides):
@@ -41,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         cfg = load_config(CONFIG, overrides)
+        if not any(o.startswith(("run.name=", "run.output_dir=", "run.resume=")) for o in overrides):
+            cfg = load_config(CONFIG, [*overrides, f"run.name={_fresh_name(cfg.run.name)}"])
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

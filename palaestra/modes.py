@@ -1,0 +1,197 @@
+"""Where each training step's groups come from, per `run.mode` (what overlaps with training).
+
+* `SyncSource`: generate step k, then train on it (lag 0);
+* `OneStepOffSource`: generation of step k+1 runs while step k trains (lag exactly 1);
+* `AsyncSource`: continuous generation, at most (1 + max_staleness) steps ahead, the gateway
+  drained and paused around every weight sync.
+
+`palaestra.train._Loop` calls `begin`, then per step `batch` → train → `before_sync` → sync →
+`after_sync`, and `end` last.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Any
+
+from palaestra.config import RunConfig
+from palaestra.orchestration import Batch, Cluster, RunFailed, SampleFeed, Waiter, select_batch
+
+if TYPE_CHECKING:
+    from palaestra.train import RunState
+
+__all__ = ["SOURCES", "AsyncSource", "OneStepOffSource", "Source", "SyncSource"]
+
+log = logging.getLogger("palaestra.train")
+
+
+class Source:
+    """Groups of samples for each step; subclasses decide what overlaps with training."""
+
+    def __init__(self, cfg: RunConfig, cluster: Cluster, feed: SampleFeed, waiter: Waiter, state: RunState):
+        self.cfg, self.cluster, self.feed, self.waiter, self.state = cfg, cluster, feed, waiter, state
+        self.per_step = cfg.env.tasks_per_step
+        self.next_index = state.watermark  # sync and one-step-off consume whole steps in order
+
+    def _indices(self) -> list[int]:
+        first, self.next_index = self.next_index, self.next_index + self.per_step
+        return list(range(first, self.next_index))
+
+    def _launch(self):
+        return self.cluster.rollout.run_groups.remote(self._indices())
+
+    def _generation_progress(self) -> str:
+        import ray
+
+        try:
+            status = ray.get(self.cluster.rollout.status.remote(), timeout=10)
+        except ray.exceptions.RayError as exc:
+            return f"the environment runner does not answer: {type(exc).__name__}"
+        running = status["in_flight_groups"]
+        return f"{len(running)} groups still running, task indices {running[:8]}"
+
+    def _claim_all(self, records: list, phase: str) -> list[tuple[Any, list]]:
+        """Reads the cursor until every record's samples are in (they are durable already)."""
+        out: dict[int, list] = {}
+
+        def ready() -> bool:
+            self.feed.poll()
+            for i, r in enumerate(records):
+                if i not in out and (got := self.feed.claim(r)) is not None:
+                    out[i] = got
+            return len(out) == len(records)
+
+        self.waiter.wait_until(
+            ready, phase, lambda: f"{len(out)}/{len(records)} groups' samples read from the gateway"
+        )
+        return [(r, out[i]) for i, r in enumerate(records)]
+
+    def _select(self, groups, trainer_version: int) -> Batch:
+        run = self.cfg.run
+        return select_batch(
+            groups,
+            trainer_version,
+            run.max_staleness,
+            run.stale_policy,
+            self.cfg.env.filter_zero_variance_groups,
+        )
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def batch(self, step: int, trainer_version: int) -> Batch:
+        raise NotImplementedError
+
+    def before_sync(self, step: int) -> float:
+        """Whatever must happen before the weights move; returns seconds spent."""
+        return 0.0
+
+    def after_sync(self, step: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+class SyncSource(Source):
+    """Generate step k, then train on it: every sample is on-policy (lag 0)."""
+
+    def batch(self, step: int, trainer_version: int) -> Batch:
+        records = self.waiter.get([self._launch()], "generation", progress=self._generation_progress)[0]
+        return self._select(self._claim_all(records, "reading samples"), trainer_version)
+
+
+class OneStepOffSource(Source):
+    """Generation of step k+1 runs while step k trains; the sync waits for it to end, so each
+    batch was sampled by exactly the previous weights (lag 1, 0 for the first)."""
+
+    def begin(self, step: int) -> None:
+        self.ref = self._launch()
+
+    def batch(self, step: int, trainer_version: int) -> Batch:
+        records = self.waiter.get([self.ref], "generation", progress=self._generation_progress)[0]
+        self.ref = self._launch() if step + 1 < self.cfg.run.steps else None
+        return self._select(self._claim_all(records, "reading samples"), trainer_version)
+
+    def before_sync(self, step: int) -> float:
+        started = time.perf_counter()
+        if self.ref is not None:
+            self.waiter.get(
+                [self.ref],
+                "generation of the next step (before the weight sync)",
+                progress=self._generation_progress,
+            )
+        return time.perf_counter() - started
+
+
+class AsyncSource(Source):
+    """Continuous generation; at most (1 + max_staleness) steps' groups are started ahead of
+    training, and `select_batch` enforces the bound per sample. The gateway is drained and paused
+    for each weight sync: calls in flight finish on the old weights, later ones use the new."""
+
+    def begin(self, step: int) -> None:
+        self.ready: deque = deque()  # (record, samples), in order of completion
+        self.waiting: list = []  # finished records whose samples are not all read yet
+        self.consumed = 0
+        import ray
+
+        ray.get(
+            self.cluster.rollout.start_stream.remote(
+                self.state.watermark, self.state.consumed_above, self._allowed()
+            ),
+            timeout=60,
+        )
+
+    def _allowed(self) -> int:
+        return self.consumed + (1 + self.cfg.run.max_staleness) * self.per_step
+
+    def _collect(self) -> bool:
+        import ray
+
+        try:
+            self.waiting += ray.get(self.cluster.rollout.take_finished.remote(), timeout=60)
+        except ray.exceptions.RayError as exc:
+            raise RunFailed(f"the environment runner failed: {exc}") from None
+        self.feed.poll()
+        still = []
+        for r in self.waiting:
+            got = self.feed.claim(r)
+            (still.append(r) if got is None else self.ready.append((r, got)))
+        self.waiting = still
+        return bool(self.ready)
+
+    def batch(self, step: int, trainer_version: int) -> Batch:
+        merged = Batch([], [], [], Counter())
+        while len(merged.groups) < self.per_step:  # filtered groups are replaced by later ones
+            self.waiter.wait_until(
+                self._collect,
+                "generation",
+                lambda: f"{len(merged.groups)}/{self.per_step} groups ready for this step",
+            )
+            self.consumed += 1
+            merged.extend(self._select([self.ready.popleft()], trainer_version))
+        return merged
+
+    def before_sync(self, step: int) -> float:
+        started = time.perf_counter()
+        self.cluster.pause_gateway(timeout_s=max(1.0, self.waiter.deadline - time.monotonic()))
+        return time.perf_counter() - started
+
+    def after_sync(self, step: int) -> None:
+        import ray
+
+        self.cluster.resume_gateway()
+        ray.get(self.cluster.rollout.allow.remote(self._allowed()), timeout=60)
+
+    def end(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.cluster.rollout.stop_stream.remote(), timeout=60)
+        except ray.exceptions.RayError as exc:  # the run is failing already: say so, go on stopping
+            log.warning("stopping the rollout stream: %s", exc)
+
+
+SOURCES = {"sync": SyncSource, "one_step_off": OneStepOffSource, "async": AsyncSource}
