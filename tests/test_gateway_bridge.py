@@ -386,10 +386,18 @@ def test_gateway_refuses_to_start_without_keys(tok, tmp_path, monkeypatch):
     monkeypatch.delenv("PALAESTRA_API_KEY", raising=False)
     monkeypatch.delenv("PALAESTRA_ADMIN_KEY", raising=False)
     with pytest.raises(SystemExit, match="--insecure-local"):
-        create_app(GatewayConfig(model="tiny", engine_url="http://127.0.0.1:9", spool_dir=str(tmp_path),
-                                 context_length=4096), tokenizer=tok)
+        create_app(
+            GatewayConfig(
+                model="tiny", engine_url="http://127.0.0.1:9", spool_dir=str(tmp_path), context_length=4096
+            ),
+            tokenizer=tok,
+        )
     monkeypatch.setenv("PALAESTRA_API_KEY", "from-env")
     monkeypatch.setenv("PALAESTRA_ADMIN_KEY", "admin-env")
-    app = create_app(GatewayConfig(model="tiny", engine_url="http://127.0.0.1:9", spool_dir=str(tmp_path),
-                                   context_length=4096), tokenizer=tok)
+    app = create_app(
+        GatewayConfig(
+            model="tiny", engine_url="http://127.0.0.1:9", spool_dir=str(tmp_path), context_length=4096
+        ),
+        tokenizer=tok,
+    )
     assert app.state.service.config.api_key == "from-env"
