@@ -11,11 +11,11 @@ the trainer's forward pass over the exact sampled token ids (before the update) 
 log π_rollout is what the engine returned while sampling them. Both are fp32. Printed: the
 token-weighted mean over the run, the largest step mean, and `mismatch/kl`.
 
-What to expect per mode: `sync` and `one_step_off` with `trainer.keep_old_actor` score the batch
-with the very weights that sampled it, so the difference is numerical only (goal ≤ 1e-6).
-`async` without `keep_old_actor` scores with the trainer's current weights, which may be newer
-than those that sampled: the difference is then the policy lag itself (what TIS/RS correct), not
-a mismatch of the two implementations — printed for contrast.
+What to expect per mode: in `sync` the trainer scores the batch with the weights that sampled it
+(the current ones), in `one_step_off` with the previous step's (`trainer.keep_old_actor`, on by
+default there), which sampled it: the difference is numerical only (goal <= 1e-6). In `async` the
+trainer scores with its current weights, which may be newer than those that sampled: the
+difference is then the policy lag itself (what TIS/RS correct), printed for contrast.
 """
 
 from __future__ import annotations

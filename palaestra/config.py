@@ -523,6 +523,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     for item in overrides:
         _set_override(raw, item)
     _resolve_teacher(raw)
+    _resolve_old_actor(raw)
     problems: list[str] = []
     cfg = _build(RunConfig, raw, "", problems)
     if problems:
@@ -552,6 +553,17 @@ def _resolve_teacher(raw: dict[str, Any]) -> None:
         raise ConfigError([f"model.teacher: {message} to a preset or HF directory"])
 
 
+def _resolve_old_actor(raw: dict[str, Any]) -> None:
+    """trainer.keep_old_actor defaults to run.mode == one_step_off: only there did the previous
+    step's weights sample the batch (validate() rejects it set true in the other modes)."""
+    run, trainer = raw.get("run"), raw.get("trainer")
+    if not isinstance(run, dict | None) or not isinstance(trainer, dict | None):
+        return  # reported as type errors by _build
+    trainer = raw.setdefault("trainer", {}) if trainer is None else trainer
+    if trainer.get("keep_old_actor") is None:
+        trainer["keep_old_actor"] = (run or {}).get("mode", RunOptions.mode) == "one_step_off"
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field constraints (types are checked while loading). Raises ConfigError listing all."""
     problems: list[str] = []
@@ -578,6 +590,13 @@ def validate(cfg: RunConfig) -> None:
     )
     need(run.steps >= 0, f"run.steps: must be >= 0, got {run.steps}")
     need(run.max_staleness >= 0, f"run.max_staleness: must be >= 0, got {run.max_staleness}")
+    need(
+        not tr.keep_old_actor or run.mode == "one_step_off",
+        f"trainer.keep_old_actor: true scores each batch with the previous step's weights, which "
+        f"sampled it only in run.mode=one_step_off (in {run.mode!r} mode "
+        + ("the current weights sampled it" if run.mode == "sync" else "the lag varies: use trainer.use_tis")
+        + "); leave it unset to follow run.mode",
+    )
     need(
         run.mode == "sync" or run.max_staleness >= 1,
         f"run.max_staleness: mode {run.mode!r} trains on samples at least one weight version old; "

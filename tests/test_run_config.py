@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -301,3 +302,41 @@ def test_help_mentions_every_field_with_type_default_and_doc():
         for name, doc in _field_docs(cls).items():
             assert doc, f"{cls.__name__}.{name} has no docstring"
             assert doc.splitlines()[0] in text
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "gpu-sglang.yaml"])
+def test_shipped_configs_load(name):
+    """The configs in configs/ stay valid as the schema moves (the README points at them)."""
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / name)
+    assert cfg.run.steps > 0 and cfg.env.tasks_per_step > 0
+    if name == "demo.yaml":  # what make demo promises: GRPO + OPD from the warm-started teacher
+        assert (cfg.model.student, cfg.model.teacher) == ("demo-student", "demo-teacher")
+        assert cfg.trainer.opd_kl_coef > 0 and cfg.trainer.advantage_estimator == "grpo"
+        assert cfg.engines.count >= 2 and cfg.env.args["difficulty"] == 0
+
+
+def test_demo_picks_a_fresh_run_name(tmp_path, monkeypatch):
+    from palaestra.demo import _fresh_name
+
+    monkeypatch.chdir(tmp_path)
+    assert _fresh_name("demo") == "demo"
+    (tmp_path / "runs" / "demo" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "demo-2" / "checkpoints").mkdir(parents=True)
+    assert _fresh_name("demo") == "demo-3"
+
+
+def test_keep_old_actor_follows_the_mode():
+    """Only in one_step_off did the previous step's weights sample the batch: the default follows
+    run.mode, and setting it in another mode is refused with the reason."""
+    assert load_config(None, ["run.mode=one_step_off"]).trainer.keep_old_actor is True
+    assert load_config(None, ["run.mode=sync"]).trainer.keep_old_actor is False
+    assert load_config(None, ["run.mode=async"]).trainer.keep_old_actor is False
+    assert (
+        load_config(None, ["run.mode=one_step_off", "trainer.keep_old_actor=false"]).trainer.keep_old_actor
+        is False
+    )
+    with pytest.raises(ConfigError, match="the current weights sampled it"):
+        load_config(None, ["run.mode=sync", "trainer.keep_old_actor=true"])
+    with pytest.raises(ConfigError, match="use trainer.use_tis"):
+        load_config(None, ["run.mode=async", "trainer.keep_old_actor=true"])

@@ -129,7 +129,8 @@ class TrainerConfig:
 
     keep_old_actor: bool = False
     """Compute the PPO 'old' logprobs with the previous step's weights (kept in the `old_actor`
-    snapshot) — for one-step-off-policy rollouts. False: the weights before this step's update."""
+    snapshot) — for one-step-off-policy rollouts. False: the weights before this step's update.
+    `palaestra train` sets it from run.mode (true exactly for one_step_off) unless given."""
 
     sync_mode: Literal["tensor", "disk"] = "tensor"
     """Weight sync: tensor = /update_weights_from_tensor (in-host bytes; the embedded engine),
