@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of grpo, opd, grpo+opd")
     ap.add_argument("--steps", type=int, default=60, help="training steps per arm (default: %(default)s)")
     ap.add_argument(
-        "--eval-every", type=int, default=5, help="steps between evaluations (default: %(default)s)"
+        "--eval-every", type=int, default=10, help="steps between evaluations (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--eval-tasks", type=int, default=400, help="held-out tasks per evaluation (default: %(default)s)"
     )
     ap.add_argument(
         "--target", type=float, default=0.9, help="fraction of the teacher's accuracy (default: %(default)s)"
