@@ -7,8 +7,8 @@
    stopped early, ~40 %). About 2 minutes the first time; cached under ~/.cache/palaestra.
 2. Runs `palaestra train configs/demo.yaml`: Ray places 2 embedded engines behind the real
    sglang-router, the gateway, the math environment's agents (openai SDK) and the Megatron
-   trainer; GRPO + on-policy distillation from the teacher, one-step-off, weights synced to both
-   engines after every step. A progress bar shows the reward (one console line per step when
+   trainer; GRPO + on-policy distillation from the teacher, 200 sync steps, weights synced to
+   both engines after every step. A progress bar shows the reward (one console line per step when
    the output is not a terminal).
 3. Prints held-out accuracy before and after, and writes runs/demo/reward_curve.png and
    runs/demo/viewer.html (open it in a browser: every token coloured by loss mask or by the
