@@ -4,7 +4,7 @@
 
 1. Builds the `tiny` preset (4M-parameter Qwen2, random weights) and warm-starts, by SFT with the
    trainer itself, a teacher (~98 % greedy on single-digit sums) and a student (the same run
-   stopped early, ~40 %). About 2 minutes the first time; cached under ~/.cache/palaestra.
+   stopped early, ~30 %). About 2 minutes the first time; cached under ~/.cache/palaestra.
 2. Runs `palaestra train configs/demo.yaml`: Ray places 2 embedded engines behind the real
    sglang-router, the gateway, the math environment's agents (openai SDK) and the Megatron
    trainer; GRPO + on-policy distillation from the teacher, 200 sync steps, weights synced to

@@ -63,7 +63,7 @@ PRESETS: dict[str, str] = {
     "tiny-glm4.7": "10M-parameter Qwen3, random weights, GLM-4.7-Flash's real tokenizer and chat template",
     "tiny-glm5": "10M-parameter Qwen3, random weights, GLM-5's chat template, GLM-4.7-Flash's tokenizer",
     "demo-teacher": "tiny after 600 SFT steps on single-digit sums (~98% greedy; ~2 min to build)",
-    "demo-student": "the demo teacher's SFT run stopped early (~40% greedy; built with the teacher)",
+    "demo-student": "the demo teacher's SFT run stopped early (~30% greedy; built with the teacher)",
 }
 _WARM_STARTS = {"demo-teacher": "teacher", "demo-student": "student"}  # palaestra.warmstart builds them
 
