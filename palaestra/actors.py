@@ -228,6 +228,7 @@ class RolloutWorker:
         self.env_name, self.env_args = env_name, env_args
         self.gateway = GatewayClient(gateway_url, api_key, retries=5)
         self.tasks = TaskSource(self.env, seed)
+        self.seed = seed
         self.samples_per_task = samples_per_task
         self.group_slots = max(1, concurrency // samples_per_task)
         self.run_id = run_id
@@ -255,6 +256,7 @@ class RolloutWorker:
             concurrency=self.samples_per_task,
             progress=False,
             run_id=f"{self.run_id}.{index}",
+            seed=f"{self.seed}/{index}",  # group `index` samples alike in every run of this seed
         )
         ok = [r for r in summary.results if r.status in ("completed", "truncated")]
         keys = sorted({k for r in ok for k in r.metrics})

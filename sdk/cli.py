@@ -49,6 +49,7 @@ def _rollout(args: argparse.Namespace) -> int:
                 samples_per_task=args.samples_per_task,
                 concurrency=args.concurrency,
                 progress=not args.quiet,
+                seed=args.seed,
             )
         finally:
             await gateway.close()
@@ -152,7 +153,12 @@ def _env_args(p: argparse.ArgumentParser) -> None:
         help="JSON keyword arguments for the environment, e.g. '{\"difficulty\": 2}'",
     )
     p.add_argument("--tasks", type=int, default=16, help="number of tasks (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="task seed (default: %(default)s)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the tasks and of each episode's sampling (default: %(default)s)",
+    )
     p.add_argument("--concurrency", type=int, default=8, help="sessions at once (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="also print a JSON summary line")

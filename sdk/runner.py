@@ -11,6 +11,7 @@ counted; transient gateway errors (unreachable, 429, 5xx) on session calls are r
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import math
 import statistics
@@ -87,10 +88,18 @@ def take_tasks(env: Environment, n: int, seed: int) -> list[Any]:
     return list(itertools.islice(iter(env.tasks(seed)), n))
 
 
-async def _one(env: Environment, gateway: GatewayClient, task: Any, group_id: str) -> RolloutResult:
+def episode_seed(base: int | str, index: int) -> int:
+    """A 31-bit sampling seed for episode `index` of a run seeded with `base` (stable everywhere)."""
+    digest = hashlib.sha256(f"palaestra.episode/{base}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+async def _one(
+    env: Environment, gateway: GatewayClient, task: Any, group_id: str, seed: int | None
+) -> RolloutResult:
     task_id = str(task.task_id)
     try:
-        session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id)
+        session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id, seed=seed)
     except Exception as exc:  # could not even start: counted, nothing to close
         return RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}")
     try:
@@ -122,8 +131,10 @@ async def run_rollouts(
     concurrency: int = 8,
     progress: bool = True,
     run_id: str | None = None,
+    seed: int | str | None = None,
 ) -> RolloutSummary:
-    """Runs `samples_per_task` sessions per task, at most `concurrency` at once."""
+    """Runs `samples_per_task` sessions per task, at most `concurrency` at once. With `seed`,
+    episode j (tasks in order, then their samples) gets `session.seed = episode_seed(seed, j)`."""
     run_id = run_id or uuid.uuid4().hex[:8]
     jobs = [(task, f"{env.name}/{task.task_id}/{run_id}") for task in tasks for _ in range(samples_per_task)]
     sem = asyncio.Semaphore(concurrency)
@@ -134,9 +145,9 @@ async def run_rollouts(
         bar = tqdm(total=len(jobs), desc=f"rollout {env.name}", unit="ep", dynamic_ncols=True)
     rewards: list[float] = []
 
-    async def guarded(task: Any, group: str) -> RolloutResult:
+    async def guarded(j: int, task: Any, group: str) -> RolloutResult:
         async with sem:
-            result = await _one(env, gateway, task, group)
+            result = await _one(env, gateway, task, group, None if seed is None else episode_seed(seed, j))
         if result.status != "failed":
             rewards.append(result.reward)
         if bar is not None:
@@ -146,7 +157,7 @@ async def run_rollouts(
 
     t0 = time.perf_counter()
     try:
-        results = await asyncio.gather(*[guarded(t, g) for t, g in jobs])
+        results = await asyncio.gather(*[guarded(j, t, g) for j, (t, g) in enumerate(jobs)])
     finally:
         if bar is not None:
             bar.close()

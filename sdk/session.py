@@ -94,6 +94,7 @@ class GatewayClient:
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         max_retries: int = 2,
+        seed: int | None = None,
     ) -> Session:
         info = await self._post(
             "/sessions", {"env": env, "task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
@@ -105,7 +106,7 @@ class GatewayClient:
             timeout=self.timeout_s,
             http_client=self._openai_pool(),
         )
-        return Session(info["session_id"], info["group_id"], info["base_url"], client, self)
+        return Session(info["session_id"], info["group_id"], info["base_url"], client, self, seed=seed)
 
     async def reward(
         self,
@@ -128,6 +129,10 @@ class Session:
     client: openai.AsyncOpenAI
     gateway: GatewayClient
     result: dict[str, Any] | None = None
+    seed: int | None = None
+    """This episode's sampling seed, when the runner was given one (`run_rollouts(seed=...)`, every
+    `palaestra train` run): pass it as `seed=` to the completions calls and the episode's samples
+    are reproducible. None: unseeded."""
 
     @property
     def finished(self) -> bool:

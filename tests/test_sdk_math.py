@@ -238,3 +238,30 @@ def test_math_env_reads_gsm8k_files(tmp_path):
     path.write_text(json.dumps({"question": "2+2?", "answer": "Add them.\n#### 4"}) + "\n")
     tasks = take_tasks(MathEnv(data=str(path)), 5, seed=0)
     assert [(t.question, t.answer) for t in tasks] == [("2+2?", "4")]
+
+
+def test_seeded_runs_sample_the_same_episodes(gateway):
+    """`run_rollouts(seed=...)` gives episode j the seed `episode_seed(seed, j)`; the math
+    environment passes it on, so the same seed samples the same tokens at temperature 1 and
+    another seed does not (concurrency 1: the engine batches nothing differently)."""
+    from palaestra.environments.math.env import MathEnv
+    from palaestra.sdk.runner import episode_seed
+
+    tasks = take_tasks(MathEnv(difficulty=0, kinds=["arithmetic"]), 4, seed=0)
+
+    async def run(seed):
+        gw = GatewayClient(gateway.url, "k-sdk")
+        try:
+            env = MathEnv(difficulty=0, kinds=["arithmetic"], max_tokens=12, temperature=1.0)
+            summary = await run_rollouts(
+                env, gw, tasks, samples_per_task=2, concurrency=1, progress=False, seed=seed
+            )
+        finally:
+            await gw.close()
+        by_id = {s["sample_id"]: s for s in all_samples(gateway)}
+        return [by_id[r.sample_ids[0]]["tokens"] for r in summary.results]
+
+    first, again, other = asyncio.run(run(7)), asyncio.run(run(7)), asyncio.run(run(8))
+    assert first == again
+    assert first != other
+    assert len({episode_seed(7, j) for j in range(8)}) == 8 and episode_seed(7, 0) == episode_seed("7", 0)

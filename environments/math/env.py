@@ -28,6 +28,11 @@ SYSTEM = "Solve the problem. Put the final answer in \\boxed{}."
 TOOL_SYSTEM = "Solve the problem. Use the calculator tool for arithmetic. Put the final answer in \\boxed{}."
 
 
+def _seed(session: Session) -> dict[str, int]:
+    """`seed=` for the completions call when the runner seeded the episode (reproducible samples)."""
+    return {} if session.seed is None else {"seed": session.seed}
+
+
 class MathEnv(Environment):
     name = "math"
 
@@ -58,6 +63,7 @@ class MathEnv(Environment):
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}],
+            **_seed(session),
         )
         result = await averify_math(reply.choices[0].message.content or "", task.answer)
         return Reward(
@@ -82,6 +88,7 @@ class MathToolEnv(MathEnv):
                 tools=[CALCULATOR_TOOL],
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
+                **_seed(session),
             )
             message = reply.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
