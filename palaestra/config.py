@@ -164,6 +164,11 @@ class EnvOptions:
     eval_every: int = 0
     """Steps between held-out evaluations during training; 0 = only before and after."""
 
+    eval_teacher: bool = True
+    """With a megatron-mode teacher (model.teacher), score it on the same held-out tasks once
+    training is over (its weights replace the student's on the engines after the last checkpoint),
+    for the reward curve's reference line and the summary."""
+
 
 @dataclass
 class RunOptions:

@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         before, after = result.eval_before["accuracy"], result.eval_after["accuracy"]
         print(
             f"\nheld-out accuracy (greedy, {int(result.eval_after['tasks'])} tasks): "
-            f"before {before:.3f} -> after {after:.3f} ({after - before:+.3f}) in {minutes:.1f} min",
+            f"before {before:.3f} -> after {after:.3f} ({after - before:+.3f}) in {minutes:.1f} min"
+            + ("" if result.teacher_accuracy is None else f"; the teacher: {result.teacher_accuracy:.3f}"),
             flush=True,
         )
     viewer = (result.output_dir / "viewer.html").resolve()

@@ -115,6 +115,7 @@ class RunResult:
     summary: str
     reward_curve: Path | None = None
     viewer: Path | None = None
+    teacher_accuracy: float | None = None  # env.eval_teacher: the teacher on the same tasks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,6 +287,8 @@ class _Loop:
             startup_s=dict(self.cluster.startup_s),
             summary="",
         )
+        if eval_after is not None and cfg.env.eval_teacher and cfg.model.teacher:
+            result.teacher_accuracy = self.evaluate_teacher()
         self.report(result)
         return result
 
@@ -390,6 +393,34 @@ class _Loop:
         )
         return result
 
+    def evaluate_teacher(self) -> float | None:
+        """The teacher's held-out accuracy, for reference. Runs after the last checkpoint: the
+        teacher's weights replace the student's on every engine. Only a megatron-mode teacher has
+        the student's architecture; any failure is a warning, never the run's end."""
+        cfg = self.cfg
+        if cfg.trainer.teacher_mode != "megatron":
+            log.info("teacher not evaluated: trainer.teacher_mode is %s", cfg.trainer.teacher_mode)
+            return None
+        import httpx
+
+        from palaestra.presets import resolve_model
+
+        try:
+            path = str(resolve_model(cfg.model.teacher))
+            for box in self.cluster.engines:
+                r = httpx.post(
+                    f"{box.url}/update_weights_from_disk",
+                    json={"model_path": path, "weight_version": "teacher"},
+                    timeout=cfg.run.step_timeout_s,
+                    trust_env=False,
+                )
+                if r.status_code != 200 or not r.json().get("success", True):
+                    raise RuntimeError(f"{box.url}: {r.status_code} {r.text[:200]}")
+            return self.evaluate("teacher")["accuracy"]
+        except Exception as exc:  # a reference number: report, never fail the finished run
+            log.warning("teacher not evaluated: %s", exc)
+            return None
+
     def checkpoint(self) -> None:
         state = self.state
         name = f"step-{state.step:06d}"
@@ -408,7 +439,10 @@ class _Loop:
 
         rows = self.state.rows
         result.reward_curve = plot_reward_curve(
-            rows, self.out / "reward_curve.png", title=f"{self.cfg.run.name}: reward per step"
+            rows,
+            self.out / "reward_curve.png",
+            title=f"{self.cfg.run.name}: reward per step",
+            teacher_accuracy=result.teacher_accuracy,
         )
         if self.last_samples:
             samples = [s.to_dict() for s in self.last_samples[:64]]
@@ -438,9 +472,10 @@ class _Loop:
             parts.append(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
         before = next((r["eval/accuracy"] for r in rows if "eval/accuracy" in r), None)
         if before is not None and result.eval_after is not None:
+            teacher = "" if result.teacher_accuracy is None else f"; teacher {result.teacher_accuracy:.3f}"
             parts.append(
                 f"held-out accuracy {before:.3f} -> {result.eval_after['accuracy']:.3f} "
-                f"({int(result.eval_after['tasks'])} tasks)"
+                f"({int(result.eval_after['tasks'])} tasks{teacher})"
             )
         parts.append(
             f"weight version {self.state.weight_version} on {len(result.engine_versions_end)} engines"

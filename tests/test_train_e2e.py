@@ -240,15 +240,19 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
 
 
 @pytest.mark.slow
-def test_one_step_off_trains_each_batch_one_version_old(ray_local, tmp_path):
+def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_path):
     from palaestra.train import train
 
-    result = train(
-        make_config(tmp_path / "osp", "one_step_off", "run.steps=3", "trainer.keep_old_actor=true")
-    )
+    out = tmp_path / "osp"
+    opd = ["model.teacher=tiny", "trainer.opd_kl_coef=0.5", "trainer.teacher_mode=megatron"]
+    result = train(make_config(out, "one_step_off", "run.steps=3", "trainer.keep_old_actor=true", *opd))
     assert [sorted(set(r.lags)) for r in result.trained] == [[0], [1], [1]]
-    assert result.engine_versions_end == ["3", "3"]
+    assert result.engine_versions_end == ["3", "3"]  # read before the teacher's weights went on
     assert_finite(result.state.rows)
+    assert all(math.isfinite(r["opd/reverse_kl"]) for r in result.state.rows if "train/loss" in r)
+    # env.eval_teacher: the teacher scored on the same held-out tasks, shown in the summary
+    assert result.teacher_accuracy is not None and 0.0 <= result.teacher_accuracy <= 1.0
+    assert f"teacher {result.teacher_accuracy:.3f}" in result.summary
 
 
 @pytest.mark.slow
