@@ -7,7 +7,7 @@ time, and where the time goes.
 Each mode runs the same config (same seeds, same task order, from the same student) through the
 Python API of `palaestra train` — engines behind sglang-router, the gateway, the math
 environment's agents, the Megatron trainer with OPD from the teacher, all on a local Ray — and
-the per-step rows of its metrics.jsonl are summarised:
+the run's per-step metrics (as in its metrics.jsonl) are summarised:
 
 * samples/s: samples trained / the training loop's wall time (startup and evaluation excluded);
 * reward at equal wall time: the mean rollout reward of the steps each mode finished within the
@@ -27,37 +27,22 @@ environment and the trainer: overlapping mostly divides the same cores, so expec
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from demo_runs import CONFIG, train_demo
 
-from palaestra.config import load_config  # noqa: E402
-from palaestra.train import train  # noqa: E402
-
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 MODES = ("sync", "one_step_off", "async")
 PHASES = ("wait", "teacher", "score", "update", "drain", "sync", "gen", "gateway")
 
 
 def run(mode: str, steps: int, out: Path, extra: list[str]) -> list[dict]:
-    overrides = [
-        f"run.mode={mode}",
-        f"run.steps={steps}",
-        f"run.output_dir={out}",
-        f"run.name=bench-{mode}",
-        "run.checkpoint_every=0",
-        "env.eval_tasks=0",
-        "logging.tensorboard_dir=null",
-    ]
+    overrides = [f"run.mode={mode}", f"run.steps={steps}", "env.eval_tasks=0"]
     if mode == "async":  # scored with the current weights: correct the lag with TIS, as docs advise
         overrides += ["trainer.use_tis=true"]
-    train(load_config(CONFIG, [*overrides, *extra]))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = train_demo(out, mode, [*overrides, *extra]).state.rows
     return [r for r in rows if "perf/step_wall_s" in r]
 
 

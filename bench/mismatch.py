@@ -5,7 +5,7 @@
 
 Runs `palaestra train` (the Python API, the same code path as the CLI) with configs/demo.yaml —
 2 embedded engines behind sglang-router, the gateway, the math environment, the Megatron trainer
-on Ray — and reads every step's `mismatch/logprob_abs_diff` from the run's metrics.jsonl: the
+on Ray — and reads every step's `mismatch/logprob_abs_diff` from the run's metrics (as in metrics.jsonl): the
 mean over the batch's loss tokens of |log πθ_old(x_t) − log π_rollout(x_t)|, where log πθ_old is
 the trainer's forward pass over the exact sampled token ids (before the update) and
 log π_rollout is what the engine returned while sampling them. Both are fp32. Printed: the
@@ -21,34 +21,18 @@ difference is then the policy lag itself (what TIS/RS correct), printed for cont
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from demo_runs import CONFIG, train_demo
 
-from palaestra.config import load_config  # noqa: E402
-from palaestra.train import train  # noqa: E402
-
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 GOAL = 1e-6
 
 
 def run(mode: str, steps: int, out: Path, extra: list[str]) -> list[dict]:
-    overrides = [
-        f"run.mode={mode}",
-        f"run.steps={steps}",
-        f"run.output_dir={out}",
-        f"run.name=bench-mismatch-{mode}",
-        "run.checkpoint_every=0",
-        "env.eval_tasks=0",
-        "logging.tensorboard_dir=null",
-        *extra,
-    ]
-    train(load_config(CONFIG, overrides))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    overrides = [f"run.mode={mode}", f"run.steps={steps}", "env.eval_tasks=0", *extra]
+    rows = train_demo(out, f"mismatch-{mode}", overrides).state.rows
     return [r for r in rows if "mismatch/logprob_abs_diff" in r]
 
 

@@ -23,18 +23,14 @@ those counts and each arm's wall time.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from demo_runs import CONFIG, train_demo
 
-from palaestra.config import load_config  # noqa: E402
-from palaestra.train import train  # noqa: E402
+from palaestra.config import load_config
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 ARMS = {
     "grpo": ["model.teacher=null", "trainer.opd_kl_coef=0", "trainer.teacher_mode=null",
              "trainer.teacher_model=null"],
@@ -44,18 +40,10 @@ ARMS = {
 
 
 def run(name: str, out: Path, overrides: list[str]) -> tuple[list[tuple[int, float]], float]:
-    """(step, held-out accuracy) pairs of one run, and its wall seconds."""
+    """(step, held-out accuracy) pairs of one run (step 0: before training), and its wall seconds."""
     started = time.perf_counter()
-    cfg = load_config(CONFIG, [f"run.output_dir={out}", f"run.name=bench-{name}", "run.checkpoint_every=0",
-                               "logging.tensorboard_dir=null", *overrides])  # fmt: skip
-    result = train(cfg)
-    curve = [(0, result.eval_before["accuracy"])] if result.eval_before else []
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line) if line.strip() else {}
-        if "eval/accuracy" in row and row.get("train/step", 0) > 0:
-            curve.append((int(row["train/step"]), row["eval/accuracy"]))
-    if result.eval_after and (not curve or curve[-1][0] != result.state.step):
-        curve.append((result.state.step, result.eval_after["accuracy"]))
+    rows = train_demo(out, name, overrides).state.rows
+    curve = [(int(r["train/step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     return curve, time.perf_counter() - started
 
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(CONFIG, overrides)
         if not any(o.startswith(("run.name=", "run.output_dir=", "run.resume=")) for o in overrides):
-            cfg = load_config(CONFIG, [*overrides, f"run.name={_fresh_name(cfg.run.name)}"])
+            cfg.run.name = _fresh_name(cfg.run.name)  # output_dir follows the name
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
