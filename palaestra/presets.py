@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # heavy imports stay inside the builders
     from tokenizers import Tokenizer
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["PRESETS", "cache_root", "register", "resolve_model"]
+__all__ = ["PRESETS", "cache_root", "models_dir", "register", "resolve_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,12 @@ def cache_root() -> Path:
     return Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "palaestra"
 
 
+def models_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where built models live: ``<cache_dir>/models`` (``cache_dir`` defaults to `cache_root()`)."""
+    root = Path(cache_dir).expanduser().absolute() if cache_dir is not None else cache_root()
+    return root / "models"
+
+
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     """Return the Hugging Face model directory for a preset name or an existing directory.
 
@@ -119,8 +125,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
 
         return warm_start(_WARM_STARTS[name_or_path], cache_dir)
     if name_or_path in PRESETS:
-        root = Path(cache_dir).expanduser().absolute() if cache_dir is not None else cache_root()
-        target = root / "models" / f"{name_or_path}-v{_VERSIONS[name_or_path]}"
+        target = models_dir(cache_dir) / f"{name_or_path}-v{_VERSIONS[name_or_path]}"
         return _build_once(target, _BUILDERS[name_or_path])
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
@@ -170,8 +175,9 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
-def _write_marker(out_dir: Path, name: str, **fields: object) -> None:
-    info = {"name": name, "version": _VERSIONS[name], **fields}
+def _write_marker(out_dir: Path, name: str, version: int | None = None, **fields: object) -> None:
+    """The completion marker: name, version (default: the preset's), and `fields`."""
+    info = {"name": name, "version": _VERSIONS[name] if version is None else version, **fields}
     (out_dir / _MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 

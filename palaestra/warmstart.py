@@ -37,7 +37,6 @@ Determinism: fixed seeds and data order; on CPU the result also depends on torch
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -226,22 +225,20 @@ def train_sft(
 
 
 def _target(kind: str, cache_dir: Path | None, steps: int | None) -> Path:
-    from palaestra.presets import cache_root
+    from palaestra.presets import models_dir
 
-    root = Path(cache_dir).expanduser().absolute() if cache_dir is not None else cache_root()
     suffix = "" if steps is None else f"-{steps}steps"
-    return root / "models" / f"demo-{kind}-v{VERSION}{suffix}"
+    return models_dir(cache_dir) / f"demo-{kind}-v{VERSION}{suffix}"
 
 
 def _exporter(kind: str, recipe: SFTRecipe, target: Path, progress: Progress) -> Callable[[Any], None]:
     """Exports a trainer's weights to `target` atomically (the presets' lock-and-rename build)."""
-    from palaestra.presets import _MARKER, _build_once
+    from palaestra.presets import _build_once, _write_marker
 
     def export(trainer: Any) -> None:
         def build(tmp: Path) -> None:
             trainer.export_hf(tmp)
-            info = {"name": f"demo-{kind}", "version": VERSION, "base": "tiny", "recipe": asdict(recipe)}
-            (tmp / _MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            _write_marker(tmp, f"demo-{kind}", version=VERSION, base="tiny", recipe=asdict(recipe))
 
         _build_once(target, build)
         progress(f"  {kind} ready: {target}")
