@@ -54,10 +54,11 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 8192
     """Token budget of one packed micro-batch (tokens of whole samples; a longer sample runs alone)."""
 
-    dp_balance: Literal["pack_first", "distribute_first"] = "pack_first"
-    """How samples reach DP ranks. pack_first: pack micro-batches, then give them to ranks by
-    Karmarkar-Karp on estimated FLOPs. distribute_first: Karmarkar-Karp over samples, then pack per
-    rank — better balanced for long-tailed lengths with few micro-batches per rank (bench/trainer.py)."""
+    dp_balance: Literal["pack_first", "distribute_first"] = "distribute_first"
+    """How samples reach DP ranks. distribute_first: Karmarkar-Karp over samples by estimated FLOPs,
+    then pack per rank (max/mean rank load 1.000 on a long-tailed batch over 8 ranks). pack_first:
+    pack micro-batches, then give them to ranks by Karmarkar-Karp (1.058 on the same batch; see
+    bench/trainer.py)."""
 
     advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_pp_baseline", "sft", "none"] = "grpo"
     """grpo: (r − mean_g)/(std_g + eps); dr_grpo: r − mean_g; reinforce_pp_baseline: r − mean_g,

@@ -6,12 +6,16 @@
    (`balanced_fill`), so the next step has even pieces to hand out.
    Samples are concatenated without padding; `cu_seqlens` marks where each one starts, and the
    model sees them as THD with Megatron's `PackedSeqParams` (positions restart per sample).
-2. `karmarkar_karp` splits the micro-batches into one list per DP rank so that the estimated
-   FLOPs per rank (`sequence_flops`: linear in length for the matmuls, quadratic for attention)
-   are as even as possible (the largest differencing method, k-way).
+2. `karmarkar_karp` splits the work into one list per DP rank so that the estimated FLOPs per
+   rank (`sequence_flops`: linear in length for the matmuls, quadratic for attention) are as even
+   as possible (the largest differencing method, k-way).
 
-`schedule(..., order="distribute_first")` is the alternative: Karmarkar-Karp over samples, then
-FFD per rank (see its docstring for when it balances better).
+`schedule` does these two in either order. The default, ``order="distribute_first"``, runs
+Karmarkar-Karp over the *samples* and then packs each rank's share with first-fit decreasing:
+the pieces being balanced are single samples, so on a long-tailed batch the ranks end within a
+fraction of a percent of each other. ``order="pack_first"`` packs first and balances whole
+micro-batches, which are near-identical full packs, so the last few cannot be evened out
+(bench/trainer.py prints both against round-robin).
 
 The same schedule is used for every forward pass of a step (teacher, reference and old-policy
 logprobs, training): the same sample always sits in the same pack at the same offsets, so the
@@ -323,16 +327,17 @@ def schedule(
     max_tokens: int,
     dp_size: int,
     arch: HFArchitecture,
-    order: Literal["pack_first", "distribute_first"] = "pack_first",
+    order: Literal["pack_first", "distribute_first"] = "distribute_first",
 ) -> Schedule:
     """This step's micro-batches and which DP rank runs each.
 
-    pack_first (the default): pack, then distribute the micro-batches by FLOPs (Karmarkar-Karp).
-    One rank: first-fit decreasing (fewest micro-batches). Several: as many micro-batches as FFD
-    needs, rounded up to a multiple of `dp_size`, filled evenly by cost (`balanced_fill`).
-    distribute_first: Karmarkar-Karp over the *samples*, then first-fit decreasing per rank. With
-    a long-tailed length distribution and few micro-batches per rank this balances far better
-    (the pieces are samples, not near-identical full packs); bench/trainer.py measures both.
+    distribute_first (the default): Karmarkar-Karp over the *samples* by estimated FLOPs, then
+    first-fit decreasing per rank. With one rank this is plain FFD (fewest micro-batches). On the
+    bench's long-tailed batch (1024 samples, 2048-token packs) max/mean rank load is 1.000 over 2-8
+    ranks and 1.002 over 16, against 1.011-1.058 for pack_first.
+    pack_first: pack, then distribute the micro-batches by FLOPs (Karmarkar-Karp); with several
+    ranks, as many micro-batches as FFD needs rounded up to a multiple of `dp_size`, filled evenly
+    by cost (`balanced_fill`).
     """
     costs = [sequence_flops(n, arch) for n in lengths]
     if order == "distribute_first":
