@@ -197,6 +197,14 @@ class Engine:
                 param.copy_(tensor.to(param.dtype))
         return len(updates)
 
+    def load_weights_from_file(self, path: str) -> int:
+        """Reads safetensors at `path` straight into the model (`weights.load_safetensors_into`)."""
+        from palaestra.engine.weights import load_safetensors_into
+
+        params = dict(self.runner.model.named_parameters())
+        params.update(dict(self.runner.model.named_buffers()))
+        return load_safetensors_into(path, params)
+
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
         self.metrics.set_weight_version(version)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from palaestra.engine.core import Engine, Sequence
 from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, parse_generate
-from palaestra.engine.weights import deserialize_named_tensors, read_safetensors
+from palaestra.engine.weights import deserialize_named_tensors
 
 log = logging.getLogger("palaestra.engine")
 VERSION = "palaestra-embedded-0.1.0"
@@ -240,13 +241,16 @@ class EngineServer:
     async def _control(self, fn, needs_idle: bool = False):
         return await asyncio.wrap_future(self.engine.call(fn, needs_idle=needs_idle))
 
-    async def _apply_weights(self, named, body: dict[str, Any], source: str) -> JSONResponse:
+    async def _apply_weights(
+        self, load: Callable[[], int], body: dict[str, Any], source: str
+    ) -> JSONResponse:
+        """Runs `load` (returns the tensor count) on the engine thread once idle, then flush/version."""
         version = body.get("weight_version")
         if body.get("abort_all_requests"):
             self.engine.abort("", True, message="aborted for a weight update")
 
         def apply():
-            count = self.engine.load_weights(named)
+            count = load()
             if body.get("flush_cache", True):
                 self.engine.prefix_cache.clear()
             if version is not None:
@@ -417,11 +421,8 @@ class EngineServer:
                 raise RequestError(
                     "load_format must be null, 'auto' or 'safetensors' for the embedded engine"
                 )
-            try:
-                named = await asyncio.to_thread(read_safetensors, path)
-            except RequestError as exc:
-                return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-            return await server._apply_weights(named, body, path)
+            # read straight into the parameters on the engine thread (one copy; /dev/shm fast path)
+            return await server._apply_weights(lambda: server.engine.load_weights_from_file(path), body, path)
 
         @app.post("/update_weights_from_tensor")
         async def update_from_tensor(request: Request) -> JSONResponse:
@@ -432,7 +433,7 @@ class EngineServer:
                 )
             except RequestError as exc:
                 return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-            return await server._apply_weights(named, body, "tensor")
+            return await server._apply_weights(lambda: server.engine.load_weights(named), body, "tensor")
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """Weight payloads for `/update_weights_from_disk` and `/update_weights_from_tensor`.
 
 Disk: a directory (or one file) of safetensors with HF parameter names, as `save_pretrained` writes.
+`load_safetensors_into` reads each tensor's bytes straight into the model's parameter (one copy,
+no intermediate tensor) when dtype and layout match — the in-host fast path, where the trainer
+writes the file into /dev/shm (`palaestra.trainer.shm_sync`). It checks every name, shape, dtype
+and offset against the model and the file size before it changes anything.
 
 Tensor (in-host): `serialized_named_tensors` is a list of base64 strings, one per TP rank (the
 embedded engine has one rank, so exactly one string). Each string is the base64 of a `torch.save`
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -28,15 +34,7 @@ from palaestra.engine.protocol import RequestError
 
 
 def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise RequestError(f"no *.safetensors files in {p}")
-    elif p.is_file():
-        files = [p]
-    else:
-        raise RequestError(f"model_path {str(p)!r} does not exist")
+    files = _safetensors_files(path)
     named: list[tuple[str, torch.Tensor]] = []
     for f in files:
         try:
@@ -44,6 +42,112 @@ def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
         except Exception as exc:  # corrupt/unsafe file: a client error, not a crash
             raise RequestError(f"cannot read {f}: {exc}") from None
     return named
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _safetensors_files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise RequestError(f"no *.safetensors files in {p}")
+        return files
+    if p.is_file():
+        return [p]
+    raise RequestError(f"model_path {str(p)!r} does not exist")
+
+
+def _read_header(f, path: Path) -> tuple[int, dict[str, dict]]:
+    """(start of the data section, {name: {dtype, shape, data_offsets}}), validated against the file size."""
+    size = os.fstat(f.fileno()).st_size
+    raw = f.read(8)
+    n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+    if n < 2 or 8 + n > size:
+        raise RequestError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+    try:
+        header = json.loads(f.read(n))
+    except ValueError as exc:
+        raise RequestError(f"{path}: bad safetensors header: {exc}") from None
+    header.pop("__metadata__", None)
+    base = 8 + n
+    for name, info in header.items():
+        dtype = _DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        if dtype is None:
+            raise RequestError(f"{path}: tensor {name!r} has an unsupported dtype")
+        start, end = info["data_offsets"]
+        numel = 1
+        for d in info["shape"]:
+            numel *= int(d)
+        if not 0 <= start <= end or base + end > size or end - start != numel * dtype.itemsize:
+            raise RequestError(f"{path}: tensor {name!r} has inconsistent offsets/shape")
+        info["torch_dtype"] = dtype
+    return base, header
+
+
+def load_safetensors_into(path: str | Path, params: dict[str, torch.Tensor]) -> int:
+    """Reads every tensor of the safetensors file(s) at `path` into `params[name]` (in place).
+
+    Validates all names and shapes before the first write. A parameter with the file's dtype that
+    is contiguous on CPU receives the bytes directly (`readinto`); otherwise the bytes are read
+    into a scratch tensor and converted. Returns the number of tensors loaded.
+    """
+    files = _safetensors_files(path)
+    plans = []
+    for file in files:
+        f = open(file, "rb", buffering=0)  # noqa: SIM115 - closed below, after every tensor is read
+        try:
+            base, header = _read_header(f, file)
+        except Exception:
+            f.close()
+            raise
+        for name, info in header.items():
+            if name not in params:
+                f.close()
+                raise RequestError(f"unknown parameter {name!r} for this model")
+            if tuple(info["shape"]) != tuple(params[name].shape):
+                f.close()
+                raise RequestError(
+                    f"shape mismatch for {name}: got {tuple(info['shape'])}, "
+                    f"model has {tuple(params[name].shape)}"
+                )
+        plans.append((f, base, header))
+    if not any(header for _, _, header in plans):
+        for f, _, _ in plans:
+            f.close()
+        raise RequestError("no tensors in the update")
+    count = 0
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            for f, base, header in plans:
+                for name, info in header.items():
+                    param, dtype = params[name], info["torch_dtype"]
+                    start, end = info["data_offsets"]
+                    direct = param.dtype == dtype and param.device.type == "cpu" and param.is_contiguous()
+                    target = param if direct else torch.empty(param.shape, dtype=dtype)
+                    view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+                    got = os.preadv(f.fileno(), [view], base + start) if end > start else 0
+                    if got != end - start:
+                        raise RequestError(f"short read of {name}: {got} of {end - start} bytes")
+                    if not direct:
+                        param.copy_(target)
+                    count += 1
+    finally:
+        for f, _, _ in plans:
+            f.close()
+    return count
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], flattened: bool = False) -> str:
@@ -63,8 +167,11 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], flattened: bo
                     "numel": flat.numel(),
                 }
             )
-            flats.append(flat.to(torch.float32) if flat.dtype != torch.float32 else flat)
+            flats.append(flat)
             offset += flat.numel()
+        dtypes = {f.dtype for f in flats}
+        if len(dtypes) > 1:  # one flat tensor has one dtype: mixed buckets go up to float32
+            flats = [f.to(torch.float32) for f in flats]
         torch.save({"flattened_tensor": torch.cat(flats), "metadata": metadata}, buf)
     else:
         torch.save([(name, t.detach().contiguous()) for name, t in named], buf)

@@ -114,10 +114,10 @@ def test_weight_sync_updates_every_engine_and_scores_match(client, engine, tiny_
     reset_engine(client, tiny_model_dir)
     samples = rollouts(client, 6, 1.0, seed=3)
     before = torch.cat([engine_scores(client, s) for s in samples])
-    cfg = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync_bucket_mb=1)
+    cfg = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync_bucket_mb=1)  # default sync_mode: shm
     t = Trainer(cfg, tiny_model_dir, engine_urls=[engine.url])
     metrics = t.step(samples)
-    assert metrics["perf/sync_buckets"] > 1  # 1 MiB buckets: the 15 MB model goes in several calls
+    assert metrics["perf/sync_buckets"] == 1  # one shared-memory file, one /update_weights_from_disk
     assert client.get("/get_weight_version").json()["weight_version"] == "1"
     assert client.get("/model_info").json()["weight_version"] == "1"
     after = torch.cat([engine_scores(client, s) for s in samples])
@@ -126,11 +126,19 @@ def test_weight_sync_updates_every_engine_and_scores_match(client, engine, tiny_
           f"engine moved by {(after - before).abs().max():.2e}")  # fmt: skip
     assert (after - before).abs().max() > 1e-3  # the engine really has new weights
     assert (after - mine).abs().max() <= 2e-6
+    # tensor mode: the next version in 1 MiB buckets over HTTP
+    t.sync = type(t.sync)([engine.url], mode="tensor", bucket_mb=1)
+    metrics = t.step(samples)
+    assert metrics["perf/sync_buckets"] > 1  # the 15 MB model goes in several calls
+    assert client.get("/get_weight_version").json()["weight_version"] == "2"
+    assert (
+        torch.cat([engine_scores(client, s) for s in samples]) - trainer_scores(t, samples)
+    ).abs().max() <= 2e-6
     # disk mode: the next version through safetensors
     t.sync = type(t.sync)([engine.url], mode="disk", disk_dir=tmp_path / "sync")
     metrics = t.step(samples)
-    assert client.get("/get_weight_version").json()["weight_version"] == "2"
-    assert [p.name for p in (tmp_path / "sync").iterdir()] == ["v2"]
+    assert client.get("/get_weight_version").json()["weight_version"] == "3"
+    assert [p.name for p in (tmp_path / "sync").iterdir()] == ["v3"]
     assert (
         torch.cat([engine_scores(client, s) for s in samples]) - trainer_scores(t, samples)
     ).abs().max() <= 2e-6

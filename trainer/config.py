@@ -133,9 +133,13 @@ class TrainerConfig:
     snapshot) — for one-step-off-policy rollouts. False: the weights before this step's update.
     `palaestra train` sets it from run.mode (true exactly for one_step_off) unless given."""
 
-    sync_mode: Literal["tensor", "disk"] = "tensor"
-    """Weight sync: tensor = /update_weights_from_tensor (in-host bytes; the embedded engine),
-    disk = safetensors + /update_weights_from_disk (real SGLang)."""
+    sync_mode: Literal["shm", "distributed", "ipc", "tensor", "disk"] = "shm"
+    """Weight sync (trainer/weight_sync.py): shm = one safetensors file in /dev/shm, loaded with
+    /update_weights_from_disk (engines on this host; the fast path); distributed = a broadcast group
+    with every engine, /update_weights_from_distributed (engines on other GPUs or nodes); ipc =
+    /update_weights_from_tensor with CUDA IPC handles (SGLang colocated on the trainer's GPUs);
+    tensor = /update_weights_from_tensor with serialized bytes (slow); disk = safetensors under
+    sync_dir + /update_weights_from_disk (any engine that sees sync_dir)."""
 
     sync_bucket_mb: int = 512
     """Largest tensor bucket per /update_weights_from_tensor call, MiB."""
@@ -147,7 +151,8 @@ class TrainerConfig:
     """HTTP timeout of one sync call, seconds."""
 
     sync_dir: str | None = None
-    """disk mode: directory the engines can read; each version goes to sync_dir/v<version>."""
+    """disk mode: directory the engines can read; each version goes to sync_dir/v<version>.
+    shm mode: where the shared file goes instead of /dev/shm (None = /dev/shm)."""
 
     sync_pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
     """/pause_generation mode during a sync."""

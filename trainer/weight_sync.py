@@ -3,24 +3,41 @@
 One sync, for all engines together, so that no engine ever generates with a version the others
 have left behind:
 
+0. Staging, while the engines still generate: the shm file is written, the disk directory
+   written, or the tensor buckets serialized.
 1. ``POST /pause_generation {"mode": "in_place"}`` on every engine (running requests freeze with
-   their KV; new ones wait).
-2. The weights, on every engine: ``/update_weights_from_tensor`` in buckets of at most
-   ``sync_bucket_mb`` (the payload of `palaestra.engine.weights.serialize_named_tensors`,
-   SGLang's ``flattened_bucket`` layout), or ``/update_weights_from_disk`` of a safetensors
-   directory written once. Only the last call of an engine carries ``weight_version`` and
-   ``flush_cache: true``, so the version changes exactly when every tensor is in.
+   their KV; new ones wait — the gateway keeps accepting and queues meanwhile).
+2. The weights, on every engine, by ``sync_mode``:
+
+   ========== ================================================ =====================================
+   mode       engine calls                                     where
+   ========== ================================================ =====================================
+   shm        ``/update_weights_from_disk`` of one safetensors  engines on the trainer's host
+              file in /dev/shm (`shm_sync`): raw bytes, dtype  (embedded engine or SGLang); the
+              kept, one copy in and one copy out                fastest path, and the default
+   distributed ``/init_weights_update_group`` once, then per     engines on other GPUs/nodes
+              bucket ``/update_weights_from_distributed`` while (decoupled placement); NCCL on GPU,
+              rank 0 broadcasts (`sglang_sync`)                 gloo on CPU
+   ipc        ``/update_weights_from_tensor`` with CUDA IPC     SGLang colocated on the trainer's
+              handles per TP rank (`sglang_sync.ipc_payload`)   GPUs
+   tensor     ``/update_weights_from_tensor`` with the bytes    the embedded engine over HTTP, any
+              in a ``torch.save`` payload per bucket (base64)   host (slow: JSON + base64)
+   disk       ``/update_weights_from_disk`` of a directory      any engine that sees ``sync_dir``
+              written once per version under ``sync_dir``       (shared filesystem); the fallback
+   ========== ================================================ =====================================
+
+   Only the last call of an engine carries ``weight_version`` and ``flush_cache: true``, so the
+   version changes exactly when every tensor is in.
 3. ``/flush_cache`` (a 400 is expected while requests are frozen in place; the last update call
    already flushed the prefix cache), then the version is read back from every engine
    (``/get_weight_version``, or ``/model_info`` where that answers 404).
 4. ``POST /continue_generation`` on every engine.
 
-Every call is retried (``sync_retries`` attempts, growing back-off). If an engine still fails,
-`WeightSyncError` names it and the step, and the engines are left **paused**: nothing generates
-with a mix of versions until the caller decides what to do.
-
-The tensor payload is serialized bytes (what the embedded engine reads); real SGLang expects CUDA
-IPC handles there, so with SGLang servers use ``sync_mode="disk"``.
+`SyncReport` has the whole push time and the pause (steps 1-4: the time engines do not generate).
+Every call is retried (``sync_retries`` attempts, growing back-off) except the broadcast ones,
+which cannot be replayed alone. If an engine still fails, `WeightSyncError` names it and the step,
+and the engines are left **paused**: nothing generates with a mix of versions until the caller
+decides what to do.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ import httpx
 import torch
 
 from palaestra.engine.weights import serialize_named_tensors
+from palaestra.trainer.shm_sync import SharedWeightsFile
 
 __all__ = ["SyncReport", "WeightSync", "WeightSyncError", "make_buckets"]
 
@@ -47,25 +65,30 @@ class WeightSyncError(RuntimeError):
     """An engine did not take the new weights; the message names the engine and the step."""
 
 
+SYNC_MODES = ("shm", "distributed", "ipc", "tensor", "disk")
+
+
 @dataclass
 class SyncReport:
     version: str
     bytes: int  # raw tensor bytes sent to one engine
-    seconds: float
+    seconds: float  # the whole push: staging + pause
     buckets: int
     engines: int
+    pause_seconds: float = 0.0  # engines paused: pause -> update -> flush -> version check -> continue
 
 
 def make_buckets(
     named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor goes alone)."""
+    """Consecutive groups of tensors of at most `bucket_bytes` each and of one dtype (a flattened
+    bucket is one tensor); a tensor larger than the budget goes alone."""
     buckets: list[list[tuple[str, torch.Tensor]]] = []
     current: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named:
         n = t.numel() * t.element_size()
-        if current and size + n > bucket_bytes:
+        if current and (size + n > bucket_bytes or t.dtype != current[0][1].dtype):
             buckets.append(current)
             current, size = [], 0
         current.append((name, t))
@@ -76,18 +99,22 @@ def make_buckets(
 
 
 class WeightSync:
+    """The trainer's side of weight sync to `urls` (module docstring); `close()` when done."""
+
     def __init__(
         self,
         urls: Sequence[str],
-        mode: Literal["tensor", "disk"] = "tensor",
+        mode: Literal["shm", "distributed", "ipc", "tensor", "disk"] = "shm",
         bucket_mb: int = 512,
         retries: int = 3,
         timeout_s: float = 300.0,
         disk_dir: str | Path | None = None,
         pause_mode: str = "in_place",
+        group_address: str | None = None,
+        group_port: int = 0,
     ):
-        if mode not in ("tensor", "disk"):
-            raise ValueError(f"sync_mode must be 'tensor' or 'disk', got {mode!r}")
+        if mode not in SYNC_MODES:
+            raise ValueError(f"sync_mode must be one of {', '.join(SYNC_MODES)}; got {mode!r}")
         if mode == "disk" and disk_dir is None:
             raise ValueError("sync_mode 'disk' needs sync_dir (a directory every engine can read)")
         self.urls = [u.rstrip("/") for u in urls]
@@ -97,13 +124,50 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.pause_mode = pause_mode
+        self._shm: SharedWeightsFile | None = None
+        self._group = None
+        self._buckets: list[list[tuple[str, torch.Tensor]]] = []  # distributed: staged for the pause
+        if mode == "shm":  # in shared memory on this host; `disk_dir` moves it (e.g. for tests)
+            self._shm = SharedWeightsFile(disk_dir)
+        elif mode == "distributed":
+            from palaestra.net import free_port
+            from palaestra.trainer.sglang_sync import DistributedUpdate
+
+            address = group_address or _address_towards(self.urls)
+            self._group = DistributedUpdate(
+                self.urls, address, group_port or free_port(address), timeout_s=timeout_s
+            )
+
+    def close(self) -> None:
+        """Drops the shm file / the update group (engines keep the weights they hold)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        if self._group is not None:
+            self._group.close(self._post_once)
+            self._group = None
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     # -- one HTTP call, retried ----------------------------------------------------------------
     def _call(
-        self, client: httpx.Client, url: str, step: str, method: str, path: str, body: Any = None, ok=(200,)
+        self,
+        client: httpx.Client,
+        url: str,
+        step: str,
+        method: str,
+        path: str,
+        body: Any = None,
+        ok=(200,),
+        retries: int | None = None,
     ) -> httpx.Response:
         last = ""
-        for attempt in range(1, self.retries + 1):
+        attempts = retries or self.retries
+        for attempt in range(1, attempts + 1):
             try:
                 r = client.request(method, url + path, json=body)
                 if r.status_code in ok:
@@ -115,12 +179,15 @@ class WeightSync:
                 last = f"HTTP {r.status_code}: {r.text[:300]}"
             except (httpx.HTTPError, WeightSyncError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
-            if attempt < self.retries:
-                log.warning(
-                    "engine %s: %s failed (attempt %d/%d): %s", url, step, attempt, self.retries, last
-                )
+            if attempt < attempts:
+                log.warning("engine %s: %s failed (attempt %d/%d): %s", url, step, attempt, attempts, last)
                 time.sleep(0.2 * attempt)
-        raise WeightSyncError(f"engine {url}: {step} failed after {self.retries} attempts: {last}")
+        raise WeightSyncError(f"engine {url}: {step} failed after {attempts} attempts: {last}")
+
+    def _post_once(self, url: str, step: str, path: str, body: dict) -> Any:
+        """One POST, not retried, on its own connection (the group calls run in threads)."""
+        with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
+            return self._call(client, url, step, "POST", path, body, retries=1).json()
 
     def read_version(self, client: httpx.Client, url: str) -> str:
         """The engine's weight_version: /get_weight_version, or /model_info where that is a 404."""
@@ -131,6 +198,13 @@ class WeightSync:
             return str(r.json()["weight_version"])
         except (ValueError, KeyError, TypeError) as exc:
             raise WeightSyncError(f"engine {url}: no weight_version in {r.text[:200]!r}") from exc
+
+    def _tp_size(self, client: httpx.Client, url: str) -> int:
+        r = self._call(client, url, "read tp_size", "GET", "/server_info")
+        try:
+            return int(r.json().get("tp_size", 1))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise WeightSyncError(f"engine {url}: bad /server_info {r.text[:200]!r}") from exc
 
     # -- the sync ------------------------------------------------------------------------------
     def _write_disk(self, named: Sequence[tuple[str, torch.Tensor]], version: str) -> Path:
@@ -146,36 +220,78 @@ class WeightSync:
         tmp.rename(target)
         return target
 
-    def push(self, named: Sequence[tuple[str, torch.Tensor]], version: int | str) -> SyncReport:
-        """Sends `named` (HF names) to every engine and confirms `version` on each (module docstring)."""
-        v = str(version)
-        started = time.perf_counter()
-        raw = sum(t.numel() * t.element_size() for _, t in named)
+    def _stage(
+        self, client: httpx.Client, named: Sequence[tuple[str, torch.Tensor]], version: str
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Work done before the pause; returns each engine's update calls (none for distributed)."""
+        if self.mode == "shm":
+            assert self._shm is not None
+            directory = self._shm.write(named)
+            return [
+                ("/update_weights_from_disk", {"model_path": str(directory), "load_format": "safetensors"})
+            ]
         if self.mode == "disk":
-            path = self._write_disk(named, v)
-            calls = [("/update_weights_from_disk", {"model_path": str(path)})]
-        else:
-            buckets = make_buckets(named, self.bucket_bytes)
-            calls = [
+            path = self._write_disk(named, version)
+            return [("/update_weights_from_disk", {"model_path": str(path)})]
+        buckets = make_buckets(named, self.bucket_bytes)
+        if self.mode == "distributed":
+            assert self._group is not None
+            self._group.connect([self._tp_size(client, u) for u in self.urls], self._post_once)
+            self._buckets = buckets
+            return []
+        if self.mode == "ipc":
+            from palaestra.trainer.sglang_sync import ipc_payload
+
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            if device is None:
+                raise WeightSyncError("sync_mode 'ipc' needs CUDA tensors (colocated GPUs); on CPU use 'shm'")
+            tp = self._tp_size(client, self.urls[0])
+            return [
                 (
                     "/update_weights_from_tensor",
                     {
-                        "serialized_named_tensors": [serialize_named_tensors(b, flattened=True)],
+                        "serialized_named_tensors": ipc_payload(
+                            [(n, t.to(device)) for n, t in b], tp_size=tp, flattened=True
+                        ),
                         "load_format": "flattened_bucket",
                     },
                 )
                 for b in buckets
             ]
+        return [
+            (
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": [serialize_named_tensors(b, flattened=True)],
+                    "load_format": "flattened_bucket",
+                },
+            )
+            for b in buckets
+        ]
+
+    def push(self, named: Sequence[tuple[str, torch.Tensor]], version: int | str) -> SyncReport:
+        """Sends `named` (HF names) to every engine and confirms `version` on each (module docstring)."""
+        v = str(version)
+        started = time.perf_counter()
+        raw = sum(t.numel() * t.element_size() for _, t in named)
         with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
+            calls = self._stage(client, named, v)
+            paused = time.perf_counter()
             for url in self.urls:
                 self._call(client, url, "pause", "POST", "/pause_generation", {"mode": self.pause_mode})
-            for url in self.urls:
-                for i, (path_, body) in enumerate(calls):
-                    last = i == len(calls) - 1
-                    body = {**body, "flush_cache": last}
-                    if last:
-                        body["weight_version"] = v
-                    self._call(client, url, f"update {i + 1}/{len(calls)}", "POST", path_, body)
+            if self.mode == "distributed":
+                assert self._group is not None
+                self._group.send(self._buckets, v, self._post_once)
+                count = len(self._buckets)
+            else:
+                for url in self.urls:
+                    for i, (path_, body) in enumerate(calls):
+                        last = i == len(calls) - 1
+                        body = {**body, "flush_cache": last}
+                        if last:
+                            body["weight_version"] = v
+                        self._call(client, url, f"update {i + 1}/{len(calls)}", "POST", path_, body)
+                count = len(calls)
             for url in self.urls:
                 self._call(client, url, "flush_cache", "POST", "/flush_cache", ok=(200, 400))
                 got = self.read_version(client, url)
@@ -185,14 +301,32 @@ class WeightSync:
                     )
             for url in self.urls:
                 self._call(client, url, "continue", "POST", "/continue_generation", {})
+            pause_s = time.perf_counter() - paused
         if self.mode == "disk":
             for old in self.disk_dir.glob("v*"):  # keep only the version the engines now hold
                 if old.name != f"v{v}":
                     shutil.rmtree(old, ignore_errors=True)
+        self._buckets = []
         return SyncReport(
             version=v,
             bytes=raw,
             seconds=time.perf_counter() - started,
-            buckets=len(calls),
+            buckets=count,
             engines=len(self.urls),
+            pause_seconds=pause_s,
         )
+
+
+def _address_towards(urls: Sequence[str]) -> str:
+    """This host's address as the engines reach it: loopback when they all are, else the source
+    address of the route to the first non-loopback engine (no packet is sent)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
+    remote = [h for h in hosts if h not in ("127.0.0.1", "localhost", "::1")]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote[0], 9))
+        return s.getsockname()[0]

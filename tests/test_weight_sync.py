@@ -1,0 +1,100 @@
+"""Weight-sync building blocks without an engine process: the shared-memory safetensors file, the
+engine's in-place safetensors loader, dtype-preserving buckets, and the SGLang payload shapes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from palaestra.engine.protocol import RequestError
+from palaestra.engine.weights import deserialize_named_tensors, load_safetensors_into, serialize_named_tensors
+from palaestra.trainer.shm_sync import SharedWeightsFile
+from palaestra.trainer.weight_sync import WeightSync, make_buckets
+
+
+def named_mixed() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(3, 5, generator=g)),
+        ("b.weight", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c.bias", torch.randn(2, 2, generator=g).to(torch.float16)),
+        ("d.empty", torch.zeros(0, 4)),
+    ]
+
+
+def test_shared_file_is_plain_safetensors_with_dtypes_kept_and_rewritten_in_place(tmp_path):
+    named = named_mixed()
+    with SharedWeightsFile(tmp_path) as shm:
+        directory = shm.write(named)
+        inode = os.stat(shm.path).st_ino
+        loaded = load_file(str(shm.path))  # the reference reader agrees with our writer
+        assert list(loaded) == [n for n, _ in named] or set(loaded) == {n for n, _ in named}
+        for name, t in named:
+            assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+        # the next version: same layout -> same file, new bytes
+        named2 = [(n, t * 2) for n, t in named]
+        assert shm.write(named2) == directory and os.stat(shm.path).st_ino == inode
+        assert torch.equal(load_file(str(shm.path))["b.weight"], named2[1][1])
+        # a different layout starts a fresh file
+        shm.write([("a.weight", torch.ones(4))])
+        assert list(load_file(str(shm.path))) == ["a.weight"]
+        with pytest.raises(ValueError, match="duplicate"):
+            shm.write([("x", torch.ones(1)), ("x", torch.ones(1))])
+    assert not directory.exists()  # close() removes the shared memory
+
+
+def test_engine_loader_reads_into_parameters_and_validates_before_writing(tmp_path):
+    params = {
+        "a.weight": torch.zeros(3, 5),  # same dtype: bytes read straight in
+        "b.weight": torch.zeros(7),  # bf16 in the file -> converted to the model's float32
+        "c.bias": torch.zeros(2, 2, dtype=torch.float16),
+        "d.empty": torch.zeros(0, 4),
+    }
+    with SharedWeightsFile(tmp_path) as shm:
+        shm.write(named_mixed())
+        ptr = params["a.weight"].data_ptr()
+        assert load_safetensors_into(shm.directory, params) == 4
+        assert params["a.weight"].data_ptr() == ptr  # in place
+        for name, t in named_mixed():
+            assert torch.equal(params[name], t.to(params[name].dtype)), name
+        before = {k: v.clone() for k, v in params.items()}
+        # a file naming an unknown tensor or a wrong shape changes nothing
+        shm.write([("a.weight", torch.ones(3, 5)), ("zzz", torch.ones(1))])
+        with pytest.raises(RequestError, match="unknown parameter 'zzz'"):
+            load_safetensors_into(shm.directory, params)
+        shm.write([("a.weight", torch.ones(3, 5)), ("b.weight", torch.ones(8))])
+        with pytest.raises(RequestError, match="shape mismatch for b.weight"):
+            load_safetensors_into(shm.directory, params)
+        assert all(torch.equal(before[k], params[k]) for k in params)
+    # a truncated file is refused before anything is read
+    save_file({"a.weight": torch.ones(3, 5)}, str(tmp_path / "t.safetensors"))
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[:-8])
+    with pytest.raises(RequestError, match="inconsistent offsets"):
+        load_safetensors_into(tmp_path / "t.safetensors", params)
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 4)
+    with pytest.raises(RequestError, match="not a safetensors file"):
+        load_safetensors_into(tmp_path / "junk.safetensors", params)
+
+
+def test_buckets_have_one_dtype_and_the_tensor_payload_keeps_it():
+    named = [("x", torch.ones(4)), ("y", torch.ones(4)), ("z", torch.ones(4, dtype=torch.bfloat16))]
+    buckets = make_buckets(named, 1 << 20)
+    assert [[n for n, _ in b] for b in buckets] == [["x", "y"], ["z"]]
+    out = deserialize_named_tensors([serialize_named_tensors(buckets[1], flattened=True)], "flattened_bucket")
+    assert out[0][1].dtype == torch.bfloat16  # not doubled to float32 on the wire any more
+    raw = base64.b64decode(serialize_named_tensors(buckets[1], flattened=True))
+    flat = torch.load(io.BytesIO(raw), weights_only=True)["flattened_tensor"]
+    assert flat.dtype == torch.bfloat16  # on the wire too: no longer doubled to float32
+
+
+def test_bad_sync_mode_is_named():
+    with pytest.raises(
+        ValueError, match="sync_mode must be one of shm, distributed, ipc, tensor, disk; got 'nccl'"
+    ):
+        WeightSync(["http://127.0.0.1:1"], mode="nccl")

@@ -1,0 +1,245 @@
+"""SGLang's two non-disk weight-update paths, trainer side: a broadcast group, and CUDA IPC handles.
+
+**Distributed** (``sync_mode: distributed``; decoupled placement, engines on other GPUs or nodes).
+The trainer's global rank 0 and every engine rank form one process group of their own:
+
+1. ``POST /init_weights_update_group`` to every engine at once — ``master_address``,
+   ``master_port``, ``rank_offset`` (1 + the ranks of the engines before it), ``world_size``
+   (1 + every engine's ``tp_size``, read from ``/server_info``), ``group_name``, ``backend`` —
+   while the trainer joins as rank 0 of the same rendezvous. Done once, on the first sync.
+2. Per bucket, ``POST /update_weights_from_distributed`` {``names``, ``dtypes``, ``shapes``,
+   ``group_name``} to every engine, and meanwhile the trainer broadcasts each tensor of the bucket
+   in that order from rank 0. The engines answer once they have received every tensor.
+3. ``POST /destroy_weights_update_group`` on `close`.
+
+The group is built the way SGLang builds its side (a TCP-store rendezvous at
+``tcp://master_address:master_port``, a prefix store named after the group, then torch's process
+group helper), so both ends agree on the store keys. ``backend`` is ``nccl`` on GPUs and ``gloo``
+on CPU (the embedded engine implements the same endpoints with gloo). The master port is the one
+inter-node port this path opens (on the trainer's rank-0 host).
+
+**IPC** (``sync_mode: ipc``; colocated placement, trainer and engine on the same GPUs).
+``POST /update_weights_from_tensor`` whose ``serialized_named_tensors`` holds, per engine TP rank,
+the base64 of a torch-multiprocessing pickle of ``[(name, tensor), ...]`` (or of a
+``flattened_bucket`` dict). For CUDA tensors that pickle is a CUDA IPC handle: the engine maps the
+trainer's memory, nothing is copied through the host. The tensors must stay alive until the engine
+answers, which `WeightSync.push` guarantees by holding them for the call. Every TP rank's entry
+is the same full tensors here (SGLang's loader shards them), which is right for one engine GPU per
+trainer GPU; with a multi-GPU engine each entry should come from the trainer rank on that GPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["DistributedUpdate", "ipc_payload", "new_update_group"]
+
+log = logging.getLogger("palaestra.trainer.sglang_sync")
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+def new_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+):
+    """A process group outside the default one, joined the way SGLang's engines join it.
+
+    Rank 0 hosts the TCP store. Collectives on it name their source by group rank
+    (``dist.broadcast(t, group=g, group_src=0)``): a process without a default group has no
+    global ranks to translate.
+    """
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, _, _ = next(rendezvous(url, rank, world_size, timeout=timeout))
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    return group
+
+
+def ipc_payload(
+    named: Sequence[tuple[str, torch.Tensor]], tp_size: int = 1, flattened: bool = False
+) -> list[str]:
+    """``serialized_named_tensors`` for ``/update_weights_from_tensor``: one entry per engine TP rank.
+
+    A torch-multiprocessing pickle (`ForkingPickler`): CUDA tensors become IPC handles, CPU tensors
+    shared-memory handles. ``flattened`` packs the tensors (one dtype) into SGLang's
+    ``flattened_bucket`` dict.
+    """
+    from torch.multiprocessing.reductions import ForkingPickler
+
+    if flattened:
+        dtypes = {t.dtype for _, t in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, dtypes))}")
+        metadata, offset = [], 0
+        for name, t in named:
+            metadata.append(
+                {
+                    "name": name,
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "start_idx": offset,
+                    "end_idx": offset + t.numel(),
+                    "numel": t.numel(),
+                }
+            )
+            offset += t.numel()
+        obj: Any = {
+            "flattened_tensor": torch.cat([t.detach().reshape(-1) for _, t in named]),
+            "metadata": metadata,
+        }
+    else:
+        obj = [(name, t.detach().contiguous()) for name, t in named]
+    blob = base64.b64encode(ForkingPickler.dumps(obj)).decode("ascii")
+    return [blob] * tp_size
+
+
+class DistributedUpdate:
+    """The trainer's end of ``update_weights_from_distributed`` (module docstring).
+
+    `call(url, step, path, body) -> dict` is the caller's retried HTTP POST (`WeightSync._call`),
+    answering the parsed JSON body.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        master_address: str,
+        master_port: int,
+        backend: str | None = None,
+        group_name: str = DEFAULT_GROUP,
+        timeout_s: float = 300.0,
+    ):
+        self.urls = list(urls)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.group_name = group_name
+        self.timeout_s = timeout_s
+        self.group = None
+        self.world_size = 0
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="wsync")
+
+    def _device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+
+    def connect(self, tp_sizes: Sequence[int], call: Callable[[str, str, str, dict], Any]) -> None:
+        """Every engine and this process join the group (engine i's ranks follow engine i-1's)."""
+        if self.group is not None:
+            return
+        self.world_size = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        futures = [
+            self._pool.submit(
+                call,
+                url,
+                "init_weights_update_group",
+                "/init_weights_update_group",
+                {
+                    "master_address": self.master_address,
+                    "master_port": self.master_port,
+                    "rank_offset": offset,
+                    "world_size": self.world_size,
+                    "group_name": self.group_name,
+                    "backend": self.backend,
+                },
+            )
+            for url, offset in zip(self.urls, offsets, strict=True)
+        ]
+        try:
+            self.group = new_update_group(
+                self.master_address,
+                self.master_port,
+                0,
+                self.world_size,
+                self.group_name,
+                self.backend,
+                self.timeout_s,
+            )
+        finally:
+            for f in futures:
+                f.result()  # raises the engine's error, if any, after the rendezvous ended
+        log.info(
+            "weight update group %r: %d ranks at %s:%d (%s)",
+            self.group_name,
+            self.world_size,
+            self.master_address,
+            self.master_port,
+            self.backend,
+        )
+
+    def send(
+        self,
+        buckets: Sequence[Sequence[tuple[str, torch.Tensor]]],
+        version: str,
+        call: Callable[[str, str, str, dict], Any],
+    ) -> None:
+        """Broadcasts every bucket; the last request of each engine carries `version` and the flush."""
+        import torch.distributed as dist
+
+        assert self.group is not None, "connect() first"
+        device = self._device()
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            body: dict[str, Any] = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": self.group_name,
+                "flush_cache": last,
+            }
+            if last:
+                body["weight_version"] = version
+            step = f"update_weights_from_distributed {i + 1}/{len(buckets)}"
+            futures = [
+                self._pool.submit(call, url, step, "/update_weights_from_distributed", body)
+                for url in self.urls
+            ]
+            try:
+                for _, t in bucket:
+                    dist.broadcast(t.detach().to(device).contiguous(), group=self.group, group_src=0)
+            finally:
+                for f in futures:
+                    f.result()
+
+    def close(self, call: Callable[[str, str, str, dict], Any] | None = None) -> None:
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        if call is not None:
+            for url in self.urls:
+                try:
+                    call(url, "destroy_weights_update_group", "/destroy_weights_update_group",
+                         {"group_name": self.group_name})  # fmt: skip
+                except Exception as exc:  # the engine may be gone already; the group is ours to drop
+                    log.warning("engine %s: destroy_weights_update_group failed: %s", url, exc)
+        dist.destroy_process_group(self.group)
+        self.group = None
+        self._pool.shutdown(wait=False)
