@@ -10,8 +10,12 @@ Prints, from one run:
 * max/mean DP rank load (estimated FLOPs) of the default schedule (Karmarkar-Karp over samples,
   then packing per rank) vs round-robin, on a long-tailed (Pareto) length distribution, and of the
   pack-first order;
-* snapshot switch and weight sync (to a real embedded engine, /update_weights_from_tensor) as a
-  fraction of a plain memcpy of the same bytes.
+* snapshot switch as a fraction of a plain memcpy of the same bytes;
+* weight sync to a real embedded engine, per mode (tensor: base64 buckets over HTTP; shm: one
+  safetensors file in /dev/shm + /update_weights_from_disk), as a fraction of memcpy, for the whole
+  push and for the pause alone (the time the engine does not generate).
+
+    .venv/bin/python bench/trainer.py --parts balance,sync     # only those sections
 Absolute numbers depend on this machine's load; the ratios are what to compare between runs.
 """
 
@@ -67,96 +71,112 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="samples in the throughput batch")
     ap.add_argument("--max-tokens", type=int, default=2048, help="max_tokens_per_microbatch")
     ap.add_argument("--ranks", type=int, default=8, help="DP ranks in the balance test")
+    ap.add_argument("--parts", default="throughput,balance,snapshot,sync",
+                    help="comma-separated sections to run (default: all: %(default)s)")  # fmt: skip
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
 
     trainer = Trainer(TrainerConfig(max_tokens_per_microbatch=args.max_tokens, kl_coef=0.01), args.model)
     vocab = trainer.arch.vocab_size
 
-    # -- forward+backward throughput ------------------------------------------------------------
-    samples = long_tailed_samples(args.samples, 0, vocab, 1024)
-    tokens = sum(len(s.tokens) for s in samples)
-    mbs, _ = trainer._schedule(samples)
-    trainer._store(mbs, "old_logprobs", trainer.logprobs(mbs))
-    trainer._store(mbs, "ref_logprobs", [mb.old_logprobs for mb in mbs])
-    trainer._advantages(samples, mbs)
+    if "throughput" in parts:
+        # -- forward+backward throughput ------------------------------------------------------------
+        samples = long_tailed_samples(args.samples, 0, vocab, 1024)
+        tokens = sum(len(s.tokens) for s in samples)
+        mbs, _ = trainer._schedule(samples)
+        trainer._store(mbs, "old_logprobs", trainer.logprobs(mbs))
+        trainer._store(mbs, "ref_logprobs", [mb.old_logprobs for mb in mbs])
+        trainer._advantages(samples, mbs)
 
-    def megatron_fwd_bwd() -> None:
-        trainer.model.train()
-        trainer.model.zero_grad_buffer()
-        trainer._run(mbs, trainer._policy_loss, forward_only=False)
+        def megatron_fwd_bwd() -> None:
+            trainer.model.train()
+            trainer.model.zero_grad_buffer()
+            trainer._run(mbs, trainer._policy_loss, forward_only=False)
 
-    megatron_s = best_of(megatron_fwd_bwd)
-    fwd_s = best_of(lambda: trainer.logprobs(mbs))
-    from transformers import AutoModelForCausalLM
+        megatron_s = best_of(megatron_fwd_bwd)
+        fwd_s = best_of(lambda: trainer.logprobs(mbs))
+        from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(trainer.model_dir, dtype=torch.float32).train()
+        hf = AutoModelForCausalLM.from_pretrained(trainer.model_dir, dtype=torch.float32).train()
 
-    def hf_fwd_bwd() -> None:
-        hf.zero_grad(set_to_none=True)
-        for s in samples:
-            logits = hf(torch.tensor([s.tokens])).logits[0, s.prompt_len - 1 : -1]
-            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.tokens[s.prompt_len :])[:, None])
-            (-lp.mean()).backward()
+        def hf_fwd_bwd() -> None:
+            hf.zero_grad(set_to_none=True)
+            for s in samples:
+                logits = hf(torch.tensor([s.tokens])).logits[0, s.prompt_len - 1 : -1]
+                lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.tokens[s.prompt_len :])[:, None])
+                (-lp.mean()).backward()
 
-    hf_s = best_of(hf_fwd_bwd, 2)
-    print(f"forward+backward tokens/s ({tokens} tokens, {len(mbs)} packed micro-batches): "
-          f"megatron = {tokens / megatron_s:,.0f}, HF one sample at a time = {tokens / hf_s:,.0f}  "
-          f"-> {hf_s / megatron_s:.2f}x; forward only = {tokens / fwd_s:,.0f} tokens/s "
-          f"(fwd+bwd costs {megatron_s / fwd_s:.2f}x a forward)")  # fmt: skip
+        hf_s = best_of(hf_fwd_bwd, 2)
+        print(f"forward+backward tokens/s ({tokens} tokens, {len(mbs)} packed micro-batches): "
+              f"megatron = {tokens / megatron_s:,.0f}, HF one sample at a time = {tokens / hf_s:,.0f}  "
+              f"-> {hf_s / megatron_s:.2f}x; forward only = {tokens / fwd_s:,.0f} tokens/s "
+              f"(fwd+bwd costs {megatron_s / fwd_s:.2f}x a forward)")  # fmt: skip
 
-    # -- packing efficiency ---------------------------------------------------------------------
-    lengths = [len(s.tokens) for s in long_tailed_samples(1024, 1, vocab, 4096)]
-    plan = schedule(lengths, args.max_tokens, 1, trainer.arch)
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in plan.bins)
-    print(f"packing ({len(lengths)} long-tailed samples, {args.max_tokens}-token micro-batches): "
-          f"real/processed tokens THD = 1.000 (no padding), padded-per-micro-batch = {sum(lengths) / padded:.3f}; "
-          f"micro-batches {len(plan.bins)} at fill ratio {plan.fill_ratio(args.max_tokens):.3f}")  # fmt: skip
+    if "balance" in parts:
+        # -- packing efficiency ---------------------------------------------------------------------
+        lengths = [len(s.tokens) for s in long_tailed_samples(1024, 1, vocab, 4096)]
+        plan = schedule(lengths, args.max_tokens, 1, trainer.arch)
+        padded = sum(len(b) * max(lengths[i] for i in b) for b in plan.bins)
+        print(f"packing ({len(lengths)} long-tailed samples, {args.max_tokens}-token micro-batches): "
+              f"real/processed tokens THD = 1.000 (no padding), padded-per-micro-batch = {sum(lengths) / padded:.3f}; "
+              f"micro-batches {len(plan.bins)} at fill ratio {plan.fill_ratio(args.max_tokens):.3f}")  # fmt: skip
 
-    # -- DP balance -----------------------------------------------------------------------------
-    def max_over_mean(weights: list[float], parts: list[list[int]]) -> float:
-        return max(sum(weights[i] for i in p) for p in parts) / (sum(weights) / args.ranks)
+        # -- DP balance -----------------------------------------------------------------------------
+        def max_over_mean(weights: list[float], split: list[list[int]]) -> float:
+            return max(sum(weights[i] for i in p) for p in split) / (sum(weights) / args.ranks)
 
-    costs = [sequence_flops(n, trainer.arch) for n in lengths]
-    kk_plan = schedule(lengths, args.max_tokens, args.ranks, trainer.arch)  # the default order
-    kk = max_over_mean(kk_plan.bin_flops, kk_plan.per_rank)
-    rr = max_over_mean(costs, round_robin(len(lengths), args.ranks))  # sample i -> rank i mod k
-    pf = schedule(lengths, args.max_tokens, args.ranks, trainer.arch, order="pack_first")
-    kk_pf = max_over_mean(pf.bin_flops, pf.per_rank)
-    rr_pf = max_over_mean(pf.bin_flops, round_robin(len(pf.bins), args.ranks))
-    print(f"DP balance over {args.ranks} ranks, max/mean rank load (estimated FLOPs, same {len(lengths)} samples; "
-          f"goal <= 1.02):"
-          f"\n  default (Karmarkar-Karp over samples, then pack) = {kk:.4f} vs round-robin over samples = {rr:.4f} "
-          f"-> {rr / kk:.3f}x lower peak ({len(kk_plan.bins)} micro-batches)"
-          f"\n  pack_first (pack, then Karmarkar-Karp over micro-batches) = {kk_pf:.4f} vs round-robin over the "
-          f"same micro-batches = {rr_pf:.4f} ({len(pf.bins)} micro-batches)")  # fmt: skip
+        costs = [sequence_flops(n, trainer.arch) for n in lengths]
+        kk_plan = schedule(lengths, args.max_tokens, args.ranks, trainer.arch)  # the default order
+        kk = max_over_mean(kk_plan.bin_flops, kk_plan.per_rank)
+        rr = max_over_mean(costs, round_robin(len(lengths), args.ranks))  # sample i -> rank i mod k
+        pf = schedule(lengths, args.max_tokens, args.ranks, trainer.arch, order="pack_first")
+        kk_pf = max_over_mean(pf.bin_flops, pf.per_rank)
+        rr_pf = max_over_mean(pf.bin_flops, round_robin(len(pf.bins), args.ranks))
+        print(f"DP balance over {args.ranks} ranks, max/mean rank load (estimated FLOPs, same {len(lengths)} samples; "
+              f"goal <= 1.02):"
+              f"\n  default (Karmarkar-Karp over samples, then pack) = {kk:.4f} vs round-robin over samples = {rr:.4f} "
+              f"-> {rr / kk:.3f}x lower peak ({len(kk_plan.bins)} micro-batches)"
+              f"\n  pack_first (pack, then Karmarkar-Karp over micro-batches) = {kk_pf:.4f} vs round-robin over the "
+              f"same micro-batches = {rr_pf:.4f} ({len(pf.bins)} micro-batches)")  # fmt: skip
 
-    # -- snapshot switch --------------------------------------------------------------------------
-    store = trainer.snapshots
-    nbytes = store.nbytes
-    copy_s = memcpy_seconds(nbytes)
+    if "snapshot" in parts:
+        # -- snapshot switch --------------------------------------------------------------------------
+        store = trainer.snapshots
+        nbytes = store.nbytes
+        copy_s = memcpy_seconds(nbytes)
 
-    def switch_round_trip() -> None:
-        store.mark_live_changed()  # forces the full save of the live weights, as after a step
-        store.switch("ref")
-        store.switch("actor")
+        def switch_round_trip() -> None:
+            store.mark_live_changed()  # forces the full save of the live weights, as after a step
+            store.switch("ref")
+            store.switch("actor")
 
-    switch_s = best_of(switch_round_trip, 5) / 3  # save actor + restore ref + restore actor
-    print(f"snapshot switch ({nbytes / 1e6:.1f} MB): {nbytes / switch_s / 1e9:.2f} GB/s vs memcpy "
-          f"{nbytes / copy_s / 1e9:.2f} GB/s -> {copy_s / switch_s:.2f} of memcpy")  # fmt: skip
+        switch_s = best_of(switch_round_trip, 5) / 3  # save actor + restore ref + restore actor
+        print(f"snapshot switch ({nbytes / 1e6:.1f} MB): {nbytes / switch_s / 1e9:.2f} GB/s vs memcpy "
+              f"{nbytes / copy_s / 1e9:.2f} GB/s -> {copy_s / switch_s:.2f} of memcpy")  # fmt: skip
 
     # -- weight sync --------------------------------------------------------------------------------
+    if "sync" in parts:
+        weight_sync(trainer, args.model)
+
+
+def weight_sync(trainer: Trainer, model: str) -> None:
+    """Each sync mode that runs on one host, to a real embedded engine, as a fraction of memcpy."""
     from palaestra.engine.cli import engine_process
     from palaestra.trainer.weight_sync import WeightSync
 
-    with engine_process(args.model, extra_args=["--num-threads", "1"]) as engine:
-        sync = WeightSync([engine.url], mode="tensor", bucket_mb=64)
-        named = list(trainer.hf_state().items())
-        sync.push(named, "warmup")
-        reports = [sync.push(named, str(v)) for v in range(3)]
-        best = min(reports, key=lambda r: r.seconds)
-        print(f"weight sync to 1 engine ({best.bytes / 1e6:.1f} MB, {best.buckets} bucket(s), pause -> "
-              f"update -> flush -> version check -> continue): {best.bytes / best.seconds / 1e9:.3f} GB/s -> "
-              f"{memcpy_seconds(best.bytes) / best.seconds:.4f} of memcpy")  # fmt: skip
+    named = list(trainer.hf_state().items())
+    with engine_process(model, extra_args=["--num-threads", "1"]) as engine:
+        for mode, bucket_mb in (("tensor", 64), ("shm", 64)):
+            with WeightSync([engine.url], mode=mode, bucket_mb=bucket_mb) as sync:
+                sync.push(named, f"warmup-{mode}")
+                reports = [sync.push(named, f"{mode}-{v}") for v in range(5)]
+            best = min(reports, key=lambda r: r.seconds)
+            pause = min(r.pause_seconds for r in reports)
+            copy_s = memcpy_seconds(best.bytes)
+            print(f"weight sync, mode {mode:6s} ({best.bytes / 1e6:.1f} MB, {best.buckets} call(s) to 1 engine): "
+                  f"whole push {best.bytes / best.seconds / 1e9:.3f} GB/s -> {copy_s / best.seconds:.4f} of memcpy; "
+                  f"engines paused {pause * 1e3:.1f} ms per sync (pause -> update -> flush -> version check -> "
+                  f"continue) -> {copy_s / pause:.4f} of memcpy")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from palaestra.engine.core import Engine, Sequence
 from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, parse_generate
+from palaestra.engine.weight_group import UpdateGroups
 from palaestra.engine.weights import deserialize_named_tensors
 
 log = logging.getLogger("palaestra.engine")
@@ -100,6 +101,7 @@ class EngineServer:
             weight_version=config.weight_version,
         )
         self.engine.metrics.set_weight_version(config.weight_version)
+        self.update_groups = UpdateGroups()  # /init_weights_update_group and friends
         self.served_name = config.served_model_name or config.model_path
         self.started = time.time()
         self.app = self._build_app()
@@ -434,6 +436,33 @@ class EngineServer:
             except RequestError as exc:
                 return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
             return await server._apply_weights(lambda: server.engine.load_weights(named), body, "tensor")
+
+        @app.post("/init_weights_update_group")
+        async def init_weights_update_group(request: Request) -> JSONResponse:
+            body = await json_body(request)
+            try:  # blocks until every rank has joined: off the event loop
+                message = await asyncio.to_thread(server.update_groups.init, body)
+            except RequestError as exc:
+                return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+            return JSONResponse({"success": True, "message": message})
+
+        @app.post("/update_weights_from_distributed")
+        async def update_from_distributed(request: Request) -> JSONResponse:
+            body = await json_body(request)
+            try:
+                named = await asyncio.to_thread(server.update_groups.receive, body)
+            except RequestError as exc:
+                return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+            return await server._apply_weights(lambda: server.engine.load_weights(named), body, "distributed")
+
+        @app.post("/destroy_weights_update_group")
+        async def destroy_weights_update_group(request: Request) -> JSONResponse:
+            body = await json_body(request)
+            try:
+                message = await asyncio.to_thread(server.update_groups.destroy, body)
+            except RequestError as exc:
+                return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+            return JSONResponse({"success": True, "message": message})
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request) -> dict[str, Any]:

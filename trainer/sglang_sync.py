@@ -12,9 +12,9 @@ The trainer's global rank 0 and every engine rank form one process group of thei
    in that order from rank 0. The engines answer once they have received every tensor.
 3. ``POST /destroy_weights_update_group`` on `close`.
 
-The group is built the way SGLang builds its side (a TCP-store rendezvous at
-``tcp://master_address:master_port``, a prefix store named after the group, then torch's process
-group helper), so both ends agree on the store keys. ``backend`` is ``nccl`` on GPUs and ``gloo``
+The group is built the way SGLang builds its side (`palaestra.engine.weight_group.new_update_group`:
+a TCP-store rendezvous at ``tcp://master_address:master_port``, a prefix store named after the
+group, then torch's process group helper), so both ends agree on the store keys. ``backend`` is ``nccl`` on GPUs and ``gloo``
 on CPU (the embedded engine implements the same endpoints with gloo). The master port is the one
 inter-node port this path opens (on the trainer's rank-0 host).
 
@@ -31,7 +31,6 @@ trainer GPU; with a multi-GPU engine each entry should come from the trainer ran
 from __future__ import annotations
 
 import base64
-import datetime
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,55 +38,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["DistributedUpdate", "ipc_payload", "new_update_group"]
+from palaestra.engine.weight_group import DEFAULT_GROUP, drop_update_group, new_update_group
+
+__all__ = ["DistributedUpdate", "ipc_payload"]
 
 log = logging.getLogger("palaestra.trainer.sglang_sync")
-
-DEFAULT_GROUP = "weight_update_group"
-
-
-def new_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str = DEFAULT_GROUP,
-    backend: str = "gloo",
-    timeout_s: float = 300.0,
-):
-    """A process group outside the default one, joined the way SGLang's engines join it.
-
-    Rank 0 hosts the TCP store. Collectives on it name their source by group rank
-    (``dist.broadcast(t, group=g, group_src=0)``): a process without a default group has no
-    global ranks to translate.
-    """
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, _, _ = next(rendezvous(url, rank, world_size, timeout=timeout))
-    group, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        backend,
-        PrefixStore(group_name, store),
-        group_name=group_name,
-        timeout=timeout,
-    )
-    return group
 
 
 def ipc_payload(
     named: Sequence[tuple[str, torch.Tensor]], tp_size: int = 1, flattened: bool = False
-) -> list[str]:
-    """``serialized_named_tensors`` for ``/update_weights_from_tensor``: one entry per engine TP rank.
+) -> tuple[list[str], Any]:
+    """``serialized_named_tensors`` for ``/update_weights_from_tensor`` (one entry per engine TP
+    rank), and the object the handles point into: keep it alive until the engine has answered,
+    or the memory behind the handles is freed under it.
 
     A torch-multiprocessing pickle (`ForkingPickler`): CUDA tensors become IPC handles, CPU tensors
     shared-memory handles. ``flattened`` packs the tensors (one dtype) into SGLang's
     ``flattened_bucket`` dict.
     """
-    from torch.multiprocessing.reductions import ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions with ForkingPickler
 
     if flattened:
         dtypes = {t.dtype for _, t in named}
@@ -113,7 +84,7 @@ def ipc_payload(
     else:
         obj = [(name, t.detach().contiguous()) for name, t in named]
     blob = base64.b64encode(ForkingPickler.dumps(obj)).decode("ascii")
-    return [blob] * tp_size
+    return [blob] * tp_size, obj
 
 
 class DistributedUpdate:
@@ -229,8 +200,6 @@ class DistributedUpdate:
                     f.result()
 
     def close(self, call: Callable[[str, str, str, dict], Any] | None = None) -> None:
-        import torch.distributed as dist
-
         if self.group is None:
             return
         if call is not None:
@@ -240,6 +209,6 @@ class DistributedUpdate:
                          {"group_name": self.group_name})  # fmt: skip
                 except Exception as exc:  # the engine may be gone already; the group is ours to drop
                     log.warning("engine %s: destroy_weights_update_group failed: %s", url, exc)
-        dist.destroy_process_group(self.group)
+        drop_update_group(self.group)
         self.group = None
         self._pool.shutdown(wait=False)

@@ -127,6 +127,7 @@ class WeightSync:
         self._shm: SharedWeightsFile | None = None
         self._group = None
         self._buckets: list[list[tuple[str, torch.Tensor]]] = []  # distributed: staged for the pause
+        self._keepalive: list[Any] = []  # ipc: the memory the handles of this push point into
         if mode == "shm":  # in shared memory on this host; `disk_dir` moves it (e.g. for tests)
             self._shm = SharedWeightsFile(disk_dir)
         elif mode == "distributed":
@@ -240,24 +241,32 @@ class WeightSync:
             self._buckets = buckets
             return []
         if self.mode == "ipc":
+            import torch.multiprocessing as tmp
+
             from palaestra.trainer.sglang_sync import ipc_payload
 
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            if device is None:
-                raise WeightSyncError("sync_mode 'ipc' needs CUDA tensors (colocated GPUs); on CPU use 'shm'")
-            tp = self._tp_size(client, self.urls[0])
-            return [
-                (
-                    "/update_weights_from_tensor",
-                    {
-                        "serialized_named_tensors": ipc_payload(
-                            [(n, t.to(device)) for n, t in b], tp_size=tp, flattened=True
-                        ),
-                        "load_format": "flattened_bucket",
-                    },
+            if torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+            elif tmp.get_sharing_strategy() == "file_system":
+                device = torch.device("cpu")  # shared-memory files stand in for CUDA IPC handles
+            else:
+                raise WeightSyncError(
+                    "sync_mode 'ipc' hands CUDA IPC handles to a colocated SGLang; without CUDA use 'shm' "
+                    "(CPU tensors can only be shared across processes with "
+                    "torch.multiprocessing.set_sharing_strategy('file_system'))"
                 )
-                for b in buckets
-            ]
+            tp = self._tp_size(client, self.urls[0])
+            calls = []
+            for b in buckets:
+                entries, shared = ipc_payload([(n, t.to(device)) for n, t in b], tp_size=tp, flattened=True)
+                self._keepalive.append(shared)  # the handles point into it until push() returns
+                calls.append(
+                    (
+                        "/update_weights_from_tensor",
+                        {"serialized_named_tensors": entries, "load_format": "flattened_bucket"},
+                    )
+                )
+            return calls
         return [
             (
                 "/update_weights_from_tensor",
@@ -306,7 +315,7 @@ class WeightSync:
             for old in self.disk_dir.glob("v*"):  # keep only the version the engines now hold
                 if old.name != f"v{v}":
                     shutil.rmtree(old, ignore_errors=True)
-        self._buckets = []
+        self._buckets, self._keepalive = [], []
         return SyncReport(
             version=v,
             bytes=raw,
