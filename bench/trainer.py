@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,6 +72,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="samples in the throughput batch")
     ap.add_argument("--max-tokens", type=int, default=2048, help="max_tokens_per_microbatch")
     ap.add_argument("--ranks", type=int, default=8, help="DP ranks in the balance test")
+    ap.add_argument("--sync-hidden", type=int, default=1024,
+                    help="hidden size of the model the sync section pushes (the trainer model's "
+                         "architecture widened, random weights; 0 = the --model itself)")  # fmt: skip
     ap.add_argument("--parts", default="throughput,balance,snapshot,sync",
                     help="comma-separated sections to run (default: all: %(default)s)")  # fmt: skip
     args = ap.parse_args()
@@ -156,27 +160,68 @@ def main() -> None:
 
     # -- weight sync --------------------------------------------------------------------------------
     if "sync" in parts:
-        weight_sync(trainer, args.model)
+        with tempfile.TemporaryDirectory() as tmp:
+            model = (
+                widened(trainer.model_dir, Path(tmp), args.sync_hidden) if args.sync_hidden else args.model
+            )
+            weight_sync(model)
 
 
-def weight_sync(trainer: Trainer, model: str) -> None:
-    """Each sync mode that runs on one host, to a real embedded engine, as a fraction of memcpy."""
+def widened(model_dir: Path, out: Path, hidden: int) -> Path:
+    """`model_dir`'s architecture and tokenizer at hidden size `hidden` (random weights, head size
+    kept): a model large enough that a sync moves more than a few milliseconds of bytes."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    scale = hidden / cfg.hidden_size
+    head = cfg.hidden_size // cfg.num_attention_heads
+    cfg.hidden_size, cfg.intermediate_size = hidden, int(cfg.intermediate_size * scale)
+    cfg.num_attention_heads = hidden // head
+    cfg.num_key_value_heads = max(1, int(cfg.num_key_value_heads * scale))
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    marker = out / "palaestra_preset.json"
+    if marker.exists():  # not the preset any more
+        marker.unlink()
+    json.loads((out / "config.json").read_text())  # written and readable
+    return out
+
+
+def weight_sync(model: str | Path) -> None:
+    """tensor vs shm sync of the whole model to a real embedded engine, interleaved, as ratios."""
+    from safetensors.torch import load_file
+
     from palaestra.engine.cli import engine_process
+    from palaestra.presets import resolve_model
     from palaestra.trainer.weight_sync import WeightSync
 
-    named = list(trainer.hf_state().items())
-    with engine_process(model, extra_args=["--num-threads", "1"]) as engine:
-        for mode, bucket_mb in (("tensor", 64), ("shm", 64)):
-            with WeightSync([engine.url], mode=mode, bucket_mb=bucket_mb) as sync:
-                sync.push(named, f"warmup-{mode}")
-                reports = [sync.push(named, f"{mode}-{v}") for v in range(5)]
-            best = min(reports, key=lambda r: r.seconds)
-            pause = min(r.pause_seconds for r in reports)
-            copy_s = memcpy_seconds(best.bytes)
-            print(f"weight sync, mode {mode:6s} ({best.bytes / 1e6:.1f} MB, {best.buckets} call(s) to 1 engine): "
-                  f"whole push {best.bytes / best.seconds / 1e9:.3f} GB/s -> {copy_s / best.seconds:.4f} of memcpy; "
-                  f"engines paused {pause * 1e3:.1f} ms per sync (pause -> update -> flush -> version check -> "
-                  f"continue) -> {copy_s / pause:.4f} of memcpy")  # fmt: skip
+    model_dir = resolve_model(str(model))
+    named = [(k, v) for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    with engine_process(str(model_dir), extra_args=["--num-threads", "1"]) as engine:
+        syncs = {m: WeightSync([engine.url], mode=m, bucket_mb=64) for m in ("tensor", "shm")}
+        reports: dict[str, list] = {m: [] for m in syncs}
+        for m, sync in syncs.items():
+            sync.push(named, f"warmup-{m}")
+        for v in range(3):  # interleaved, so both modes see the same machine load
+            for m, sync in syncs.items():
+                reports[m].append(sync.push(named, f"{m}-{v}"))
+        for sync in syncs.values():
+            sync.close()
+    copy_s = memcpy_seconds(nbytes)
+    print(f"weight sync of the whole model ({nbytes / 1e6:.1f} MB, {len(named)} tensors) to 1 embedded engine; "
+          f"memcpy of the same bytes {nbytes / copy_s / 1e9:.2f} GB/s:")  # fmt: skip
+    for m, rs in reports.items():
+        best = min(rs, key=lambda r: r.seconds)
+        pause = min(r.pause_seconds for r in rs)
+        print(f"  {m:6s}: whole push {best.seconds * 1e3:8.1f} ms = {nbytes / best.seconds / 1e9:.3f} GB/s -> "
+              f"{copy_s / best.seconds:.4f} of memcpy; engine paused {pause * 1e3:7.1f} ms per sync "
+              f"(pause -> update -> flush -> version check -> continue) -> {copy_s / pause:.4f} of memcpy")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ class Engine:
         self.running: list[Sequence] = []  # index == row in self.batch
         self.waiting: deque[Sequence] = deque()
         self.paused = False
+        self.shared_weights = None  # set by a load_format "mmap" update: the file the weights live in
         self._incoming: list[Sequence] = []
         self._controls: deque[_Control] = deque()
         self._aborts: list[tuple[str, bool, str]] = []
@@ -197,13 +198,19 @@ class Engine:
                 param.copy_(tensor.to(param.dtype))
         return len(updates)
 
-    def load_weights_from_file(self, path: str) -> int:
-        """Reads safetensors at `path` straight into the model (`weights.load_safetensors_into`)."""
-        from palaestra.engine.weights import load_safetensors_into
+    def load_weights_from_file(self, path: str, share: bool = False) -> int:
+        """Safetensors at `path` into the model: read straight into the parameters
+        (`weights.load_safetensors_into`), or with `share` the parameters become the file's mapped
+        bytes (`weights.SharedSafetensors`; load_format "mmap")."""
+        from palaestra.engine.weights import SharedSafetensors, load_safetensors_into
 
         params = dict(self.runner.model.named_parameters())
         params.update(dict(self.runner.model.named_buffers()))
-        return load_safetensors_into(path, params)
+        if not share:
+            return load_safetensors_into(path, params)
+        if self.shared_weights is None:
+            self.shared_weights = SharedSafetensors()
+        return self.shared_weights.share(path, params)
 
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version

@@ -419,12 +419,16 @@ class EngineServer:
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise RequestError("model_path is required")
-            if body.get("load_format") not in (None, "auto", "safetensors"):
+            load_format = body.get("load_format")
+            if load_format not in (None, "auto", "safetensors", "mmap"):
                 raise RequestError(
-                    "load_format must be null, 'auto' or 'safetensors' for the embedded engine"
+                    "load_format must be null, 'auto', 'safetensors' or 'mmap' (share the file's memory) "
+                    "for the embedded engine"
                 )
-            # read straight into the parameters on the engine thread (one copy; /dev/shm fast path)
-            return await server._apply_weights(lambda: server.engine.load_weights_from_file(path), body, path)
+            # read straight into the parameters on the engine thread (one copy), or share the file
+            return await server._apply_weights(
+                lambda: server.engine.load_weights_from_file(path, share=load_format == "mmap"), body, path
+            )
 
         @app.post("/update_weights_from_tensor")
         async def update_from_tensor(request: Request) -> JSONResponse:

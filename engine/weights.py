@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -105,31 +106,14 @@ def load_safetensors_into(path: str | Path, params: dict[str, torch.Tensor]) -> 
     into a scratch tensor and converted. Returns the number of tensors loaded.
     """
     files = _safetensors_files(path)
-    plans = []
-    for file in files:
-        f = open(file, "rb", buffering=0)  # noqa: SIM115 - closed below, after every tensor is read
-        try:
-            base, header = _read_header(f, file)
-        except Exception:
-            f.close()
-            raise
-        for name, info in header.items():
-            if name not in params:
-                f.close()
-                raise RequestError(f"unknown parameter {name!r} for this model")
-            if tuple(info["shape"]) != tuple(params[name].shape):
-                f.close()
-                raise RequestError(
-                    f"shape mismatch for {name}: got {tuple(info['shape'])}, "
-                    f"model has {tuple(params[name].shape)}"
-                )
-        plans.append((f, base, header))
-    if not any(header for _, _, header in plans):
-        for f, _, _ in plans:
-            f.close()
-        raise RequestError("no tensors in the update")
+    handles, plans = [], []
     count = 0
     try:
+        for file in files:  # everything is checked before the first byte is written
+            handles.append(open(file, "rb", buffering=0))  # noqa: SIM115 - closed in `finally`
+            base, header = _read_header(handles[-1], file)
+            _check_names(header, params)
+            plans.append((handles[-1], base, header))
         with torch.inference_mode(False), torch.no_grad():
             for f, base, header in plans:
                 for name, info in header.items():
@@ -145,9 +129,72 @@ def load_safetensors_into(path: str | Path, params: dict[str, torch.Tensor]) -> 
                         param.copy_(target)
                     count += 1
     finally:
-        for f, _, _ in plans:
+        for f in handles:
             f.close()
     return count
+
+
+class SharedSafetensors:
+    """A safetensors file the model's parameters point into (``load_format: "mmap"``).
+
+    `share(path, params)` maps the (single) file read-write and sets each parameter's data to its
+    bytes in the mapping: no copy, and every engine on the host shares one copy of the weights.
+    The writer (the trainer's `SharedWeightsFile`) rewrites the bytes in place while the engine is
+    paused; sharing the same file again only checks that the parameters still point into it (and
+    refreshes the few that had to be copied).
+    A parameter whose dtype differs from the file's, or is not on CPU, is copied instead.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[str, int, bytes] | None = None  # path, inode, header
+        self._map: mmap.mmap | None = None
+        self._addresses: dict[str, int] = {}
+
+    def share(self, path: str | Path, params: dict[str, torch.Tensor]) -> int:
+        files = _safetensors_files(path)
+        if len(files) != 1:
+            raise RequestError(
+                f"load_format 'mmap' needs exactly one safetensors file; {path} has {len(files)}"
+            )
+        with open(files[0], "r+b") as f:  # read-write: torch views need a writable buffer
+            base, header = _read_header(f, files[0])
+            f.seek(0)
+            key = (str(files[0]), os.fstat(f.fileno()).st_ino, f.read(base))
+            _check_names(header, params)
+            same = key == self.key and all(params[n].data_ptr() == a for n, a in self._addresses.items())
+            # the same file, still shared: only the copied parameters need the writer's new bytes
+            mapping = self._map if same and self._map is not None else mmap.mmap(f.fileno(), 0)
+        addresses = dict(self._addresses) if same else {}
+        with torch.inference_mode(False), torch.no_grad():
+            for name, info in header.items():
+                if name in addresses:
+                    continue
+                param, dtype = params[name], info["torch_dtype"]
+                start, end = info["data_offsets"]
+                offset = base + start
+                count = (end - start) // dtype.itemsize
+                if not count:  # an empty tensor has no bytes to share or copy
+                    continue
+                view = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset).view(info["shape"])
+                if param.dtype == dtype and param.device.type == "cpu" and offset % dtype.itemsize == 0:
+                    param.data = view
+                    addresses[name] = param.data_ptr()
+                else:
+                    param.copy_(view)
+        self.key, self._map, self._addresses = key, mapping, addresses  # an old mapping lives while used
+        return len(header)
+
+
+def _check_names(header: dict[str, dict], params: dict[str, torch.Tensor]) -> None:
+    if not header:
+        raise RequestError("no tensors in the update")
+    for name, info in header.items():
+        if name not in params:
+            raise RequestError(f"unknown parameter {name!r} for this model")
+        if tuple(info["shape"]) != tuple(params[name].shape):
+            raise RequestError(
+                f"shape mismatch for {name}: got {tuple(info['shape'])}, model has {tuple(params[name].shape)}"
+            )
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], flattened: bool = False) -> str:

@@ -12,7 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from palaestra.engine.protocol import RequestError
-from palaestra.engine.weights import deserialize_named_tensors, load_safetensors_into, serialize_named_tensors
+from palaestra.engine.weights import (
+    SharedSafetensors,
+    deserialize_named_tensors,
+    load_safetensors_into,
+    serialize_named_tensors,
+)
 from palaestra.trainer.shm_sync import SharedWeightsFile
 from palaestra.trainer.weight_sync import WeightSync, make_buckets
 
@@ -31,21 +36,42 @@ def test_shared_file_is_plain_safetensors_with_dtypes_kept_and_rewritten_in_plac
     named = named_mixed()
     with SharedWeightsFile(tmp_path) as shm:
         directory = shm.write(named)
-        inode = os.stat(shm.path).st_ino
-        loaded = load_file(str(shm.path))  # the reference reader agrees with our writer
-        assert list(loaded) == [n for n, _ in named] or set(loaded) == {n for n, _ in named}
+        (file,) = directory.glob("*.safetensors")
+        inode = os.stat(file).st_ino
+        loaded = load_file(str(file))  # the reference reader agrees with our writer
+        assert set(loaded) == {n for n, _ in named}
         for name, t in named:
             assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
-        # the next version: same layout -> same file, new bytes
+        # the next version: same layout -> same file (an engine may map it), new bytes
         named2 = [(n, t * 2) for n, t in named]
-        assert shm.write(named2) == directory and os.stat(shm.path).st_ino == inode
-        assert torch.equal(load_file(str(shm.path))["b.weight"], named2[1][1])
-        # a different layout starts a fresh file
-        shm.write([("a.weight", torch.ones(4))])
-        assert list(load_file(str(shm.path))) == ["a.weight"]
+        assert shm.write(named2) == directory and os.stat(file).st_ino == inode
+        assert torch.equal(load_file(str(file))["b.weight"], named2[1][1])
+        # a different layout gets a new file; the old one is unlinked, never truncated
+        other = shm.write([("a.weight", torch.ones(4))])
+        assert other != directory and not file.exists()
+        assert list(load_file(str(next(other.glob("*.safetensors"))))) == ["a.weight"]
         with pytest.raises(ValueError, match="duplicate"):
             shm.write([("x", torch.ones(1)), ("x", torch.ones(1))])
-    assert not directory.exists()  # close() removes the shared memory
+    assert not shm.directory.exists()  # close() removes the shared memory
+
+
+def test_engine_shares_the_file_and_sees_the_next_write_without_a_copy(tmp_path):
+    params = {"a.weight": torch.zeros(3, 5), "b.weight": torch.zeros(7), "c.bias": torch.zeros(2, 2)}
+    named = [("a.weight", torch.randn(3, 5)), ("b.weight", torch.randn(7).to(torch.bfloat16)),
+             ("c.bias", torch.randn(2, 2))]  # fmt: skip
+    shared = SharedSafetensors()
+    with SharedWeightsFile(tmp_path) as shm:
+        directory = shm.write(named)
+        assert shared.share(directory, params) == 3
+        assert torch.equal(params["a.weight"], named[0][1])
+        assert torch.equal(params["b.weight"], named[1][1].float())  # other dtype: copied, converted
+        ptr = params["a.weight"].data_ptr()
+        shm.write([(n, t + 1) for n, t in named])  # the next version, while "paused"
+        assert torch.equal(params["a.weight"], named[0][1] + 1)  # already there: same memory
+        assert shared.share(directory, params) == 3 and params["a.weight"].data_ptr() == ptr
+        assert torch.equal(params["b.weight"], (named[1][1] + 1).float())
+        with pytest.raises(RequestError, match="shape mismatch for c.bias"):
+            shared.share(shm.write([("c.bias", torch.ones(4))]), params)
 
 
 def test_engine_loader_reads_into_parameters_and_validates_before_writing(tmp_path):
@@ -58,7 +84,7 @@ def test_engine_loader_reads_into_parameters_and_validates_before_writing(tmp_pa
     with SharedWeightsFile(tmp_path) as shm:
         shm.write(named_mixed())
         ptr = params["a.weight"].data_ptr()
-        assert load_safetensors_into(shm.directory, params) == 4
+        assert load_safetensors_into(shm.path.parent, params) == 4
         assert params["a.weight"].data_ptr() == ptr  # in place
         for name, t in named_mixed():
             assert torch.equal(params[name], t.to(params[name].dtype)), name
@@ -66,10 +92,10 @@ def test_engine_loader_reads_into_parameters_and_validates_before_writing(tmp_pa
         # a file naming an unknown tensor or a wrong shape changes nothing
         shm.write([("a.weight", torch.ones(3, 5)), ("zzz", torch.ones(1))])
         with pytest.raises(RequestError, match="unknown parameter 'zzz'"):
-            load_safetensors_into(shm.directory, params)
+            load_safetensors_into(shm.path.parent, params)
         shm.write([("a.weight", torch.ones(3, 5)), ("b.weight", torch.ones(8))])
         with pytest.raises(RequestError, match="shape mismatch for b.weight"):
-            load_safetensors_into(shm.directory, params)
+            load_safetensors_into(shm.path.parent, params)
         assert all(torch.equal(before[k], params[k]) for k in params)
     # a truncated file is refused before anything is read
     save_file({"a.weight": torch.ones(3, 5)}, str(tmp_path / "t.safetensors"))

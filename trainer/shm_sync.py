@@ -6,17 +6,22 @@
     shm.close()                               # removes the directory
 
 The file is an ordinary ``model.safetensors`` (8-byte header length, JSON header, raw bytes), so
-anything that reads safetensors loads it: the embedded engine (which reads each tensor straight
-into its parameter, `palaestra.engine.weights.load_safetensors_into`) and real SGLang's
-``/update_weights_from_disk`` alike. No JSON or base64 carries tensor data, and bf16 stays bf16.
+anything that reads safetensors loads it: real SGLang's ``/update_weights_from_disk`` copies it
+into its weights, and so does the embedded engine by default. No JSON or base64 carries tensor
+data, and bf16 stays bf16.
 
-Why it is fast: the file lives on tmpfs, so "writing" is one kernel copy into page-cache pages and
-"reading" one copy out of them. The file is kept between syncs and rewritten in place when the
-names, dtypes and shapes are unchanged (every step of a run), so its pages are allocated once.
-Rewriting in place is safe because a sync is sequential: the engines have copied the previous
-version into their own parameters before `WeightSync.push` returns, and the next write starts
-after that. The write happens *before* the engines are paused (they keep generating meanwhile);
-only the load happens inside the pause.
+Shared, not copied (``load_format: "mmap"``, embedded engine only): the engine maps the file and
+points its parameters at it, so a sync is a single copy — the trainer's write — however many
+engines share the host. That is why the trainer writes **inside** the pause (`WeightSync.push`):
+an engine whose parameters are this file sees every byte as it lands, and must not be computing.
+It also fixes the file's life cycle: the file is rewritten in place while the names, dtypes and
+shapes stay the same (every step of a run) and is never truncated while an engine may map it; a
+new layout gets a new file and the old one is unlinked (an engine keeps its mapping until it
+loads the new one). Tensors are laid out largest element size first, so every tensor starts at
+a multiple of its own element size and can be used in place.
+
+The writer keeps its own mapping open between syncs, so after the first sync no page is faulted
+or allocated again: a write is a memcpy into page-cache pages.
 
 In-host only: an engine on another node cannot see this host's /dev/shm; use ``sync_mode:
 distributed`` there (`palaestra.trainer.sglang_sync`).
@@ -25,6 +30,7 @@ distributed`` there (`palaestra.trainer.sglang_sync`).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -65,13 +71,32 @@ def default_shm_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy when it is a contiguous CPU tensor (any dtype, bf16 too)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def _layout(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """The file header and (name, start, nbytes) per tensor, largest element size first."""
+    order = sorted(range(len(named)), key=lambda i: -named[i][1].element_size())  # stable
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    spans, position = [], 0
+    for i in order:
+        name, t = named[i]
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": safetensors_dtype(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [position, position + n],
+        }
+        spans.append((name, position, n))
+        position += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 64)  # the data section starts 64-byte aligned
+    return len(raw).to_bytes(8, "little") + raw, spans
+
+
+def _release(mapping: mmap.mmap | None) -> None:
+    if mapping is not None:
+        try:
+            mapping.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass
 
 
 class SharedWeightsFile:
@@ -81,58 +106,58 @@ class SharedWeightsFile:
         base = Path(root) if root is not None else default_shm_root()
         self.directory = base / f"palaestra-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.directory.mkdir(parents=True, exist_ok=False)
-        self.path = self.directory / "model.safetensors"
+        self.path: Path | None = None
+        self._layouts = 0
         self._header: bytes | None = None
-        self._offsets: list[int] = []
+        self._spans: list[tuple[str, int, int]] = []
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None  # uint8 view of the whole mapping
         # shared memory outlives the process unless removed: also at garbage collection and exit
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
 
-    def _layout(self, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[bytes, list[int]]:
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offsets, position = [], 0
-        for name, t in named:
-            n = t.numel() * t.element_size()
-            header[name] = {
-                "dtype": safetensors_dtype(t.dtype),
-                "shape": list(t.shape),
-                "data_offsets": [position, position + n],
-            }
-            offsets.append(position)
-            position += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-        return len(raw).to_bytes(8, "little") + raw, offsets
+    def _new_file(self, header: bytes, size: int) -> None:
+        """A fresh file for a new layout; the old one is unlinked, never truncated (engines may map it)."""
+        self._bytes = None
+        _release(self._map)
+        if self.path is not None:
+            shutil.rmtree(self.path.parent, ignore_errors=True)
+        self._layouts += 1
+        folder = self.directory / f"layout-{self._layouts}"
+        folder.mkdir()
+        self.path = folder / "model.safetensors"
+        with open(self.path, "w+b") as f:
+            f.truncate(size)
+            self._map = mmap.mmap(f.fileno(), size)  # MAP_SHARED, read-write; outlives the fd
+        self._map[: len(header)] = header
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def write(self, named: Sequence[tuple[str, torch.Tensor]]) -> Path:
         """Writes `named` (HF names) into the file; returns the directory to hand to the engines."""
         if not named:
             raise ValueError("no tensors to write")
-        names = [name for name, _ in named]
-        if len(set(names)) != len(names):
+        tensors = dict(named)
+        if len(tensors) != len(named):
             raise ValueError("duplicate tensor names in the weight update")
-        header, offsets = self._layout(named)
-        if header != self._header:  # first write, or the layout changed: start a fresh file
-            with open(self.path, "wb") as f:
-                f.write(header)
-                f.truncate(len(header) + sum(t.numel() * t.element_size() for _, t in named))
-            self._header, self._offsets = header, offsets
-        fd = os.open(self.path, os.O_WRONLY)
-        try:
-            base = len(header)
-            for (_, t), offset in zip(named, self._offsets, strict=True):
-                data = _raw_bytes(t)
-                written = 0
-                while written < len(data):  # pwrite may write less than asked for large buffers
-                    written += os.pwrite(fd, data[written:], base + offset + written)
-        finally:
-            os.close(fd)
-        return self.directory
+        header, spans = _layout(named)
+        if header != self._header:  # first write, or the layout changed
+            self._new_file(header, len(header) + sum(n for _, _, n in spans))
+            self._header, self._spans = header, spans
+        assert self._bytes is not None and self.path is not None
+        base = len(header)
+        for name, start, n in self._spans:
+            if n:
+                src = tensors[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                self._bytes[base + start : base + start + n].copy_(src)
+        return self.path.parent
 
     @property
     def nbytes(self) -> int:
-        return self.path.stat().st_size if self.path.exists() else 0
+        return self._map.size() if self._map is not None else 0
 
     def close(self) -> None:
+        self._bytes = None
+        _release(self._map)
+        self._map = None
         self._cleanup()
 
     def __enter__(self) -> SharedWeightsFile:

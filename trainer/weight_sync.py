@@ -3,8 +3,9 @@
 One sync, for all engines together, so that no engine ever generates with a version the others
 have left behind:
 
-0. Staging, while the engines still generate: the shm file is written, the disk directory
-   written, or the tensor buckets serialized.
+0. Staging, while the engines still generate: the disk directory is written or the tensor
+   buckets serialized (the shm file is written inside the pause, step 2: an embedded engine's
+   parameters *are* that file's pages).
 1. ``POST /pause_generation {"mode": "in_place"}`` on every engine (running requests freeze with
    their KV; new ones wait — the gateway keeps accepting and queues meanwhile).
 2. The weights, on every engine, by ``sync_mode``:
@@ -14,7 +15,8 @@ have left behind:
    ========== ================================================ =====================================
    shm        ``/update_weights_from_disk`` of one safetensors  engines on the trainer's host
               file in /dev/shm (`shm_sync`): raw bytes, dtype  (embedded engine or SGLang); the
-              kept, one copy in and one copy out                fastest path, and the default
+              kept; the embedded engine maps it (``load_format  fastest path, and the default
+              "mmap"``: one copy in all), SGLang copies it
    distributed ``/init_weights_update_group`` once, then per     engines on other GPUs/nodes
               bucket ``/update_weights_from_distributed`` while (decoupled placement); NCCL on GPU,
               rank 0 broadcasts (`sglang_sync`)                 gloo on CPU
@@ -128,6 +130,7 @@ class WeightSync:
         self._group = None
         self._buckets: list[list[tuple[str, torch.Tensor]]] = []  # distributed: staged for the pause
         self._keepalive: list[Any] = []  # ipc: the memory the handles of this push point into
+        self._formats: dict[str, str] = {}  # shm: load_format per engine URL
         if mode == "shm":  # in shared memory on this host; `disk_dir` moves it (e.g. for tests)
             self._shm = SharedWeightsFile(disk_dir)
         elif mode == "distributed":
@@ -200,6 +203,14 @@ class WeightSync:
         except (ValueError, KeyError, TypeError) as exc:
             raise WeightSyncError(f"engine {url}: no weight_version in {r.text[:200]!r}") from exc
 
+    def _shm_format(self, client: httpx.Client, url: str) -> str:
+        """ "mmap" for the embedded engine (it shares the file's pages: no copy), else "safetensors"."""
+        if url not in self._formats:
+            r = self._call(client, url, "read server_info", "GET", "/server_info")
+            embedded = isinstance(r.json(), dict) and r.json().get("engine") == "palaestra-embedded"
+            self._formats[url] = "mmap" if embedded else "safetensors"
+        return self._formats[url]
+
     def _tp_size(self, client: httpx.Client, url: str) -> int:
         r = self._call(client, url, "read tp_size", "GET", "/server_info")
         try:
@@ -225,12 +236,8 @@ class WeightSync:
         self, client: httpx.Client, named: Sequence[tuple[str, torch.Tensor]], version: str
     ) -> list[tuple[str, dict[str, Any]]]:
         """Work done before the pause; returns each engine's update calls (none for distributed)."""
-        if self.mode == "shm":
-            assert self._shm is not None
-            directory = self._shm.write(named)
-            return [
-                ("/update_weights_from_disk", {"model_path": str(directory), "load_format": "safetensors"})
-            ]
+        if self.mode == "shm":  # written inside the pause (push): engines may share the file's pages
+            return []
         if self.mode == "disk":
             path = self._write_disk(named, version)
             return [("/update_weights_from_disk", {"model_path": str(path)})]
@@ -288,7 +295,15 @@ class WeightSync:
             paused = time.perf_counter()
             for url in self.urls:
                 self._call(client, url, "pause", "POST", "/pause_generation", {"mode": self.pause_mode})
-            if self.mode == "distributed":
+            if self.mode == "shm":
+                assert self._shm is not None
+                directory = str(self._shm.write(named))
+                for url in self.urls:
+                    self._call(client, url, "update 1/1", "POST", "/update_weights_from_disk",
+                               {"model_path": directory, "load_format": self._shm_format(client, url),
+                                "flush_cache": True, "weight_version": v})  # fmt: skip
+                count = 1
+            elif self.mode == "distributed":
                 assert self._group is not None
                 self._group.send(self._buckets, v, self._post_once)
                 count = len(self._buckets)
