@@ -59,15 +59,18 @@ WORKER = textwrap.dedent(
         mbs, _ = t._schedule(full)
         metrics = t.step(batch)
         weights = {k: v.clone() for k, v in t.megatron_state().items()}
+        t.save(f"{out}/ckpt")  # resumed by the test in one process: a checkpoint fits any DP size
         # one sample for two DP ranks: rank 1 runs a dummy micro-batch and trains nothing
         lonely = t.step(samples()[:1] if rank == 0 else [])
+        after_lonely = {k: v.clone() for k, v in t.megatron_state().items()}
         json.dump({"metrics": metrics, "microbatches": len(mbs), "rows": sum(mb.num_rows for mb in mbs),
                    "world": dist.get_world_size(), "load_exact": exact,
                    "lonely_tokens": lonely["train/loss_tokens"], "lonely_expected": samples()[0].num_sampled,
                    "local_qkv_rows": t.gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]},
                   open(f"{out}/rank{rank}.json", "w"))
         if rank == 0:
-            torch.save({"weights": weights, "logprobs": logprobs}, f"{out}/result.pt")
+            torch.save({"weights": weights, "logprobs": logprobs, "after_lonely": after_lonely},
+                       f"{out}/result.pt")
     """
 )
 
@@ -138,12 +141,26 @@ def compare(ranks: list[dict], result: dict, single: dict, label: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_match_one_process(tmp_path, single):
+def test_two_data_parallel_ranks_match_one_process(tmp_path, single, tiny_model_dir):
     ranks, result = run_two_ranks(tmp_path, {})
     print(f"micro-batches per DP rank: {[r['microbatches'] for r in ranks]}")
     assert all(r["microbatches"] >= 1 and r["rows"] > 0 for r in ranks)  # both ranks did real work
     compare(ranks, result, single, "DP=2")
     assert all(r["lonely_tokens"] == r["lonely_expected"] for r in ranks)
+    # the DP=2 checkpoint resumed in one process (DP=1): same weights, and the next step lands
+    # where the two ranks' next step landed
+    namespace: dict = {}
+    exec(compile(WORKER.split("if __name__")[0], "worker", "exec"), namespace)
+    resumed = Trainer(TrainerConfig(**namespace["CONFIG"]), tiny_model_dir)
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.step_count == 1 and resumed.weight_version == 1
+    assert all(torch.equal(resumed.megatron_state()[k], v) for k, v in result["weights"].items())
+    resumed.step(namespace["samples"]()[:1])
+    diff = max(
+        (resumed.megatron_state()[k] - v).abs().max().item() for k, v in result["after_lonely"].items()
+    )
+    print(f"resumed at DP=1 from a DP=2 checkpoint: next step max |Δw| vs DP=2 = {diff:.2e}")
+    assert diff <= 1e-6
 
 
 @pytest.mark.slow
