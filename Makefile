@@ -8,7 +8,7 @@ STAMP := $(VENV)/.palaestra-installed
 # CUDA build of torch you want into .venv first and run `make install TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-fast demo chat-demo lint bench clean
+.PHONY: install test test-fast demo chat-demo lint bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,9 @@ lint: install
 
 bench: install
 	$(PY) bench/engine.py
+
+gpu-check: install  # run first on a GPU host: CUDA torch, NCCL, trainer DP steps, logprobs, weight sync
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
