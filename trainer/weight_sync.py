@@ -132,6 +132,12 @@ class WeightSync:
         self._keepalive: list[Any] = []  # ipc: the memory the handles of this push point into
         self._formats: dict[str, str] = {}  # shm: load_format per engine URL
         if mode == "shm":  # in shared memory on this host; `disk_dir` moves it (e.g. for tests)
+            elsewhere = [u for u in self.urls if not _is_this_host(u)]
+            if elsewhere:
+                raise ValueError(
+                    f"sync_mode 'shm' needs every engine on this host (its /dev/shm); {elsewhere[0]} is "
+                    "not: use sync_mode 'distributed' for engines on other nodes"
+                )
             self._shm = SharedWeightsFile(disk_dir)
         elif mode == "distributed":
             from palaestra.net import free_port
@@ -339,6 +345,28 @@ class WeightSync:
             engines=len(self.urls),
             pause_seconds=pause_s,
         )
+
+
+def _is_this_host(url: str) -> bool:
+    """Whether `url`'s host is an address of this machine (one a socket here can bind)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def _address_towards(urls: Sequence[str]) -> str:
