@@ -197,7 +197,7 @@ def weight_sync(model: str | Path) -> None:
     from safetensors.torch import load_file
 
     from palaestra.engine.cli import engine_process
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
     from palaestra.trainer.weight_sync import WeightSync
 
     model_dir = resolve_model(str(model))
