@@ -127,5 +127,5 @@ def test_bad_sync_mode_is_named():
 
 
 def test_shm_mode_refuses_an_engine_on_another_host():
-    with pytest.raises(ValueError, match="sync_mode 'shm' needs every engine on this host.*192.0.2.1"):
-        WeightSync(["http://127.0.0.1:1", "http://192.0.2.1:30000"], mode="shm")  # TEST-NET-1: not here
+    with pytest.raises(ValueError, match="sync_mode 'shm' needs every engine on this host.*198.51.100.7"):
+        WeightSync(["http://127.0.0.1:1", "http://198.51.100.7:30000"], mode="shm")  # TEST-NET-2: not here

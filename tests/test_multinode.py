@@ -1,0 +1,184 @@
+"""Several Ray nodes on one machine (`ray.cluster_utils.Cluster`): engines on one node, the two
+data-parallel trainer ranks on two others, placed by custom resources.
+
+The trainer ranks rendezvous at rank 0's node address (gloo), train on the batch split between
+them by the DP schedule, and rank 0 pushes every step's weights to both engines over SGLang's
+broadcast path (`sync_mode: distributed`: the only sync that needs nothing shared between nodes).
+Checked: where every actor ran, that both engines end at the trainer's weight version, and that
+their logprobs then equal the trainer's. The actors here are thin test wrappers around the real
+`Trainer` and real `palaestra engine serve` processes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ENGINE_NODE, TRAINER_NODE = "palaestra_test_engine_node", "palaestra_test_trainer_node"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        pytest.skip("a Ray instance is already running in this process; this test needs its own cluster")
+    saved = os.environ.get("PYTHONPATH")  # the nodes' workers import this module's actor classes
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).parent), saved] if p)
+    try:
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "resources": {ENGINE_NODE: 2}, "include_dashboard": False},
+        )
+        for _ in range(2):
+            c.add_node(num_cpus=1, resources={TRAINER_NODE: 1})
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    ray.init(address=c.address, logging_level="WARNING")
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+class EngineHost:
+    """An embedded engine subprocess on this actor's node, bound to the node's address."""
+
+    def __init__(self) -> None:
+        import ray
+
+        from palaestra.engine.cli import engine_process
+
+        self.node = ray.get_runtime_context().get_node_id()
+        self.proc = engine_process(
+            "tiny", host=ray.util.get_node_ip_address(), extra_args=["--num-threads", "1"]
+        )
+        self.proc.start()
+
+    def where(self) -> tuple[str, str]:
+        return self.node, self.proc.url
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class TrainerRank:
+    """One rank of the Megatron trainer (RANK/WORLD_SIZE/MASTER_* set before it starts)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        import ray
+
+        self.rank, self.world = rank, world
+        self.node = ray.get_runtime_context().get_node_id()
+        self.trainer = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+
+        from palaestra.net import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def build(self, master: tuple[str, int], engine_urls: list[str]) -> str:
+        import torch
+
+        from palaestra.trainer import Trainer, TrainerConfig
+
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))  # fmt: skip
+        torch.set_num_threads(1)
+        config = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync_mode="distributed", sync_bucket_mb=4)
+        self.trainer = Trainer(config, "tiny", engine_urls=engine_urls)
+        return self.node
+
+    def step(self, samples: list) -> dict[str, float]:
+        return self.trainer.step(samples if self.rank == 0 else [])
+
+    def logprobs(self, samples: list) -> list[float]:
+        from palaestra.trainer.packing import build_micro_batch
+
+        return self.trainer.logprobs([build_micro_batch(samples, range(len(samples)))])[0].tolist()
+
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
+
+def batch(n: int = 8) -> list:
+    from palaestra.sample import Sample
+
+    rng = random.Random(4)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 4000) for _ in range(rng.randint(3, 8))]
+        s = Sample(sample_id=f"m{i}", session_id=f"m{i}", group_id=f"g{i // 4}", env="t", task_id="t",
+                   tokens=prompt, prompt_len=len(prompt), reward=float(i % 2))  # fmt: skip
+        n_resp = rng.choice([6, 20, 40])
+        s.append([rng.randrange(3, 4000) for _ in range(n_resp)], sampled=True, logprobs=[-8.3] * n_resp)
+        out.append(s)
+    return out
+
+
+def test_engines_on_one_node_trainer_ranks_on_two_others(cluster):
+    import ray
+
+    engine_cls = ray.remote(EngineHost).options(num_cpus=0, resources={ENGINE_NODE: 1})
+    rank_cls = ray.remote(TrainerRank).options(num_cpus=1, resources={TRAINER_NODE: 1})
+    engines = [engine_cls.remote() for _ in range(2)]
+    ranks = [rank_cls.remote(r, 2) for r in range(2)]
+    try:
+        check(engines, ranks)
+    finally:
+        ray.get([e.stop.remote() for e in engines])
+
+
+def check(engines: list, ranks: list) -> None:
+    import httpx
+    import ray
+
+    placed = ray.get([e.where.remote() for e in engines])
+    urls = [url for _, url in placed]
+    master = ray.get(ranks[0].rendezvous_address.remote())
+    trainer_nodes = ray.get([r.build.remote(master, urls) for r in ranks], timeout=600)
+    engine_nodes = {node for node, _ in placed}
+    print(f"\nplacement: engines on {sorted(engine_nodes)}, trainer ranks on {trainer_nodes}; "
+          f"rendezvous {master[0]}:{master[1]}; engines {urls}")  # fmt: skip
+    assert len(engine_nodes) == 1 and len(set(trainer_nodes)) == 2
+    assert engine_nodes.isdisjoint(trainer_nodes)
+    assert ray.get([r.dp_size.remote() for r in ranks]) == [2, 2]
+
+    samples = batch()
+    with httpx.Client(timeout=60, trust_env=False) as client:
+
+        def engine_logprobs(url: str) -> list[float]:
+            got = []
+            for s in samples:
+                r = client.post(f"{url}/generate", json={"input_ids": s.tokens, "sampling_params": {"max_new_tokens": 0},
+                                                         "return_logprob": True, "logprob_start_len": 0})  # fmt: skip
+                got.extend(x[0] for x in r.json()["meta_info"]["input_token_logprobs"][s.prompt_len :])
+            return got
+
+        before = engine_logprobs(urls[0])
+        for _ in range(2):
+            metrics = ray.get([r.step.remote(samples) for r in ranks], timeout=600)
+            assert metrics[0]["train/loss"] == pytest.approx(metrics[1]["train/loss"])
+        versions = [client.get(f"{u}/model_info").json()["weight_version"] for u in urls]
+        mine = ray.get(ranks[0].logprobs.remote(samples))
+        theirs = [engine_logprobs(u) for u in urls]
+    assert versions == ["2", "2"]
+    assert max(abs(a - b) for a, b in zip(before, theirs[0], strict=True)) > 1e-3  # weights moved
+    for got in theirs:  # and every engine holds exactly the trainer's
+        assert max(abs(a - b) for a, b in zip(mine, got, strict=True)) <= 2e-6
