@@ -53,6 +53,11 @@ def test_shared_file_is_plain_safetensors_with_dtypes_kept_and_rewritten_in_plac
         with pytest.raises(ValueError, match="duplicate"):
             shm.write([("x", torch.ones(1)), ("x", torch.ones(1))])
     assert not shm.directory.exists()  # close() removes the shared memory
+    # a writer killed without cleaning up (no finalizer runs): the next writer removes its file
+    orphan = tmp_path / "palaestra-weights-999999999-deadbeef"  # above any pid_max: no such process
+    orphan.mkdir()
+    with SharedWeightsFile(tmp_path):
+        assert not orphan.exists()
 
 
 def test_engine_shares_the_file_and_sees_the_next_write_without_a_copy(tmp_path):

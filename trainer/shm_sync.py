@@ -99,11 +99,25 @@ def _release(mapping: mmap.mmap | None) -> None:
             pass
 
 
+def _remove_orphans(base: Path) -> None:
+    """Removes the files of writers that died without cleaning up (a killed Ray actor runs no
+    finalizer); the directory name carries the writer's pid. Shared memory is not freed otherwise."""
+    for folder in base.glob("palaestra-weights-*-*"):
+        try:
+            pid = int(folder.name.split("-")[2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue  # not ours to judge: another user's process, or not our naming
+
+
 class SharedWeightsFile:
     """One ``model.safetensors`` under `root` (default /dev/shm), rewritten in place each sync."""
 
     def __init__(self, root: str | Path | None = None):
         base = Path(root) if root is not None else default_shm_root()
+        _remove_orphans(base)
         self.directory = base / f"palaestra-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.directory.mkdir(parents=True, exist_ok=False)
         self.path: Path | None = None
