@@ -30,6 +30,7 @@ Two rules a new dialect must keep:
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -55,7 +56,7 @@ __all__ = [
 
 
 # -- what a parser produces ----------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class GenerationParams:
     """Sampling and answer options, already validated and mapped to SGLang's names."""
 
@@ -75,7 +76,7 @@ class GenerationParams:
     """None: the room left in the context, capped by the gateway's default."""
 
 
-@dataclass
+@dataclass(slots=True)
 class TurnRequest:
     """One chat call, dialect-neutral: what the core plans, generates and records from."""
 
@@ -99,7 +100,7 @@ class TurnRequest:
         return bool(self.tools) and self.tool_choice != "none"
 
 
-@dataclass
+@dataclass(slots=True)
 class TextRequest:
     """A raw text prompt (OpenAI's legacy completions): no chat template, no parsing of the output."""
 
@@ -109,7 +110,7 @@ class TextRequest:
 
 
 # -- what the core produces ----------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     """One sampled token's logprob, with the token's text; filled only when logprobs were asked for."""
 
@@ -119,7 +120,7 @@ class TokenLogprob:
     """(text, logprob) of the most likely alternatives, best first."""
 
 
-@dataclass
+@dataclass(slots=True)
 class TurnOutput:
     """One sampled choice, parsed: everything a shaper needs to answer it."""
 
@@ -143,7 +144,7 @@ class TurnOutput:
     cached_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class TurnResult:
     """One call's answer, dialect-neutral."""
 
@@ -168,17 +169,36 @@ class TurnResult:
 
 
 def reply_message(output: TurnOutput) -> dict[str, Any]:
-    """The assistant message an agent sends back for `output`, in the internal (OpenAI) form."""
-    msg: dict[str, Any] = {"role": "assistant", "content": output.content}
+    """The assistant message an agent sends back for `output`, in the internal form: exactly what
+    `renderer.normalize_messages` makes of it (content a string, tool-call arguments parsed from
+    JSON), built directly because it is digested on every call. tests/test_gateway_dialect.py pins
+    the equality for the OpenAI message."""
+    msg: dict[str, Any] = {"role": "assistant", "content": output.content or ""}
     if output.tool_calls:
-        msg["tool_calls"] = [c.to_openai() for c in output.tool_calls]
-    if output.reasoning is not None:
+        msg["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _json_or_text(c.arguments)},
+            }
+            for c in output.tool_calls
+        ]
+    if output.reasoning:
         msg["reasoning_content"] = output.reasoning
     return msg
 
 
+def _json_or_text(arguments: str) -> Any:
+    """Templates serialise arguments with `tojson`, so the internal form holds the parsed object;
+    text that is not JSON stays text (as `normalize_messages` keeps it)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 # -- what a stream is made of ---------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class StreamStarted:
     """The call passed the pause gate and generation starts (first event)."""
 
@@ -188,7 +208,7 @@ class StreamStarted:
     prompt_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class TextDelta:
     """Content that can go to the agent now (never a possible tool-call marker or stop string)."""
 
@@ -196,7 +216,7 @@ class TextDelta:
     logprobs: list[TokenLogprob] | None
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamFinished:
     """The turn is recorded (last event). `unsent` is the content not yet sent as deltas;
     reasoning and tool calls of a streamed turn only arrive here, parsed whole."""
@@ -205,7 +225,7 @@ class StreamFinished:
     unsent: str
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamFailed:
     """The engine failed mid-call (last event); the failure is recorded on the session."""
 

@@ -40,10 +40,11 @@ def finish_reason(output: TurnOutput) -> str:
 
 
 def usage(result: TurnResult) -> dict[str, Any]:
+    completion = result.completion_tokens
     return {
         "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
 

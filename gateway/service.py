@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -47,14 +47,14 @@ from palaestra.gateway.dialect import (
 )
 from palaestra.gateway.engine_client import EngineClient, Generation
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.renderer import ChatRenderer, chain_digests, message_digest, normalize_messages
+from palaestra.gateway.renderer import ChatRenderer, chain_digests, message_digest
 from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig, GatewayMetrics, PauseGate, Session, SessionStore
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
 from palaestra.gateway.trajectory import Turn, linearize
 
 
-@dataclass
+@dataclass(slots=True)
 class _ChatCall:
     """A planned chat call: what generating and recording it need."""
 
@@ -67,6 +67,8 @@ class _ChatCall:
 
 
 class GatewayService:
+    """The per-call core over one tokenizer, one engine client and one spool (see the module doc)."""
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -95,7 +97,6 @@ class GatewayService:
             auto_reason if config.reasoning_parser == "auto" else config.reasoning_parser
         )
         self.stop_text = self._stop_texts()
-        self._decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
         self._turn_ids = 0
 
     def _stop_texts(self) -> dict[int, str]:
@@ -115,10 +116,10 @@ class GatewayService:
         t0 = time.perf_counter()
         session = self.sessions.open(session_id)
         request = dialect.parse(body)
+        if request.params.stream and dialect.stream is None:
+            raise GatewayError("streaming is not supported on this route", param="stream")
         call = self._plan_chat(session, request, dialect.call_id_prefix)
-        if request.params.stream:
-            if dialect.stream is None:
-                raise GatewayError("streaming is not supported on this route", param="stream")
+        if dialect.stream is not None and request.params.stream:
             return shaped_stream(self._stream_chat(call), functools.partial(dialect.stream, request))
         gens, engine_s = await self._generate(
             session, call.call_id, call.plan.prompt_ids, call.sampling, request.params.top_logprobs
@@ -145,7 +146,7 @@ class GatewayService:
         return _ChatCall(
             session=session,
             request=request,
-            call_id=f"{id_prefix}{uuid.uuid4().hex[:24]}",
+            call_id=f"{id_prefix}{secrets.token_hex(12)}",
             plan=plan,
             sampling={**request.params.sampling, "max_new_tokens": max_tokens},
             turn_extra={
@@ -188,7 +189,7 @@ class GatewayService:
             gen,
             latency,
             "chat",
-            reply_digest=message_digest(normalize_messages([reply_message(output)])[0], loose_assistant=True),
+            reply_digest=message_digest(reply_message(output), loose_assistant=True),
             output_text=full,
             had_reasoning=parsed.reasoning_content is not None,
             **call.turn_extra,
@@ -250,7 +251,7 @@ class GatewayService:
             ids = self.renderer.encode(prompt)
             fork = "prefix_changed" if any(t.kind == "completion" for t in session.turns) else None
         max_tokens = self._max_tokens(request.params, len(ids))
-        call_id = f"{dialect.call_id_prefix}{uuid.uuid4().hex[:24]}"
+        call_id = f"{dialect.call_id_prefix}{secrets.token_hex(12)}"
         sampling = {**request.params.sampling, "max_new_tokens": max_tokens}
         gens, engine_s = await self._generate(session, call_id, ids, sampling, request.params.top_logprobs)
         outputs = []
@@ -317,6 +318,9 @@ class GatewayService:
             {"call_id": call_id, "status": exc.status, "message": exc.message, "time": time.time()}
         )
         self.metrics.engine_errors.labels(code=exc.code or str(exc.status)).inc()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _text_of(self, gen: Generation) -> tuple[str, str]:
         """(text for the agent, text incl. the final stop token) of a generation."""

@@ -30,10 +30,12 @@ from palaestra.gateway.dialect import (
     TurnOutput,
     TurnRequest,
     TurnResult,
+    reply_message,
 )
 from palaestra.gateway.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.parsers import ToolCall
+from palaestra.gateway.renderer import message_digest, normalize_messages
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig, Session
@@ -124,6 +126,25 @@ def test_chat_completion_with_tool_calls_and_reasoning():
         "reasoning_content": "think",
     }
     assert "reasoning_content" not in openai_response.message(output())
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        output(),
+        output(content=None, tool_calls=[ToolCall("call_1", "calc", '{"x": [1, "é"]}')], finish="tool_calls"),
+        output(content="see:", tool_calls=[ToolCall("call_2", "calc", "not json")], reasoning="hmm"),
+        output(content="", reasoning=None),
+    ],
+)
+def test_openai_reply_normalises_to_the_recorded_reply(out):
+    """The bridge rule of dialect.py for OpenAI: the message an agent echoes back is, once
+    normalised, exactly the internal reply the core digests (else every turn would fork)."""
+    echoed = normalize_messages([json.loads(json.dumps(openai_response.message(out)))])[0]
+    assert echoed == reply_message(out)
+    assert message_digest(echoed, loose_assistant=True) == message_digest(
+        reply_message(out), loose_assistant=True
+    )
 
 
 def test_text_completion_offsets():
