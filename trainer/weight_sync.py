@@ -35,6 +35,9 @@ have left behind:
    (``/get_weight_version``, or ``/model_info`` where that answers 404).
 4. ``POST /continue_generation`` on every engine.
 
+`load_directory` runs steps 1-4 with an HF directory every engine reads itself (other weights
+than the trainer's, e.g. the teacher's for a reference evaluation).
+
 `SyncReport` has the whole push time and the pause (steps 1-4: the time engines do not generate).
 Every call is retried (``sync_retries`` attempts, growing back-off) except the broadcast ones,
 which cannot be replayed alone. If an engine still fails, `WeightSyncError` names it and the step,
@@ -47,7 +50,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -298,45 +301,30 @@ class WeightSync:
         raw = sum(t.numel() * t.element_size() for _, t in named)
         with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
             calls = self._stage(client, named, v)
-            paused = time.perf_counter()
-            for url in self.urls:
-                self._call(client, url, "pause", "POST", "/pause_generation", {"mode": self.pause_mode})
-            if self.mode == "shm":
-                assert self._shm is not None
-                directory = str(self._shm.write(named))
-                for url in self.urls:
-                    self._call(client, url, "update 1/1", "POST", "/update_weights_from_disk",
-                               {"model_path": directory, "load_format": self._shm_format(client, url),
-                                "flush_cache": True, "weight_version": v})  # fmt: skip
-                count = 1
-            elif self.mode == "distributed":
-                assert self._group is not None
-                self._group.send(self._buckets, v, self._post_once)
-                count = len(self._buckets)
-            else:
-                for url in self.urls:
-                    for i, (path_, body) in enumerate(calls):
-                        last = i == len(calls) - 1
-                        body = {**body, "flush_cache": last}
-                        if last:
-                            body["weight_version"] = v
-                        self._call(client, url, f"update {i + 1}/{len(calls)}", "POST", path_, body)
-                count = len(calls)
-            for url in self.urls:
-                self._call(client, url, "flush_cache", "POST", "/flush_cache", ok=(200, 400))
-                got = self.read_version(client, url)
-                if got != v:
-                    raise WeightSyncError(
-                        f"engine {url}: reports weight_version {got!r} after the update to {v!r}"
-                    )
-            for url in self.urls:
-                self._call(client, url, "continue", "POST", "/continue_generation", {})
-            pause_s = time.perf_counter() - paused
+
+            def update() -> int:
+                if self.mode == "shm":  # inside the pause: an embedded engine's weights are this file
+                    assert self._shm is not None
+                    directory = str(self._shm.write(named))
+                    for url in self.urls:
+                        self._call(client, url, "update 1/1", "POST", "/update_weights_from_disk",
+                                   {"model_path": directory, "load_format": self._shm_format(client, url),
+                                    "flush_cache": True, "weight_version": v})  # fmt: skip
+                    return 1
+                if self.mode == "distributed":
+                    assert self._group is not None
+                    self._group.send(self._buckets, v, self._post_once)
+                    return len(self._buckets)
+                return self._call_each(client, calls, v)
+
+            try:
+                count, pause_s = self._paused(client, update, v)
+            finally:
+                self._buckets, self._keepalive = [], []
         if self.mode == "disk":
             for old in self.disk_dir.glob("v*"):  # keep only the version the engines now hold
                 if old.name != f"v{v}":
                     shutil.rmtree(old, ignore_errors=True)
-        self._buckets, self._keepalive = [], []
         return SyncReport(
             version=v,
             bytes=raw,
@@ -345,6 +333,54 @@ class WeightSync:
             engines=len(self.urls),
             pause_seconds=pause_s,
         )
+
+    def load_directory(self, model_dir: str | Path, version: int | str) -> SyncReport:
+        """Every engine loads the HF directory `model_dir` (readable by each of them) as `version`:
+        other weights than the trainer's, e.g. a teacher's for evaluation. The same pause → update
+        → flush → version check → continue as `push`, whatever `mode` is."""
+        v = str(version)
+        started = time.perf_counter()
+        calls = [("/update_weights_from_disk", {"model_path": str(model_dir)})]
+        with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
+            _, pause_s = self._paused(client, lambda: self._call_each(client, calls, v), v)
+        # An engine whose parameters are the shm file's pages copies these weights into that file;
+        # the next push rewrites every byte of it, so nothing stale survives.
+        return SyncReport(
+            version=v,
+            bytes=0,
+            seconds=time.perf_counter() - started,
+            buckets=1,
+            engines=len(self.urls),
+            pause_seconds=pause_s,
+        )
+
+    def _call_each(self, client: httpx.Client, calls: Sequence[tuple[str, dict[str, Any]]], v: str) -> int:
+        """`calls` on every engine; the last one of each carries the version and the cache flush."""
+        for url in self.urls:
+            for i, (path_, body) in enumerate(calls):
+                last = i == len(calls) - 1
+                body = {**body, "flush_cache": last}
+                if last:
+                    body["weight_version"] = v
+                self._call(client, url, f"update {i + 1}/{len(calls)}", "POST", path_, body)
+        return len(calls)
+
+    def _paused(self, client: httpx.Client, update: Callable[[], int], v: str) -> tuple[int, float]:
+        """Steps 1-4 of the module docstring around `update`; (its count, seconds paused)."""
+        paused = time.perf_counter()
+        for url in self.urls:
+            self._call(client, url, "pause", "POST", "/pause_generation", {"mode": self.pause_mode})
+        count = update()
+        for url in self.urls:
+            self._call(client, url, "flush_cache", "POST", "/flush_cache", ok=(200, 400))
+            got = self.read_version(client, url)
+            if got != v:
+                raise WeightSyncError(
+                    f"engine {url}: reports weight_version {got!r} after the update to {v!r}"
+                )
+        for url in self.urls:
+            self._call(client, url, "continue", "POST", "/continue_generation", {})
+        return count, time.perf_counter() - paused
 
 
 def _is_this_host(url: str) -> bool:
