@@ -55,14 +55,23 @@ def batch(vocab: int, n: int = 16, seed: int = 5) -> list:
     return out
 
 
+def dist_size() -> int:
+    """DP replicas of a worker: every rank is one (TP = 1)."""
+    return int(os.environ["WORLD_SIZE"])
+
+
 def worker(out: Path, steps: int) -> None:
     """One trainer rank (RANK/WORLD_SIZE/LOCAL_RANK set by the parent): a few steps, then a JSON line."""
     import torch.distributed as dist
 
+    from palaestra.models import resolve_model
     from palaestra.trainer import Trainer, TrainerConfig
 
     rdzv = f"file://{out / 'rdzv'}"
-    t = Trainer(TrainerConfig(**STEPS_CONFIG, advantage_estimator="sft", dist_init_method=rdzv), "tiny")
+    config = TrainerConfig(
+        **STEPS_CONFIG, advantage_estimator="sft", dist_init_method=rdzv, dp_size=dist_size()
+    )
+    t = Trainer(config, resolve_model("tiny"))
     samples = batch(t.arch.vocab_size)
     losses, seconds = [], []
     for _ in range(steps):
@@ -182,11 +191,12 @@ def agreement_and_sync(table: Table) -> None:
     import httpx
 
     from palaestra.engine.cli import engine_process
+    from palaestra.models import resolve_model
     from palaestra.trainer import Trainer, TrainerConfig
     from palaestra.trainer.packing import build_micro_batch
     from palaestra.trainer.weight_sync import WeightSync
 
-    trainer = Trainer(TrainerConfig(**STEPS_CONFIG), "tiny")
+    trainer = Trainer(TrainerConfig(**STEPS_CONFIG), resolve_model("tiny"))
     samples = batch(trainer.arch.vocab_size, n=8, seed=9)
     mine = trainer.logprobs([build_micro_batch(samples, range(len(samples)))])[0]
     with engine_process("tiny", extra_args=["--num-threads", "2"]) as engine:

@@ -46,6 +46,19 @@ def node_address(host: str) -> tuple[str, str]:
     return host, host
 
 
+def where() -> str:
+    """This actor's node, for the placement printed at start: "<address> (node <id prefix>)"."""
+    import ray
+
+    return f"{ray.util.get_node_ip_address()} (node {ray.get_runtime_context().get_node_id()[:8]})"
+
+
+def _single_node() -> bool:
+    import ray
+
+    return len([n for n in ray.nodes() if n.get("Alive")]) <= 1
+
+
 # ----------------------------------------------------------------------------------------------
 # HTTP servers: engines, router, gateway
 # ----------------------------------------------------------------------------------------------
@@ -58,6 +71,9 @@ class ServerHost:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = None
         self.url: str | None = None
+
+    def where(self) -> str:
+        return where()
 
     def _run(self, argv: list[str], host: str, port: int, *, env=None, timeout: float = 300.0) -> str:
         from palaestra.net import ServerProcess
@@ -225,7 +241,7 @@ class RolloutWorker:
         self._allowed_changed = asyncio.Event()
 
     def info(self) -> dict[str, Any]:
-        return {"env": self.env.name, "sampling": self.sampling}
+        return {"env": self.env.name, "sampling": self.sampling, "node": where()}
 
     async def _group(self, index: int) -> GroupRecord:
         from palaestra.sdk.runner import run_rollouts
@@ -378,17 +394,9 @@ class TrainerWorker:
     """One rank of the Megatron trainer. Every rank must be called for collective methods
     (train, sync_weights, save, load, export_hf); rank 0's samples are the ones used."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, reserve_threads: int):
+    def __init__(self, rank: int, world_size: int, reserve_threads: int):
         import torch
 
-        if world_size > 1:  # one process needs no rendezvous (the trainer uses an in-memory store)
-            os.environ.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK="0",  # Ray gives each rank its own device: it is device 0 of the actor
-                MASTER_ADDR=master_addr,
-                MASTER_PORT=str(master_port),
-            )
         # Ray sets OMP_NUM_THREADS to the actor's (logical) CPUs; the ranks share this machine's
         # cores instead, less those left to engines beside them (`engine_threads_beside_trainer`).
         torch.set_num_threads(max(1, ((os.cpu_count() or 1) - reserve_threads) // world_size))
@@ -398,14 +406,39 @@ class TrainerWorker:
         cpu_shim.import_megatron()
         import palaestra.trainer.trainer  # noqa: F401
 
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         self.trainer = None
 
-    def build(self, config: dict[str, Any], model: str, engine_urls: Sequence[str]) -> dict[str, Any]:
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's address, a free port on it): rank 0's answer is every rank's MASTER_ADDR/PORT
+        (127.0.0.1 for a single-node cluster, so nothing listens beyond loopback)."""
+        from palaestra.net import free_port
+
+        address = "127.0.0.1" if _single_node() else node_address("0.0.0.0")[1]
+        return address, free_port(address)
+
+    def build(
+        self,
+        config: dict[str, Any],
+        model: str,
+        engine_urls: Sequence[str],
+        master: tuple[str, int] | None = None,
+    ) -> dict[str, Any]:
         """Builds the Megatron trainer of `model` (a preset or a directory; `engine_urls`: the
-        engines that get its weights). A megatron-mode teacher named by preset is resolved too."""
+        engines that get its weights), joining rank 0's rendezvous `master` when there are several
+        ranks. A megatron-mode teacher named by preset is resolved too."""
         from palaestra.models import resolve_model
         from palaestra.trainer import Trainer, TrainerConfig
+
+        if self.world_size > 1:  # one process needs no rendezvous (the trainer uses an in-memory store)
+            assert master is not None, "several trainer ranks need rank 0's rendezvous address"
+            os.environ.update(
+                RANK=str(self.rank),
+                WORLD_SIZE=str(self.world_size),
+                LOCAL_RANK="0",  # Ray gives each rank its own device: it is device 0 of the actor
+                MASTER_ADDR=master[0],
+                MASTER_PORT=str(master[1]),
+            )
 
         config = dict(config)
         if config.get("teacher_model"):
@@ -418,6 +451,7 @@ class TrainerWorker:
 
         return {
             "rank": self.rank,
+            "node": where(),
             "pid": os.getpid(),
             "threads": torch.get_num_threads(),
             "weight_version": self.trainer.weight_version,

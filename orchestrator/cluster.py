@@ -46,23 +46,27 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 # Ray
 # ----------------------------------------------------------------------------------------------
-def init_ray(host: str = "127.0.0.1", num_cpus: int | None = None) -> bool:
-    """Starts a local Ray (or connects to ``RAY_ADDRESS``); returns True if this call started it.
+def init_ray(host: str = "127.0.0.1", num_cpus: int | None = None, address: str | None = None) -> bool:
+    """Joins the Ray cluster at `address` (`run.ray_address`; else ``RAY_ADDRESS`` if set), or
+    starts a local Ray; returns True if this call connected or started it.
 
     On loopback every Ray process binds 127.0.0.1: Ray resolves a `_node_ip_address` of 127.0.0.1
     to the machine's outward IP unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` ("single-node Ray",
     which Linux allows too), so that is set before Ray is imported. Also off: the dashboard, usage
     stats. Ray's GCS, raylet, object manager and workers then listen on 127.0.0.1 only.
     """
-    if host in ("127.0.0.1", "localhost") and not os.environ.get("RAY_ADDRESS"):
+    address = address or os.environ.get("RAY_ADDRESS")
+    if host in ("127.0.0.1", "localhost") and not address:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        log.info("joined Ray at %s: %d node(s), %s", address, len(nodes), ray.cluster_resources())
         return True
     from ray._private import ray_constants
 
@@ -106,6 +110,7 @@ class Cluster:
     admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     run_id: str = field(default_factory=lambda: secrets.token_hex(4))  # tells this launch's samples apart
     placement: Placement | None = None
+    placement_lines: list[str] = field(default_factory=list)  # where each box runs, printed at start
     startup_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -151,8 +156,10 @@ class Cluster:
             box.url = url
         self.startup_s["engines"] = time.perf_counter() - t0
         urls = [b.url for b in self.engines]
-        building = self.trainer_call("build", cfg.trainer.to_dict(), cfg.model.student, urls)
-        light = server.options(num_cpus=0)
+        master = self._get_all([self.trainer[0].rendezvous_address.remote()], "trainer rendezvous")[0]
+        building = self.trainer_call("build", cfg.trainer.to_dict(), cfg.model.student, urls, master)
+        services = cfg.run.resources.get("services", {})
+        light = server.options(num_cpus=0, resources=services)
         self.router = Box("router", light.remote("router", log_dir), log=f"{log_dir}/router.log")
         self.router.url = self._get_all(
             [
@@ -178,7 +185,9 @@ class Cluster:
             "starting the gateway",
         )[0]
         self.startup_s["servers"] = time.perf_counter() - t0
-        rollout = ray.remote(actors.RolloutWorker).options(num_cpus=0, max_concurrency=1000)
+        rollout = ray.remote(actors.RolloutWorker).options(
+            num_cpus=0, max_concurrency=1000, resources=services
+        )
         self.rollout = rollout.remote(
             cfg.env.name,
             # env.args.temperature may only repeat trainer.temperature (checkpoint.prepare_run): the
@@ -192,24 +201,45 @@ class Cluster:
             cfg.env.concurrency,
             self.run_id,
         )
-        self._get_all([self.rollout.info.remote()], "starting the environment")
-        self._get_all(building, "building the trainer")
+        rollout_info = self._get_all([self.rollout.info.remote()], "starting the environment")[0]
+        ranks = self._get_all(building, "building the trainer")
         self.startup_s["all"] = time.perf_counter() - t0
+        self.placement_lines = self._describe(ranks, rollout_info, master)
+        for line in self.placement_lines:
+            log.info("%s", line)
         return self
 
-    def _start_trainer(self) -> list[Any]:
+    def _describe(self, ranks: list[dict], rollout_info: dict, master: tuple[str, int]) -> list[str]:
+        """Where every box runs (printed at start): node address and id, URL, resources asked."""
         import ray
 
-        from palaestra.net import free_port
+        cfg, world = self.cfg, trainer_world_size(self.cfg)
+        tp = world // cfg.trainer.dp_size
+        nodes = len([n for n in ray.nodes() if n.get("Alive")])
+        lines = [
+            f"placement ({cfg.run.placement}, {nodes} Ray node(s), bundles {self.placement.group.bundle_specs}):"
+        ]
+        for r in ranks:
+            lines.append(
+                f"  trainer rank {r['rank']} (dp {r['rank'] // tp}, tp {r['rank'] % tp}): {r['node']}"
+            )
+        if world > 1:
+            lines.append(f"  trainer rendezvous (torch.distributed): {master[0]}:{master[1]}")
+        for box in self.servers:
+            lines.append(f"  {box.name}: {ray.get(box.actor.where.remote(), timeout=30)} at {box.url}")
+        lines.append(f"  environment runner: {rollout_info['node']}")
+        return lines
+
+    def _start_trainer(self) -> list[Any]:
+        """The trainer rank actors (rank 0 hosts the rendezvous, asked for in `start`)."""
+        import ray
 
         world = trainer_world_size(self.cfg)
-        master = "127.0.0.1" if world == 1 else ray.util.get_node_ip_address()
-        port = free_port("127.0.0.1") if world == 1 else free_port(master)
         worker = ray.remote(actors.TrainerWorker)
         reserve = engine_threads_beside_trainer(self.cfg)
         assert self.placement is not None
         return [
-            worker.options(**opts).remote(rank, world, master, port, reserve)
+            worker.options(**opts).remote(rank, world, reserve)
             for rank, opts in enumerate(self.placement.trainer)
         ]
 
@@ -348,7 +378,7 @@ def start_cluster(cfg: RunConfig, *, weight_version: int, output_dir: Path) -> I
     started stops when the block ends, however it ends."""
     build_models(cfg)
     t0 = time.perf_counter()
-    started_ray = init_ray(cfg.run.host, logical_cpus_needed(cfg))
+    started_ray = init_ray(cfg.run.host, logical_cpus_needed(cfg), cfg.run.ray_address)
     ray_s = time.perf_counter() - t0
     cluster = Cluster(cfg)
     try:

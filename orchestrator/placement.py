@@ -1,9 +1,12 @@
 """Where the boxes go (`run.placement`) and how many CPU threads each gets.
 
 *colocated* puts the trainer ranks and the engines in one STRICT_PACK placement group that they
-time-share (fractional resources, on CPU and on GPU); *decoupled* gives each trainer rank and each
-engine bundles of its own (PACK). The router, the gateway and the rollout worker are light (no
-reserved resources) and go wherever Ray puts them. `Cluster.start` (cluster.py) uses `place`.
+time-share (fractional resources, on CPU and on GPU); *decoupled* gives each trainer rank
+(`trainer.dp_size` × tensor-parallel size of them) and each engine bundles of its own (PACK: on
+as few nodes as fit, spread when they do not). `run.resources` adds Ray resource demands to the
+bundles (`trainer`, `engines`) and to the light boxes (`services`: router, gateway, rollout
+worker, which reserve no CPU), so that custom node resources decide which node runs what.
+`Cluster.start` (cluster.py) uses `place` and prints where every box landed.
 """
 
 from __future__ import annotations
@@ -25,9 +28,17 @@ __all__ = [
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
-    """Trainer ranks: the Megatron model-parallel size (data parallelism across actors is not
-    wired yet; one rank trains on CPU)."""
-    return int(cfg.trainer.megatron.get("tensor_model_parallel_size") or 1)
+    """Trainer ranks: `trainer.dp_size` data-parallel replicas × the Megatron tensor-parallel size."""
+    return cfg.trainer.dp_size * int(cfg.trainer.megatron.get("tensor_model_parallel_size") or 1)
+
+
+def _with(bundle: dict[str, float], *extra: dict[str, float]) -> dict[str, float]:
+    """`bundle` plus `run.resources` demands (the largest where two name the same resource)."""
+    out = dict(bundle)
+    for demands in extra:
+        for key, value in demands.items():
+            out[key] = max(out.get(key, 0.0), float(value))
+    return out
 
 
 @dataclass
@@ -43,26 +54,30 @@ def place(cfg: RunConfig, gpus: int) -> Placement:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     world, count = trainer_world_size(cfg), cfg.engines.count
+    # custom resources pin bundles to nodes; the actors then only ask for their CPU/GPU share
+    on_trainer, on_engines = cfg.run.resources.get("trainer", {}), cfg.run.resources.get("engines", {})
     engine_gpus = int(cfg.engines.sglang.get("tp_size") or cfg.engines.sglang.get("tp") or 1)
     if cfg.run.placement == "colocated":
         if gpus:
             if engine_gpus != 1:
                 raise RunFailed("colocated placement shares one GPU per engine: use tp_size 1 or decoupled")
             slots = max(world, count)
-            bundles = [{"GPU": 1, "CPU": 1} for _ in range(slots)]
+            bundles = [_with({"GPU": 1, "CPU": 1}, on_trainer, on_engines) for _ in range(slots)]
             share = {"num_gpus": 0.5, "num_cpus": 0.5}
             trainer = [(r % slots, share) for r in range(world)]
             engines = [(i % slots, share) for i in range(count)]
         else:  # one bundle, time-shared by every trainer rank and engine
-            bundles = [{"CPU": 1}]
+            bundles = [_with({"CPU": 1}, on_trainer, on_engines)]
             share = {"num_cpus": 1 / (world + count)}
             trainer = [(0, share) for _ in range(world)]
             engines = [(0, share) for _ in range(count)]
         strategy = "STRICT_PACK"
     else:
         unit = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
-        bundles = [dict(unit) for _ in range(world)]
-        bundles += [{"GPU": engine_gpus, "CPU": 1} if gpus else {"CPU": 1} for _ in range(count)]
+        bundles = [_with(unit, on_trainer) for _ in range(world)]
+        bundles += [
+            _with({"GPU": engine_gpus, "CPU": 1} if gpus else {"CPU": 1}, on_engines) for _ in range(count)
+        ]
         trainer = [(r, {"num_cpus": 1, **({"num_gpus": 1} if gpus else {})}) for r in range(world)]
         engines = [
             (world + i, {"num_cpus": 1, **({"num_gpus": engine_gpus} if gpus else {})}) for i in range(count)
@@ -90,7 +105,7 @@ def engine_threads_beside_trainer(cfg: RunConfig) -> int:
     machine one trainer thread beside two 1-thread engines made one-step-off steps ~15% faster
     than two oversubscribed threads.
     """
-    local = cfg.run.placement == "colocated" or not os.environ.get("RAY_ADDRESS")
+    local = cfg.run.placement == "colocated" or not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS"))
     if cfg.run.mode == "sync" or not local or cfg.engines.backend != "embedded":
         return 0
     per_engine = cfg.engines.engine.get("num_threads")

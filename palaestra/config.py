@@ -174,6 +174,18 @@ class RunOptions:
     host: str = "127.0.0.1"
     """Address every service binds (engines, router, gateway); keep loopback unless on a private network."""
 
+    ray_address: str | None = None
+    """Ray cluster to join instead of starting a local Ray: "auto" (the cluster this node belongs
+    to, `ray start`), "HOST:6379" (its head node) or "ray://HOST:10001" (Ray client). None = the
+    RAY_ADDRESS environment variable if set, else a local Ray bound to `host`. On a cluster set
+    `host: 0.0.0.0` (services advertise their node's address) and see docs/training.md for ports."""
+
+    resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Ray resources each kind of box asks for, to choose its nodes: keys `trainer` (per trainer
+    rank), `engines` (per engine) and `services` (router, gateway, environment runner), values
+    Ray resource demands such as {"trainer_node": 1} for a custom resource given to nodes with
+    `ray start --resources='{"trainer_node": 4}'`. Added to the CPU/GPU bundles `placement` makes."""
+
 
 @dataclass
 class LoggingOptions:
@@ -345,10 +357,19 @@ def validate(cfg: RunConfig) -> None:
         f"{cfg.model.teacher!r}; set only model.teacher",
     )
     need(
-        cfg.engines.backend != "sglang" or tr.sync_mode == "disk",
-        "trainer.sync_mode: SGLang servers read weights from disk (their tensor API takes CUDA IPC "
-        "handles); set trainer.sync_mode=disk and trainer.sync_dir",
+        cfg.engines.backend != "sglang" or tr.sync_mode != "tensor",
+        "trainer.sync_mode: SGLang's /update_weights_from_tensor takes CUDA IPC handles, not bytes; use "
+        "shm (same host), ipc (colocated GPUs), distributed (other GPUs or nodes) or disk",
     )
+    need(
+        set(run.resources) <= {"trainer", "engines", "services"},
+        f"run.resources: keys must be trainer, engines, services; got {sorted(run.resources)}",
+    )
+    need(
+        all(isinstance(v, (int, float)) and v >= 0 for d in run.resources.values() for v in d.values()),
+        "run.resources: every demand must be a number >= 0",
+    )
+    need(tr.dp_size >= 1, f"trainer.dp_size: must be >= 1, got {tr.dp_size}")
     need(
         tr.sync_mode != "disk" or bool(tr.sync_dir),
         "trainer.sync_dir: sync_mode 'disk' needs a directory every engine can read",

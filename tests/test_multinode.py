@@ -94,13 +94,15 @@ class TrainerRank:
     def build(self, master: tuple[str, int], engine_urls: list[str]) -> str:
         import torch
 
+        from palaestra.models import resolve_model
         from palaestra.trainer import Trainer, TrainerConfig
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))  # fmt: skip
         torch.set_num_threads(1)
-        config = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync_mode="distributed", sync_bucket_mb=4)
-        self.trainer = Trainer(config, "tiny", engine_urls=engine_urls)
+        config = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync_mode="distributed", sync_bucket_mb=4,
+                               dp_size=self.world)  # fmt: skip
+        self.trainer = Trainer(config, resolve_model("tiny"), engine_urls=engine_urls)
         return self.node
 
     def step(self, samples: list) -> dict[str, float]:

@@ -159,6 +159,32 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
 
 
 @pytest.mark.slow
+def test_two_data_parallel_trainer_ranks_learn_like_one(ray_local, tmp_path):
+    """trainer.dp_size: 2 starts two trainer rank actors that split each batch; seeded runs
+    generate the same rollouts, so DP = 2 must train exactly as DP = 1 (fp32 tolerance)."""
+    from palaestra.train import train
+
+    sft = "trainer.advantage_estimator=sft"  # every sample pulls: gradients whatever the rewards
+    one = train(make_config(tmp_path / "dp1", "sync", sft))
+    two = train(make_config(tmp_path / "dp2", "sync", sft, "trainer.dp_size=2"))
+    assert two.engine_versions_end == ["2", "2"]
+    assert_finite(two.state.rows)
+    trained = [(r.step, sorted(r.task_ids)) for r in one.trained]
+    assert [(r.step, sorted(r.task_ids)) for r in two.trained] == trained
+    rows1 = [r for r in one.state.rows if "train/loss" in r]
+    rows2 = [r for r in two.state.rows if "train/loss" in r]
+    assert len(rows1) == len(rows2) == 2
+    for a, b in zip(rows1, rows2, strict=True):
+        print(f"step {a['train/step']:.0f}: loss DP=1 {a['train/loss']:.6g} DP=2 {b['train/loss']:.6g}, "
+              f"grad norm {a['train/grad_norm']:.6g} / {b['train/grad_norm']:.6g}, "
+              f"reward {a['rollout/reward_mean']:.3f} / {b['rollout/reward_mean']:.3f}")  # fmt: skip
+        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]  # the same rollouts
+        for key in ("train/loss", "train/nll", "train/entropy", "train/loss_tokens", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert rows1[0]["train/grad_norm"] > 0  # it did learn: step 2 rolled out with updated weights
+
+
+@pytest.mark.slow
 def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_path):
     from palaestra.train import train
 

@@ -46,7 +46,8 @@ WORKER = textwrap.dedent(
 
     if __name__ == "__main__":
         out, rdzv, megatron, model_dir = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-        t = Trainer(TrainerConfig(**CONFIG, megatron=megatron, dist_init_method=rdzv), model_dir)
+        dp = 2 // megatron.get("tensor_model_parallel_size", 1)
+        t = Trainer(TrainerConfig(**CONFIG, megatron=megatron, dist_init_method=rdzv, dp_size=dp), model_dir)
         import torch.distributed as dist
         from palaestra.engine.weights import read_safetensors
         rank = dist.get_rank()

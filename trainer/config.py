@@ -37,6 +37,13 @@ class TrainerConfig:
     """torch.distributed rendezvous for multi-process runs (RANK/WORLD_SIZE set): None = env://
     (MASTER_ADDR/MASTER_PORT), or e.g. file:///shared/rdzv. A single process needs none."""
 
+    dp_size: int = 1
+    """Data-parallel replicas. `palaestra train` starts dp_size × tensor_model_parallel_size trainer
+    ranks (Ray actors, placed by `run.placement` / `run.resources`), each DP replica training on
+    its share of the batch (`dp_balance`) with gradients all-reduced by Megatron's DDP (gloo on
+    CPU, NCCL on GPU). A trainer started another way (torchrun: WORLD_SIZE) checks that its world
+    size gives this many replicas."""
+
     megatron: dict[str, Any] = field(default_factory=dict)
     """`TransformerConfig` fields applied over what the HF config implies (parallel sizes too).
     Architecture fields (layers, heads, sizes, norm, GLU, biases) may not contradict the HF config."""
@@ -155,6 +162,15 @@ class TrainerConfig:
     """disk mode: directory the engines can read; each version goes to sync_dir/v<version>.
     shm mode: where the shared file goes instead of /dev/shm (None = /dev/shm)."""
 
+    sync_group_address: str | None = None
+    """distributed mode: the address engines use to reach trainer rank 0's rendezvous (the master of
+    the weight-update group). None = 127.0.0.1 when every engine is on loopback, else this host's
+    address on the route to the first engine."""
+
+    sync_group_port: int = 0
+    """distributed mode: the rendezvous port on trainer rank 0's host (0 = a free one; fix it when a
+    firewall needs a known port)."""
+
     sync_pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
     """/pause_generation mode during a sync."""
 
@@ -166,6 +182,10 @@ class TrainerConfig:
             raise ValueError("teacher_mode 'megatron' needs teacher_model (a HF directory)")
         if self.teacher_mode == "sglang" and not self.teacher_urls:
             raise ValueError("teacher_mode 'sglang' needs teacher_urls")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1; got {self.dp_size}")
+        if not 0 <= self.sync_group_port < 65536:
+            raise ValueError(f"sync_group_port must be between 0 and 65535; got {self.sync_group_port}")
         if self.max_tokens_per_microbatch <= 0:
             raise ValueError("max_tokens_per_microbatch must be positive")
         if not 0 <= self.tis_clip_low <= self.tis_clip_high:

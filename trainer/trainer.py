@@ -95,6 +95,14 @@ class Trainer:
             if int(config.megatron.get(key) or 1) != 1:
                 raise ValueError(f"{key} > 1 is not supported by this trainer: {why}")
         init_parallel(config.megatron, config.dist_init_method)
+        from megatron.core import parallel_state
+
+        dp = parallel_state.get_data_parallel_world_size()
+        if dp != config.dp_size:
+            raise ValueError(
+                f"dp_size is {config.dp_size}, but {dist.get_world_size()} ranks with tensor_model_parallel_size "
+                f"{parallel_state.get_tensor_model_parallel_world_size()} make {dp} data-parallel replicas"
+            )
         cpu_shim.setup_rng(config.seed)
         self.transformer_config = transformer_config(self.arch, config.megatron)
         self.model = build_model(self.arch, self.transformer_config, config.megatron_ddp)
@@ -129,6 +137,8 @@ class Trainer:
                 timeout_s=config.sync_timeout_s,
                 disk_dir=config.sync_dir,
                 pause_mode=config.sync_pause_mode,
+                group_address=config.sync_group_address,
+                group_port=config.sync_group_port,
             )
             if engine_urls
             else None
@@ -462,6 +472,7 @@ class Trainer:
             "perf/sync_s": report.seconds,
             "perf/sync_gb_per_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
             "perf/sync_buckets": float(report.buckets),
+            "perf/sync_pause_s": report.pause_seconds,  # the engines generated nothing meanwhile
         }
 
     def save(self, path: str | Path) -> None:

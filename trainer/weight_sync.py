@@ -130,6 +130,7 @@ class WeightSync:
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.pause_mode = pause_mode
         self._shm: SharedWeightsFile | None = None
+        self._shm_root: str | Path | None = None
         self._group = None
         self._buckets: list[list[tuple[str, torch.Tensor]]] = []  # distributed: staged for the pause
         self._keepalive: list[Any] = []  # ipc: the memory the handles of this push point into
@@ -141,7 +142,7 @@ class WeightSync:
                     f"sync_mode 'shm' needs every engine on this host (its /dev/shm); {elsewhere[0]} is "
                     "not: use sync_mode 'distributed' for engines on other nodes"
                 )
-            self._shm = SharedWeightsFile(disk_dir)
+            self._shm_root = disk_dir  # the file is made by the first push (reading versions needs none)
         elif mode == "distributed":
             from palaestra.net import free_port
             from palaestra.trainer.sglang_sync import DistributedUpdate
@@ -304,7 +305,8 @@ class WeightSync:
 
             def update() -> int:
                 if self.mode == "shm":  # inside the pause: an embedded engine's weights are this file
-                    assert self._shm is not None
+                    if self._shm is None:
+                        self._shm = SharedWeightsFile(self._shm_root)
                     directory = str(self._shm.write(named))
                     for url in self.urls:
                         self._call(client, url, "update 1/1", "POST", "/update_weights_from_disk",
