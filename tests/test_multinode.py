@@ -33,12 +33,14 @@ def cluster():
     saved = os.environ.get("PYTHONPATH")  # the nodes' workers import this module's actor classes
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).parent), saved] if p)
     try:
+        # every node on loopback: the nodes are separate raylets, and nothing listens beyond 127.0.0.1
         c = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 1, "resources": {ENGINE_NODE: 2}, "include_dashboard": False},
-        )
+            head_node_args={"num_cpus": 3, "resources": {ENGINE_NODE: 2}, "include_dashboard": False,
+                            "node_ip_address": "127.0.0.1"},
+        )  # fmt: skip
         for _ in range(2):
-            c.add_node(num_cpus=1, resources={TRAINER_NODE: 1})
+            c.add_node(num_cpus=1, resources={TRAINER_NODE: 1}, node_ip_address="127.0.0.1")
     finally:
         if saved is None:
             del os.environ["PYTHONPATH"]
@@ -145,6 +147,31 @@ def test_engines_on_one_node_trainer_ranks_on_two_others(cluster):
         check(engines, ranks)
     finally:
         ray.get([e.stop.remote() for e in engines])
+        for actor in [*engines, *ranks]:  # frees their node resources for the next test
+            ray.kill(actor)
+
+
+def test_palaestra_train_across_nodes_with_two_data_parallel_ranks(cluster, tmp_path, caplog):
+    """The driver itself: `run.ray_address` joins the cluster, `run.resources` puts the engines on
+    the engine node and one trainer rank on each trainer node, weights reach both engines."""
+    import logging
+
+    from test_train_e2e import make_config
+
+    from palaestra.train import train
+
+    resources = f"run.resources={{trainer: {{{TRAINER_NODE}: 1}}, engines: {{{ENGINE_NODE}: 1}}}}"
+    cfg = make_config(tmp_path / "run", "sync", f"run.ray_address={cluster.address}", "run.placement=decoupled",
+                      "trainer.dp_size=2", "trainer.sync_mode=distributed", resources, "env.eval_tasks=0")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="palaestra.orchestrator.cluster"):
+        result = train(cfg)
+    assert result.engine_versions_end == ["2", "2"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("  ")]
+    print("\n" + "\n".join(lines))
+    node = lambda line: line.split("(node ")[1].split(")")[0]  # noqa: E731
+    ranks = [node(line) for line in lines if line.startswith("  trainer rank")]
+    engines = {node(line) for line in lines if line.startswith("  engine-")}
+    assert len(ranks) == 2 and len(set(ranks)) == 2 and len(engines) == 1 and engines.isdisjoint(ranks)
 
 
 def check(engines: list, ranks: list) -> None:
