@@ -25,8 +25,13 @@ ENGINE_NODE, TRAINER_NODE = "palaestra_test_engine_node", "palaestra_test_traine
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # node addresses of 127.0.0.1 taken literally ("single-node Ray"; several raylets still work)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
+    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the variable was set
 
     if ray.is_initialized():
         pytest.skip("a Ray instance is already running in this process; this test needs its own cluster")
