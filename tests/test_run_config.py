@@ -260,7 +260,10 @@ def test_bad_yaml_is_reported_with_the_file(tmp_path):
             "model.teacher: trainer.opd_kl_coef > 0",
         ),
         (["model.teacher=tiny", "trainer.teacher_model=other"], "disagrees with model.teacher"),
-        (["engines.backend=sglang", "trainer.sync_mode=tensor"], "trainer.sync_mode: SGLang's /update_weights"),
+        (
+            ["engines.backend=sglang", "trainer.sync_mode=tensor"],
+            "trainer.sync_mode: SGLang's /update_weights",
+        ),
         (["run.resources={gpu_box: {x: 1}}"], "run.resources: keys must be trainer, engines, services"),
         (["run.resources={trainer: {node_a: -1}}"], "run.resources: every demand must be a number >= 0"),
         (["trainer.dp_size=0"], "dp_size must be at least 1"),

@@ -350,5 +350,7 @@ def test_cpu_shim_is_active_and_narrow(trainer):
 
 
 def test_dp_size_must_match_the_ranks_started(tiny_model_dir):
-    with pytest.raises(ValueError, match="dp_size is 2, but 1 ranks with tensor_model_parallel_size 1 make 1"):
+    with pytest.raises(
+        ValueError, match="dp_size is 2, but 1 ranks with tensor_model_parallel_size 1 make 1"
+    ):
         Trainer(TrainerConfig(dp_size=2), tiny_model_dir)
