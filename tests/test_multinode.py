@@ -1,12 +1,14 @@
-"""Several Ray nodes on one machine (`ray.cluster_utils.Cluster`): engines on one node, the two
-data-parallel trainer ranks on two others, placed by custom resources.
+"""Several Ray nodes on one machine (`ray.cluster_utils.Cluster`, every node on 127.0.0.1): the
+engines on one node, the two data-parallel trainer ranks on two others, placed by custom resources.
 
-The trainer ranks rendezvous at rank 0's node address (gloo), train on the batch split between
-them by the DP schedule, and rank 0 pushes every step's weights to both engines over SGLang's
-broadcast path (`sync_mode: distributed`: the only sync that needs nothing shared between nodes).
-Checked: where every actor ran, that both engines end at the trainer's weight version, and that
-their logprobs then equal the trainer's. The actors here are thin test wrappers around the real
-`Trainer` and real `palaestra engine serve` processes.
+1. Trainer level: two thin test actors around the real `Trainer` rendezvous at rank 0's node
+   (gloo), train on the batch split between them, and rank 0 pushes every step's weights to both
+   real engines over SGLang's broadcast path (`sync_mode: distributed`, the sync that needs
+   nothing shared between nodes). Checked: where every actor ran, that both engines end at the
+   trainer's weight version, and that their logprobs then equal the trainer's.
+2. The driver: `palaestra train` joins the cluster (`run.ray_address`), `run.resources` puts the
+   engines on the engine node and one trainer rank on each trainer node (`trainer.dp_size: 2`,
+   decoupled), and the printed placement shows it.
 """
 
 from __future__ import annotations
