@@ -1,0 +1,144 @@
+"""The sandbox interface: what every backend (local bubblewrap, docker, remote HTTP) implements.
+
+    backend = LocalBackend()                      # or DockerBackend(), RemoteBackend(url, api_key)
+    box = await backend.create("python", Limits(memory_mb=256))
+    await box.upload("solution.py", b"print(1)")
+    result = await box.exec(["python3", "solution.py"], timeout=5)
+    result.status, result.exit_code, result.stdout   # "ok", 0, "1\\n"
+    await box.close()
+
+A sandbox owns one work directory (``/work`` inside it); every ``exec`` runs there, with the same
+limits, and sees the files earlier execs and uploads left. ``exec`` never raises for anything the
+command does: a timeout, a memory bomb or a flood of output comes back as a status. It raises
+``SandboxError`` only when the sandbox itself is broken (closed, dead, backend unreachable).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Backend", "ExecResult", "Limits", "Sandbox", "SandboxError", "Status"]
+
+Status = Literal["ok", "timeout", "memory", "output_limit", "error"]
+"""ok: the command ran to its end (any exit code); timeout: killed at the wall-clock or CPU limit;
+memory: killed for exceeding the memory limit; output_limit: killed after stdout or stderr passed
+``Limits.output_bytes``; error: the command could not be started (e.g. not found)."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox or its backend failed (not the command run in it)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-sandbox limits; every exec in the sandbox runs under them. Defaults are safe for
+    grading small programs; raise them per profile for heavier work."""
+
+    timeout_s: float = 10.0
+    """Wall-clock limit of one exec, seconds (``exec(timeout=)`` overrides it per call)."""
+    cpu_s: int = 10
+    """CPU-time limit of one exec (RLIMIT_CPU), seconds."""
+    memory_mb: int = 512
+    """Memory limit (cgroup memory.max where available, else RLIMIT_AS), MiB."""
+    pids: int = 64
+    """Most processes/threads alive at once (cgroup pids.max, RLIMIT_NPROC)."""
+    file_size_mb: int = 64
+    """Largest file a command may write (RLIMIT_FSIZE), MiB."""
+    open_files: int = 256
+    """RLIMIT_NOFILE."""
+    workdir_mb: int = 256
+    """Size of the work directory's tmpfs, MiB."""
+    output_bytes: int = 1 << 20
+    """Bytes kept per stream (stdout, stderr); output past it is dropped while it streams and the
+    command is killed with status output_limit once it passes ``output_kill_factor`` times this."""
+    output_kill_factor: int = 8
+
+
+@dataclass
+class ExecResult:
+    status: Status
+    exit_code: int | None
+    """The exit status; negative for a signal (as in ``subprocess``); None if it never started."""
+    stdout: str
+    stderr: str
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_s: float = 0.0
+    detail: str = ""
+    """Why, for statuses other than ok (e.g. "killed after 10.0 s wall clock")."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.exit_code == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExecResult:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+class Sandbox(abc.ABC):
+    """One isolated work directory and the commands run in it."""
+
+    id: str
+    limits: Limits
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        cmd: str | list[str] | None = None,
+        *,
+        script: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` (an argv list, or a string for ``sh -c``) or ``script`` (a shell script's
+        text) in the work directory. ``timeout`` defaults to ``limits.timeout_s``."""
+
+    @abc.abstractmethod
+    async def upload(self, path: str, data: bytes | str) -> None:
+        """Write a file, relative to the work directory (parents are created)."""
+
+    @abc.abstractmethod
+    async def download(self, path: str) -> bytes:
+        """Read a file, relative to the work directory. Raises FileNotFoundError."""
+
+    @abc.abstractmethod
+    async def alive(self) -> bool:
+        """Cheap check that the sandbox can still run commands."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Kill everything still running in it and remove it. Idempotent."""
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+@dataclass
+class Backend(abc.ABC):
+    """Creates sandboxes. ``label`` marks everything a backend starts, so that a later start can
+    find and remove what a crashed process leaked."""
+
+    label: str = field(default="palaestra-sandbox")
+
+    name = "abstract"
+
+    @abc.abstractmethod
+    async def create(self, profile: str = "python", limits: Limits | None = None) -> Sandbox:
+        """A fresh sandbox. ``profile`` names what is installed in it ("python": python3 and a
+        POSIX shell)."""
+
+    @abc.abstractmethod
+    async def cleanup_leaked(self) -> int:
+        """Remove sandboxes with this backend's label that no live owner holds; returns how many."""
+
+    async def close(self) -> None:
+        """Release the backend's own resources (clients, connections)."""
