@@ -94,9 +94,18 @@ def sampling(session: Any, **defaults: Any) -> dict[str, Any]:
 
 def resolve_backend(backend: Any) -> Any:
     """A sandbox backend from a spec string (``palaestra.sandbox.get_backend``: "local", "docker",
-    "http://host:port") or a ready `Backend`."""
+    "http://host:port"), an import path ``package.module:Class`` (called with no arguments), or a
+    ready `Backend`."""
     if not isinstance(backend, str):
         return backend
+    if ":" in backend and "://" not in backend:
+        import importlib
+
+        module, attr = backend.split(":", 1)
+        try:
+            return getattr(importlib.import_module(module), attr)()
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load sandbox backend {backend!r}: {exc}") from None
     from palaestra.sandbox import get_backend
 
     return get_backend(backend)

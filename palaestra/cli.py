@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra import train as train_cmd
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
+    from palaestra.environments.swe_agent import cli as swe_cli
     from palaestra.gateway import cli as gateway_cli
     from palaestra.sdk import cli as sdk_cli
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cli.register(groups)
     sdk_cli.register(groups)
     train_cmd.register(groups)
+    swe_cli.register(groups)
     return parser
 
 
