@@ -1,6 +1,6 @@
 """Sandbox backends for the environment and grader tests: the labelled subprocess TEST DOUBLE
-(fast, no isolation) and the real local bubblewrap backend, which skips with the reason when it
-cannot run on this machine."""
+(fast, no isolation), the real local bubblewrap backend and the docker backend; a real one that
+cannot run on this machine is a visible skip with the reason."""
 
 from __future__ import annotations
 
@@ -13,17 +13,19 @@ import pytest
 from palaestra.sandbox.base import Backend
 from palaestra.verifiers.testing import SubprocessBackendForTests
 
+REAL_BACKENDS = ("local", "docker")
 
-@functools.cache  # probing starts a sandbox: once per test session
-def local_backend_or_reason() -> tuple[Callable[[], Backend] | None, str]:
-    """The real local backend's factory, or why there is none here."""
+
+@functools.cache  # probing starts a sandbox: once per test session and backend
+def backend_or_reason(spec: str) -> tuple[Callable[[], Backend] | None, str]:
+    """A factory of the real backend ``spec`` ("local", "docker"), or why there is none here."""
     try:
         from palaestra.sandbox import get_backend
     except ImportError as exc:
-        return None, f"palaestra.sandbox has no get_backend yet: {exc}"
+        return None, f"palaestra.sandbox has no get_backend: {exc}"
 
     def make() -> Backend:
-        return get_backend("local")
+        return get_backend(spec)
 
     async def probe() -> str:
         backend = make()
@@ -36,22 +38,24 @@ def local_backend_or_reason() -> tuple[Callable[[], Backend] | None, str]:
         finally:
             await backend.close()
         return (
-            "" if result.ok else f"local sandbox cannot run python3: {result.status} {result.stderr[-300:]}"
+            "" if result.ok else f"{spec} sandbox cannot run python3: {result.status} {result.stderr[-300:]}"
         )
 
     try:
         reason = asyncio.run(probe())
-    except Exception as exc:  # no bwrap, no user namespaces
-        reason = f"local sandbox backend unavailable: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # no bwrap or user namespaces; no docker daemon
+        reason = f"{spec} sandbox backend unavailable here: {type(exc).__name__}: {exc}"
     return (None, reason) if reason else (make, "")
 
 
 def backend_params() -> list:
-    """pytest params: the test double, and the local backend (or a visible skip)."""
-    make, reason = local_backend_or_reason()
-    local = (
-        pytest.param(make, id="local")
-        if make
-        else pytest.param(None, id="local", marks=pytest.mark.skip(reason=reason))
-    )
-    return [pytest.param(SubprocessBackendForTests, id="test-double"), local]
+    """pytest params: the test double, then each real backend (or a visible skip)."""
+    params = [pytest.param(SubprocessBackendForTests, id="test-double")]
+    for spec in REAL_BACKENDS:
+        make, reason = backend_or_reason(spec)
+        params.append(
+            pytest.param(make, id=spec)
+            if make
+            else pytest.param(None, id=spec, marks=pytest.mark.skip(reason=reason))
+        )
+    return params
