@@ -103,6 +103,9 @@ class ExecResult:
     duration_s: float = 0.0
     detail: str = ""
     """Why, for statuses other than ok (e.g. "killed after 10.0 s wall clock")."""
+    enforced: str = ""
+    """How the backend enforced the limits for this exec (e.g. "cgroup v2 (memory, pids) + rlimits",
+    or "rlimits only (...why...)"), so a result says what it can be trusted for."""
 
     @property
     def ok(self) -> bool:
