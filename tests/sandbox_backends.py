@@ -19,13 +19,10 @@ REAL_BACKENDS = ("local", "docker")
 @functools.cache  # probing starts a sandbox: once per test session and backend
 def backend_or_reason(spec: str) -> tuple[Callable[[], Backend] | None, str]:
     """A factory of the real backend ``spec`` ("local", "docker"), or why there is none here."""
-    try:
-        from palaestra.sandbox import get_backend
-    except ImportError as exc:
-        return None, f"palaestra.sandbox has no get_backend: {exc}"
+    from palaestra.environments.episode import resolve_backend
 
     def make() -> Backend:
-        return get_backend(spec)
+        return resolve_backend(spec)
 
     async def probe() -> str:
         backend = make()
