@@ -110,21 +110,27 @@ def main() -> None:
     backend = resolve_backend(args.backend)
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
     code = CodeSandboxEnv(difficulty=1, backend=backend)
-    code_tasks = take_tasks(code, args.code_episodes, seed=0)
+    code_tasks = list({t.prompt: t for t in take_tasks(code, 4 * args.code_episodes, seed=0)}.values())
+    code_tasks = [code_tasks[i % len(code_tasks)] for i in range(args.code_episodes)]
     with tempfile.TemporaryDirectory(prefix="bench-envs-") as tmp:
         out = Path(tmp) / "swe.jsonl"
         t0 = time.perf_counter()
         instances = asyncio.run(generate(out, backend, per_kind=1, repos=["textkit", "ledger"]))
         print(f"generated and validated {len(instances)} swe instances in {time.perf_counter() - t0:.0f} s")
-        swe = SweAgentEnv(data=str(out), backend=backend)
-        pool = swe.tasks(0)
+        swe = SweAgentEnv(data=str(out), backend=backend, max_tokens=8192)  # write_file sends whole files
+        # The scripted engine tells sessions apart by their prompt: keep tasks whose prompts differ.
+        pool = list({i.problem_statement: i for i in swe.tasks(0)}.values())
         swe_tasks = [pool[i % len(pool)] for i in range(args.swe_episodes)]
-        scripts = {f"`def {t.entry_point}(": code_turns(t) for t in code_tasks}
-        scripts |= {i.problem_statement[:200]: swe_turns(i) for i in pool}
+        scripts = {t.prompt: code_turns(t) for t in code_tasks}
+        scripts |= {i.problem_statement: swe_turns(i) for i in pool}
         engine = ScriptedEngine(Agents(tok, scripts), stop_ids={tok.convert_tokens_to_ids("<|im_end|>")})
         with ThreadServer(engine.app()) as eng:
             config = GatewayConfig(
-                model="tiny", engine_url=eng.url, spool_dir=tmp + "/spool", api_key="bench"
+                model="tiny",
+                engine_url=eng.url,
+                spool_dir=tmp + "/spool",
+                api_key="bench",
+                admin_key="bench-admin",
             )
             with ThreadServer(create_app(config, tokenizer=tok)) as gw:
                 for name, env, tasks in (("code", code, code_tasks), ("swe", swe, swe_tasks)):
