@@ -55,7 +55,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
     reply = tok.encode("Sure, here it is.", add_special_tokens=False) + [

@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from palaestra.engine.server import EngineConfig, EngineServer
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -37,7 +37,7 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     """Builds the app. `tokenizer` defaults to the model's (preset name or HF directory)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
 
     config.resolve_keys()
     if tokenizer is None or config.context_length is None:

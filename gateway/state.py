@@ -14,35 +14,54 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.options import GatewayOptions
 from palaestra.gateway.trajectory import FORK_REASONS, Turn
 
 
-@dataclass
-class GatewayConfig:
-    """Options of `palaestra gateway serve` (see `--help` for each)."""
+@dataclass(kw_only=True)
+class GatewayConfig(GatewayOptions):
+    """Options of `palaestra gateway serve`: the run-tunable `GatewayOptions` and what a deployment
+    sets (model, engine URL, address, keys, spool). The command's flags are generated from these
+    fields (gateway/cli.py), each docstring being the flag's help."""
 
     model: str
+    """Preset name or HF directory: its tokenizer and chat template."""
+
     engine_url: str
+    """sglang-router URL (or one engine's) speaking SGLang /generate."""
+
     host: str = "127.0.0.1"
+    """Bind address."""
+
     port: int = 8000
-    public_url: str | None = None  # base of the session URLs handed to agents
+    """TCP port."""
+
+    public_url: str | None = None
+    """Base URL put into session base_urls (default: as requested)."""
+
     api_key: str | None = None
+    """The run's API key (or env PALAESTRA_API_KEY)."""
+
     admin_key: str | None = None
+    """Admin key for /admin routes (or env PALAESTRA_ADMIN_KEY)."""
+
     insecure_local: bool = False
+    """Serve without keys (loopback development only)."""
+
     spool_dir: str = "runs/spool"
+    """Directory of the durable sample spool."""
+
     served_model_name: str | None = None
-    tool_parser: str = "auto"
-    reasoning_parser: str = "auto"
-    reasoning_policy: str = "strip"  # "strip": fork when the template drops reasoning; "keep": bridge anyway
-    default_max_tokens: int = 4096
-    context_length: int | None = None  # default: the engine's /server_info context_length
-    pause_mode: str = "wait"  # "wait" (bounded by pause_wait_s) or "reject" (429 + Retry-After)
-    pause_wait_s: float = 600.0
+    """Model name in answers (default: --model)."""
+
     retry_after_s: int = 5
-    engine_timeout_s: float = 600.0
-    engine_retries: int = 2
+    """Retry-After seconds on 429."""
+
     engine_incremental_stream: bool = False
-    max_sessions: int = 10_000  # finished sessions are evicted oldest-first beyond this
+    """The engines run with --incremental-streaming-output (deltas instead of cumulative)."""
+
+    max_sessions: int = 10_000
+    """Sessions kept in memory (finished ones are evicted oldest-first beyond this)."""
 
     def resolve_keys(self) -> None:
         self.api_key = self.api_key or os.environ.get("PALAESTRA_API_KEY") or None

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from palaestra.engine.cli import engine_process
     from palaestra.engine.router import RouterProcess
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
 
     t0 = time.perf_counter()
     print(f"preparing model {args.model!r} (built once, then cached) ...", flush=True)

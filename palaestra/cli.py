@@ -2,7 +2,7 @@
 
 Each command group lives next to the code it drives and registers its sub-commands here:
 `palaestra engine serve` (engine/cli.py), `palaestra router serve` (engine/router.py),
-`palaestra sglang launch` (engine/sglang_launcher.py), `palaestra model build` (palaestra/presets.py),
+`palaestra sglang launch` (engine/sglang_launcher.py), `palaestra model build` (palaestra/models/cli.py),
 `palaestra train` (palaestra/train.py).
 """
 
@@ -13,12 +13,12 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from palaestra import presets
     from palaestra import train as train_cmd
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
     from palaestra.environments.swe_agent import cli as swe_cli
     from palaestra.gateway import cli as gateway_cli
+    from palaestra.models import cli as models_cli
     from palaestra.sdk import cli as sdk_cli
 
     parser = argparse.ArgumentParser(
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cli.register(groups)
     router.register(groups)
     sglang_launcher.register(groups)
-    presets.register(groups)
+    models_cli.register(groups)
     gateway_cli.register(groups)
     sdk_cli.register(groups)
     train_cmd.register(groups)

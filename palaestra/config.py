@@ -6,31 +6,37 @@ Each section is a dataclass with a docstring under every field (units and sentin
 it); `config_help()` prints them all and is `palaestra train --help`'s epilog. Backend options are
 never re-declared: `engines.engine` becomes `--<key>` flags of `palaestra engine serve`,
 `engines.sglang` `--sglang-<key>` of `palaestra sglang launch`, `router` `--router-<key>` of
-`palaestra router serve`, and the trainer's Megatron options live in `TrainerConfig` under
-Megatron's own names. Dict-typed fields accept any key; dataclass fields only their own, and a
-misspelt one fails with the path and the closest names. `save_config` writes the resolved config
-next to every run and checkpoint; it loads back to an equal `RunConfig`.
+`palaestra router serve`, `gateway` is the gateway's own `GatewayOptions` (gateway/options.py),
+and the trainer's Megatron options live in `TrainerConfig` under Megatron's own names. Dict-typed
+fields accept any key; dataclass fields only their own, and a misspelt one fails with the path and
+the closest names. `save_config` writes the resolved config next to every run and checkpoint; it
+loads back to an equal `RunConfig`.
+
+This file is the schema and its validation; reading YAML, overrides, type checks and help text
+are the generic machinery of `palaestra.typed_config`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import difflib
-import inspect
-import re
-import textwrap
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
+from palaestra.gateway.options import GatewayOptions
 from palaestra.trainer.config import TrainerConfig
+from palaestra.typed_config import (
+    ConfigError,
+    build,
+    dump_yaml,
+    options_help,
+    read_mapping,
+    to_flags,
+    unknown_key,
+)
 
 __all__ = [
     "ConfigError",
@@ -48,14 +54,6 @@ __all__ = [
     "to_flags",
     "validate",
 ]
-
-
-class ConfigError(ValueError):
-    """A config that cannot be loaded: one line per problem, each naming its key path."""
-
-    def __init__(self, problems: Sequence[str]):
-        self.problems = list(problems)
-        super().__init__("invalid config:\n  " + "\n  ".join(self.problems))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,42 +96,6 @@ class EngineOptions:
     def sglang_flags(self) -> list[str]:
         """`palaestra sglang launch` passthrough arguments from `sglang`."""
         return to_flags(self.sglang, "--sglang-")
-
-
-@dataclass
-class GatewayOptions:
-    """The gateway's own options (those of `palaestra gateway serve` a run may tune)."""
-
-    reasoning_policy: Literal["strip", "keep"] = "strip"
-    """When the template drops earlier reasoning: strip = fork a new sample, keep = bridge anyway."""
-
-    pause_mode: Literal["wait", "reject"] = "wait"
-    """While paused for a weight sync, new calls wait (up to pause_wait_s) or get 429."""
-
-    pause_wait_s: float = 600.0
-    """Longest wait of a call while paused, seconds."""
-
-    default_max_tokens: int = 4096
-    """Max tokens of a call that sets none (capped by the context length)."""
-
-    context_length: int | None = None
-    """Context length in tokens; None = the engine's /server_info."""
-
-    tool_parser: str = "auto"
-    """Tool-call parser: auto (from the chat template), hermes, glm45, none, or module:attr."""
-
-    reasoning_parser: str = "auto"
-    """Reasoning parser: auto, qwen3, deepseek-r1, glm45, none."""
-
-    engine_timeout_s: float = 600.0
-    """Timeout of one engine call, seconds."""
-
-    engine_retries: int = 2
-    """Retries of an engine call that committed no tokens (connection refused, 5xx)."""
-
-    def serve_flags(self) -> list[str]:
-        """`palaestra gateway serve` arguments (the run adds model, URLs, keys, spool dir)."""
-        return to_flags({k: v for k, v in dataclasses.asdict(self).items() if v is not None})
 
 
 @dataclass
@@ -282,231 +244,9 @@ OWNED_ROUTER_OPTIONS = {
 }
 
 
-def to_flags(options: Mapping[str, Any], prefix: str = "--") -> list[str]:
-    """Options as command-line flags: {"tp_size": 2, "enable_x": True, "y": False} -> --tp-size 2 --enable-x.
-
-    True is a bare flag, False and None are left out, a list repeats nothing but its items after
-    one flag (argparse's nargs), anything else is str(value). Underscores become hyphens.
-    """
-    flags: list[str] = []
-    for key, value in options.items():
-        flag = prefix + str(key).replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list | tuple):
-            flags += [flag, *map(str, value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2 floats: PyYAML alone reads `1e-5` (no dot) as a string."""
-
-
-class _Dumper(yaml.SafeDumper):
-    """Quotes the strings that _Loader would read as floats, so saved configs load back equal."""
-
-
-for _cls in (_Loader, _Dumper):
-    _cls.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
-
-
-def _yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{where}: not valid YAML: {exc}"]) from None
-
-
-def _is_dataclass_type(hint: Any) -> bool:
-    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
-
-
-def _unknown(path: str, key: str, known: Sequence[str], *, list_known: bool = True) -> str:
-    close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
-    message = f"{_join(path, key)}: unknown key"
-    if close:
-        message += f" (did you mean {', '.join(repr(_join(path, c)) for c in close)}?)"
-    if list_known:
-        message += f"; {path or 'the top level'} has {', '.join(known)}"
-    return message
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _type_text(hint: Any) -> str:
-    if hint is Any:
-        return "any"
-    if typing.get_origin(hint) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(hint))
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " | ".join(_type_text(a) for a in typing.get_args(hint))
-    if hint is type(None):
-        return "None"
-    if isinstance(hint, type) and not typing.get_args(hint):
-        return hint.__name__
-    return str(hint).replace("typing.", "")
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _check(value: Any, hint: Any) -> Any:
-    """`value` as type `hint` (ints widen to float), or _Mismatch."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            try:
-                return _check(value, arg)
-            except _Mismatch:
-                pass
-        raise _Mismatch
-    if hint is type(None):
-        if value is None:
-            return None
-        raise _Mismatch
-    if origin is Literal:
-        if value in args and type(value) in {type(a) for a in args}:
-            return value
-        raise _Mismatch
-    if hint is bool or hint is int or hint is str:
-        if type(value) is hint:
-            return value
-        raise _Mismatch
-    if hint is float:
-        if type(value) in (int, float):
-            return float(value)
-        raise _Mismatch
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Mismatch
-        return [_check(v, args[0]) for v in value] if args else list(value)
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise _Mismatch
-        return {k: _check(v, args[1]) for k, v in value.items()} if args else dict(value)
-    raise TypeError(f"config type {hint!r} is not supported by palaestra.config")
-
-
-def _mismatch(path: str, value: Any, hint: Any) -> str:
-    message = f"{path}: expected {_type_text(hint)}, got {value!r} ({type(value).__name__})"
-    choices = [
-        a
-        for arg in [hint, *typing.get_args(hint)]
-        if typing.get_origin(arg) is Literal
-        for a in typing.get_args(arg)
-    ]
-    if isinstance(value, str) and choices:
-        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
-        if close:
-            message += f" (did you mean {close[0]!r}?)"
-    return message
-
-
-def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
-    """An instance of dataclass `cls` from a mapping: unknown keys and type errors go to `problems`."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        problems.append(f"{path or 'config'}: expected a mapping of {cls.__name__} options, got {data!r}")
-        return None
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    kwargs: dict[str, Any] = {}
-    ok = True
-    for key, value in data.items():
-        key_path = _join(path, str(key))
-        if key not in names:
-            problems.append(_unknown(path, str(key), names))
-            ok = False
-            continue
-        hint = hints[key]
-        if _is_dataclass_type(hint):
-            built = _build(hint, value, key_path, problems)
-            ok = ok and built is not None
-            kwargs[key] = built
-            continue
-        if value is None and typing.get_origin(hint) is dict:
-            value = {}  # an empty YAML section (`router:`)
-        try:
-            kwargs[key] = _check(value, hint)
-        except _Mismatch:
-            problems.append(_mismatch(key_path, value, hint))
-            ok = False
-    if not ok:
-        return None
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as exc:  # the dataclass's own __post_init__ checks
-        problems.append(f"{path or 'config'}: {exc}")
-        return None
-
-
-def _set_override(raw: dict[str, Any], item: str) -> None:
-    """Applies one `a.b.c=value` to the raw mapping, checking the path against the schema."""
-    if "=" not in item:
-        raise ConfigError([f"override {item!r}: expected key.path=value (e.g. run.steps=10)"])
-    dotted, text = item.split("=", 1)
-    keys = dotted.strip().split(".")
-    if not all(keys):
-        raise ConfigError([f"override {item!r}: empty key in {dotted!r}"])
-    value = _yaml(text, f"override {dotted}")
-    cls: type = RunConfig
-    node = raw
-    for i, key in enumerate(keys):
-        path = ".".join(keys[:i])
-        names = [f.name for f in dataclasses.fields(cls) if f.init]
-        if key not in names:
-            raise ConfigError([_unknown(path, key, names)])
-        hint = typing.get_type_hints(cls)[key]
-        last = i == len(keys) - 1
-        if _is_dataclass_type(hint) and not last:
-            child = node.get(key)
-            if not isinstance(child, dict):
-                child = node[key] = {}
-            node, cls = child, hint
-            continue
-        if typing.get_origin(hint) is dict and not last:  # passthrough: any key, nested as given
-            child = node.get(key)
-            if not isinstance(child, dict):
-                child = node[key] = {}
-            for sub in keys[i + 1 : -1]:
-                if not isinstance(child.get(sub), dict):
-                    child[sub] = {}
-                child = child[sub]
-            child[keys[-1]] = value
-            return
-        if not last:
-            raise ConfigError([f"override {item!r}: {_join(path, key)} is {_type_text(hint)}, not a section"])
-        if isinstance(value, int | float | bool) and _accepts_str(hint):
-            try:
-                _check(value, hint)
-            except _Mismatch:
-                value = text.strip()  # run.name=2024 is the string "2024"
-        node[key] = value
-
-
-def _accepts_str(hint: Any) -> bool:
-    return hint is str or (
-        typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint)
-    )
-
-
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """The run's config: defaults, then the YAML file at `path` (if any), then `overrides`.
 
@@ -514,25 +254,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     {k: v}). Raises ConfigError naming every unknown key (with close matches), type error and
     violated constraint.
     """
-    raw: Any = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError([f"{path}: cannot read: {exc}"]) from None
-        raw = _yaml(text, str(path)) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                [f"{path}: expected a mapping of sections at the top, got {type(raw).__name__}"]
-            )
-    for item in overrides:
-        _set_override(raw, item)
+    raw = read_mapping(RunConfig, path, overrides)
     _resolve_teacher(raw)
     _resolve_old_actor(raw)
-    problems: list[str] = []
-    cfg = _build(RunConfig, raw, "", problems)
-    if problems:
-        raise ConfigError(problems)
+    cfg = build(RunConfig, raw)
     validate(cfg)
     return cfg
 
@@ -542,7 +267,7 @@ def _resolve_teacher(raw: dict[str, Any]) -> None:
     in megatron mode without either fails here with a message that points at model.teacher."""
     model, trainer = raw.get("model"), raw.get("trainer")
     if not isinstance(model, dict | None) or not isinstance(trainer, dict | None):
-        return  # reported as type errors by _build
+        return  # reported as type errors by build()
     teacher = (model or {}).get("teacher")
     trainer = raw.setdefault("trainer", {}) if trainer is None else trainer
     if teacher is not None and trainer.get("teacher_model") is None:
@@ -563,7 +288,7 @@ def _resolve_old_actor(raw: dict[str, Any]) -> None:
     step's weights sample the batch (validate() rejects it set true in the other modes)."""
     run, trainer = raw.get("run"), raw.get("trainer")
     if not isinstance(run, dict | None) or not isinstance(trainer, dict | None):
-        return  # reported as type errors by _build
+        return  # reported as type errors by build()
     trainer = raw.setdefault("trainer", {}) if trainer is None else trainer
     if trainer.get("keep_old_actor") is None:
         trainer["keep_old_actor"] = (run or {}).get("mode", RunOptions.mode) == "one_step_off"
@@ -672,7 +397,7 @@ def _check_with_parser(
     for flag in flags:
         name = flag[len(prefix) :].replace("-", "_") if flag.startswith(prefix) else None
         if name is not None and name not in known:
-            problems.append(_unknown(path, name, sorted(known), list_known=False))
+            problems.append(unknown_key(path, name, sorted(known), list_known=False))
 
     def fail(message: str) -> typing.NoReturn:
         raise argparse.ArgumentError(None, message)
@@ -701,64 +426,16 @@ def save_config(cfg: RunConfig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = "# palaestra run config, resolved (defaults + file + overrides); load with load_config\n"
-    path.write_text(
-        header + yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
-    )
+    path.write_text(header + dump_yaml(config_to_dict(cfg)))
     return path
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """{field: docstring} from the class source: Python drops attribute docstrings at runtime."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, [*body[1:], None], strict=True):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            doc = ""
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                doc = inspect.cleandoc(str(after.value.value))
-            docs[node.target.id] = doc
-    return docs
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
-def _show(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-    return text.removesuffix("...").strip()
 
 
 def config_help() -> str:
     """Every option as `section.field: type = default` with its docstring (`palaestra train --help`)."""
-    lines = [
+    intro = [
         "Config options: YAML sections below, or overrides `section.field=value` after the config",
         "file (values are YAML: 1e-5, true, null, [a, b], {k: v}). Fields typed dict pass through",
         "under the backend's own option names and accept any key.",
         "",
     ]
-
-    def walk(cls: type, prefix: str, depth: int) -> None:
-        docs, hints = _field_docs(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            path = _join(prefix, f.name)
-            doc = docs.get(f.name, "")
-            indent = "  " * depth
-            if _is_dataclass_type(hints[f.name]):
-                lines.append(f"{indent}{path}: {doc or hints[f.name].__name__}")
-                walk(hints[f.name], path, depth + 1)
-                lines.append("")
-                continue
-            lines.append(f"{indent}{path}: {_type_text(hints[f.name])} = {_show(_default(f))}")
-            for line in (doc or "(undocumented)").splitlines():
-                lines.append(f"{indent}    {line}")
-            if depth == 0:
-                lines.append("")
-
-    walk(RunConfig, "", 0)
-    return "\n".join(lines).rstrip() + "\n"
+    return options_help(RunConfig, intro)

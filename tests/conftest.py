@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
 
     return resolve_model("tiny")
 

@@ -27,7 +27,7 @@ from palaestra.gateway.parsers import (
     parse_output,
     render_tool_call_text,
 )
-from palaestra.presets import real_vocab_file
+from palaestra.models.real_vocab import real_vocab_file
 
 TOOLS = [
     {

@@ -142,7 +142,7 @@ def test_openai_sdk_async_and_streaming(gateway, proxy):
     assert turn["output_ids"] == mine[1].answer["output_ids"]
     from transformers import AutoTokenizer
 
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
     ids, fr = turn["output_ids"], turn["finish_reason"]
@@ -210,7 +210,7 @@ def test_two_hundred_concurrent_sessions_keep_their_own_tokens(gateway, proxy):
     results = asyncio.run(run())
     from transformers import AutoTokenizer
 
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
     by_session = {}

@@ -23,7 +23,7 @@ from palaestra.gateway.app import create_app
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.gateway.renderer import ChatRenderer, normalize_messages
 from palaestra.gateway.state import GatewayConfig
-from palaestra.presets import resolve_model
+from palaestra.models import resolve_model
 from tests.gateway_helpers import RecordingProxy, ScriptedEngine, ThreadServer
 
 FAMILIES = {  # preset -> (tool-call format, stop token that ends a turn, how the model writes reasoning + content)

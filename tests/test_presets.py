@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from palaestra import presets
-from palaestra.presets import PRESETS, cache_root, resolve_model
+from palaestra.models import PRESETS, cache_root, resolve_model, tiny
+from palaestra.models.cli import register
 
 TOOLS = [
     {
@@ -62,7 +62,7 @@ def _file_hashes(directory: Path) -> dict[str, str]:
 
 
 def _build_in_subprocess(name: str, cache: Path) -> subprocess.Popen[str]:
-    code = f"from palaestra.presets import resolve_model; print(resolve_model({name!r}, cache_dir={str(cache)!r}))"
+    code = f"from palaestra.models import resolve_model; print(resolve_model({name!r}, cache_dir={str(cache)!r}))"
     return subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -89,7 +89,7 @@ def tiny_tokenizer(tiny_build):
 
 def test_tiny_layout_and_size(tiny_build, request):
     _, model_dir = tiny_build
-    assert model_dir.name == f"tiny-v{presets._VERSIONS['tiny']}"
+    assert model_dir.name == f"tiny-v{tiny.VERSION}"
     for name in (
         "config.json",
         "model.safetensors",
@@ -99,10 +99,10 @@ def test_tiny_layout_and_size(tiny_build, request):
     ):
         assert (model_dir / name).is_file(), name
     info = json.loads((model_dir / "palaestra_preset.json").read_text())
-    assert (info["name"], info["seed"]) == ("tiny", presets.TINY_SEED)
+    assert (info["name"], info["seed"]) == ("tiny", tiny.TINY_SEED)
     _report(request, f"[presets] tiny: {info['parameters']:,} parameters, vocab {info['vocab_size']}")
     assert 1_000_000 <= info["parameters"] <= 10_000_000
-    assert info["vocab_size"] == presets.TINY_VOCAB_SIZE
+    assert info["vocab_size"] == tiny.TINY_VOCAB_SIZE
 
 
 def test_tiny_loads_with_auto_classes(tiny_build, tiny_tokenizer):
@@ -146,7 +146,7 @@ def test_concurrent_builds_share_one_result(tmp_path):
     for proc, (_, stderr) in zip(procs, results, strict=True):
         assert proc.returncode == 0, stderr
     paths = {stdout.strip() for stdout, _ in results}
-    target = tmp_path / "models" / f"tiny-v{presets._VERSIONS['tiny']}"
+    target = tmp_path / "models" / f"tiny-v{tiny.VERSION}"
     assert paths == {str(target)}
     leftovers = [p.name for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
@@ -167,9 +167,9 @@ def test_tokenizer_mirrors_qwen25(tiny_build, tiny_tokenizer):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert tok.bos_token is None and tok.unk_token is None
     decoder = {t.content: t.special for t in tok.added_tokens_decoder.values()}
-    for token in presets.SPECIAL_TOKENS:
+    for token in tiny.SPECIAL_TOKENS:
         assert decoder[token] is True, token
-    for token in presets.NONSPECIAL_ADDED_TOKENS:
+    for token in tiny.NONSPECIAL_ADDED_TOKENS:
         assert decoder[token] is False, token
         assert len(tok(token).input_ids) == 1, token
     # transformers 5 rebuilds a qwen2 model's tokenizer as Qwen2Tokenizer from vocab and merges;
@@ -222,7 +222,7 @@ def test_resolve_model_paths_and_errors(tiny_build, tmp_path):
 
 
 def test_incomplete_target_is_not_reused(tmp_path):
-    (tmp_path / "models" / f"tiny-v{presets._VERSIONS['tiny']}").mkdir(parents=True)
+    (tmp_path / "models" / f"tiny-v{tiny.VERSION}").mkdir(parents=True)
     with pytest.raises(RuntimeError, match="not a complete build"):
         resolve_model("tiny", cache_dir=tmp_path)
 
@@ -236,7 +236,7 @@ def test_cache_root(monkeypatch, tmp_path):
 
 def test_register_adds_model_build(tiny_build, capsys):
     parser = argparse.ArgumentParser(prog="palaestra")
-    presets.register(parser.add_subparsers(dest="group", required=True))
+    register(parser.add_subparsers(dest="group", required=True))
     with pytest.raises(SystemExit) as done:
         parser.parse_args(["model", "build", "--help"])
     assert done.value.code == 0

@@ -18,10 +18,10 @@ import httpx
 import pytest
 import torch
 
-from palaestra import presets
 from palaestra.engine.cli import engine_process
 from palaestra.gateway.parsers import detect_parsers, get_reasoning_parser, get_tool_parser, parse_output
-from palaestra.presets import PRESETS, REAL_VOCAB_FAMILIES, real_vocab_file, resolve_model
+from palaestra.models import PRESETS, real_vocab, resolve_model
+from palaestra.models.real_vocab import REAL_VOCAB_FAMILIES, real_vocab_chat_template, real_vocab_file
 
 FAMILIES = sorted(REAL_VOCAB_FAMILIES)
 TOOLS = [
@@ -105,9 +105,15 @@ def _raw_tokenizer(family: str):
     return Tokenizer.from_str(data.decode("utf-8"))
 
 
-def test_presets_are_listed():
+def test_presets_are_listed(built: dict[str, Path]):
+    """Every family is a preset built by this module's recipe into a versioned cache directory."""
     for family in FAMILIES:
-        assert f"tiny-{family}" in PRESETS and f"tiny-{family}" in presets._VERSIONS
+        assert PRESETS[f"tiny-{family}"].load_recipe() is real_vocab.resolve
+        assert built[family].name == f"tiny-{family}-v{real_vocab.VERSION}"
+        marker = json.loads((built[family] / "palaestra_preset.json").read_text())
+        assert (marker["name"], marker["version"]) == (f"tiny-{family}", real_vocab.VERSION)
+    with pytest.raises(ValueError, match="not a tiny-<family> preset"):
+        real_vocab.resolve("tiny-llama9")
 
 
 def test_build_is_deterministic(built: dict[str, Path], tmp_path: Path):
@@ -133,7 +139,7 @@ def test_loads_with_auto_classes(built: dict[str, Path], auto_tokenizers: dict, 
     assert model.config.tie_word_embeddings and model.dtype == torch.float32
     assert GenerationConfig.from_pretrained(built[family]).eos_token_id == stop_ids
     assert model.config.eos_token_id == stop_ids
-    assert tokenizer.chat_template == presets.real_vocab_chat_template(spec)
+    assert tokenizer.chat_template == real_vocab_chat_template(spec)
     assert (built[family] / "tokenizer.json").read_bytes() == real_vocab_file(
         spec.tokenizer_dir, "tokenizer.json"
     )
@@ -168,7 +174,7 @@ def test_glm5_tokenizer_is_glm5s():
     assert all(t.special for t in first)
     assert [raw.token_to_id(t) for t in REAL_VOCAB_FAMILIES["glm5"].stop_tokens] == [154820, 154827, 154829]
     assert raw.get_vocab_size() == 154856  # GLM-5's config.json: vocab_size 154880 = this, padded to 64
-    template = presets.real_vocab_chat_template(REAL_VOCAB_FAMILIES["glm5"])
+    template = real_vocab_chat_template(REAL_VOCAB_FAMILIES["glm5"])
     for tag in ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>"]:
         assert tag in template
         assert len(raw.encode(tag, add_special_tokens=False).ids) == 1, tag

@@ -1,4 +1,5 @@
-"""`palaestra.config`: YAML + dotted overrides, passthrough dicts, errors that name the key, round trip, help."""
+"""`palaestra.config` (on `palaestra.typed_config`): YAML + dotted overrides, passthrough dicts, errors that
+name the key, round trip, help; the gateway section is the gateway's own `GatewayOptions`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from palaestra.config import (
     ModelOptions,
     RunConfig,
     RunOptions,
-    _field_docs,
     config_help,
     config_to_dict,
     load_config,
@@ -27,6 +27,7 @@ from palaestra.config import (
     validate,
 )
 from palaestra.trainer.config import TrainerConfig
+from palaestra.typed_config import field_docs
 
 YAML = """
 model:
@@ -124,14 +125,53 @@ def test_passthrough_dicts_become_native_flags(config_file):
     assert to_flags({"a_b": False, "c": None, "d": [1, 2]}, "--x-") == ["--x-d", "1", "2"]
 
 
-def test_gateway_options_are_gateway_config_fields_with_the_same_defaults():
-    """GatewayOptions must not drift from the gateway's own config."""
+def test_gateway_options_are_declared_once_by_the_gateway(capsys):
+    """The run's gateway section is the gateway's own GatewayOptions, which GatewayConfig extends,
+    and `palaestra gateway serve` parses what serve_flags() writes back into the same options
+    (same names, types and defaults: its flags are generated from the fields)."""
+    import argparse
+
+    from palaestra.gateway import cli as gateway_cli
+    from palaestra.gateway.options import GatewayOptions as GatewaysOwn
     from palaestra.gateway.state import GatewayConfig
 
-    theirs = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
+    assert GatewayOptions is GatewaysOwn and issubclass(GatewayConfig, GatewayOptions)
+    parser = argparse.ArgumentParser()
+    gateway_cli.register(parser.add_subparsers(dest="group", required=True))
+    required = ["gateway", "serve", "--model", "m", "--engine-url", "http://127.0.0.1:1"]
+
+    def served(flags: list[str]) -> GatewayConfig:
+        return gateway_cli.config_from_args(parser.parse_args([*required, *flags]))
+
+    # Defaults: the command's equal the dataclass's, field by field (GatewayConfig's own ones too).
+    assert served([]) == GatewayConfig(model="m", engine_url="http://127.0.0.1:1")
+    assert served(GatewayOptions().serve_flags()) == served([])
+    # Every tunable option set away from its default survives the trip through the command line.
+    tuned = load_config(
+        None,
+        [
+            "gateway.reasoning_policy=keep",
+            "gateway.pause_mode=reject",
+            "gateway.pause_wait_s=1.5",
+            "gateway.default_max_tokens=64",
+            "gateway.context_length=2048",
+            "gateway.tool_parser=hermes",
+            "gateway.reasoning_parser=qwen3",
+            "gateway.engine_timeout_s=30",
+            "gateway.engine_retries=0",
+        ],
+    ).gateway
+    config = served(tuned.serve_flags())
     for f in dataclasses.fields(GatewayOptions):
-        assert f.name in theirs, f.name
-        assert f.default == theirs[f.name], f.name
+        assert getattr(tuned, f.name) != f.default, f.name
+        assert getattr(config, f.name) == getattr(tuned, f.name), f.name
+    # Each flag's help is its field's docstring (compared without whitespace: argparse rewraps it).
+    with pytest.raises(SystemExit):
+        parser.parse_args(["gateway", "serve", "--help"])
+    help_text = "".join(capsys.readouterr().out.split())
+    for name, doc in field_docs(GatewayConfig).items():
+        assert f"--{name.replace('_', '-')}" in help_text, name
+        assert doc and "".join(doc.split()) in help_text, name
 
 
 @pytest.mark.parametrize(
@@ -288,7 +328,7 @@ def test_help_mentions_every_field_with_type_default_and_doc():
     assert "run.mode: 'sync' | 'one_step_off' | 'async' = sync\n" in text
     assert "logging.wandb_project: str | None = null\n" in text
     # Field docstrings are read from the source with ast (Python drops them), TrainerConfig's too.
-    trainer_docs = _field_docs(TrainerConfig)
+    trainer_docs = field_docs(TrainerConfig)
     assert trainer_docs["opd_kl_coef"] and trainer_docs["opd_kl_coef"].splitlines()[0] in text
     for cls in (
         RunConfig,
@@ -299,7 +339,7 @@ def test_help_mentions_every_field_with_type_default_and_doc():
         RunOptions,
         LoggingOptions,
     ):
-        for name, doc in _field_docs(cls).items():
+        for name, doc in field_docs(cls).items():
             assert doc, f"{cls.__name__}.{name} has no docstring"
             assert doc.splitlines()[0] in text
 

@@ -10,7 +10,7 @@ Sequence-level estimators (one advantage per sample, broadcast to its response t
 * `sft`: Â_i = 1 for every sample; rewards and groups are ignored. With one optimizer step per
   call the PPO ratio is 1 (old = the weights being trained), so the gradient is exactly that of the
   mean negative log-likelihood of the loss-mask tokens: supervised fine-tuning on given responses
-  (`palaestra.warmstart` uses it to warm-start the demo's teacher and student).
+  (`palaestra.models.warmstart` uses it to warm-start the demo's teacher and student).
 * `none`: Â_i = 0; only the per-token terms below remain — with `opd_kl_coef` > 0 that is pure
   on-policy distillation (rewards ignored).
 

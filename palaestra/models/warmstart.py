@@ -1,7 +1,8 @@
 """Warm starts for the demo: a strong teacher and a weak student, by SFT with the trainer itself.
 
-    python -m palaestra.warmstart teacher      # prints the HF directory (built once, then cached)
-    palaestra train configs/demo.yaml          # model.student: demo-student, model.teacher: demo-teacher
+    python -m palaestra.models.warmstart teacher   # prints the HF directory (built once, then cached)
+    palaestra model build demo-teacher             # the same, as a preset
+    palaestra train configs/demo.yaml              # model.student: demo-student, model.teacher: demo-teacher
 
 Both start from the `tiny` preset (random weights) and are trained by `palaestra.trainer.Trainer`
 with ``advantage_estimator="sft"`` (advantage 1 on every answer token: the NLL gradient) on chats
@@ -26,9 +27,9 @@ The student is the teacher's own run stopped at step 300 (same seed, data order 
 schedule): weak (0.28 here, 0.34 on the training run's held-out tasks), but with reward variance
 for GRPO and a teacher to distil from. Building
 the teacher exports the student on the way when it is not cached yet, so both cost one run.
-Directories live in ``<cache>/models/demo-{teacher,student}-v<VERSION>`` (`palaestra.presets`
-names them ``demo-teacher`` and ``demo-student``), built under a lock into a temporary directory
-and renamed into place, like the presets.
+Directories live in ``<cache>/models/demo-{teacher,student}-v<VERSION>`` (the preset table,
+`palaestra.models.PRESETS`, names them ``demo-teacher`` and ``demo-student``), built under a lock
+into a temporary directory and renamed into place by the cache's `build_once`, like every preset.
 
 Determinism: fixed seeds and data order; on CPU the result also depends on torch's thread count
 (matmul blocking), so another machine builds a statistically equal, not bit-identical, model.
@@ -41,10 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from palaestra.environments.math.env import SYSTEM
 from palaestra.environments.math.tasks import MathTask, generate_tasks
+from palaestra.models.cache import build_once, is_built, models_dir, write_marker
 from palaestra.sample import Sample
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "answer_text",
     "demo_tasks",
     "prompt_messages",
+    "resolve",
     "sft_sample",
     "train_sft",
     "warm_start",
@@ -171,7 +174,7 @@ def train_sft(
     """
     from transformers import AutoTokenizer
 
-    from palaestra.presets import resolve_model
+    from palaestra.models import resolve_model
     from palaestra.trainer import Trainer, TrainerConfig
 
     model_dir = resolve_model(model)
@@ -225,22 +228,19 @@ def train_sft(
 
 
 def _target(kind: str, cache_dir: Path | None, steps: int | None) -> Path:
-    from palaestra.presets import models_dir
-
     suffix = "" if steps is None else f"-{steps}steps"
     return models_dir(cache_dir) / f"demo-{kind}-v{VERSION}{suffix}"
 
 
 def _exporter(kind: str, recipe: SFTRecipe, target: Path, progress: Progress) -> Callable[[Any], None]:
-    """Exports a trainer's weights to `target` atomically (the presets' lock-and-rename build)."""
-    from palaestra.presets import _build_once, _write_marker
+    """Exports a trainer's weights to `target` atomically (the cache's lock-and-rename build)."""
 
     def export(trainer: Any) -> None:
         def build(tmp: Path) -> None:
             trainer.export_hf(tmp)
-            _write_marker(tmp, f"demo-{kind}", version=VERSION, base="tiny", recipe=asdict(recipe))
+            write_marker(tmp, f"demo-{kind}", VERSION, base="tiny", recipe=asdict(recipe))
 
-        _build_once(target, build)
+        build_once(target, build)
         progress(f"  {kind} ready: {target}")
 
     return export
@@ -262,24 +262,22 @@ def warm_start(
     """
     if kind not in RECIPES:
         raise ValueError(f"kind must be one of {sorted(RECIPES)}, got {kind!r}")
-    from palaestra.presets import _MARKER
-
     cache = Path(cache_dir) if cache_dir is not None else None
     target = _target(kind, cache, steps)
-    if (target / _MARKER).is_file():
+    if is_built(target):
         return target
     recipe = RECIPES[kind]
     if kind == "student" and steps is None and _student_is_teacher_prefix():
-        if not (_target("teacher", cache, None) / _MARKER).is_file():
+        if not is_built(_target("teacher", cache, None)):
             warm_start("teacher", cache_dir, progress=progress)  # exports the student on the way
-            if (target / _MARKER).is_file():
+            if is_built(target):
                 return target
     if steps is not None:
         recipe = SFTRecipe(**{**asdict(recipe), "steps": steps})
     exports = {recipe.steps: _exporter(kind, recipe, target, progress)}
     if kind == "teacher" and steps is None:
         student = _target("student", cache, None)
-        if _student_is_teacher_prefix() and not (student / _MARKER).is_file():
+        if _student_is_teacher_prefix() and not is_built(student):
             exports[RECIPES["student"].steps] = _exporter("student", RECIPES["student"], student, progress)
     progress(
         f"warm start: training the demo {kind} by SFT ({recipe.steps} steps of {recipe.batch_size} "
@@ -291,8 +289,13 @@ def warm_start(
     return target
 
 
+def resolve(name: str, cache_dir: str | Path | None = None) -> Path:
+    """``demo-teacher`` / ``demo-student``: `warm_start` of that kind (a `Preset` recipe)."""
+    return warm_start(cast(Kind, name.removeprefix("demo-")), cache_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m palaestra.warmstart", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m palaestra.models.warmstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("kind", choices=sorted(RECIPES), help="which model to build (or find in the cache)")
     ap.add_argument(

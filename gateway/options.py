@@ -1,0 +1,56 @@
+"""`GatewayOptions`: the gateway options a training run may tune, declared once.
+
+They are the tunable part of `palaestra.gateway.state.GatewayConfig` (which adds what a deployment
+sets: model, engine URL, address, keys, spool), the ``gateway:`` section of a run config
+(`palaestra.config.RunConfig.gateway`), and flags of ``palaestra gateway serve`` generated from the
+fields below, their docstrings being the help. `serve_flags()` turns them back into those flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from palaestra.typed_config import to_flags
+
+__all__ = ["GatewayOptions"]
+
+
+@dataclass
+class GatewayOptions:
+    """The gateway's own options (those of `palaestra gateway serve` a run may tune)."""
+
+    reasoning_policy: Literal["strip", "keep"] = "strip"
+    """When the template drops earlier reasoning: strip = fork a new sample (template-faithful),
+    keep = bridge anyway (continue on the exact tokens)."""
+
+    pause_mode: Literal["wait", "reject"] = "wait"
+    """While paused for a weight sync, new calls wait (up to pause_wait_s) or get 429 with
+    Retry-After."""
+
+    pause_wait_s: float = 600.0
+    """Longest wait of a call while paused, seconds."""
+
+    default_max_tokens: int = 4096
+    """Max tokens of a call that sets none (capped by the context length)."""
+
+    context_length: int | None = None
+    """Context length in tokens; None = the engine's /server_info."""
+
+    tool_parser: str = "auto"
+    """Tool-call parser: auto (from the chat template), hermes, glm45, none, or module:attr."""
+
+    reasoning_parser: str = "auto"
+    """Reasoning parser: auto, qwen3, deepseek-r1, glm45, none."""
+
+    engine_timeout_s: float = 600.0
+    """Timeout of one engine call, seconds."""
+
+    engine_retries: int = 2
+    """Retries of an engine call that committed no tokens (connection refused, 5xx)."""
+
+    def serve_flags(self) -> list[str]:
+        """`palaestra gateway serve` arguments for these options (None = left to the gateway); the
+        run adds model, URLs, keys and spool dir."""
+        return to_flags({f.name: getattr(self, f.name) for f in dataclasses.fields(GatewayOptions)})

@@ -1,0 +1,421 @@
+"""Typed configs: dataclasses whose field docstrings are the documentation, read from YAML.
+
+The machinery behind `palaestra.config.RunConfig` (and `palaestra gateway serve`'s flags), for any
+tree of dataclasses whose fields are typed (int, float, str, bool, Literal, X | None, list,
+dict) and documented by a docstring under each field:
+
+- `read_mapping(cls, path, overrides)`: the YAML file's mapping with ``a.b.c=value`` overrides
+  applied, each path checked against `cls` (unknown keys fail with the closest names);
+- `build(cls, raw)`: the dataclass instance, with every unknown key and type error reported at
+  once in a `ConfigError` that names each key path;
+- `dump_yaml(data)`: YAML that `read_mapping` reads back to equal values;
+- `options_help(cls, intro)`: every field as ``path: type = default`` with its docstring;
+- `add_arguments(parser, cls)`: one ``--field`` command-line option per field, its help the
+  docstring; `to_flags(options)`: the other way, options as command-line flags.
+
+YAML is read as YAML 1.2 reads numbers (``1e-5`` is a float). Dict-typed fields accept any key
+(backend options passed through under their own names); dataclass fields only their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "add_arguments",
+    "apply_override",
+    "build",
+    "dump_yaml",
+    "field_docs",
+    "options_help",
+    "read_mapping",
+    "to_flags",
+    "type_text",
+    "unknown_key",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded: one line per problem, each naming its key path."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("invalid config:\n  " + "\n  ".join(self.problems))
+
+
+def to_flags(options: Mapping[str, Any], prefix: str = "--") -> list[str]:
+    """Options as command-line flags: {"tp_size": 2, "enable_x": True, "y": False} -> --tp-size 2 --enable-x.
+
+    True is a bare flag, False and None are left out, a list repeats nothing but its items after
+    one flag (argparse's nargs), anything else is str(value). Underscores become hyphens.
+    """
+    flags: list[str] = []
+    for key, value in options.items():
+        flag = prefix + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list | tuple):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2 floats: PyYAML alone reads `1e-5` (no dot) as a string."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes the strings that _Loader would read as floats, so saved configs load back equal."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+
+
+def _yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{where}: not valid YAML: {exc}"]) from None
+
+
+def _is_dataclass_type(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def unknown_key(path: str, key: str, known: Sequence[str], *, list_known: bool = True) -> str:
+    """``path.key: unknown key (did you mean ...?)``, and with `list_known` the keys there are."""
+    close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+    message = f"{_join(path, key)}: unknown key"
+    if close:
+        message += f" (did you mean {', '.join(repr(_join(path, c)) for c in close)}?)"
+    if list_known:
+        message += f"; {path or 'the top level'} has {', '.join(known)}"
+    return message
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def type_text(hint: Any) -> str:
+    """A type hint as a reader writes it: ``int``, ``str | None``, ``'sync' | 'async'``."""
+    if hint is Any:
+        return "any"
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(type_text(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _check(value: Any, hint: Any) -> Any:
+    """`value` as type `hint` (ints widen to float), or _Mismatch."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            try:
+                return _check(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if origin is Literal:
+        if value in args and type(value) in {type(a) for a in args}:
+            return value
+        raise _Mismatch
+    if hint is bool or hint is int or hint is str:
+        if type(value) is hint:
+            return value
+        raise _Mismatch
+    if hint is float:
+        if type(value) in (int, float):
+            return float(value)
+        raise _Mismatch
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Mismatch
+        return [_check(v, args[0]) for v in value] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _Mismatch
+        return {k: _check(v, args[1]) for k, v in value.items()} if args else dict(value)
+    raise TypeError(f"config type {hint!r} is not supported by palaestra.typed_config")
+
+
+def _mismatch(path: str, value: Any, hint: Any) -> str:
+    message = f"{path}: expected {type_text(hint)}, got {value!r} ({type(value).__name__})"
+    choices = [
+        a
+        for arg in [hint, *typing.get_args(hint)]
+        if typing.get_origin(arg) is Literal
+        for a in typing.get_args(arg)
+    ]
+    if isinstance(value, str) and choices:
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
+        if close:
+            message += f" (did you mean {close[0]!r}?)"
+    return message
+
+
+def read_mapping(cls: type, path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The raw mapping of a `cls`: the YAML file at `path` (if any), then each override
+    ``dotted.key=value`` (the value parsed as YAML: 1e-5, true, null, [a, b], {k: v}).
+
+    Override paths are checked against `cls` here; everything else when `build` makes the
+    instance. Raises ConfigError.
+    """
+    raw: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([f"{path}: cannot read: {exc}"]) from None
+        raw = _yaml(text, str(path)) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                [f"{path}: expected a mapping of sections at the top, got {type(raw).__name__}"]
+            )
+    for item in overrides:
+        apply_override(cls, raw, item)
+    return raw
+
+
+def build(cls: type, raw: Mapping[str, Any]) -> Any:
+    """An instance of dataclass `cls` from a raw mapping; a ConfigError lists every unknown key
+    (with close matches), type error and failed ``__post_init__`` check, each with its key path."""
+    problems: list[str] = []
+    instance = _build(cls, dict(raw), "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return instance
+
+
+def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
+    """An instance of dataclass `cls` from a mapping: unknown keys and type errors go to `problems`."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        problems.append(f"{path or 'config'}: expected a mapping of {cls.__name__} options, got {data!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs: dict[str, Any] = {}
+    ok = True
+    for key, value in data.items():
+        key_path = _join(path, str(key))
+        if key not in names:
+            problems.append(unknown_key(path, str(key), names))
+            ok = False
+            continue
+        hint = hints[key]
+        if _is_dataclass_type(hint):
+            built = _build(hint, value, key_path, problems)
+            ok = ok and built is not None
+            kwargs[key] = built
+            continue
+        if value is None and typing.get_origin(hint) is dict:
+            value = {}  # an empty YAML section (`router:`)
+        try:
+            kwargs[key] = _check(value, hint)
+        except _Mismatch:
+            problems.append(_mismatch(key_path, value, hint))
+            ok = False
+    if not ok:
+        return None
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:  # the dataclass's own __post_init__ checks
+        problems.append(f"{path or 'config'}: {exc}")
+        return None
+
+
+def apply_override(cls: type, raw: dict[str, Any], item: str) -> None:
+    """Applies one `a.b.c=value` to the raw mapping of a `cls`, checking the path against `cls`.
+
+    The value is parsed as YAML; a string field keeps the text as written (``run.name=2024``)."""
+    if "=" not in item:
+        raise ConfigError([f"override {item!r}: expected key.path=value (e.g. run.steps=10)"])
+    dotted, text = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise ConfigError([f"override {item!r}: empty key in {dotted!r}"])
+    value = _yaml(text, f"override {dotted}")
+    node = raw
+    for i, key in enumerate(keys):
+        path = ".".join(keys[:i])
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        if key not in names:
+            raise ConfigError([unknown_key(path, key, names)])
+        hint = typing.get_type_hints(cls)[key]
+        last = i == len(keys) - 1
+        if _is_dataclass_type(hint) and not last:
+            child = node.get(key)
+            if not isinstance(child, dict):
+                child = node[key] = {}
+            node, cls = child, hint
+            continue
+        if typing.get_origin(hint) is dict and not last:  # passthrough: any key, nested as given
+            child = node.get(key)
+            if not isinstance(child, dict):
+                child = node[key] = {}
+            for sub in keys[i + 1 : -1]:
+                if not isinstance(child.get(sub), dict):
+                    child[sub] = {}
+                child = child[sub]
+            child[keys[-1]] = value
+            return
+        if not last:
+            raise ConfigError([f"override {item!r}: {_join(path, key)} is {type_text(hint)}, not a section"])
+        if isinstance(value, int | float | bool) and _accepts_str(hint):
+            try:
+                _check(value, hint)
+            except _Mismatch:
+                value = text.strip()  # run.name=2024 is the string "2024"
+        node[key] = value
+
+
+def _accepts_str(hint: Any) -> bool:
+    return hint is str or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing, help and command-line options
+# ----------------------------------------------------------------------------------------------
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: docstring} of a dataclass, its bases' fields included (from each class's source:
+    Python drops attribute docstrings at runtime)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is not object and dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            doc = ""
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                doc = inspect.cleandoc(str(after.value.value))
+            docs[node.target.id] = doc
+    return docs
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _show(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("...").strip()
+
+
+def options_help(cls: type, intro: Sequence[str] = ()) -> str:
+    """Every field of `cls`, nested sections included, as ``path: type = default`` with its docstring."""
+    lines = list(intro)
+
+    def walk(cls: type, prefix: str, depth: int) -> None:
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            path = _join(prefix, f.name)
+            doc = docs.get(f.name, "")
+            indent = "  " * depth
+            if _is_dataclass_type(hints[f.name]):
+                lines.append(f"{indent}{path}: {doc or hints[f.name].__name__}")
+                walk(hints[f.name], path, depth + 1)
+                lines.append("")
+                continue
+            lines.append(f"{indent}{path}: {type_text(hints[f.name])} = {_show(_default(f))}")
+            for line in (doc or "(undocumented)").splitlines():
+                lines.append(f"{indent}    {line}")
+            if depth == 0:
+                lines.append("")
+
+    walk(cls, "", 0)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def dump_yaml(data: Any) -> str:
+    """`data` (plain dicts, lists, scalars) as YAML that `read_mapping` reads back to equal values."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+def add_arguments(parser: argparse._ActionsContainer, cls: type, names: Iterable[str] | None = None) -> None:
+    """One ``--<field>`` option per field of dataclass `cls` (or per name in `names`).
+
+    The field gives everything: the type (int, float, str, X | None of those, a Literal as
+    choices), the default (no default: a required option; a bool defaulting to False: a bare
+    flag), and the help (its docstring). The option's dest is the field name, so
+    ``cls(**{f: getattr(args, f) ...})`` builds the dataclass back.
+    """
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in fields if names is None else names:
+        hint, default = hints[name], _default(fields[name])
+        flag = "--" + name.replace("_", "-")
+        options: dict[str, Any] = {"help": " ".join(docs.get(name, "").split()).replace("%", "%%") or None}
+        if default is dataclasses.MISSING:
+            options["required"] = True
+        else:
+            options["default"] = default
+        if hint is bool and default is False:
+            parser.add_argument(flag, action="store_true", **options)
+            continue
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+            hint = args[0]  # X | None: None is the default, not something to type
+        if typing.get_origin(hint) is Literal:
+            choices = list(typing.get_args(hint))
+            options.update(choices=choices, type=type(choices[0]))
+        elif hint in (int, float, str):
+            options["type"] = hint
+        else:
+            raise TypeError(f"{cls.__name__}.{name}: {type_text(hints[name])} has no command-line form")
+        parser.add_argument(flag, **options)
