@@ -55,6 +55,10 @@ class SweInstance:
     def base(self) -> Snapshot:
         """The files of the starting point, before ``test_patch``: what the agent's copy holds."""
         path = Path(self.repo)
+        if self.repo.startswith(("image:", "docker://")) or self.extra.get("image"):
+            raise InstanceError(
+                f"{self.instance_id}: 'repo' {self.repo!r} is an image; only local repositories are supported yet"
+            )
         if not path.exists():
             raise InstanceError(f"{self.instance_id}: 'repo' {self.repo!r} does not exist")
         if self.base_commit:
@@ -98,7 +102,7 @@ def instance_from_json(row: Any, base_dir: str | Path = ".", where: str = "insta
     if not isinstance(test_cmd, str) or not test_cmd.strip():
         raise InstanceError(f"{where}: 'test_cmd' must be a non-empty string")
     repo = row["repo"]
-    if not Path(repo).is_absolute():
+    if not Path(repo).is_absolute() and not repo.startswith(("image:", "docker://")):
         repo = str((Path(base_dir) / repo).resolve())
     known = {*STRING_FIELDS, "FAIL_TO_PASS", "PASS_TO_PASS", "test_cmd", "bug_kind", "source"}
     return SweInstance(
