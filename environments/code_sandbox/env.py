@@ -122,9 +122,11 @@ class CodeSandboxEnv(Environment):
                         except ToolCallError as exc:
                             log.fail("tool_call_parse")
                             text = str(exc)
-                        except SandboxError as exc:
+                        except SandboxError as exc:  # the next call gets a fresh sandbox
                             log.fail("sandbox_error")
                             text = f"error: the sandbox failed: {exc}"
+                            if box is not None:
+                                await box.close()
                             box = None
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
         finally:

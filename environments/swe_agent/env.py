@@ -103,7 +103,7 @@ class SweAgentEnv(Environment):
     async def rollout(self, session: Session, task: SweInstance) -> Reward:
         await self._check(task)
         log = EpisodeLog()
-        base = task.base()
+        base = await asyncio.to_thread(task.base)  # git archive: off the event loop
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": task.problem_statement},
@@ -113,7 +113,7 @@ class SweAgentEnv(Environment):
             box: Sandbox = await self.backend.create("python", self.limits)
         try:
             async with log.timed("sandbox"):
-                unpacked = await upload_tree(box, agent_copy_tar(base))
+                unpacked = await upload_tree(box, await asyncio.to_thread(agent_copy_tar, base))
             if not unpacked.ok:
                 raise SandboxError(f"could not unpack the repository: {unpacked.stderr[-300:]}")
             for _ in range(self.max_turns):
