@@ -263,3 +263,36 @@ def test_tiny_model_runs_real_episodes(engine, tmp_path, swe_data):
             assert summary.statuses.get("failed", 0) == 0, [r.error for r in summary.results]
             for result in summary.results:
                 assert "time/model_s" in result.metrics and result.metrics["time/model_s"] > 0
+
+
+@pytest.mark.slow
+def test_rollout_and_eval_cli_run_both_environments(tok, tmp_path, swe_data):
+    """`palaestra rollout` / `palaestra eval` load the environments by name; the scripted engine's
+    agent gives up at once, so every episode completes with reward 0 and names what went wrong."""
+    import os
+    import subprocess
+    import sys
+
+    double = "palaestra.verifiers.testing:SubprocessBackendForTests"
+    with Scripted(tok, tmp_path) as s:
+        for env, args in (
+            ("code", {"backend": double, "max_turns": 1}),
+            ("swe", {"backend": double, "max_turns": 1, "data": str(swe_data)}),
+        ):
+            for command in ("rollout", "eval"):
+                extra = ["--samples-per-task", "1"] if command == "rollout" else []
+                r = subprocess.run(
+                    [sys.executable, "-m", "palaestra.cli", command, "--env", env, "--gateway", s.gw.url]
+                    + ["--tasks", "2", "--env-args", json.dumps(args), "--quiet", *extra],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                    env={**os.environ, "PALAESTRA_API_KEY": "k-env"},
+                )
+                assert r.returncode == 0, r.stdout + r.stderr
+                if command == "rollout":
+                    assert r.stdout.startswith("2 rollouts") and "completed 2" in r.stdout, r.stdout
+                else:
+                    assert "accuracy 0.000" in r.stdout, r.stdout
+        sessions = {ex.headers.get("x-smg-routing-key") for ex in s.engine.exchanges}
+        assert len(sessions) == 8  # 2 tasks x (rollout + eval) x 2 environments
