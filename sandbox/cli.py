@@ -106,7 +106,12 @@ def register(groups) -> None:
         help="run untrusted code in sandboxes; serve them over HTTP",
         description="Isolated execution of model-written code. See docs/sandbox.md.",
     )
-    sub = sandbox.add_subparsers(dest="sandbox_cmd", metavar="COMMAND", required=True)
+    add_commands(sandbox)
+
+
+def add_commands(parser: argparse.ArgumentParser) -> None:
+    """``exec`` and ``serve`` under ``parser`` (``palaestra sandbox`` or ``python -m palaestra.sandbox``)."""
+    sub = parser.add_subparsers(dest="sandbox_cmd", metavar="COMMAND", required=True)
     p = sub.add_parser(
         "exec",
         help="run one command in a fresh sandbox",
