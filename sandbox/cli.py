@@ -76,7 +76,7 @@ async def run_server(args: argparse.Namespace) -> None:
     if not api_key:
         raise SystemExit(f"palaestra sandbox serve: an API key is required (--api-key or ${API_KEY_ENV})")
     server = ExecServer(
-        get_backend(args.backend),
+        get_backend(args.backend, label=args.label),
         api_key,
         max_sandboxes=args.max_sandboxes,
         idle_timeout_s=args.idle_timeout,
@@ -143,6 +143,11 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8100, help="TCP port")
     s.add_argument("--backend", default="local", help="backend whose sandboxes are served: local or docker")
     s.add_argument("--api-key", default=None, help=f"required key (or ${API_KEY_ENV})")
+    s.add_argument(
+        "--label",
+        default="palaestra-sandbox",
+        help="label of the sandboxes this server starts (leak cleanup)",
+    )
     s.add_argument("--max-sandboxes", type=int, default=64, help="most sandboxes held at once")
     s.add_argument(
         "--idle-timeout", type=float, default=900.0, help="close sandboxes unused this long, seconds"
