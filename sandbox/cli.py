@@ -6,7 +6,8 @@
 
 ``exec`` runs one command in a fresh sandbox (the uploaded files in its work directory), prints
 its stdout and stderr (or, with ``--json``, one JSON object: the ExecResult) and exits with the
-command's exit code, or 124 (timeout), 125 (output_limit), 126 (error), 137 (memory).
+command's exit code, or 124 (timeout), 125 (output_limit), 126 (error), 137 (memory); 1 with a
+message when the sandbox itself failed (backend unreachable, wrong key).
 """
 
 from __future__ import annotations
@@ -65,7 +66,13 @@ async def run_exec(args: argparse.Namespace) -> int:
 
 
 def _exec(args: argparse.Namespace) -> int:
-    return asyncio.run(run_exec(args))
+    from palaestra.sandbox.base import SandboxError
+
+    try:
+        return asyncio.run(run_exec(args))
+    except (SandboxError, ValueError) as exc:  # the sandbox or backend failed, not the command
+        print(f"palaestra sandbox exec: {exc}", file=sys.stderr)
+        return 1
 
 
 async def run_server(args: argparse.Namespace) -> None:

@@ -88,6 +88,8 @@ class RemoteBackend(Backend):
             raise SandboxError(f"exec server {self.url} refused the API key: {message}")
         if kind == "FileNotFoundError":
             raise FileNotFoundError(message)
+        if kind == "OSError":
+            raise OSError(body.get("errno") or 0, message)
         if response.status_code == 400:
             raise ValueError(message)
         raise SandboxError(f"exec server {self.url}: HTTP {response.status_code}: {message}")
