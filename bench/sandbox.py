@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import os
 import secrets
-import statistics
 import subprocess
 import sys
 import time
