@@ -10,7 +10,7 @@ Why an agent: a sandbox lives across many execs (its /work tmpfs persists) and o
 
     agent ─clone(new user?, pid, mount namespaces)─► B, pid 1 of the exec's own pid namespace:
         maps its uid (1000 inside), mounts a fresh /proc, puts the rlimits, "no new privileges",
-        an empty capability bounding set and oom_score_adj 1000 on itself, then
+        an empty capability bounding set, oom_score_adj 1000 and the seccomp filter on itself, then
         ─posix_spawn─► C: the command, with the host's pipes as stdin/stdout/stderr, in a new session.
 
 When C exits, B writes C's wait status and exits; the kernel then kills every process left in that
@@ -50,6 +50,9 @@ CLONE_NEWPID = 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
 PR_SET_DUMPABLE, PR_CAPBSET_DROP = 4, 24
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_FILTER = "/.palaestra/seccomp.bpf"
+"""The commands' seccomp filter, compiled by the host (sandbox/seccomp.py)."""
 CAP_SYS_ADMIN = 21
 COMMAND_UID = 1000
 """The command's uid when the agent gives it its own user namespace (host uid unchanged)."""
@@ -59,6 +62,18 @@ STATUS = struct.Struct("<idd")  # C's wait status, user and system CPU seconds
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(platform.machine())
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def load_filter(path):
+    """The seccomp program at ``path`` as a ready ``struct sock_fprog`` (kept alive with its buffer)."""
+    with open(path, "rb") as f:
+        program = f.read()
+    buffer = ctypes.create_string_buffer(program, len(program))
+    return SockFprog(len(program) // 8, ctypes.addressof(buffer)), buffer
 
 
 def check(ret, what):
@@ -82,6 +97,7 @@ class Agent:
         # Each exec gets its own user namespace unless the kernel refuses one; then, only if this
         # agent holds CAP_SYS_ADMIN in the sandbox's namespace, pid + mount namespaces alone.
         self.own_userns = _can_unshare_user()
+        self.seccomp = load_filter(SECCOMP_FILTER)
         if not (self.own_userns or self.privileged):
             raise SystemExit(
                 "agent: cannot create namespaces for an exec (no user namespaces, no CAP_SYS_ADMIN)"
@@ -139,7 +155,9 @@ class Agent:
         pid_b = clone(flags)
         clone_errno = ctypes.get_errno()
         if pid_b == 0:
-            child_b(msg, (stdin_fd, stdout_fd, stderr_fd), err_w, st_w, self.own_userns, uid, gid)
+            child_b(
+                msg, (stdin_fd, stdout_fd, stderr_fd), err_w, st_w, self.own_userns, uid, gid, self.seccomp[0]
+            )
         for fd in (stdin_fd, stdout_fd, stderr_fd, err_w, st_w):
             os.close(fd)
         try:
@@ -326,7 +344,7 @@ def _can_unshare_user():
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
-def child_b(msg, stdio, err_w, st_w, own_userns, uid, gid):
+def child_b(msg, stdio, err_w, st_w, own_userns, uid, gid, seccomp):
     """B: pid 1 of the exec's pid namespace. Mounts its /proc, puts the limits on itself (C
     inherits them), spawns C and reaps until C exits."""
     try:
@@ -362,6 +380,8 @@ def child_b(msg, stdio, err_w, st_w, own_userns, uid, gid):
         resource.setrlimit(resource.RLIMIT_FSIZE, (rl["fsize"], rl["fsize"]))
         resource.setrlimit(resource.RLIMIT_NOFILE, (rl["nofile"], rl["nofile"]))
         resource.setrlimit(resource.RLIMIT_NPROC, (rl["nproc"], rl["nproc"]))
+        # Last: B itself only spawns, waits and writes from here on, all allowed by the filter.
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(seccomp), 0, 0), "seccomp")
     except BaseException as exc:  # noqa: B036 - a forked child must never return into the agent
         _report_and_exit(err_w, exc, b"S")
     try:

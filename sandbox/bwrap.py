@@ -10,7 +10,8 @@
   /root, the host's /tmp, /work or this source tree;
 * /proc, a minimal /dev (null, zero, full, random, urandom, tty; remounted read-only) and three
   size-capped tmpfs: /work (``Limits.workdir_mb``), /tmp (``TMP_MB``) and /dev/shm (``SHM_MB``);
-* the agent (agent.py) at /.palaestra/agent.py, run by the host's /usr/bin/python3.
+* the agent (agent.py) at /.palaestra/agent.py, run by the host's /usr/bin/python3, and the
+  commands' seccomp filter (seccomp.py) at /.palaestra/seccomp.bpf.
 
 Every bwrap command line carries ``--setenv PALAESTRA_SANDBOX <label>.<owner>.<id>``, where the
 owner is "<pid>-<start time>" of the process that made it; ``labelled_processes`` finds them again
@@ -38,6 +39,7 @@ __all__ = [
 
 AGENT_SOURCE = Path(__file__).with_name("agent.py")
 AGENT_PATH = "/.palaestra/agent.py"
+SECCOMP_PATH = "/.palaestra/seccomp.bpf"
 SANDBOX_PYTHON = "/usr/bin/python3"
 """Runs the agent; the host's own system python (sandboxes see the host's /usr)."""
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")

@@ -49,6 +49,7 @@ from palaestra.sandbox.bwrap import (
     ENV,
     ETC_FILES,
     SANDBOX_PYTHON,
+    SECCOMP_PATH,
     SHM_MB,
     TMP_MB,
     bwrap_argv,
@@ -61,6 +62,7 @@ from palaestra.sandbox.bwrap import (
 from palaestra.sandbox.cgroups import CgroupHost, SandboxCgroup
 from palaestra.sandbox.output import CappedOutput, build_result
 from palaestra.sandbox.pipes import feed, pump
+from palaestra.sandbox.seccomp import build_filter
 
 __all__ = ["LocalBackend", "LocalSandbox"]
 
@@ -94,6 +96,7 @@ class LocalBackend(Backend):
     _cgroups_note: str = field(default="", init=False, repr=False)
     _prepared: bool = field(default=False, init=False, repr=False)
     _owner: str = field(default="", init=False, repr=False)
+    _seccomp: bytes = field(default=b"", init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._owner = owner_id()
@@ -105,6 +108,7 @@ class LocalBackend(Backend):
         if self._prepared:
             return
         self.bwrap = self.bwrap or find_bwrap()
+        self._seccomp = build_filter()
         if self.use_cgroups:
             self._cgroups, self._cgroups_note = CgroupHost.detect()
         else:
@@ -165,11 +169,15 @@ class LocalBackend(Backend):
         data_fds: list[int] = []
         stderr_fd = os.memfd_create("bwrap-stderr", os.MFD_CLOEXEC)
         try:
-            files = {AGENT_PATH: AGENT_SOURCE.read_text(), **ETC_FILES}
+            files = {
+                AGENT_PATH: AGENT_SOURCE.read_bytes(),
+                SECCOMP_PATH: self._seccomp,
+                **{path: text.encode() for path, text in ETC_FILES.items()},
+            }
             binds = []
-            for path, text in files.items():
+            for path, data in files.items():
                 fd = os.memfd_create("sandbox-file", 0)
-                os.write(fd, text.encode())
+                os.write(fd, data)
                 os.lseek(fd, 0, os.SEEK_SET)
                 data_fds.append(fd)
                 binds += ["--ro-bind-data", str(fd), path]

@@ -241,3 +241,40 @@ def test_disk_fill_stops_at_the_work_dir_size(sandbox_backend, pool, loop_runner
 async def _probe(pool: SandboxPool) -> ExecResult:
     async with pool.sandbox() as box:
         return await box.exec(["true"])
+
+
+def test_kernel_interfaces_graded_code_never_needs_are_refused(sandbox_backend, pool, loop_runner):
+    """Where kernel escapes come from: new user namespaces, mount, keyrings, bpf, io_uring,
+    perf events, userfaultfd, ptrace. Each is refused (EPERM, or ENOSYS/EACCES where a backend's
+    filter says so) while ordinary fork, threads and subprocesses keep working."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "aarch64"):
+        pytest.skip(f"the probe knows system-call numbers for x86_64 and aarch64, not {platform.machine()}")
+    mark = marker()
+    probe = (
+        "import ctypes, errno, json, os, platform, subprocess, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "x86 = platform.machine() == 'x86_64'\n"
+        "numbers = {'mount': 165 if x86 else 40, 'keyctl': 250 if x86 else 219, 'bpf': 321 if x86 else 280,\n"
+        "           'io_uring_setup': 425, 'perf_event_open': 298 if x86 else 241,\n"
+        "           'userfaultfd': 323 if x86 else 282, 'ptrace': 101 if x86 else 117}\n"
+        "def outcome(ret):\n"
+        "    return 'ok' if ret >= 0 else errno.errorcode[ctypes.get_errno()]\n"
+        "seen = {n: outcome(libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(0)] * 5)) for n, nr in numbers.items()}\n"
+        "seen['unshare_user'] = outcome(libc.unshare(0x10000000))\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    os._exit(7)\n"
+        "seen['fork'] = os.waitpid(child, 0)[1] >> 8\n"
+        "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+        "seen['subprocess'] = subprocess.run(['true']).returncode\n"
+        "print(json.dumps(seen))"
+    )
+    result = run_contained(loop_runner, pool, py(probe, mark), mark)
+    assert result.ok, result
+    seen = json.loads(result.stdout)
+    assert (seen.pop("fork"), seen.pop("subprocess")) == (7, 0), seen
+    refused = {name: how for name, how in seen.items() if how in ("EPERM", "ENOSYS", "EACCES")}
+    assert refused == seen, f"allowed: { {n: h for n, h in seen.items() if n not in refused} }"
