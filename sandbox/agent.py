@@ -353,8 +353,15 @@ def child_b(msg, stdio, err_w, st_w, own_userns, uid, gid, seccomp):
             _write("/proc/self/setgroups", "deny")
             _write("/proc/self/uid_map", f"{COMMAND_UID} {uid} 1")
             _write("/proc/self/gid_map", f"{COMMAND_UID} {gid} 1")
-        check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
-        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+        if own_userns:
+            # A /proc of the exec's own pid namespace. Not without an own user namespace (the root
+            # fallback): the kernel refuses a new /proc while bwrap keeps /proc/sys read-only
+            # there, and that read-only /proc/sys is what must stay, as commands then run as
+            # host uid 0; they see the sandbox's /proc instead.
+            check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
+            check(
+                libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc"
+            )
         keep = {*stdio, err_w, st_w}
         for name in os.listdir("/proc/self/fd"):  # e.g. the agent's socket
             if int(name) > 2 and int(name) not in keep:

@@ -88,6 +88,10 @@ class LocalBackend(Backend):
     """Put each sandbox in a memory + pids cgroup where the host allows (False: rlimits only)."""
     sandbox_uid: int = NOBODY
     """Host uid (and gid) the sandboxes run as when this process is root."""
+    mode: str = "auto"
+    """"unprivileged" (bwrap as ``sandbox_uid``, a user namespace per exec), "root-userns" (root
+    only: a user namespace mapped to host root, for hosts that refuse unprivileged ones), or
+    "auto": the first, falling back to the second when this process is root."""
 
     name = "local"
     _mode: str | None = field(default=None, init=False, repr=False)
@@ -99,6 +103,10 @@ class LocalBackend(Backend):
     _seccomp: bytes = field(default=b"", init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "unprivileged", "root-userns"):
+            raise ValueError(f"'mode' must be auto, unprivileged or root-userns; got {self.mode!r}")
+        if self.mode == "root-userns" and os.geteuid() != 0:
+            raise ValueError("mode 'root-userns' needs root")
         self._owner = owner_id()
         self._slug = re.sub(r"[^A-Za-z0-9_-]", "-", self.label) or "sandbox"
 
@@ -128,6 +136,8 @@ class LocalBackend(Backend):
     def _modes(self) -> list[str]:
         if self._mode is not None:
             return [self._mode]
+        if self.mode != "auto":
+            return [self.mode]
         return ["unprivileged", "root-userns"] if os.geteuid() == 0 else ["unprivileged"]
 
     async def create(self, profile: str = "python", limits: Limits | None = None) -> LocalSandbox:
@@ -150,9 +160,9 @@ class LocalBackend(Backend):
                 self._mode_note = (
                     f"unprivileged user namespaces, host uid {uid}"
                     if mode == "unprivileged"
-                    else "user namespace mapped to host root (unprivileged ones refused: "
-                    + failures[0][:200]
-                    + "); commands without capabilities"
+                    else "user namespace mapped to host root"
+                    + (f" (unprivileged ones refused: {failures[0][:200]})" if failures else "")
+                    + "; commands without capabilities"
                 )
             box.enforced = self.enforced
             return box

@@ -51,6 +51,17 @@ def local_backend() -> Iterator[BackendMaker]:
     yield lambda: LocalBackend(label=TEST_LABEL)
 
 
+@register_backend("local-root-userns")
+@contextlib.contextmanager
+def local_root_userns_backend() -> Iterator[BackendMaker]:
+    """The local backend's fallback for hosts that refuse unprivileged user namespaces."""
+    from palaestra.sandbox.local import LocalBackend
+
+    if os.geteuid() != 0:
+        pytest.skip("the root-userns mode of the local backend needs root")
+    yield lambda: LocalBackend(label=TEST_LABEL, mode="root-userns")
+
+
 @contextlib.contextmanager
 def exec_server(api_key: str, *extra: str) -> Iterator[ServerProcess]:
     """`python -m palaestra.sandbox serve` (local backend) on a free loopback port."""
