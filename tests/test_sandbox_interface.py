@@ -183,3 +183,24 @@ def test_unknown_profile_is_an_error_naming_it(sandbox_backend, loop_runner):
 
     with pytest.raises(ValueError, match="cobol"):
         loop_runner.run(go())
+
+
+def test_a_cancelled_exec_never_answers_the_next_one(sandbox_backend, loop_runner):
+    """A caller may cancel an exec (asyncio.wait_for). The sandbox must then either be dead or
+    answer the next exec with that exec's own result, never the cancelled one's."""
+
+    async def go():
+        backend = sandbox_backend.make()
+        sandbox = await backend.create("python", LIMITS)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(sandbox.exec(["sh", "-c", "sleep 1; echo stale"]), 0.3)
+            alive = await sandbox.alive()
+            after = await sandbox.exec(["echo", "fresh"]) if alive else None
+        finally:
+            await sandbox.close()
+            await backend.close()
+        return alive, after
+
+    alive, after = loop_runner.run(go())
+    assert not alive or (after.ok and after.stdout == "fresh\n"), after
