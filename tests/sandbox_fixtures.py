@@ -152,12 +152,13 @@ def descendants(root: int | None = None) -> list[int]:
 
 
 def sandbox_memory_mb() -> dict[str, int]:
-    """Memory the tests' sandboxes hold now, measured where other work on a shared host does not
-    show up (MemAvailable moves by GBs with other people's jobs): the resident memory of this
+    """Memory this test run's sandboxes hold now, measured where other work on a shared host does
+    not show up (MemAvailable moves by GBs with other people's jobs): the resident memory of this
     process's descendants (local sandboxes, the exec server and its sandboxes) and, where sandboxes
-    get cgroups, what their cgroups are charged (processes and tmpfs files)."""
+    get cgroups, what the cgroups of sandboxes they own are charged (processes and tmpfs files)."""
     rss = 0
-    for pid in descendants():
+    ours = descendants()
+    for pid in ours:
         try:
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
@@ -169,8 +170,10 @@ def sandbox_memory_mb() -> dict[str, int]:
 
     host, _ = CgroupHost.detect()
     charged = 0
+    owners = {str(pid) for pid in [os.getpid(), *ours]}  # not another test run's sandboxes
     if host is not None:
         for name in host.names():
-            if name.startswith(TEST_LABEL + "."):
+            label, _, rest = name.partition(".")
+            if label == TEST_LABEL and rest.partition("-")[0] in owners:
                 charged += host.open(name).memory_bytes()
     return {"rss": rss >> 10, "cgroups": charged >> 20}
