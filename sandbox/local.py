@@ -205,6 +205,7 @@ class LocalBackend(Backend):
             )
         except BaseException:
             host_end.close()
+            os.close(stderr_fd)
             if cgroup is not None:
                 cgroup.remove()
             raise
