@@ -106,12 +106,6 @@ def resolve_backend(backend: Any) -> Any:
             return getattr(importlib.import_module(module), attr)()
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot load sandbox backend {backend!r}: {exc}") from None
-    try:
-        from palaestra.sandbox import get_backend
-    except ImportError:  # a sandbox package without the spec parser: the local backend by name
-        if backend != "local":
-            raise ValueError(f"sandbox backend {backend!r} needs palaestra.sandbox.get_backend") from None
-        from palaestra.sandbox.local import LocalBackend
+    from palaestra.sandbox import get_backend
 
-        return LocalBackend()
     return get_backend(backend)

@@ -12,7 +12,7 @@ import pytest
 
 from palaestra.verifiers.code import CodeResult, grade_code, verify_code
 from palaestra.verifiers.testing import SubprocessBackendForTests, SubprocessSandboxForTests
-from tests.sandbox_backends import backend_params
+from tests.sandbox_backends import backend_for, backend_names
 
 ADD = "def add(a, b):\n    return a + b\n"
 ASSERT_TESTS = "assert add(1, 2) == 3\nx = 10\nassert add(x, -4) == 6\nassert add(0, 0) == 0\n"
@@ -33,9 +33,10 @@ def helper():  # not a test
 """
 
 
-@pytest.fixture(params=backend_params())
+@pytest.fixture(params=backend_names())
 def backend(request):
-    return request.param()
+    with backend_for(request.param) as b:
+        yield b
 
 
 def run_code(backend, program: str, tests: str = ASSERT_TESTS, **kwargs) -> CodeResult:

@@ -19,8 +19,12 @@ def test_config_loads_and_builds_its_environment(path, name):
 
 def test_bad_environment_arguments_name_the_field():
     with pytest.raises(ValueError, match="difficulty must be one of"):
-        load_environment("code", difficulty=9, backend="palaestra.verifiers.testing:SubprocessBackendForTests")
+        load_environment(
+            "code", difficulty=9, backend="palaestra.verifiers.testing:SubprocessBackendForTests"
+        )
     with pytest.raises(ValueError, match="source must be"):
-        load_environment("code", source="mbpp", backend="palaestra.verifiers.testing:SubprocessBackendForTests")
+        load_environment(
+            "code", source="mbpp", backend="palaestra.verifiers.testing:SubprocessBackendForTests"
+        )
     with pytest.raises(ValueError, match="cannot load sandbox backend"):
         load_environment("swe", backend="nowhere.module:Nothing")

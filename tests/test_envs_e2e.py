@@ -25,7 +25,7 @@ from palaestra.sdk import GatewayClient, run_rollouts
 from palaestra.sdk.runner import take_tasks
 from palaestra.verifiers.testing import SubprocessBackendForTests
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
-from tests.sandbox_backends import backend_params
+from tests.sandbox_backends import backend_for, backend_names
 
 KEY = {"Authorization": "Bearer k-env"}
 
@@ -101,9 +101,10 @@ def call(name, **arguments):
     return render_tool_call_text("hermes", name, json.dumps(arguments))
 
 
-@pytest.fixture(params=backend_params())
+@pytest.fixture(params=backend_names())
 def backend(request):
-    return request.param()
+    with backend_for(request.param) as b:
+        yield b
 
 
 # ------------------------------------------------------------------------------------ code_sandbox
@@ -242,10 +243,10 @@ def test_tiny_model_runs_real_episodes(engine, tmp_path, swe_data):
     config = GatewayConfig(
         model="tiny", engine_url=engine.url, spool_dir=str(tmp_path), api_key="k-env", admin_key="a"
     )
-    backend = SubprocessBackendForTests()
+    double = SubprocessBackendForTests()
     envs = [
-        CodeSandboxEnv(difficulty=0, backend=backend, max_turns=2, max_tokens=32),
-        SweAgentEnv(data=str(swe_data), backend=backend, max_turns=2, max_tokens=32),
+        CodeSandboxEnv(difficulty=0, backend=double, max_turns=2, max_tokens=32),
+        SweAgentEnv(data=str(swe_data), backend=double, max_turns=2, max_tokens=32),
     ]
     with ThreadServer(create_app(config)) as gw:
 
