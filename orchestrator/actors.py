@@ -85,8 +85,8 @@ class ServerHost:
         startup_timeout: float,
     ) -> str:
         """An embedded engine (`palaestra engine serve`) or SGLang (`palaestra sglang launch`)."""
-        from palaestra.net import free_port
         from palaestra.models import resolve_model
+        from palaestra.net import free_port
 
         port = free_port(node_address(host)[0])
         if backend == "embedded":
