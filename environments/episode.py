@@ -83,13 +83,8 @@ class EpisodeLog:
 
 def sampling(session: Any, **defaults: Any) -> dict[str, Any]:
     """Keyword arguments for ``chat.completions.create``: the environment's defaults (temperature),
-    overridden by what the run chose for this episode (``session.sampling``: seed, temperature; on
-    SDKs before it existed, ``session.seed``)."""
-    chosen = getattr(session, "sampling", None)
-    if chosen is None:
-        seed = getattr(session, "seed", None)
-        chosen = {} if seed is None else {"seed": seed}
-    return {**defaults, **dict(chosen)}
+    overridden by what the run chose for this episode (``session.sampling``: seed, temperature)."""
+    return {**defaults, **dict(session.sampling)}
 
 
 def resolve_backend(backend: Any) -> Any:

@@ -51,12 +51,11 @@ def test_episode_log_sampling_and_call_markers():
     assert metrics["tool_calls"] == 3.0 and metrics["correct"] == 1.0 and metrics["time/sandbox_s"] >= 0.01
     with pytest.raises(ValueError, match="unknown failure 'oops'"):
         log.fail("oops")
-    # The run's choice wins over the environment's default; an SDK without `sampling` falls back to `seed`.
+    # The run's choice wins over the environment's default.
     assert sampling(SimpleNamespace(sampling={"seed": 5, "temperature": 0.7}), temperature=1.0) == {
         "temperature": 0.7,
         "seed": 5,
     }
-    assert sampling(SimpleNamespace(seed=9), temperature=1.0) == {"temperature": 1.0, "seed": 9}
-    assert sampling(SimpleNamespace(seed=None), temperature=1.0) == {"temperature": 1.0}
+    assert sampling(SimpleNamespace(sampling={}), temperature=1.0) == {"temperature": 1.0}
     assert looks_like_a_tool_call('<tool_call>\n{"name": "bash", "arguments": \n')
     assert not looks_like_a_tool_call("def f():\n    return 1") and not looks_like_a_tool_call(None)
