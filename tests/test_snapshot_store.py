@@ -104,18 +104,22 @@ def test_the_spill_file_is_plain_safetensors(tmp_path):
 def test_eviction_follows_the_plan_then_lru(tmp_path):
     m = _model()
     store = _store(m, tmp_path, copies=3, prefetch=False)
-    for i, tag in enumerate(["teacher/a", "teacher/b", "teacher/c"]):
-        store.load(tag, _weights(m, i))
-    # 3 slots for 3 teachers (the actor has no copy yet): all in host memory
-    assert all("host" in store.tiers(t) for t in ("teacher/a", "teacher/b", "teacher/c"))
-    # without a plan, LRU: switching stores the actor, which evicts teacher/a (least recently used)
-    store.switch("teacher/c")
-    assert store.tiers("teacher/a") == {"disk"} and "host" in store.tiers("teacher/b")
-    # with a plan, the farthest next use goes: teacher/b (needed last) rather than the actor
-    store.plan(["teacher/a", "actor", "teacher/b"])
+    store.load("teacher/a", _weights(m, 1))
+    store.load("teacher/b", _weights(m, 2))
+    store.save("ref")  # three slots, none of them on disk yet
+    # no plan: storing the actor on the way to teacher/b evicts the least recently used
+    store.switch("teacher/b")
+    assert store.tiers("teacher/a") == {"disk"} and "host" in store.tiers("ref")
+    store.switch("actor")
+    store.mark_live_changed()  # the actor's copy is stale: its slot is free again
+    # with a plan, the farthest next use goes: teacher/b (last in the plan), not ref (the LRU)
+    store.plan(["teacher/a", "ref", "actor", "teacher/b"])
     store.switch("teacher/a")
     assert store.tiers("teacher/b") == {"disk"}
-    assert "host" in store.tiers("actor")
+    assert "host" in store.tiers("ref") and "host" in store.tiers("actor")
+    # a tag whose spill file is current is dropped before one that would have to be written
+    store.switch("teacher/b")  # needs a slot: teacher/a (live, but on disk) goes, not ref
+    assert store.tiers("teacher/a") == {"disk"} and "host" in store.tiers("ref")
 
 
 def test_prefetch_brings_the_next_planned_teacher_in_the_background(tmp_path):
@@ -136,8 +140,9 @@ def test_prefetch_brings_the_next_planned_teacher_in_the_background(tmp_path):
             store.switch(tag)
             assert _same(m, teachers.get(tag, actor)), tag
         stats = store.stats()
-        assert stats["perf/snap_disk_to_host_mb"] > 0, step  # two slots, three teachers: loads happen
-        assert stats["perf/snap_prefetch_hidden_frac"] > 0.9, stats  # and none was waited for
+        assert stats["perf/snap_prefetched_loads"] >= 1, stats  # two slots, three teachers: loads happen
+        if step > 0:  # after the first step (which spills the freshly loaded teachers)
+            assert stats["perf/snap_demand_loads"] == 0, stats  # every load was a prefetch
     store.close()
 
 

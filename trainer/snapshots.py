@@ -11,10 +11,11 @@ into it. A tag is in one or more of three tiers:
 Without `host_budget_bytes` every tag stays in host memory (the disk tier is unused). With a
 budget, at most ``budget // nbytes`` slots exist; when one more is needed a tag leaves host memory
 (written to disk first unless its spill file is still current) and comes back on demand. The
-victim is the tag whose next use is farthest away in the step's *plan* (`plan(["teacher/a",
-"teacher/b", "actor"])`, what the trainer knows it will switch to, in order; a tag not in the plan
-is used "never"), ties going to the one that costs no write, then to the least recently used —
-Belady's rule where the order is known, LRU where it is not.
+victim is, first, one that costs no write (its spill file is current); among
+those, or among the rest, the one whose next use is farthest away in the step's *plan*
+(`plan(["teacher/a", "teacher/b", "actor"])`, what the trainer knows it will switch to, in order;
+a tag not in the plan is used "never"); then the least recently used — Belady's rule where the
+order is known, LRU where it is not, without trading one read for a write and a read.
 
 Prefetch: after each switch (and after `plan`), a background thread brings the next planned tag
 that is only on disk into a free or evictable slot — evicting only a tag needed later than it —
@@ -48,7 +49,7 @@ from palaestra.trainer.snapshot_tiers import Layout, read_spill, spill_path, wri
 __all__ = ["SnapshotStore"]
 
 _COUNTERS = ("switches", "switch_s", "live_to_host_b", "host_to_live_b", "host_to_disk_b", "disk_to_host_b",
-             "load_s", "prefetch_load_s", "prefetch_wait_s", "prefetches")  # fmt: skip
+             "load_s", "prefetch_load_s", "prefetch_wait_s", "prefetches", "demand_loads")  # fmt: skip
 
 
 @dataclass
@@ -151,11 +152,11 @@ class SnapshotStore:
         if not candidates:
             return None
 
-        # farthest next use, then free to drop (already on disk, or live: the model holds it), then LRU
-        def rank(t: str) -> tuple[float, int, int]:
+        # free to drop first (its spill file is current) — a tag that must be written costs a
+        # write now and a read later; then the farthest next use; then the least recently used
+        def rank(t: str) -> tuple[int, float, int]:
             e = self._entries[t]
-            free = int(e.on_disk or t == self.live)
-            return (self._next_use(t), free, -e.last_used)
+            return (int(e.on_disk), self._next_use(t), -e.last_used)
 
         return max(candidates, key=rank)
 
@@ -181,7 +182,9 @@ class SnapshotStore:
     def _evict(self, tag: str) -> int:
         e = self._entries[tag]
         assert e.slot is not None
-        if not e.on_disk and tag != self.live:  # its only copy: spill it first
+        # a copy not on disk is spilled first — also for the live tag: its parameters would do
+        # for now, but the write makes every later eviction of this tag free (teachers never change)
+        if not e.on_disk:
             n = write_spill(spill_path(self.spill_dir, tag), self._slots[e.slot], tag)
             self._count(host_to_disk_b=n)
             e.on_disk = True
@@ -205,12 +208,12 @@ class SnapshotStore:
         self._entries[tag].last_used = self._tick
 
     @torch.no_grad()
-    def _store_live(self) -> None:
-        """Gives the live tag a valid host copy (it has none after `mark_live_changed`)."""
+    def _store_live(self, keep: str | None = None) -> None:
+        """Gives the live tag a valid host copy (it has none after `mark_live_changed`); `keep` stays."""
         e = self._entries[self.live]
         if e.slot is not None or e.on_disk:
             return
-        slot = self._acquire({self.live})
+        slot = self._acquire({self.live, keep or self.live})
         assert slot is not None
         for dst, (_, p) in zip(self._layout.views(self._slots[slot]), self._params, strict=True):
             dst.copy_(p.detach(), non_blocking=self._pin)
@@ -229,7 +232,7 @@ class SnapshotStore:
         started = time.perf_counter()
         n = read_spill(spill_path(self.spill_dir, tag), self._slots[slot])
         e.slot = slot
-        self._count(disk_to_host_b=n, load_s=time.perf_counter() - started)
+        self._count(disk_to_host_b=n, load_s=time.perf_counter() - started, demand_loads=1)
 
     def _settle(self, tag: str) -> None:
         """Waits for a prefetch of `tag` in flight (without the lock: the prefetch needs it to finish)."""
@@ -352,7 +355,7 @@ class SnapshotStore:
         self._settle(dst)
         with self._lock:
             if src == self.live:
-                self._store_live()
+                self._store_live(keep=dst)
             self._to_host(src, {src, dst, self.live})
             e = self._rewritten(dst)
             if e.slot is None:
@@ -388,8 +391,9 @@ class SnapshotStore:
         self._settle(tag)
         with self._lock:
             started = time.perf_counter()
-            self._store_live()
-            self._to_host(tag, {self.live, tag})
+            self._store_live(keep=tag)
+            # the outgoing tag's host copy may be evicted too: eviction spills what is not on disk
+            self._to_host(tag, {tag})
             e = self._entries[tag]
             assert e.slot is not None
             staged = self._staging is not None and self._staging.take(tag, self._params)
@@ -451,6 +455,8 @@ class SnapshotStore:
             "perf/snap_host_to_disk_mb": s["host_to_disk_b"] / 1e6,
             "perf/snap_disk_to_host_mb": s["disk_to_host_b"] / 1e6,
             "perf/snap_disk_load_s": s["load_s"],
+            "perf/snap_prefetched_loads": s["prefetches"],
+            "perf/snap_demand_loads": s["demand_loads"],
             "perf/snap_prefetch_hidden_s": hidden,
             "perf/snap_prefetch_hidden_frac": hidden / s["load_s"] if s["load_s"] > 0 else 0.0,
         }
