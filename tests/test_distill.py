@@ -1,0 +1,95 @@
+"""The three distillation granularities against direct computations on small tensors.
+
+Values and gradients of `distill.topk_reverse_kl` and `distill.full_reverse_kl` are compared with
+the formulas written out with plain torch ops (autograd through log_softmax); the sampled-token
+term with `advantages.opd_adjust`. No tensor parallelism here (group=None).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from palaestra.trainer import advantages as adv
+from palaestra.trainer import distill
+
+
+def _logits(rows: int = 7, vocab: int = 50, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    student = torch.randn(rows, vocab, generator=g) * 2
+    teacher = torch.randn(rows, vocab, generator=g) * 2
+    return student, teacher
+
+
+def test_sampled_is_the_advantage_term():
+    a = torch.tensor([0.5, -1.0, 0.0])
+    old, teacher = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-0.5, -3.0, -0.5])
+    assert torch.allclose(adv.opd_adjust(a, old, teacher, 0.5), a - 0.5 * (old - teacher))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_full_reverse_kl_matches_the_direct_sum(temperature):
+    student, teacher = _logits()
+    log_q = torch.log_softmax(teacher, -1)
+    x = student.clone().requires_grad_(True)
+    want = (torch.softmax(x / temperature, -1) * (torch.log_softmax(x / temperature, -1) - log_q)).sum(-1)
+    w = torch.randn(want.shape[0])
+    (want * w).sum().backward()
+    want_grad = x.grad.clone()
+
+    y = student.clone().requires_grad_(True)
+    got = distill.full_reverse_kl(y, distill.full_logprobs(teacher), temperature, chunk_rows=3)
+    (got * w).sum().backward()
+    assert torch.allclose(got, want.detach(), atol=1e-5)
+    assert torch.allclose(y.grad, want_grad, atol=1e-5)
+    assert (got >= -1e-6).all()
+
+
+def test_full_reverse_kl_is_zero_for_the_teacher_itself():
+    student, _ = _logits()
+    kl = distill.full_reverse_kl(student, distill.full_logprobs(student), 1.0, chunk_rows=2)
+    assert torch.allclose(kl, torch.zeros_like(kl), atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_topk_reverse_kl_matches_the_renormalised_direct_sum(temperature):
+    student, teacher = _logits()
+    k = 5
+    ids = distill.select_topk(student, k)
+    assert torch.equal(ids, student.topk(k, -1).indices)
+    t_lp = distill.gather_logprobs(teacher, ids)  # what a teacher reports for those ids
+    assert torch.allclose(t_lp, torch.log_softmax(teacher, -1).gather(-1, ids), atol=1e-6)
+
+    x = student.clone().requires_grad_(True)
+    zk = (x / temperature).gather(-1, ids)
+    log_p = zk - zk.logsumexp(-1, keepdim=True)
+    log_q = t_lp - t_lp.logsumexp(-1, keepdim=True)
+    want = (log_p.exp() * (log_p - log_q)).sum(-1)
+    w = torch.randn(want.shape[0])
+    (want * w).sum().backward()
+
+    y = student.clone().requires_grad_(True)
+    got = distill.topk_reverse_kl(y, ids, t_lp, temperature)
+    (got * w).sum().backward()
+    assert torch.allclose(got, want.detach(), atol=1e-5)
+    assert torch.allclose(y.grad, x.grad, atol=1e-5)
+    outside = torch.ones_like(student, dtype=torch.bool).scatter_(-1, ids, False)
+    assert (y.grad[outside] == 0).all()  # only the top-k logits get a gradient
+
+
+def test_topk_with_the_whole_vocabulary_is_the_full_kl():
+    student, teacher = _logits(vocab=12)
+    ids = distill.select_topk(student, 12)
+    topk = distill.topk_reverse_kl(student, ids, distill.gather_logprobs(teacher, ids), 1.0)
+    full = distill.full_reverse_kl(student, distill.full_logprobs(teacher), 1.0)
+    assert torch.allclose(topk, full, atol=1e-5)
+
+
+def test_bad_shapes_name_what_differs():
+    student, teacher = _logits()
+    with pytest.raises(ValueError, match="topk: logits"):
+        distill.topk_reverse_kl(student, student.topk(3, -1).indices, torch.zeros(7, 4), 1.0)
+    with pytest.raises(ValueError, match="full: logits"):
+        distill.full_reverse_kl(student, teacher[:, :10], 1.0)
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        distill.select_topk(student, 51)
