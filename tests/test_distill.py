@@ -85,6 +85,21 @@ def test_topk_with_the_whole_vocabulary_is_the_full_kl():
     assert torch.allclose(topk, full, atol=1e-5)
 
 
+def test_topk_valid_mask_drops_the_padded_ids():
+    student, teacher = _logits()
+    ids = distill.select_topk(student, 6)
+    t_lp = distill.gather_logprobs(teacher, ids)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[::2, 3:] = False  # even rows come from a k=3 teacher, padded to 6
+    x = student.clone().requires_grad_(True)
+    got = distill.topk_reverse_kl(x, ids, t_lp, 1.0, valid=valid)
+    got.sum().backward()
+    short = distill.topk_reverse_kl(student[::2], ids[::2, :3], t_lp[::2, :3], 1.0)
+    full = distill.topk_reverse_kl(student[1::2], ids[1::2], t_lp[1::2], 1.0)
+    assert torch.allclose(got[::2], short, atol=1e-5) and torch.allclose(got[1::2], full, atol=1e-5)
+    assert torch.isfinite(x.grad).all()
+
+
 def test_bad_shapes_name_what_differs():
     student, teacher = _logits()
     with pytest.raises(ValueError, match="topk: logits"):

@@ -127,16 +127,30 @@ def gather_logprobs(
 
 
 def topk_reverse_kl(
-    logits: torch.Tensor, ids: torch.Tensor, teacher_logprobs: torch.Tensor, temperature: float, group=None
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    temperature: float,
+    group=None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """D_t over the student's top-k ids, both sides renormalised over them (module docstring) -> [R]."""
+    """D_t over the student's top-k ids, both sides renormalised over them (module docstring) -> [R].
+
+    `valid` [R, k] (bool) marks the ids that count, for rows with fewer than k (a step mixing
+    teachers of different k pads the rest); None = all.
+    """
     if ids.shape != teacher_logprobs.shape or ids.shape[0] != logits.shape[0]:
         raise ValueError(
             f"topk: logits {tuple(logits.shape)}, ids {tuple(ids.shape)}, teacher {tuple(teacher_logprobs.shape)}"
         )
     z = _GatherIds.apply(_scaled(logits, temperature), ids, group)  # [R, k], differentiable
+    t = teacher_logprobs.float().to(z.device)
+    if valid is not None:  # a large finite negative, not -inf: 0 · (−inf) would make NaN gradients
+        off = ~valid.to(z.device)
+        z = z.masked_fill(off, -1e9)
+        t = t.masked_fill(off, -1e9)
     log_p = torch.log_softmax(z, dim=-1)
-    log_q = torch.log_softmax(teacher_logprobs.float().to(z.device), dim=-1)  # renormalise over K_t
+    log_q = torch.log_softmax(t, dim=-1)  # renormalise over K_t
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
