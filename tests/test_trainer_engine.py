@@ -159,7 +159,7 @@ def test_teacher_modes_agree_and_opd_is_zero_for_a_teacher_equal_to_the_student(
         tiny_model_dir,
     )
     mbs, _ = megatron_mode._schedule(samples)
-    from_snapshot = torch.cat(megatron_mode.logprobs(mbs, tag="teacher", temperature=1.0))
+    from_snapshot = torch.cat(megatron_mode.logprobs(mbs, tag="teacher/teacher", temperature=1.0))
     scored = SGLangTeacher([engine.url], tiny_model_dir).score(
         [samples[i] for mb in mbs for i in mb.sample_indices]
     )

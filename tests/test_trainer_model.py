@@ -273,7 +273,7 @@ def test_pure_distillation_moves_the_student_to_the_teacher(tiny_model_dir, tmp_
 
     def gap() -> float:  # mean (log πθ − log π_teacher)² over the batch's tokens
         mbs, _ = student._schedule(samples)
-        lp, teacher = student.logprobs(mbs), student.logprobs(mbs, tag="teacher", temperature=1.0)
+        lp, teacher = student.logprobs(mbs), student.logprobs(mbs, tag="teacher/teacher", temperature=1.0)
         return float(torch.cat([(a - b) ** 2 for a, b in zip(lp, teacher, strict=True)]).mean())
 
     before = gap()
@@ -282,7 +282,7 @@ def test_pure_distillation_moves_the_student_to_the_teacher(tiny_model_dir, tmp_
     print(f"\nstudent-teacher logprob gap {before:.4f} -> {after:.4f}; "
           f"opd/reverse_kl per step {[round(m['opd/reverse_kl'], 4) for m in metrics]}")  # fmt: skip
     assert after < 0.5 * before
-    assert student.snapshots.live == "actor" and set(student.snapshots.tags) == {"actor", "teacher"}
+    assert student.snapshots.live == "actor" and set(student.snapshots.tags) == {"actor", "teacher/teacher"}
 
 
 def test_old_actor_holds_the_weights_before_the_previous_update(tiny_model_dir):

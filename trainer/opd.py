@@ -79,13 +79,14 @@ class Distiller:
         group = t.tp()[0]
         bins = first_fit_decreasing([len(samples[i].tokens) for i in idx], t.config.max_tokens_per_microbatch)
         mbs = [build_micro_batch(samples, [idx[j] for j in b]) for b in bins]
-        if spec.granularity == "topk":
+        want_topk = spec.granularity == "topk" and all(i in topk_ids for i in idx)
+        if want_topk:
             for mb in mbs:
                 mb.extras["opd_topk_ids"] = torch.cat([topk_ids[i] for i in mb.sample_indices])
 
         def rows_fn(mb: MicroBatch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
             out = {"sampled": losses.vocab_parallel_logprobs(rows, mb.targets.to(rows.device), 1.0)}
-            if spec.granularity == "topk":
+            if want_topk:
                 out["topk"] = distill.gather_logprobs(
                     rows, mb.extras["opd_topk_ids"].to(rows.device), 1.0, group
                 )
@@ -109,8 +110,9 @@ class Distiller:
         group, rank, size = self.trainer.tp()
         box: list[Any] = [None]
         if rank == 0:  # TP ranks share their micro-batches: score once, share the answer
-            ids = [topk_ids[i] for i in idx] if spec.granularity == "topk" else None
-            box[0] = self.engines[name].score([samples[i] for i in idx], ids)
+            want_topk = spec.granularity == "topk" and all(i in topk_ids for i in idx)
+            ids = [topk_ids[i] for i in idx] if want_topk else None
+            box[0] = self.engines[name].score_with_ids([samples[i] for i in idx], ids)
         if size > 1:
             dist.broadcast_object_list(
                 box, src=parallel_state.get_tensor_model_parallel_src_rank(), group=group
