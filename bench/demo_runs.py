@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from palaestra.config import load_config  # noqa: E402
-from palaestra.train import RunResult, train  # noqa: E402
+from palaestra.orchestrator.loop import RunResult  # noqa: E402
+from palaestra.train import train  # noqa: E402
 
 CONFIG = ROOT / "configs" / "demo.yaml"
 

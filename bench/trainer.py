@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from palaestra.models import resolve_model  # noqa: E402
 from palaestra.sample import Sample  # noqa: E402
 from palaestra.trainer import Trainer, TrainerConfig  # noqa: E402
 from palaestra.trainer.packing import karmarkar_karp, round_robin, schedule, sequence_flops  # noqa: E402
@@ -68,7 +69,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8, help="DP ranks in the balance test")
     args = ap.parse_args()
 
-    trainer = Trainer(TrainerConfig(max_tokens_per_microbatch=args.max_tokens, kl_coef=0.01), args.model)
+    config = TrainerConfig(max_tokens_per_microbatch=args.max_tokens, kl_coef=0.01)
+    trainer = Trainer(config, resolve_model(args.model))
     vocab = trainer.arch.vocab_size
 
     # -- forward+backward throughput ------------------------------------------------------------

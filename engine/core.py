@@ -9,10 +9,10 @@ steps, so the model and the KV buffers are only ever touched by one thread. Each
    longest prefix-cache hit, then samples their first token;
 3. runs one batched decode step for every running sequence.
 
-Semantics follow SGLang (../shared/SGLANG_PROTOCOL.md sections 3-4): aborted requests finish with
-`finish_reason.type == "abort"` and keep their partial output; while paused, new requests wait;
-a weight update when not paused waits for the running requests to finish; `weight_version` changes
-only when an update succeeds.
+Semantics follow SGLang (docs/engine-protocol.md, "Control" and "Weight sync"): aborted requests
+finish with `finish_reason.type == "abort"` and keep their partial output; while paused, new
+requests wait; a weight update when not paused waits for the running requests to finish;
+`weight_version` changes only when an update succeeds.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parsing and validation of SGLang-native `/generate` requests.
 
-Field names, defaults and ranges follow SGLang (see ../shared/SGLANG_PROTOCOL.md, section 1).
+Field names, defaults and ranges follow SGLang (docs/engine-protocol.md, "/generate").
 Where SGLang is lax we are strict on purpose, and docs/engine.md says so: an unknown key, at the
 top level or inside `sampling_params`, is a 400 with the key's name (SGLang ignores unknown
 top-level keys and answers 500 for unknown sampling keys); a known SGLang feature that the

@@ -1,6 +1,6 @@
 """The embedded engine's HTTP server: SGLang's native API over `engine.core.Engine`.
 
-Routes, field names and answer shapes follow SGLang (../shared/SGLANG_PROTOCOL.md); docs/engine.md
+Routes, field names and answer shapes follow SGLang (docs/engine-protocol.md); docs/engine.md
 lists what is implemented and what is not. Run it with `palaestra engine serve --model tiny`.
 """
 

@@ -1,4 +1,10 @@
 """OpenAI-compatible gateway: renders chats to token ids, routes to engines, records trajectories.
 
-See docs/gateway.md (and docs/architecture.md for where it sits). Must not import the trainer.
+Layout: `app.py` mounts `routes.py` (HTTP), which binds each path to a dialect (`dialect.py`: the
+seam; `openai_request.py` parses and `openai_response.py` shapes the OpenAI one) over the one turn
+core in `service.py` (plan with `bridge.py` and `renderer.py`, generate with `engine_client.py`,
+stream with `streaming.py`, parse with `parsers.py`, record with `trajectory.py`, make samples
+durable with `spool.py`; sessions, pause gate and metrics in `state.py`; tunable options in `options.py`). docs/gateway.md is the
+user guide, docs/architecture.md the map; the engine side is docs/engine-protocol.md.
+Must not import the trainer.
 """

@@ -1,16 +1,20 @@
-"""OpenAI request fields -> SGLang sampling parameters, with OpenAI-style errors.
+"""The OpenAI dialect's parser: a request body -> the core's `TurnRequest` / `TextRequest`.
 
-Accepted fields are listed in `CHAT_FIELDS` / `COMPLETION_FIELDS`; docs/gateway.md says which are
-honoured and which are accepted and ignored. Any other top-level key is a 400
-("Unrecognized request argument supplied: ..."), as OpenAI answers.
+`parse_chat` reads `/chat/completions` bodies, `parse_completion` `/completions` bodies; both map
+the sampling fields to SGLang `sampling_params` (`parse_generation`) and raise OpenAI-style errors
+naming the field. Accepted fields are listed in `CHAT_FIELDS` / `COMPLETION_FIELDS`;
+docs/gateway.md says which are honoured and which are accepted and ignored. Any other top-level
+key is a 400 ("Unrecognized request argument supplied: ..."), as OpenAI answers. The answers are
+shaped by `openai_response.py`; `dialect.py` describes the seam.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from palaestra.gateway.dialect import GenerationParams, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.renderer import normalize_messages, normalize_tools
 
 _COMMON = {
     "model",
@@ -60,18 +64,6 @@ CHAT_FIELDS = _COMMON | {
     "web_search_options",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
-
-
-@dataclass
-class GenerationParams:
-    sampling: dict[str, Any]
-    n: int
-    stream: bool
-    include_usage: bool
-    logprobs: bool
-    top_logprobs: int
-    stop: list[str]
-    max_tokens: int | None
 
 
 def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
@@ -161,3 +153,40 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     return GenerationParams(
         sampling, n, stream, bool(options.get("include_usage")), logprobs, top, stops, max_tokens
     )
+
+
+def parse_chat(body: dict[str, Any]) -> TurnRequest:
+    """A `/chat/completions` body -> the core's request."""
+    params = parse_generation(body, CHAT_FIELDS, chat=True)
+    messages = normalize_messages(body.get("messages"))
+    tools = normalize_tools(body.get("tools"))
+    tool_choice = body.get("tool_choice", "auto" if tools else "none")
+    named = None
+    if isinstance(tool_choice, dict):
+        named = (tool_choice.get("function") or {}).get("name")
+        if not tools or named not in {t["function"]["name"] for t in tools}:
+            raise GatewayError(f"tool_choice names a function not in 'tools': {named!r}", param="tool_choice")
+        tool_choice = "named"
+    elif tool_choice not in ("auto", "none", "required"):
+        raise GatewayError(
+            "tool_choice must be 'auto', 'none', 'required' or a named function", param="tool_choice"
+        )
+    if tool_choice == "required" and not tools:
+        raise GatewayError("tool_choice 'required' needs 'tools'", param="tool_choice")
+    extra = body.get("chat_template_kwargs") or None
+    if extra is not None and not isinstance(extra, dict):
+        raise GatewayError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    return TurnRequest(messages, tools, tool_choice, params, named_tool=named, template_kwargs=extra)
+
+
+def parse_completion(body: dict[str, Any]) -> TextRequest:
+    """A `/completions` body -> the core's request. Streaming is served on chat only."""
+    params = parse_generation(body, COMPLETION_FIELDS, chat=False)
+    if params.stream:
+        raise GatewayError("streaming is supported on /chat/completions only", param="stream")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise GatewayError("'prompt' must be a non-empty string", param="prompt")
+    return TextRequest(prompt, params)

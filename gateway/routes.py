@@ -1,4 +1,8 @@
-"""HTTP routes: OpenAI-compatible calls under a session prefix, the session API, samples, admin."""
+"""HTTP routes: OpenAI-compatible calls under a session prefix, the session API, samples, admin.
+
+Each generation route binds its path to a dialect (`dialect.Dialect`: the request parser and the
+answer shapers) and hands the body to `GatewayService`, which is the same for every dialect.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
+from palaestra.gateway import openai_request, openai_response
+from palaestra.gateway.dialect import Dialect, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.service import GatewayService
 from palaestra.sample import STATUSES
@@ -64,6 +70,13 @@ async def json_body(request: Request) -> dict[str, Any]:
 
 openai = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_api_key)])
 
+OPENAI_CHAT: Dialect[TurnRequest] = Dialect(
+    "chatcmpl-", openai_request.parse_chat, openai_response.chat_completion, openai_response.chat_stream
+)
+OPENAI_COMPLETIONS: Dialect[TextRequest] = Dialect(
+    "cmpl-", openai_request.parse_completion, openai_response.text_completion
+)
+
 
 async def _counted(request: Request, route: str, call) -> Any:
     """Reads the JSON body and runs a service call on it, counting it by route and status in /metrics."""
@@ -79,7 +92,7 @@ async def _counted(request: Request, route: str, call) -> Any:
 
 @openai.post("/chat/completions")
 async def chat_completions(session_id: str, request: Request) -> Response:
-    result = await _counted(request, "chat", lambda svc, body: svc.chat(session_id, body))
+    result = await _counted(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream")
@@ -88,7 +101,9 @@ async def chat_completions(session_id: str, request: Request) -> Response:
 @openai.post("/completions")
 async def completions(session_id: str, request: Request) -> Response:
     return JSONResponse(
-        await _counted(request, "completions", lambda svc, body: svc.completion(session_id, body))
+        await _counted(
+            request, "completions", lambda svc, body: svc.completion(session_id, body, OPENAI_COMPLETIONS)
+        )
     )
 
 

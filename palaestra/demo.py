@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from palaestra.config import ConfigError, load_config
-from palaestra.orchestration import RunFailed
+from palaestra.orchestrator.errors import RunFailed
 from palaestra.train import train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"

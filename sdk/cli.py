@@ -49,6 +49,7 @@ def _rollout(args: argparse.Namespace) -> int:
                 samples_per_task=args.samples_per_task,
                 concurrency=args.concurrency,
                 progress=not args.quiet,
+                sampling={"temperature": args.temperature},
                 seed=args.seed,
             )
         finally:
@@ -79,15 +80,19 @@ def _eval(args: argparse.Namespace) -> int:
     from palaestra.sdk.runner import run_rollouts, take_tasks, wilson_interval
 
     env = _env(args)
-    if hasattr(env, "temperature"):
-        env.temperature = args.temperature
     tasks = take_tasks(env, args.tasks, args.seed)
     gateway = _gateway(args)
 
     async def run():
         try:
             return await run_rollouts(
-                env, gateway, tasks, samples_per_task=1, concurrency=args.concurrency, progress=not args.quiet
+                env,
+                gateway,
+                tasks,
+                samples_per_task=1,
+                concurrency=args.concurrency,
+                progress=not args.quiet,
+                sampling={"temperature": args.temperature},
             )
         finally:
             await gateway.close()
@@ -179,6 +184,12 @@ def register(groups) -> None:
         default=4,
         help="sessions per task = group size (default: %(default)s)",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature, in every session's `session.sampling` (default: %(default)s)",
+    )
     p.set_defaults(func=_rollout)
 
     p = groups.add_parser(
@@ -189,7 +200,12 @@ def register(groups) -> None:
     )
     _common(p)
     _env_args(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, in every session's `session.sampling` (default: greedy)",
+    )
     p.set_defaults(func=_eval)
 
     session = groups.add_parser("session", help="sessions for external agents")

@@ -10,7 +10,8 @@ A complete environment:
 
         async def rollout(self, session, task):     # talks to the model only via session.client
             r = await session.client.chat.completions.create(
-                model=self.model, messages=[{"role": "user", "content": f"Say {task.data['word']}"}])
+                model=self.model, messages=[{"role": "user", "content": f"Say {task.data['word']}"}],
+                **session.sampling)                  # the run's temperature, the episode's seed
             return float(task.data["word"] in (r.choices[0].message.content or ""))
 
 The base class owns everything else: sessions, groups, concurrency, retries, failure capture

@@ -18,7 +18,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,11 +95,11 @@ def episode_seed(base: int | str, index: int) -> int:
 
 
 async def _one(
-    env: Environment, gateway: GatewayClient, task: Any, group_id: str, seed: int | None
+    env: Environment, gateway: GatewayClient, task: Any, group_id: str, sampling: Mapping[str, Any]
 ) -> RolloutResult:
     task_id = str(task.task_id)
     try:
-        session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id, seed=seed)
+        session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id, sampling=sampling)
     except Exception as exc:  # could not even start: counted, nothing to close
         return RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}")
     try:
@@ -131,10 +131,12 @@ async def run_rollouts(
     concurrency: int = 8,
     progress: bool = True,
     run_id: str | None = None,
+    sampling: Mapping[str, Any] | None = None,
     seed: int | str | None = None,
 ) -> RolloutSummary:
-    """Runs `samples_per_task` sessions per task, at most `concurrency` at once. With `seed`,
-    episode j (tasks in order, then their samples) gets `session.seed = episode_seed(seed, j)`."""
+    """Runs `samples_per_task` sessions per task, at most `concurrency` at once. Every session's
+    `session.sampling` is `sampling` (e.g. `{"temperature": 1.0}`); with `seed`, episode j (tasks in
+    order, then their samples) adds its own `"seed": episode_seed(seed, j)`."""
     run_id = run_id or uuid.uuid4().hex[:8]
     jobs = [(task, f"{env.name}/{task.task_id}/{run_id}") for task in tasks for _ in range(samples_per_task)]
     sem = asyncio.Semaphore(concurrency)
@@ -144,10 +146,12 @@ async def run_rollouts(
 
         bar = tqdm(total=len(jobs), desc=f"rollout {env.name}", unit="ep", dynamic_ncols=True)
     rewards: list[float] = []
+    sampling = dict(sampling or {})
 
     async def guarded(j: int, task: Any, group: str) -> RolloutResult:
+        episode = sampling if seed is None else {**sampling, "seed": episode_seed(seed, j)}
         async with sem:
-            result = await _one(env, gateway, task, group, None if seed is None else episode_seed(seed, j))
+            result = await _one(env, gateway, task, group, episode)
         if result.status != "failed":
             rewards.append(result.reward)
         if bar is not None:

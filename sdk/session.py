@@ -5,13 +5,15 @@
         await session.reward(1.0, metrics={"correct": 1.0})
 
 `session.client` is an `openai.AsyncOpenAI` bound to the session's base URL; the agent needs nothing
-else. Leaving the `async with` block by an exception closes the session as `failed` (its samples are
+else but `session.sampling`, the sampling settings the run chose (temperature, the episode's seed,
+...), which it passes to every call: `create(model=..., messages=..., **session.sampling)`. Leaving the `async with` block by an exception closes the session as `failed` (its samples are
 marked and the trainer drops them); leaving it without a reward closes it as `aborted`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +96,9 @@ class GatewayClient:
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         max_retries: int = 2,
-        seed: int | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> Session:
+        """A new session on the gateway; `sampling` becomes its `Session.sampling`."""
         info = await self._post(
             "/sessions", {"env": env, "task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
         )
@@ -106,7 +109,14 @@ class GatewayClient:
             timeout=self.timeout_s,
             http_client=self._openai_pool(),
         )
-        return Session(info["session_id"], info["group_id"], info["base_url"], client, self, seed=seed)
+        return Session(
+            info["session_id"],
+            info["group_id"],
+            info["base_url"],
+            client,
+            self,
+            sampling=dict(sampling or {}),
+        )
 
     async def reward(
         self,
@@ -129,10 +139,12 @@ class Session:
     client: openai.AsyncOpenAI
     gateway: GatewayClient
     result: dict[str, Any] | None = None
-    seed: int | None = None
-    """This episode's sampling seed, when the runner was given one (`run_rollouts(seed=...)`, every
-    `palaestra train` run): pass it as `seed=` to the completions calls and the episode's samples
-    are reproducible. None: unseeded."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for every `client.chat.completions.create` call of this episode, set by
+    whoever runs it: `run_rollouts(sampling=..., seed=...)` (`temperature`; `seed`, this episode's
+    own, so its samples are reproducible), which `palaestra train` sets to the trainer's
+    temperature (the trainer's logprobs are only right at it) and `palaestra eval` to greedy.
+    Pass them all: `create(..., **session.sampling)`; empty: the gateway's defaults."""
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,5 @@
-"""`palaestra.report`: the reward-curve PNG and the static trajectory viewer, on real `Sample`s and
-the `tiny` preset's tokenizer."""
+"""The run's report (`palaestra.orchestrator.report`: the reward-curve PNG) and the static trajectory
+viewer (`palaestra.orchestrator.viewer`), on real `Sample`s and the `tiny` preset's tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import struct
 
 import pytest
 
-from palaestra.report import plot_reward_curve, token_texts, write_trajectory_viewer
+from palaestra.orchestrator.report import plot_reward_curve
+from palaestra.orchestrator.viewer import token_texts, write_trajectory_viewer
 from palaestra.sample import Sample, sample_id_for
 
 EVIL = "<script>alert('pwned')</script>"

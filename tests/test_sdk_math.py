@@ -241,20 +241,28 @@ def test_math_env_reads_gsm8k_files(tmp_path):
 
 
 def test_seeded_runs_sample_the_same_episodes(gateway):
-    """`run_rollouts(seed=...)` gives episode j the seed `episode_seed(seed, j)`; the math
-    environment passes it on, so the same seed samples the same tokens at temperature 1 and
-    another seed does not (concurrency 1: the engine batches nothing differently)."""
+    """`run_rollouts(sampling=..., seed=...)` gives every session `sampling` plus episode j's seed
+    `episode_seed(seed, j)`; the math environment passes `session.sampling` on, so the same seed
+    samples the same tokens at temperature 1 and another seed does not, and at temperature 0 the
+    seed no longer matters (concurrency 1: the engine batches nothing differently)."""
     from palaestra.environments.math.env import MathEnv
     from palaestra.sdk.runner import episode_seed
 
     tasks = take_tasks(MathEnv(difficulty=0, kinds=["arithmetic"]), 4, seed=0)
 
-    async def run(seed):
+    async def run(seed, temperature=1.0):
         gw = GatewayClient(gateway.url, "k-sdk")
         try:
-            env = MathEnv(difficulty=0, kinds=["arithmetic"], max_tokens=12, temperature=1.0)
+            env = MathEnv(difficulty=0, kinds=["arithmetic"], max_tokens=12)
             summary = await run_rollouts(
-                env, gw, tasks, samples_per_task=2, concurrency=1, progress=False, seed=seed
+                env,
+                gw,
+                tasks,
+                samples_per_task=2,
+                concurrency=1,
+                progress=False,
+                sampling={"temperature": temperature},
+                seed=seed,
             )
         finally:
             await gw.close()
@@ -264,4 +272,5 @@ def test_seeded_runs_sample_the_same_episodes(gateway):
     first, again, other = asyncio.run(run(7)), asyncio.run(run(7)), asyncio.run(run(8))
     assert first == again
     assert first != other
+    assert asyncio.run(run(7, temperature=0.0)) == asyncio.run(run(8, temperature=0.0))  # greedy
     assert len({episode_seed(7, j) for j in range(8)}) == 8 and episode_seed(7, 0) == episode_seed("7", 0)

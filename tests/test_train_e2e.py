@@ -12,7 +12,8 @@ module, everything on 127.0.0.1:
   first turn's tokens and show both versions;
 * faults: a killed engine stops the run with its name, exit code and log; a stuck step times out.
 
-Plus unit tests of the pieces that decide what trains (`select_batch`, `sample_lag`, task order).
+What decides what trains (`select_batch`, `sample_lag`, the sample feed, task order) is tested
+without Ray in tests/test_batching.py.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ class TwoTurnEnv(Environment):
 
     Turn 1 stops at the first "e" (finish reason `stop`, so turn 2 is bridged onto its exact tokens
     rather than forked as after `max_tokens`). The reward is the parity of the reply's length, so
-    groups have reward variance."""
+    groups have reward variance. Both calls sample as the run says (`session.sampling`)."""
 
     name = "two-turn"
 
-    def __init__(self, pause_s: float = 1.0, max_tokens: int = 8, temperature: float = 1.0):
-        self.pause_s, self.max_tokens, self.temperature = pause_s, max_tokens, temperature
+    def __init__(self, pause_s: float = 1.0, max_tokens: int = 8):
+        self.pause_s, self.max_tokens = pause_s, max_tokens
 
     def tasks(self, seed: int):
         return (Task(task_id=f"count-{seed}-{i}") for i in itertools.count())
@@ -55,97 +56,15 @@ class TwoTurnEnv(Environment):
             messages=messages,
             max_tokens=16,
             stop=["e"],
-            temperature=self.temperature,
+            **session.sampling,
         )
         messages += [{"role": "assistant", "content": first.choices[0].message.content or ""}]
         await asyncio.sleep(self.pause_s)
         messages += [{"role": "user", "content": "two"}]
         second = await session.client.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=self.max_tokens, temperature=self.temperature
+            model=self.model, messages=messages, max_tokens=self.max_tokens, **session.sampling
         )
         return float(len(second.choices[0].message.content or "") % 2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Unit tests: what trains
-# ----------------------------------------------------------------------------------------------
-def _sample(sid: str, versions: list[str], reward: float = 0.0):
-    from palaestra.sample import Sample
-
-    n = len(versions)
-    return Sample(
-        sample_id=sid,
-        session_id=sid,
-        group_id="g",
-        env="e",
-        task_id="t",
-        tokens=[1, 2, *range(3, 3 + n)],
-        prompt_len=2,
-        loss_mask=[1 if v else 0 for v in versions],
-        rollout_logprobs=[-1.0 if v else 0.0 for v in versions],
-        weight_versions=versions,
-        reward=reward,
-    )
-
-
-def _record(index: int, ids: list[str]):
-    from palaestra.actors import GroupRecord
-
-    return GroupRecord(
-        index, f"t{index}", f"env/t{index}/r.{index}", ids, [0.0] * len(ids), {}, {}, 0, 0.0, 1.0
-    )
-
-
-def test_sample_lag_is_measured_from_the_oldest_sampled_token():
-    from palaestra.orchestration import sample_lag
-
-    assert sample_lag(_sample("a", ["3", "", "4"]), 5) == 2  # the masked token has no version
-    assert sample_lag(_sample("b", ["5", "5"]), 5) == 0
-    assert sample_lag(_sample("c", ["default"]), 5) == math.inf  # an engine never given a version
-
-
-def test_select_batch_drops_or_masks_stale_samples_and_filters_flat_groups():
-    from palaestra.orchestration import select_batch
-
-    groups = [
-        (_record(0, ["a", "b"]), [_sample("a", ["1"], 1.0), _sample("b", ["3"], 0.0)]),
-        (_record(1, ["c", "d"]), [_sample("c", ["3"], 1.0), _sample("d", ["3"], 1.0)]),
-    ]
-    dropped = select_batch(groups, 3, max_staleness=1, stale_policy="drop", filter_zero_variance=True)
-    # group 0 loses "a" (2 versions old) and then has one reward left: filtered; so is group 1
-    assert dropped.samples == [] and dropped.counts["stale_dropped"] == 1
-    assert dropped.counts["groups_zero_variance"] == 2 and len(dropped.considered) == 2
-
-    masked = select_batch(groups, 3, max_staleness=1, stale_policy="mask", filter_zero_variance=False)
-    assert [s.sample_id for s in masked.samples] == ["a", "b", "c", "d"]
-    assert masked.samples[0].loss_mask == [0] and masked.counts["stale_masked"] == 1
-    assert masked.lags == [2, 0, 0, 0] and groups[0][1][0].loss_mask == [1]  # the original is untouched
-
-
-def test_task_source_wraps_a_finite_list_and_run_state_tracks_consumed_tasks():
-    from palaestra.actors import TaskSource
-    from palaestra.train import RunState
-
-    class Finite(TwoTurnEnv):
-        def tasks(self, seed):
-            return [Task(task_id=f"{seed}-{i}") for i in range(3)]
-
-    source = TaskSource(Finite(), seed=10)
-    assert [source.get(i).task_id for i in [0, 1, 2, 3, 4, 1, 7]] == [
-        "10-0", "10-1", "10-2", "11-0", "11-1", "10-1", "12-1",
-    ]  # fmt: skip
-    state = RunState()
-    state.consume([0, 2, 5])
-    assert (state.watermark, state.consumed_above) == (1, [2, 5])
-    state.consume([1, 3, 4])
-    assert (state.watermark, state.consumed_above) == (6, [])
-
-
-def test_console_line_reads_as_one_line():
-    from palaestra.logging_utils import console_line
-
-    line = console_line(3, 20, {"rollout/reward_mean": 0.25, "rollout/reward_std": 0.5, "train/loss": 1e-5})
-    assert line == "step 3/20 reward 0.250±0.500 loss 1.00e-05"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +73,7 @@ def test_console_line_reads_as_one_line():
 @pytest.fixture(scope="module")
 def ray_local():
     """One local Ray for the module; the rollout actors import `test_train_e2e:TwoTurnEnv` from here."""
-    from palaestra.orchestration import init_ray
+    from palaestra.orchestrator.cluster import init_ray
 
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [TESTS_DIR, saved] if p)
@@ -282,7 +201,7 @@ def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local
 def test_a_dead_engine_stops_the_run_with_its_name_and_log(ray_local, tmp_path):
     import ray
 
-    from palaestra.orchestration import RunFailed
+    from palaestra.orchestrator.errors import RunFailed
     from palaestra.train import train
 
     def kill_engine_1(step, cluster):
@@ -301,7 +220,8 @@ def test_a_stuck_step_times_out_with_the_phase_it_was_in(ray_local):
 
     import ray
 
-    from palaestra.orchestration import StepTimeout, Waiter
+    from palaestra.orchestrator.errors import StepTimeout
+    from palaestra.orchestrator.waiting import Waiter
 
     class Alive:  # the servers' liveness check passes: only the deadline can end the wait
         def check_alive(self, phase: str) -> None:

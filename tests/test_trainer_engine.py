@@ -135,6 +135,18 @@ def test_weight_sync_updates_every_engine_and_scores_match(client, engine, tiny_
         torch.cat([engine_scores(client, s) for s in samples]) - trainer_scores(t, samples)
     ).abs().max() <= 2e-6
     assert not client.get("/server_info").json()["internal_states"][0]["paused"]
+    # step(sync=False): the trainer moves to version 3, the engine keeps 2 until sync_weights
+    metrics = t.step(samples, sync=False)
+    assert "perf/sync_s" not in metrics and t.weight_version == 3
+    assert client.get("/get_weight_version").json()["weight_version"] == "2"
+    t.sync_weights()
+    assert client.get("/get_weight_version").json()["weight_version"] == "3"
+    # other weights from a directory, the same way (pause, update, flush, version check, continue)
+    report = t.sync.load_directory(tiny_model_dir, "reset")
+    assert (report.version, report.engines) == ("reset", 1)
+    assert client.get("/get_weight_version").json()["weight_version"] == "reset"
+    assert (torch.cat([engine_scores(client, s) for s in samples]) - before).abs().max() <= 2e-6
+    assert not client.get("/server_info").json()["internal_states"][0]["paused"]
 
 
 def test_failed_engine_is_named_and_engines_stay_paused(client, engine, tiny_model_dir):

@@ -145,6 +145,14 @@ def test_architecture_fields_cannot_be_overridden(tiny_model_dir):
         Trainer(TrainerConfig(megatron={"no_such_field": 1}), tiny_model_dir)
 
 
+def test_the_trainer_takes_model_directories_not_preset_names(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="model_dir must be an HF model directory .* got 'tiny'"):
+        Trainer(TrainerConfig(), "tiny")  # resolving a preset is the caller's job
+    teacher = TrainerConfig(opd_kl_coef=1.0, teacher_mode="megatron", teacher_model=str(tmp_path))
+    with pytest.raises(ValueError, match="teacher_model must be an HF model directory"):
+        Trainer(teacher, tiny_model_dir)
+
+
 # -- logprobs and packing -------------------------------------------------------------------
 def test_packed_forward_matches_one_sequence_at_a_time(trainer, hf_tiny):
     samples = _samples(6)

@@ -45,8 +45,8 @@ WORKER = textwrap.dedent(
                   max_tokens_per_microbatch=128, kl_coef=0.05)
 
     if __name__ == "__main__":
-        out, rdzv, megatron = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-        t = Trainer(TrainerConfig(**CONFIG, megatron=megatron, dist_init_method=rdzv), "tiny")
+        out, rdzv, megatron, model_dir = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+        t = Trainer(TrainerConfig(**CONFIG, megatron=megatron, dist_init_method=rdzv), model_dir)
         import torch.distributed as dist
         from palaestra.engine.weights import read_safetensors
         rank = dist.get_rank()
@@ -72,13 +72,14 @@ WORKER = textwrap.dedent(
 )
 
 
-def run_two_ranks(tmp_path, megatron: dict) -> tuple[list[dict], dict]:
+def run_two_ranks(tmp_path, megatron: dict, model_dir) -> tuple[list[dict], dict]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
-    args = [sys.executable, str(script), str(tmp_path), f"file://{tmp_path / 'rdzv'}", json.dumps(megatron)]
+    rdzv = f"file://{tmp_path / 'rdzv'}"
+    args = [sys.executable, str(script), str(tmp_path), rdzv, json.dumps(megatron), str(model_dir)]
     procs = [
         subprocess.Popen(
             args,
@@ -138,8 +139,8 @@ def compare(ranks: list[dict], result: dict, single: dict, label: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_match_one_process(tmp_path, single):
-    ranks, result = run_two_ranks(tmp_path, {})
+def test_two_data_parallel_ranks_match_one_process(tmp_path, single, tiny_model_dir):
+    ranks, result = run_two_ranks(tmp_path, {}, tiny_model_dir)
     print(f"micro-batches per DP rank: {[r['microbatches'] for r in ranks]}")
     assert all(r["microbatches"] >= 1 and r["rows"] > 0 for r in ranks)  # both ranks did real work
     compare(ranks, result, single, "DP=2")
@@ -147,8 +148,8 @@ def test_two_data_parallel_ranks_match_one_process(tmp_path, single):
 
 
 @pytest.mark.slow
-def test_two_tensor_parallel_ranks_match_one_process(tmp_path, single):
-    ranks, result = run_two_ranks(tmp_path, {"tensor_model_parallel_size": 2})
+def test_two_tensor_parallel_ranks_match_one_process(tmp_path, single, tiny_model_dir):
+    ranks, result = run_two_ranks(tmp_path, {"tensor_model_parallel_size": 2}, tiny_model_dir)
     assert all(r["load_exact"] for r in ranks)  # HF -> shard -> gather -> HF is bit-exact
     assert all(r["local_qkv_rows"] == 512 // 2 for r in ranks)  # each rank holds one KV group
     assert ranks[0]["microbatches"] == ranks[1]["microbatches"]  # TP ranks share the data

@@ -102,7 +102,8 @@ class TrainerConfig:
     `teacher_logprobs` are not rescored)."""
 
     teacher_model: str | None = None
-    """megatron mode: HF directory (or preset) of the teacher; same architecture as the student."""
+    """megatron mode: the teacher's HF directory (`palaestra train` resolves a preset name to it);
+    same architecture as the student."""
 
     teacher_urls: list[str] = field(default_factory=list)
     """sglang mode: teacher engine URLs (or one router URL)."""

@@ -42,7 +42,6 @@ Scores = dict[str, torch.Tensor]  # kind ("sampled", "topk", "full") -> per-row 
 
 class Distiller:
     def __init__(self, trainer: Trainer, panel: TeacherPanel):
-        from palaestra.models import resolve_model
         from palaestra.trainer.teacher import SGLangTeacher, load_teacher_tensors
 
         self.trainer = trainer
@@ -50,7 +49,7 @@ class Distiller:
         self.engines: dict[str, SGLangTeacher] = {}
         for name, spec in panel.specs.items():
             if spec.mode == "megatron":
-                tensors = load_teacher_tensors(resolve_model(str(spec.model)), trainer.arch)
+                tensors = load_teacher_tensors(str(spec.model), trainer.arch)  # a directory (checked)
                 trainer.snapshots.load(snapshot_tag(name), trainer.shard_tp(tensors))
             else:
                 self.engines[name] = SGLangTeacher(spec.urls, trainer.model_dir, spec.concurrency)

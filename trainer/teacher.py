@@ -9,7 +9,7 @@
   sample, ``max_new_tokens: 0``, ``return_logprob: true``, ``logprob_start_len: 0``. The answer's
   ``input_token_logprobs`` has one entry per token, the first with a null logprob; entry j is
   log P(token j | tokens before j), so a sample's response logprobs are the entries from
-  ``prompt_len`` on (taken from the end, as SGLANG_PROTOCOL.md §1.4 advises).
+  ``prompt_len`` on (aligned from the end, as docs/engine-protocol.md advises).
 
 Teacher logprobs are at temperature 1 in both modes: SGLang reports prompt logprobs unscaled.
 

@@ -1,7 +1,8 @@
 """The trainer: `Sample`s in, better weights out, pushed to the inference engines.
 
-    trainer = Trainer(TrainerConfig(...), "tiny", engine_urls=["http://127.0.0.1:30001"])
+    trainer = Trainer(TrainerConfig(...), model_dir, engine_urls=["http://127.0.0.1:30001"])
     metrics = trainer.step(samples)     # one optimizer step, then weight sync
+    metrics = trainer.step(samples, sync=False); ...; trainer.sync_weights()   # the sync apart
     trainer.save("ckpt/step-10"); trainer.load("ckpt/step-10"); trainer.export_hf("hf-out")
 
 `Trainer.step` is the algorithm; everything it calls lives in a module of its own:
@@ -11,12 +12,17 @@
     ref / old    logprobs of the reference and the pre-update policy           (snapshots.py)
     advantages   estimator per group, then the OPD and KL-reward terms         (advantages.py)
     train        PPO-clip loss with TIS/RS/KL, one optimizer step    (objective.py, losses.py)
-    sync         new weights to every engine, weight_version + 1               (weight_sync.py)
+    sync         new weights to every engine as weight_version                 (weight_sync.py)
 
 Simplifications, on purpose: one optimizer step per call (no PPO epochs or mini-batches — call
 `step` again for more); constant learning rate (`megatron_optimizer["lr"]`). Tensor and data
 parallelism work (Megatron's own options); pipeline, context and expert parallelism are refused
 with the reason. With several processes every rank calls `step`; rank 0's samples are used.
+
+The trainer owns the weight version: `step` adds one per optimizer step, and the engines get
+exactly that number with the weights; whoever drives it reads `weight_version`, never counts.
+`model_dir` (and a megatron-mode `teacher_model`) are HF directories: resolving a preset name to
+its directory is the caller's job (in a `palaestra train` run, the trainer's Ray actor does it).
 """
 
 from __future__ import annotations
@@ -56,6 +62,16 @@ _UNSUPPORTED_PARALLEL = {
 }
 
 
+def _model_directory(path: str | Path | None, field: str) -> Path:
+    """`path` as a directory with an HF `config.json`, or a ValueError naming `field`."""
+    if path is None or not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f"{field} must be an HF model directory (with config.json); got {path!r}. The trainer "
+            "takes directories: resolve a preset name to its directory first"
+        )
+    return Path(path)
+
+
 def format_metrics(metrics: dict[str, float]) -> str:
     """One console line: the keys that matter most first."""
     keys = ["train/step", "train/loss", "train/nll", "train/pg_loss", "train/kl", "train/entropy", "train/clipfrac",
@@ -65,14 +81,19 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 class Trainer:
     def __init__(self, config: TrainerConfig, model_dir: str | Path, engine_urls: Sequence[str] = ()):
+        """`model_dir`: the student's HF directory (a preset's name must be resolved by the caller)."""
         cpu_shim.import_megatron()
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from transformers import AutoConfig
 
-        from palaestra.models import resolve_model
-
         self.config = config
-        self.model_dir = resolve_model(str(model_dir))
+        self.model_dir = _model_directory(model_dir, "model_dir")
+        panel = config.panel() if config.opd_enabled else None
+        for name, spec in (panel.specs if panel is not None else {}).items():  # fail before building
+            if spec.mode == "megatron":
+                _model_directory(
+                    spec.model, "teacher_model" if not config.teachers else f"teachers.{name}.model"
+                )
         self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
         for key, why in _UNSUPPORTED_PARALLEL.items():
@@ -99,8 +120,7 @@ class Trainer:
             self.snapshots.save("ref")
         if config.keep_old_actor:
             self.snapshots.save("old_actor")
-        panel = config.panel()
-        self.distiller = Distiller(self, panel) if panel is not None and config.opd_enabled else None
+        self.distiller = Distiller(self, panel) if panel is not None else None
         self.sync = (
             WeightSync(
                 engine_urls,
@@ -120,8 +140,12 @@ class Trainer:
     # ==========================================================================================
     # The algorithm
     # ==========================================================================================
-    def step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One RL/OPD step over `samples`: returns namespaced metrics (train/, opd/, mismatch/, perf/)."""
+    def step(self, samples: Sequence[Sample], *, sync: bool = True) -> dict[str, float]:
+        """One RL/OPD step over `samples`: returns namespaced metrics (train/, opd/, mismatch/, perf/).
+
+        With `sync` (and engines to sync to) the new weights go to every engine before it returns;
+        `sync=False` leaves that to a later `sync_weights()` (a driver that must drain generation
+        or pause a gateway first)."""
         started = time.perf_counter()
         samples = self._broadcast(list(samples))
         mbs, plan_metrics = self._schedule(samples)
@@ -158,7 +182,7 @@ class Trainer:
         metrics["train/step"] = float(self.step_count)
         metrics["train/weight_version"] = float(self.weight_version)
         metrics["train/reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
-        if self.sync is not None:
+        if sync and self.sync is not None:
             metrics.update(self.sync_weights())
         elapsed = time.perf_counter() - started
         metrics["perf/step_s"] = elapsed

@@ -15,6 +15,9 @@ have left behind:
    (``/get_weight_version``, or ``/model_info`` where that answers 404).
 4. ``POST /continue_generation`` on every engine.
 
+`load_directory` runs the same four steps with an HF directory every engine reads itself (other
+weights than the trainer's, e.g. the teacher's for a reference evaluation).
+
 Every call is retried (``sync_retries`` attempts, growing back-off). If an engine still fails,
 `WeightSyncError` names it and the step, and the engines are left **paused**: nothing generates
 with a mix of versions until the caller decides what to do.
@@ -166,6 +169,32 @@ class WeightSync:
                 )
                 for b in buckets
             ]
+        self._update_all(calls, v)
+        if self.mode == "disk":
+            for old in self.disk_dir.glob("v*"):  # keep only the version the engines now hold
+                if old.name != f"v{v}":
+                    shutil.rmtree(old, ignore_errors=True)
+        return SyncReport(
+            version=v,
+            bytes=raw,
+            seconds=time.perf_counter() - started,
+            buckets=len(calls),
+            engines=len(self.urls),
+        )
+
+    def load_directory(self, model_dir: str | Path, version: int | str) -> SyncReport:
+        """Every engine loads the HF directory `model_dir` (readable by each of them) as `version`:
+        other weights than the trainer's, e.g. a teacher's for evaluation. The same pause → update
+        → flush → version check → continue as `push`, whatever `mode` is."""
+        v = str(version)
+        started = time.perf_counter()
+        self._update_all([("/update_weights_from_disk", {"model_path": str(model_dir)})], v)
+        return SyncReport(
+            version=v, bytes=0, seconds=time.perf_counter() - started, buckets=1, engines=len(self.urls)
+        )
+
+    def _update_all(self, calls: Sequence[tuple[str, dict[str, Any]]], v: str) -> None:
+        """Steps 1-4 of the module docstring: `calls` (path, body) on every engine, ending at `v`."""
         with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
             for url in self.urls:
                 self._call(client, url, "pause", "POST", "/pause_generation", {"mode": self.pause_mode})
@@ -185,14 +214,3 @@ class WeightSync:
                     )
             for url in self.urls:
                 self._call(client, url, "continue", "POST", "/continue_generation", {})
-        if self.mode == "disk":
-            for old in self.disk_dir.glob("v*"):  # keep only the version the engines now hold
-                if old.name != f"v{v}":
-                    shutil.rmtree(old, ignore_errors=True)
-        return SyncReport(
-            version=v,
-            bytes=raw,
-            seconds=time.perf_counter() - started,
-            buckets=len(calls),
-            engines=len(self.urls),
-        )

@@ -6,6 +6,8 @@ Two variants:
   `max_turns` turns; the environment evaluates each call safely (`calculator.py`, no eval).
 
 Tasks come from the seeded generator (`tasks.py`) or, with `data=PATH`, from a GSM8K-format JSONL.
+Sampling settings (temperature, the episode's seed) are the run's: every call passes
+`**session.sampling`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,6 @@ SYSTEM = "Solve the problem. Put the final answer in \\boxed{}."
 TOOL_SYSTEM = "Solve the problem. Use the calculator tool for arithmetic. Put the final answer in \\boxed{}."
 
 
-def _seed(session: Session) -> dict[str, int]:
-    """`seed=` for the completions call when the runner seeded the episode (reproducible samples)."""
-    return {} if session.seed is None else {"seed": session.seed}
-
-
 class MathEnv(Environment):
     name = "math"
 
@@ -41,13 +38,12 @@ class MathEnv(Environment):
         difficulty: int = 1,
         data: str | None = None,
         max_tokens: int = 256,
-        temperature: float = 1.0,
         kinds: Sequence[str] = KINDS,
     ):
         """`difficulty` 0-5 and `kinds` (arithmetic, word_problem, fraction; cycled) choose the
         generated tasks; `data` (a GSM8K-format JSONL) replaces them."""
         self.difficulty, self.data, self.kinds = difficulty, data, tuple(kinds)
-        self.max_tokens, self.temperature = max_tokens, temperature
+        self.max_tokens = max_tokens
         if not data:  # a bad difficulty or kind fails here, clearly, not in the middle of a run
             if not self.kinds:
                 raise ValueError("kinds must not be empty")
@@ -61,9 +57,8 @@ class MathEnv(Environment):
         reply = await session.client.chat.completions.create(
             model=self.model,
             max_tokens=self.max_tokens,
-            temperature=self.temperature,
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}],
-            **_seed(session),
+            **session.sampling,
         )
         result = await averify_math(reply.choices[0].message.content or "", task.answer)
         return Reward(
@@ -87,8 +82,7 @@ class MathToolEnv(MathEnv):
                 messages=messages,
                 tools=[CALCULATOR_TOOL],
                 max_tokens=self.max_tokens,
-                temperature=self.temperature,
-                **_seed(session),
+                **session.sampling,
             )
             message = reply.choices[0].message
             messages.append(message.model_dump(exclude_none=True))

@@ -5,35 +5,48 @@
 * `AsyncSource`: continuous generation, at most (1 + max_staleness) steps ahead, the gateway
   drained and paused around every weight sync.
 
-`palaestra.train._Loop` calls `begin`, then per step `batch` → train → `before_sync` → sync →
-`after_sync`, and `end` last.
+The run (`loop.Run`) calls `begin`, then per step `batch` → train → `before_sync` → sync →
+`after_sync`, and `end` last. What trains of the groups is `batching.select_batch`'s decision.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 from palaestra.config import RunConfig
-from palaestra.orchestration import Batch, Cluster, RunFailed, SampleFeed, Waiter, select_batch
-
-if TYPE_CHECKING:
-    from palaestra.train import RunState
+from palaestra.orchestrator.batching import Batch, SampleFeed, select_batch
+from palaestra.orchestrator.cluster import Cluster
+from palaestra.orchestrator.errors import RunFailed
+from palaestra.orchestrator.waiting import Waiter
 
 __all__ = ["SOURCES", "AsyncSource", "OneStepOffSource", "Source", "SyncSource"]
 
-log = logging.getLogger("palaestra.train")
+log = logging.getLogger(__name__)
 
 
 class Source:
-    """Groups of samples for each step; subclasses decide what overlaps with training."""
+    """Groups of samples for each step; subclasses decide what overlaps with training.
 
-    def __init__(self, cfg: RunConfig, cluster: Cluster, feed: SampleFeed, waiter: Waiter, state: RunState):
-        self.cfg, self.cluster, self.feed, self.waiter, self.state = cfg, cluster, feed, waiter, state
+    Task indices start at `first` (every index below it was consumed); `skip` lists consumed
+    indices above it (async mode consumes out of order; a resumed run must not redo them)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        cluster: Cluster,
+        feed: SampleFeed,
+        waiter: Waiter,
+        first: int = 0,
+        skip: Sequence[int] = (),
+    ):
+        self.cfg, self.cluster, self.feed, self.waiter = cfg, cluster, feed, waiter
+        self.first, self.skip = first, list(skip)
         self.per_step = cfg.env.tasks_per_step
-        self.next_index = state.watermark  # sync and one-step-off consume whole steps in order
+        self.next_index = first  # sync and one-step-off consume whole steps in order
 
     def _indices(self) -> list[int]:
         first, self.next_index = self.next_index, self.next_index + self.per_step
@@ -138,9 +151,7 @@ class AsyncSource(Source):
         import ray
 
         ray.get(
-            self.cluster.rollout.start_stream.remote(
-                self.state.watermark, self.state.consumed_above, self._allowed()
-            ),
+            self.cluster.rollout.start_stream.remote(self.first, self.skip, self._allowed()),
             timeout=60,
         )
 
@@ -163,7 +174,7 @@ class AsyncSource(Source):
         return bool(self.ready)
 
     def batch(self, step: int, trainer_version: int) -> Batch:
-        merged = Batch([], [], [], Counter())
+        merged = Batch.empty()
         while len(merged.groups) < self.per_step:  # filtered groups are replaced by later ones
             self.waiter.wait_until(
                 self._collect,

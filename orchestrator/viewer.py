@@ -1,16 +1,14 @@
-"""What a run shows when it is done: the reward curve (PNG) and a static trajectory viewer (HTML).
+"""The static trajectory viewer: one HTML file of a step's samples, token by token.
 
-    from palaestra.report import plot_reward_curve, write_trajectory_viewer
-    plot_reward_curve(step_rows, "runs/demo/reward_curve.png", teacher_accuracy=0.62)
-    write_trajectory_viewer([s.to_dict() for s in samples], tokenizer, "runs/demo/trajectories.html",
+    from palaestra.orchestrator.viewer import write_trajectory_viewer
+    write_trajectory_viewer([s.to_dict() for s in samples], tokenizer, "runs/demo/viewer.html",
                             title="demo: last step")
 
-`step_rows` are the per-step metric dicts the training loop logs (keys below; a row may lack any
-of them, e.g. held-out accuracy exists only on evaluation steps). The viewer is one HTML file with
-inline CSS and JS and no network access: a filterable list of samples and, for the selected one,
-its response tokens coloured by loss mask (policy-sampled vs environment/template tokens) or by
-the student−teacher logprob gap. Token strings are embedded once per sample as JSON and put on
-the page with `textContent`, so whatever the model wrote (`<script>` included) stays text.
+One HTML file with inline CSS and JS and no network access: a filterable list of samples and, for
+the selected one, its response tokens coloured by loss mask (policy-sampled vs environment/template
+tokens) or by the student−teacher logprob gap. Token strings are embedded once per sample as JSON
+and put on the page with `textContent`, so whatever the model wrote (`<script>` included) stays
+text.
 """
 
 from __future__ import annotations
@@ -25,119 +23,9 @@ from typing import Any
 
 from palaestra.sample import Sample
 
-__all__ = [
-    "EVAL_ACCURACY",
-    "REWARD_MEAN",
-    "REWARD_STD",
-    "STEP",
-    "TEACHER_ACCURACY",
-    "plot_reward_curve",
-    "token_texts",
-    "write_trajectory_viewer",
-]
-
-# Metric keys read from each step's row (the loop's namespaced metrics).
-STEP = "train/step"
-REWARD_MEAN = "rollout/reward_mean"
-REWARD_STD = "rollout/reward_std"
-EVAL_ACCURACY = "eval/accuracy"  # held-out accuracy of the student, on evaluation steps
-TEACHER_ACCURACY = "eval/teacher_accuracy"  # the teacher's held-out accuracy (a reference line)
+__all__ = ["token_texts", "write_trajectory_viewer"]
 
 
-def _number(row: Mapping[str, Any], key: str) -> float | None:
-    value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        return None
-    return float(value)
-
-
-def plot_reward_curve(
-    rows: Sequence[Mapping[str, Any]],
-    path: str | Path,
-    *,
-    title: str = "Training reward",
-    teacher_accuracy: float | None = None,
-) -> Path:
-    """Reward mean (± std band) per step, held-out accuracy where measured, the teacher's as a line.
-
-    A row's step is `train/step` (its index when absent). `teacher_accuracy` defaults to the last
-    `eval/teacher_accuracy` in the rows. Writes a PNG (matplotlib's Agg canvas; no display needed).
-    """
-    from matplotlib.figure import Figure  # a Figure without pyplot: no global backend or state
-    from matplotlib.ticker import MaxNLocator
-
-    steps = [_number(r, STEP) for r in rows]
-    steps = [float(i) if s is None else s for i, s in enumerate(steps)]
-    reward = [
-        (s, _number(r, REWARD_MEAN), _number(r, REWARD_STD) or 0.0) for s, r in zip(steps, rows, strict=True)
-    ]
-    reward = [(s, m, sd) for s, m, sd in reward if m is not None]
-    accuracy = [
-        (s, a) for s, r in zip(steps, rows, strict=True) if (a := _number(r, EVAL_ACCURACY)) is not None
-    ]
-    if teacher_accuracy is None:
-        teacher_values = [t for r in rows if (t := _number(r, TEACHER_ACCURACY)) is not None]
-        teacher_accuracy = teacher_values[-1] if teacher_values else None
-
-    show_accuracy = bool(accuracy) or teacher_accuracy is not None
-    fig = Figure(figsize=(8, 6 if show_accuracy else 4.5), dpi=120, layout="constrained")
-    if show_accuracy:  # two panels on one step axis: reward and accuracy have different scales
-        ax, acc_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    else:
-        ax, acc_ax = fig.subplots(1, 1), None
-    if reward:
-        xs, means, stds = zip(*reward, strict=True)
-        ax.fill_between(
-            xs,
-            [m - s for m, s in zip(means, stds, strict=True)],
-            [m + s for m, s in zip(means, stds, strict=True)],
-            color="tab:blue",
-            alpha=0.2,
-            linewidth=0,
-            label="± std over the step's samples",
-        )
-        ax.plot(xs, means, color="tab:blue", marker="o", markersize=3, label="mean reward")
-        ax.legend(loc="best", fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no reward recorded", transform=ax.transAxes, ha="center", color="gray")
-    ax.set_ylabel("reward per sample")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    bottom = ax
-    if acc_ax is not None:
-        if accuracy:
-            xs, values = zip(*accuracy, strict=True)
-            acc_ax.plot(xs, values, color="tab:green", marker="s", markersize=5, label="student")
-            for x, v in accuracy:
-                acc_ax.annotate(
-                    f"{v:.2f}",
-                    (x, v),
-                    textcoords="offset points",
-                    xytext=(0, 7),
-                    ha="center",
-                    fontsize=8,
-                    bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
-                )
-        if teacher_accuracy is not None:
-            acc_ax.axhline(
-                teacher_accuracy, color="tab:red", linestyle="--", label=f"teacher ({teacher_accuracy:.2f})"
-            )
-        acc_ax.set_ylim(0, 1.08)
-        acc_ax.set_ylabel("held-out accuracy")
-        acc_ax.grid(alpha=0.3)
-        acc_ax.legend(loc="lower right", fontsize="small")
-        bottom = acc_ax
-    bottom.set_xlabel("training step")
-    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------
-# The trajectory viewer
-# ----------------------------------------------------------------------------------------------
 def token_texts(tokenizer, ids: Sequence[int], start: int = 0) -> list[str]:
     """The text each of `ids[start:]` adds, decoded in context (incremental detokenization).
 

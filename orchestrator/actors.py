@@ -1,14 +1,16 @@
-"""The boxes of a training run, as classes Ray runs as actors (`palaestra.orchestration` places them).
+"""The boxes of a training run, as classes Ray runs as actors (`cluster.Cluster` places them).
 
 * `ServerHost` — one HTTP server subprocess: an inference engine (embedded or SGLang), the
   sglang-router or the gateway. It answers with the server's URL and reports the process's exit
   code and log tail, so the driver can say *which* box died and why. Ray kills the subprocess with
   its actor (per-worker process groups), so a crashed driver leaves nothing behind.
 * `RolloutWorker` — the environment runner: groups of `samples_per_task` sessions per task through
-  the gateway (`palaestra.sdk.runner.run_rollouts`), either a given range of task indices
-  (sync, one-step-off) or a continuous stream bounded by an admission limit (async).
+  the gateway (`palaestra.sdk.runner.run_rollouts`, with the run's sampling settings), either a
+  given range of task indices (sync, one-step-off) or a continuous stream bounded by an admission
+  limit (async). Each finished group comes back as a `batching.GroupRecord`.
 * `TrainerWorker` — one rank of the Megatron trainer (`palaestra.trainer.Trainer`); RANK,
-  WORLD_SIZE and MASTER_ADDR/PORT come from the driver (gloo on CPU, nccl on GPU).
+  WORLD_SIZE and MASTER_ADDR/PORT come from the driver (gloo on CPU, nccl on GPU). Model names
+  (presets) are resolved to directories here: the trainer takes directories only.
 
 The classes are plain Python: `ray.remote(cls)` makes them actors, and tests may use them directly.
 """
@@ -21,11 +23,12 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GroupRecord", "RolloutWorker", "ServerHost", "TaskSource", "TrainerWorker", "node_address"]
+from palaestra.orchestrator.batching import TRAINABLE, GroupRecord
+
+__all__ = ["RolloutWorker", "ServerHost", "TaskSource", "TrainerWorker", "node_address"]
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -82,8 +85,8 @@ class ServerHost:
         startup_timeout: float,
     ) -> str:
         """An embedded engine (`palaestra engine serve`) or SGLang (`palaestra sglang launch`)."""
+        from palaestra.models import resolve_model
         from palaestra.net import free_port
-        from palaestra.presets import resolve_model
 
         port = free_port(node_address(host)[0])
         if backend == "embedded":
@@ -185,23 +188,6 @@ class TaskSource:
         return self._last
 
 
-@dataclass
-class GroupRecord:
-    """One finished group (a task's `samples_per_task` sessions), as the driver needs it."""
-
-    task_index: int
-    task_id: str
-    group_id: str
-    sample_ids: list[str]  # of sessions that completed or were truncated (the trainable ones)
-    rewards: list[float]  # of those sessions
-    statuses: dict[str, int]  # sessions per status
-    metrics: dict[str, float]  # the environment's metrics, averaged over trainable sessions
-    sampled_tokens: int
-    started: float  # wall clock (time.time()) of the first session's start
-    finished: float
-    errors: list[str] = field(default_factory=list)
-
-
 class RolloutWorker:
     """Runs the environment's rollouts through the gateway (a Ray async actor: one event loop)."""
 
@@ -209,7 +195,7 @@ class RolloutWorker:
         self,
         env_name: str,
         env_args: dict[str, Any],
-        temperature: float,
+        sampling: dict[str, Any],
         gateway_url: str,
         api_key: str,
         seed: int,
@@ -220,11 +206,9 @@ class RolloutWorker:
         from palaestra.sdk import GatewayClient, load_environment
 
         self.env = load_environment(env_name, **env_args)
-        # The SDK's convention (as `palaestra eval`): an environment's sampling temperature is its
-        # `temperature` attribute. The trainer's logprobs are only right at the same temperature.
-        self.sets_temperature = hasattr(self.env, "temperature")
-        if self.sets_temperature:
-            self.env.temperature = temperature
+        # Every session gets these (`session.sampling`, plus its episode's seed): the trainer's
+        # logprobs are only right at the temperature the rollouts were sampled at.
+        self.sampling = dict(sampling)
         self.env_name, self.env_args = env_name, env_args
         self.gateway = GatewayClient(gateway_url, api_key, retries=5)
         self.tasks = TaskSource(self.env, seed)
@@ -241,7 +225,7 @@ class RolloutWorker:
         self._allowed_changed = asyncio.Event()
 
     def info(self) -> dict[str, Any]:
-        return {"env": self.env.name, "sets_temperature": self.sets_temperature}
+        return {"env": self.env.name, "sampling": self.sampling}
 
     async def _group(self, index: int) -> GroupRecord:
         from palaestra.sdk.runner import run_rollouts
@@ -256,9 +240,10 @@ class RolloutWorker:
             concurrency=self.samples_per_task,
             progress=False,
             run_id=f"{self.run_id}.{index}",
+            sampling=self.sampling,
             seed=f"{self.seed}/{index}",  # group `index` samples alike in every run of this seed
         )
-        ok = [r for r in summary.results if r.status in ("completed", "truncated")]
+        ok = [r for r in summary.results if r.status in TRAINABLE]
         keys = sorted({k for r in ok for k in r.metrics})
         return GroupRecord(
             task_index=index,
@@ -361,8 +346,6 @@ class RolloutWorker:
         from palaestra.sdk.runner import run_rollouts, take_tasks
 
         env = load_environment(self.env_name, **self.env_args)
-        if hasattr(env, "temperature"):
-            env.temperature = 0.0
         summary = await run_rollouts(
             env,
             self.gateway,
@@ -371,6 +354,7 @@ class RolloutWorker:
             concurrency=concurrency,
             progress=False,
             run_id=f"eval-{self.run_id}-{tag}",
+            sampling={**self.sampling, "temperature": 0.0},
         )
         scored = [r for r in summary.results if r.status != "failed"]
         correct = sum(r.metrics.get("correct", float(r.reward > 0)) for r in scored)
@@ -418,10 +402,19 @@ class TrainerWorker:
         self.trainer = None
 
     def build(self, config: dict[str, Any], model: str, engine_urls: Sequence[str]) -> dict[str, Any]:
-        """Builds the Megatron trainer (`engine_urls`: the engines that get its weights)."""
+        """Builds the Megatron trainer of `model` (a preset or a directory; `engine_urls`: the
+        engines that get its weights). A megatron-mode teacher named by preset is resolved too."""
+        from palaestra.models import resolve_model
         from palaestra.trainer import Trainer, TrainerConfig
 
-        self.trainer = Trainer(TrainerConfig.from_dict(config), model, engine_urls=engine_urls)
+        config = dict(config)
+        if config.get("teacher_model"):
+            config["teacher_model"] = str(resolve_model(config["teacher_model"]))
+        config["teachers"] = {  # a panel's megatron teachers too
+            name: {**spec, "model": str(resolve_model(spec["model"]))} if spec.get("model") else spec
+            for name, spec in (config.get("teachers") or {}).items()
+        }
+        self.trainer = Trainer(TrainerConfig.from_dict(config), resolve_model(model), engine_urls=engine_urls)
         return self.ready()
 
     def ready(self) -> dict[str, Any]:
@@ -435,23 +428,17 @@ class TrainerWorker:
         }
 
     def train(self, samples: list) -> dict[str, float]:
-        """One optimizer step on `samples`, without the weight sync (`sync_weights` does it).
+        """One optimizer step on `samples`, without the weight sync: the loop syncs apart
+        (one-step-off waits for the next batch's generation first; async pauses the gateway)."""
+        return self.trainer.step(samples, sync=False)
 
-        `Trainer.step` ends with the sync; the loop needs it apart (one-step-off waits for the
-        next batch's generation first; async pauses the gateway around it), so the sync client is
-        set aside for the step. Ask: a `Trainer.step(samples, sync=False)` would make this a call.
-        """
-        sync, self.trainer.sync = self.trainer.sync, None
-        try:
-            return self.trainer.step(samples)
-        finally:
-            self.trainer.sync = sync
-
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self) -> tuple[int, dict[str, float]]:
+        """The live weights onto every engine: (the weight version they now hold, metrics). The
+        trainer owns the version; the driver reads it here."""
         started = time.perf_counter()
         metrics = self.trainer.sync_weights()
         metrics.setdefault("perf/sync_s", time.perf_counter() - started)
-        return metrics
+        return self.trainer.weight_version, metrics
 
     def weight_version(self) -> int:
         return self.trainer.weight_version
@@ -467,18 +454,6 @@ class TrainerWorker:
         return str(self.trainer.export_hf(path))
 
     def teacher_logprobs(self, samples: list) -> list[list[float]] | None:
-        """Per sample, the teacher's logprob of each response token (for the trajectory viewer);
+        """Per sample, its teacher's logprob of each response token (for the trajectory viewer);
         None without a teacher."""
-        t = self.trainer
-        if t.config.opd_kl_coef <= 0 or not samples:
-            return None
-        if t.sglang_teacher is not None:
-            return t.sglang_teacher.score(samples)
-        from palaestra.trainer.packing import build_micro_batch
-
-        out: list[list[float]] = []
-        for s in samples:  # one micro-batch per sample: the viewer's handful, not a training batch
-            mb = build_micro_batch([s], [0])
-            (rows,) = t.logprobs([mb], tag="teacher", temperature=1.0)
-            out.append(rows.tolist())
-        return out
+        return self.trainer.teacher_logprobs(samples)

@@ -1,5 +1,7 @@
-"""Where a training run's metrics go: a console line per step, TensorBoard, W&B, a JSON-lines file.
+"""A run's metrics: what a step's batch measured, and where metrics go (a console line per step,
+TensorBoard, W&B, a JSON-lines file).
 
+    metrics = rollout_metrics(batch)                   # rollout/* (and perf/gen_s) of one step's batch
     tracker = make_tracker(cfg.logging, output_dir, run_name="demo", config=config_to_dict(cfg))
     tracker.log({"rollout/reward_mean": 0.4, "train/loss": 0.1}, step=3)
     print(console_line(3, 20, metrics))
@@ -13,7 +15,7 @@ The loop never asks which backends are on: `make_tracker` always returns one obj
 is used when `logging.tensorboard_dir` is set (`torch.utils.tensorboard`, the `tensorboard`
 package); W&B when `logging.wandb_project` is set and `wandb` is installed (offline by default;
 `wandb sync` uploads later); without either the tracker is a no-op. `metrics.jsonl` in the output
-directory is always written: one JSON object per step, what `palaestra.report` plots.
+directory is always written: one JSON object per step, what `report.plot_reward_curve` plots.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from palaestra.config import LoggingOptions
+from palaestra.orchestrator.batching import Batch
 
 __all__ = [
     "NAMESPACES",
@@ -37,11 +41,41 @@ __all__ = [
     "WandbTracker",
     "console_line",
     "make_tracker",
+    "rollout_metrics",
 ]
 
-log = logging.getLogger("palaestra.train")
+log = logging.getLogger(__name__)
 
 NAMESPACES = ("rollout/", "train/", "opd/", "mismatch/", "perf/", "eval/")
+
+
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """`rollout/*` of one step's batch: reward, sizes, staleness, what was dropped and why,
+    sessions per status, the environment's own metrics (`rollout/env_*`); `perf/gen_s` is the
+    wall time from the first group's start to the last one's end."""
+    rewards = [r for g in batch.groups for r in g.rewards]
+    samples = batch.samples
+    m: dict[str, float] = {
+        "rollout/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+        "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/samples": float(len(samples)),
+        "rollout/groups": float(len(batch.groups)),
+        "rollout/sampled_tokens": float(sum(s.num_sampled for s in samples)),
+        "rollout/response_len_mean": statistics.fmean(s.response_len for s in samples) if samples else 0.0,
+        "rollout/staleness_mean": statistics.fmean(batch.lags) if batch.lags else 0.0,
+        "rollout/staleness_max": max(batch.lags, default=0.0),
+        "rollout/stale_dropped": float(batch.counts["stale_dropped"]),
+        "rollout/stale_masked": float(batch.counts["stale_masked"]),
+        "rollout/groups_zero_variance": float(batch.counts["groups_zero_variance"]),
+        "rollout/dropped": float(batch.counts["stale_dropped"] + batch.counts["zero_variance_samples"]),
+    }
+    for status, n in batch.session_statuses().items():
+        m[f"rollout/sessions_{status}"] = float(n)
+    if batch.groups:
+        m["perf/gen_s"] = max(g.finished for g in batch.groups) - min(g.started for g in batch.groups)
+    for k in sorted({k for g in batch.groups for k in g.metrics}):
+        m[f"rollout/env_{k}"] = statistics.fmean(g.metrics.get(k, 0.0) for g in batch.groups)
+    return m
 
 
 class Tracker(Protocol):

@@ -1,0 +1,78 @@
+"""Streaming machinery shared by every dialect: what text may go out yet, and SSE framing.
+
+The core (`service.GatewayService`) streams a turn as `dialect.StreamEvent`s; a dialect's shaper
+turns them into its server-sent events. This module holds what neither side is about:
+
+* `HeldBackText`: the decoded text of a growing list of token ids, minus what cannot be sent yet
+  (a partial UTF-8 character, the start of tool-call markup or `<think>`, a possible stop string),
+  so an agent never receives text that the final parse would have to take back;
+* `sse` / `SSE_DONE`: one event's wire text;
+* `shaped_stream`: runs a shaper over the core's events so that closing the response closes both
+  (a client that goes away releases the pause gate at once, not when the generator is collected).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from palaestra.gateway.dialect import StreamEvent
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event; `event` names it (Anthropic and the Responses API name theirs)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def safe_prefix(text: str, markers: list[str], stops: list[str]) -> str:
+    """The part of streamed text that can go out now: not a partial UTF-8 char, markup or stop string."""
+    cut = len(text)
+    while cut and text[cut - 1] == "\ufffd":
+        cut -= 1
+    for held in (markers, stops):
+        for s in held:
+            pos = text.find(s)
+            if pos >= 0:
+                cut = min(cut, pos)
+            for k in range(len(s) - 1, 0, -1):  # it may be arriving
+                if text[:cut].endswith(s[:k]):
+                    cut -= k
+                    break
+    return text[:cut]
+
+
+class HeldBackText:
+    """Text of a stream's ids so far, handed out only as far as `safe_prefix` allows."""
+
+    def __init__(self, decode: Callable[[list[int]], str], markers: list[str], stops: list[str]):
+        self.decode = decode
+        self.markers = [m for m in markers if m]
+        self.stops = stops
+        self.sent = ""
+
+    def advance(self, ids: list[int]) -> str:
+        """The new text that can go out, given all ids so far ('' when nothing may be sent yet)."""
+        safe = safe_prefix(self.decode(ids), self.markers, self.stops)
+        if len(safe) > len(self.sent) and safe.startswith(self.sent):
+            delta, self.sent = safe[len(self.sent) :], safe
+            return delta
+        return ""
+
+    def unsent(self, content: str) -> str:
+        """What of the final content still has to go out: what was sent cannot be taken back, so
+        only text that extends it is sent."""
+        return content[len(self.sent) :] if content.startswith(self.sent) else ""
+
+
+async def shaped_stream(
+    events: AsyncGenerator[StreamEvent, None],
+    shape: Callable[[AsyncGenerator[StreamEvent, None]], AsyncGenerator[str, None]],
+) -> AsyncGenerator[str, None]:
+    async with aclosing(events), aclosing(shape(events)) as chunks:
+        async for chunk in chunks:
+            yield chunk

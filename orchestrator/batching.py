@@ -1,0 +1,185 @@
+"""What trains: finished groups, read from the gateway's sample cursor, through the staleness bound
+and the filters into one step's `Batch`. No Ray here: every piece is testable alone.
+
+    feed = SampleFeed(gateway_url, api_key, run_id)          # the trainer's side of /samples
+    feed.poll(); samples = feed.claim(record)                 # a finished group's samples, or None
+    batch = select_batch([(record, samples)], trainer_version=3, max_staleness=1,
+                         stale_policy="drop", filter_zero_variance=True)
+
+* `GroupRecord` — one finished group (a task's `samples_per_task` sessions) as the environment
+  runner reports it: task index, sample ids, rewards, statuses, timing.
+* `SampleFeed` — reads `/samples?after=CURSOR`: deduplicates by `sample_id`, drops failed/aborted
+  samples and those of evaluations or of another launch (all counted), and hands out a group's
+  samples once they are all read.
+* `sample_lag` — how many weight versions a sample is behind the trainer (its oldest sampled token).
+* `select_batch` — the staleness bound per sample (drop, or keep with the loss masked) and the
+  zero-reward-variance filter per group, with every decision counted in `Batch.counts`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from palaestra.sample import Sample
+
+__all__ = ["TRAINABLE", "Batch", "GroupRecord", "SampleFeed", "sample_lag", "select_batch"]
+
+TRAINABLE = ("completed", "truncated")  # session statuses whose samples train
+
+
+@dataclass
+class GroupRecord:
+    """One finished group (a task's `samples_per_task` sessions), as the driver needs it."""
+
+    task_index: int
+    task_id: str
+    group_id: str
+    sample_ids: list[str]  # of sessions that completed or were truncated (the trainable ones)
+    rewards: list[float]  # of those sessions
+    statuses: dict[str, int]  # sessions per status
+    metrics: dict[str, float]  # the environment's metrics, averaged over trainable sessions
+    sampled_tokens: int
+    started: float  # wall clock (time.time()) of the first session's start
+    finished: float
+    errors: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples: the gateway's cursor
+# ----------------------------------------------------------------------------------------------
+class SampleFeed:
+    """Reads `/samples?after=CURSOR`, keeps trainable samples of this launch until their group is
+    claimed. `cursor` is the last spool position read: everything up to it has been seen."""
+
+    def __init__(self, gateway_url: str, api_key: str, run_id: str, cursor: int = 0):
+        self.url, self.run_id, self.cursor = gateway_url.rstrip("/"), run_id, cursor
+        self.headers = {"Authorization": f"Bearer {api_key}"}
+        self.seen: set[str] = set()
+        self.buffer: dict[str, Sample] = {}
+        self.counts: Counter[str] = Counter()
+        self.client = httpx.Client(timeout=60, trust_env=False, headers=self.headers)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _ours(self, group_id: str) -> bool:
+        # Group ids are `env/task_id/<run_id>.<task index>` (the rollout worker's run ids); samples
+        # of another launch (a crashed attempt before a resume) or of evaluations are not trained.
+        return group_id.rsplit("/", 1)[-1].startswith(self.run_id + ".")
+
+    def poll(self) -> int:
+        """Reads every sample after the cursor; returns how many were new."""
+        new = 0
+        while True:
+            r = self.client.get(f"{self.url}/samples", params={"after": self.cursor, "limit": 1000})
+            r.raise_for_status()
+            page = r.json()
+            for data in page["samples"]:
+                new += self._take(data)
+            self.cursor = int(page["cursor"])
+            if not page["samples"] or self.cursor >= int(page["last_cursor"]):
+                return new
+
+    def _take(self, data: dict[str, Any]) -> int:
+        sid = data["sample_id"]
+        if sid in self.seen:
+            self.counts["duplicates"] += 1
+            return 0
+        self.seen.add(sid)
+        if not self._ours(data["group_id"]):
+            evaluation = data["group_id"].rsplit("/", 1)[-1].startswith("eval-")
+            self.counts["eval" if evaluation else "other_run"] += 1
+            return 0
+        if data["status"] not in TRAINABLE:
+            self.counts[f"status_{data['status']}"] += 1
+            return 0
+        self.buffer[sid] = Sample.from_dict(data)
+        return 1
+
+    def claim(self, record: GroupRecord) -> list[Sample] | None:
+        """The group's samples once all are read (None: poll again), removed from the buffer."""
+        if not all(sid in self.buffer for sid in record.sample_ids):
+            return None
+        return [self.buffer.pop(sid) for sid in record.sample_ids]
+
+
+# ----------------------------------------------------------------------------------------------
+# What trains
+# ----------------------------------------------------------------------------------------------
+def sample_lag(sample: Sample, trainer_version: int) -> float:
+    """Weight versions between the trainer and the oldest policy that sampled a token of `sample`
+    (inf when a version is not a number, e.g. an engine left at "default")."""
+    versions = [v for v, m in zip(sample.weight_versions, sample.loss_mask, strict=True) if m == 1]
+    if not versions:
+        return 0.0
+    try:
+        return float(trainer_version - min(int(v) for v in versions))
+    except ValueError:
+        return math.inf
+
+
+@dataclass
+class Batch:
+    samples: list[Sample]  # what trains
+    groups: list[GroupRecord]  # the groups they came from
+    lags: list[float]  # per trained sample, in weight versions
+    counts: Counter[str]  # stale_dropped, stale_masked, groups_zero_variance, zero_variance_samples, ...
+    considered: list[GroupRecord] = field(default_factory=list)  # every group looked at (kept or not)
+
+    @classmethod
+    def empty(cls) -> Batch:
+        return cls([], [], [], Counter())
+
+    def session_statuses(self) -> Counter[str]:
+        """Sessions per status over every group looked at (kept or not)."""
+        statuses: Counter[str] = Counter()
+        for g in self.considered:
+            statuses.update(g.statuses)
+        return statuses
+
+    def extend(self, other: Batch) -> None:
+        self.samples += other.samples
+        self.groups += other.groups
+        self.lags += other.lags
+        self.counts += other.counts
+        self.considered += other.considered
+
+
+def select_batch(
+    groups: Sequence[tuple[GroupRecord, list[Sample]]],
+    trainer_version: int,
+    max_staleness: int,
+    stale_policy: str,
+    filter_zero_variance: bool,
+) -> Batch:
+    """Applies the staleness bound (per sample: drop, or keep with loss_mask zeroed) and the
+    zero-reward-variance filter (per group, after the staleness drop); counts every decision."""
+    batch = Batch([], [], [], Counter(), [record for record, _ in groups])
+    for record, group in groups:
+        fresh = []
+        for s in group:
+            lag = sample_lag(s, trainer_version)
+            if lag > max_staleness:
+                if stale_policy == "drop":
+                    batch.counts["stale_dropped"] += 1
+                    continue
+                s = Sample.from_dict({**s.to_dict(), "loss_mask": [0] * s.response_len})
+                batch.counts["stale_masked"] += 1
+            fresh.append((s, lag))
+        if not fresh:
+            batch.counts["groups_empty"] += 1
+            continue
+        if filter_zero_variance and len({s.reward for s, _ in fresh}) == 1:
+            batch.counts["groups_zero_variance"] += 1
+            batch.counts["zero_variance_samples"] += len(fresh)
+            continue
+        batch.groups.append(record)
+        batch.samples += [s for s, _ in fresh]
+        batch.lags += [lag for _, lag in fresh]
+    return batch

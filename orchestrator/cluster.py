@@ -1,0 +1,379 @@
+"""The Ray cluster of a run: Ray itself, the boxes as actors, their liveness, and their end.
+
+    with start_cluster(cfg, weight_version=0, output_dir=cfg.output_dir) as cluster:
+        cluster.engines, cluster.router, cluster.gateway   # Boxes: actor, URL, log file
+        cluster.trainer_call("save", path)                  # refs of a method on every trainer rank
+
+* `init_ray` — a local Ray bound to loopback (or the cluster in ``RAY_ADDRESS``).
+* `Cluster` — starts the engines, the router, the gateway, the rollout worker and the trainer
+  ranks as Ray actors (`actors.py`) in a placement group (`placement.py`), hands out their URLs,
+  checks that they are alive, and stops them all. Nothing here assumes one machine: every URL comes
+  from the actor that runs the server.
+* `start_cluster` — the models the run names (built once, with progress), Ray, the cluster; on
+  leaving, everything it started is stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from palaestra.config import RunConfig
+from palaestra.orchestrator import actors
+from palaestra.orchestrator.errors import RunFailed, root_cause
+from palaestra.orchestrator.placement import (
+    Placement,
+    engine_threads_beside_trainer,
+    logical_cpus_needed,
+    place,
+    trainer_world_size,
+)
+
+__all__ = ["Box", "Cluster", "build_models", "init_ray", "start_cluster"]
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ray
+# ----------------------------------------------------------------------------------------------
+def init_ray(host: str = "127.0.0.1", num_cpus: int | None = None) -> bool:
+    """Starts a local Ray (or connects to ``RAY_ADDRESS``); returns True if this call started it.
+
+    On loopback every Ray process binds 127.0.0.1: Ray resolves a `_node_ip_address` of 127.0.0.1
+    to the machine's outward IP unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` ("single-node Ray",
+    which Linux allows too), so that is set before Ray is imported. Also off: the dashboard, usage
+    stats. Ray's GCS, raylet, object manager and workers then listen on 127.0.0.1 only.
+    """
+    if host in ("127.0.0.1", "localhost") and not os.environ.get("RAY_ADDRESS"):
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
+        return True
+    from ray._private import ray_constants
+
+    if host in ("127.0.0.1", "localhost") and ray_constants.ENABLE_RAY_CLUSTER:
+        # Ray was imported before the variable was set (e.g. by a test): same switch, read late.
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        _node_ip_address=host if host not in ("0.0.0.0", "::") else None,
+        num_cpus=num_cpus or os.cpu_count(),
+        object_store_memory=512 * 1024 * 1024,
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+    )
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# The cluster of boxes
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Box:
+    """A running actor and what the driver knows about it."""
+
+    name: str
+    actor: Any
+    url: str | None = None
+    log: str | None = None
+
+
+@dataclass
+class Cluster:
+    cfg: RunConfig
+    engines: list[Box] = field(default_factory=list)
+    router: Box | None = None
+    gateway: Box | None = None
+    rollout: Any = None
+    trainer: list[Any] = field(default_factory=list)
+    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    run_id: str = field(default_factory=lambda: secrets.token_hex(4))  # tells this launch's samples apart
+    placement: Placement | None = None
+    startup_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def servers(self) -> list[Box]:
+        return [
+            *self.engines,
+            *([self.router] if self.router else []),
+            *([self.gateway] if self.gateway else []),
+        ]
+
+    def start(self, *, weight_version: int, spool_dir: str, log_dir: str) -> Cluster:
+        """Engines (while the trainer ranks import Megatron) → router, gateway, environment (while
+        the trainer builds its model) → done. Engines start at `weight_version`."""
+        import ray
+
+        cfg = self.cfg
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        self.placement = place(cfg, gpus)
+        t0 = time.perf_counter()
+        try:
+            ray.get(self.placement.group.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise RunFailed(
+                f"Ray could not place the trainer and engines ({cfg.run.placement}: bundles "
+                f"{self.placement.group.bundle_specs}) within 120 s; the cluster has "
+                f"{ray.cluster_resources()}"
+            ) from None
+        server = ray.remote(actors.ServerHost)
+        flags = cfg.engines.serve_flags() if cfg.engines.backend == "embedded" else cfg.engines.sglang_flags()
+        for i, opts in enumerate(self.placement.engines):
+            name = f"engine-{i}"
+            self.engines.append(
+                Box(name, server.options(**opts).remote(name, log_dir), log=f"{log_dir}/{name}.log")
+            )
+        self.trainer = self._start_trainer()  # imports megatron-core while the engines load
+        engine_refs = [
+            b.actor.start_engine.remote(
+                cfg.engines.backend, cfg.model.student, flags, cfg.run.host, str(weight_version), 1800.0
+            )
+            for b in self.engines
+        ]
+        for box, url in zip(self.engines, self._get_all(engine_refs, "starting the engines"), strict=True):
+            box.url = url
+        self.startup_s["engines"] = time.perf_counter() - t0
+        urls = [b.url for b in self.engines]
+        building = self.trainer_call("build", cfg.trainer.to_dict(), cfg.model.student, urls)
+        light = server.options(num_cpus=0)
+        self.router = Box("router", light.remote("router", log_dir), log=f"{log_dir}/router.log")
+        self.router.url = self._get_all(
+            [
+                self.router.actor.start_router.remote(
+                    [b.url for b in self.engines], cfg.router_flags(), cfg.run.host
+                )
+            ],
+            "starting the router",
+        )[0]
+        self.gateway = Box("gateway", light.remote("gateway", log_dir), log=f"{log_dir}/gateway.log")
+        keys = {"PALAESTRA_API_KEY": self.api_key, "PALAESTRA_ADMIN_KEY": self.admin_key}
+        self.gateway.url = self._get_all(
+            [
+                self.gateway.actor.start_gateway.remote(
+                    cfg.model.student,
+                    self.router.url,
+                    spool_dir,
+                    cfg.gateway.serve_flags(),
+                    cfg.run.host,
+                    keys,
+                )
+            ],
+            "starting the gateway",
+        )[0]
+        self.startup_s["servers"] = time.perf_counter() - t0
+        rollout = ray.remote(actors.RolloutWorker).options(num_cpus=0, max_concurrency=1000)
+        self.rollout = rollout.remote(
+            cfg.env.name,
+            # env.args.temperature may only repeat trainer.temperature (checkpoint.prepare_run): the
+            # run's sampling settings reach the environment in `session.sampling`, not its arguments.
+            {k: v for k, v in cfg.env.args.items() if k != "temperature"},
+            {"temperature": cfg.trainer.temperature},
+            self.gateway.url,
+            self.api_key,
+            cfg.run.seed,
+            cfg.env.samples_per_task,
+            cfg.env.concurrency,
+            self.run_id,
+        )
+        self._get_all([self.rollout.info.remote()], "starting the environment")
+        self._get_all(building, "building the trainer")
+        self.startup_s["all"] = time.perf_counter() - t0
+        return self
+
+    def _start_trainer(self) -> list[Any]:
+        import ray
+
+        from palaestra.net import free_port
+
+        world = trainer_world_size(self.cfg)
+        master = "127.0.0.1" if world == 1 else ray.util.get_node_ip_address()
+        port = free_port("127.0.0.1") if world == 1 else free_port(master)
+        worker = ray.remote(actors.TrainerWorker)
+        reserve = engine_threads_beside_trainer(self.cfg)
+        assert self.placement is not None
+        return [
+            worker.options(**opts).remote(rank, world, master, port, reserve)
+            for rank, opts in enumerate(self.placement.trainer)
+        ]
+
+    def _get_all(self, refs: list, phase: str) -> list:
+        """`ray.get` that turns an actor's failure into a RunFailed naming the phase."""
+        import ray
+
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError as exc:
+            raise RunFailed(f"{phase} failed: {root_cause(exc)}") from None
+
+    # -- liveness ------------------------------------------------------------------------------
+    def check_alive(self, phase: str) -> None:
+        """Raises RunFailed naming the first server whose process has exited (or whose actor died)."""
+        import ray
+
+        boxes = self.servers
+        refs = [b.actor.poll.remote() for b in boxes]
+        try:
+            codes = ray.get(refs, timeout=30)
+        except ray.exceptions.RayActorError as exc:
+            raise RunFailed(f"{phase}: a server's actor died: {root_cause(exc)}") from None
+        for box, code in zip(boxes, codes, strict=True):
+            if code is not None:
+                tail = ray.get(box.actor.log_tail.remote(1500), timeout=30)
+                raise RunFailed(
+                    f"{box.name} ({box.url}) exited with code {code} during {phase}; the run stops. "
+                    f"Log: {box.log}\n--- last output of {box.name} ---\n{tail.rstrip()}"
+                )
+
+    # -- the engines' weights ------------------------------------------------------------------
+    def _weight_sync(self):
+        from palaestra.trainer.weight_sync import WeightSync
+
+        tr = self.cfg.trainer
+        return WeightSync(
+            [b.url for b in self.engines],
+            retries=tr.sync_retries,
+            timeout_s=tr.sync_timeout_s,
+            pause_mode=tr.sync_pause_mode,
+        )
+
+    def engine_versions(self) -> list[str]:
+        """Each engine's weight version (`/get_weight_version`, or `/model_info` where that is a 404)."""
+        sync = self._weight_sync()
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            return [sync.read_version(client, b.url) for b in self.engines]
+
+    def load_engine_weights(self, model_dir: str | Path, version: str) -> None:
+        """Every engine loads the HF directory `model_dir` as `version`, the way the trainer's
+        weight sync does it (pause, update, flush, version check, continue)."""
+        self._weight_sync().load_directory(model_dir, version)
+
+    # -- the gateway's admin and metrics -------------------------------------------------------
+    def pause_gateway(self, timeout_s: float) -> dict[str, Any]:
+        """New generation calls wait; returns once in-flight calls finished (or `timeout_s`)."""
+        assert self.gateway is not None
+        with httpx.Client(timeout=timeout_s + 30, trust_env=False) as client:
+            r = client.post(
+                f"{self.gateway.url}/admin/pause",
+                params={"wait": "true", "timeout_s": timeout_s},
+                headers={"Authorization": f"Bearer {self.admin_key}"},
+            )
+            r.raise_for_status()
+            return r.json()
+
+    def resume_gateway(self) -> None:
+        assert self.gateway is not None
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            r = client.post(
+                f"{self.gateway.url}/admin/resume", headers={"Authorization": f"Bearer {self.admin_key}"}
+            )
+            r.raise_for_status()
+
+    def gateway_overhead_s(self) -> float:
+        """Total gateway time outside the engine so far (its Prometheus histogram's sum)."""
+        assert self.gateway is not None
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            r = client.get(f"{self.gateway.url}/metrics", headers={"Authorization": f"Bearer {self.api_key}"})
+        for line in r.text.splitlines():
+            if line.startswith("palaestra_gateway_call_overhead_seconds_sum"):
+                return float(line.split()[-1])
+        return 0.0
+
+    # -- the trainer (every rank is called; rank 0 answers) -------------------------------------
+    def trainer_call(self, method: str, *args: Any, rank0_args: tuple | None = None) -> list:
+        """Refs of `method` on every rank; `rank0_args` replaces `args` on rank 0 (the samples)."""
+        return [
+            getattr(w, method).remote(*(rank0_args if rank == 0 and rank0_args is not None else args))
+            for rank, w in enumerate(self.trainer)
+        ]
+
+    def stop(self) -> None:
+        """Stops everything this cluster started (servers first, politely; then the actors)."""
+        import ray
+
+        if self.rollout is not None:
+            try:
+                ray.get(self.rollout.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 (stopping: report nothing, kill below)
+                pass
+        for box in reversed(self.servers):
+            try:
+                ray.get(box.actor.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        for actor in [self.rollout, *self.trainer, *(b.actor for b in self.servers)]:
+            if actor is not None:
+                ray.kill(actor)
+        if self.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement.group)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's cluster, from the models to the last actor
+# ----------------------------------------------------------------------------------------------
+def build_models(cfg: RunConfig) -> None:
+    """Builds the presets the run names (the demo's warm-started teacher and student take ~2 min
+    the first time) here, with progress on the console, before any actor asks for them."""
+    from palaestra.models import PRESETS, resolve_model
+
+    for name in dict.fromkeys([cfg.model.student, cfg.model.teacher, cfg.trainer.teacher_model]):
+        if name in PRESETS:
+            t0 = time.perf_counter()
+            path = resolve_model(name)
+            log.info("model %s: %s (%.1f s)", name, path, time.perf_counter() - t0)
+
+
+@contextmanager
+def start_cluster(cfg: RunConfig, *, weight_version: int, output_dir: Path) -> Iterator[Cluster]:
+    """The models, Ray (unless one runs already) and every box, engines at `weight_version`;
+    servers log to `output_dir/logs`, the gateway spools to `output_dir/spool`. Everything this
+    started stops when the block ends, however it ends."""
+    build_models(cfg)
+    t0 = time.perf_counter()
+    started_ray = init_ray(cfg.run.host, logical_cpus_needed(cfg))
+    ray_s = time.perf_counter() - t0
+    cluster = Cluster(cfg)
+    try:
+        cluster.start(
+            weight_version=weight_version,
+            spool_dir=str(output_dir / "spool"),
+            log_dir=str(output_dir / "logs"),
+        )
+        cluster.startup_s["ray"] = ray_s
+        up = cluster.startup_s
+        log.info(
+            "up: Ray %.1f s, engines %.1f s, router+gateway %.1f s, environment+trainer %.1f s; "
+            "engines %s, router %s, gateway %s",
+            ray_s,
+            up["engines"],
+            up["servers"] - up["engines"],
+            up["all"] - up["servers"],
+            ", ".join(b.url for b in cluster.engines),
+            cluster.router.url,
+            cluster.gateway.url,
+        )
+        yield cluster
+    finally:
+        cluster.stop()
+        if started_ray:
+            import ray
+
+            ray.shutdown()

@@ -1,0 +1,369 @@
+"""One run on a started cluster: its steps, evaluations, checkpoints and report (`Run`), and what it
+returns (`RunResult`). `palaestra.train.train` calls these in order; read it first.
+
+    with start_cluster(cfg, ...) as cluster, Run(cfg, cluster, state, fresh=True) as run:
+        run.evaluate_before()
+        with run.stepping():
+            batch = run.next_batch(step); metrics = run.train(step, batch)
+            metrics |= run.sync(step, batch); metrics |= run.end_step(step, batch)
+            run.log(step, metrics); run.checkpoint()
+        run.evaluate_after(); return run.report(run.result())
+
+The weight version is the trainer's: `sync` stores what the trainer reports after pushing its
+weights, and nothing here counts versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from palaestra.config import RunConfig, config_to_dict
+from palaestra.orchestrator.batching import Batch, SampleFeed
+from palaestra.orchestrator.checkpoint import RunState, checkpoint_dir, commit_checkpoint
+from palaestra.orchestrator.cluster import Cluster
+from palaestra.orchestrator.errors import RunFailed
+from palaestra.orchestrator.metrics import console_line, make_tracker, rollout_metrics
+from palaestra.orchestrator.modes import SOURCES
+from palaestra.orchestrator.waiting import Waiter
+from palaestra.sample import Sample
+
+__all__ = ["EVAL_SEED", "Run", "RunResult", "StepRecord"]
+
+log = logging.getLogger(__name__)
+
+# Held-out tasks come from this seed of `env.tasks(seed)` — the same set for every run, whatever
+# its training seed (a finite task list that ignores the seed is not held out: see docs/training.md).
+EVAL_SEED = 1_000_003
+
+
+@dataclass
+class StepRecord:
+    """What one step trained (the tests check the staleness bound and the data order with it)."""
+
+    step: int
+    trainer_version: int  # before the update
+    task_indices: list[int]
+    task_ids: list[str]
+    sample_ids: list[str]
+    lags: list[float]  # per trained sample, weight versions behind the trainer
+    versions: list[list[str]]  # per trained sample, the weight versions that sampled its tokens
+    masked: int  # samples trained with loss_mask zeroed (stale_policy mask)
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    start_step: int
+    start_weight_version: int
+    start_cursor: int
+    state: RunState
+    engine_versions_start: list[str]
+    engine_versions_end: list[str]
+    trained: list[StepRecord]
+    eval_before: dict[str, float] | None
+    eval_after: dict[str, float] | None
+    startup_s: dict[str, float]
+    summary: str = ""
+    reward_curve: Path | None = None
+    viewer: Path | None = None
+    teacher_accuracy: float | None = None  # env.eval_teacher: the teacher on the same tasks
+
+
+class Run:
+    """The driver's side of one run: it waits on the boxes, never computes what they compute."""
+
+    def __init__(self, cfg: RunConfig, cluster: Cluster, state: RunState, *, fresh: bool):
+        self.cfg, self.cluster, self.state = cfg, cluster, state
+        self.out = cfg.output_dir
+        self.start = (state.step, state.weight_version, state.cursor)
+        self.tracker = make_tracker(
+            cfg.logging, self.out, run_name=cfg.run.name, config=config_to_dict(cfg), fresh=fresh
+        )
+        assert cluster.gateway is not None and cluster.gateway.url is not None
+        self.feed = SampleFeed(cluster.gateway.url, cluster.api_key, cluster.run_id, cursor=state.cursor)
+        self.waiter = Waiter(cluster, cfg.run.step_timeout_s)
+        self.source = SOURCES[cfg.run.mode](
+            cfg, cluster, self.feed, self.waiter, first=state.watermark, skip=state.consumed_above
+        )
+        self.engine_versions_start = cluster.engine_versions()
+        self.trained: list[StepRecord] = []
+        self.last_samples: list[Sample] = []
+        self.counts: Counter[str] = Counter(state.counts)
+        self.eval_before: dict[str, float] | None = None
+        self.eval_after: dict[str, float] | None = None
+        self._bar = None
+        self._times: dict[str, float] = {}  # this step's clock readings (perf/*)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.feed.close()
+        self.tracker.close()
+
+    # -- before the first step -----------------------------------------------------------------
+    def restore(self, ckpt: Path) -> None:
+        """The checkpoint's trainer (weights, optimizer, RNG), then its weights onto the engines."""
+        self.waiter.begin(f"resuming from {ckpt.name}")
+        loaded = self.waiter.get(
+            self.cluster.trainer_call("load", str(ckpt / "trainer")), "loading the checkpoint"
+        )[0]
+        if loaded["weight_version"] != self.state.weight_version:
+            raise RunFailed(
+                f"{ckpt}: the trainer checkpoint is at weight version {loaded['weight_version']}, "
+                f"the run state at {self.state.weight_version}"
+            )
+        self.waiter.get(self.cluster.trainer_call("sync_weights"), "syncing the checkpoint's weights")
+
+    def evaluate_before(self) -> None:
+        """Held-out accuracy before training: the reward curve's first point (step 0)."""
+        self.eval_before = self.evaluate("before")
+        self.state.rows.append({"train/step": 0.0, "eval/accuracy": self.eval_before["accuracy"]})
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The mode's generation (begun before the first step) and the progress bar, for the steps;
+        both end however the steps end."""
+        self._bar = _progress(self.cfg.run.steps, self.state.step)
+        if self.state.step < self.cfg.run.steps:
+            self.source.begin(self.state.step)
+        try:
+            yield
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            self.source.end()
+
+    # -- one step ------------------------------------------------------------------------------
+    def next_batch(self, step: int) -> Batch:
+        """This step's groups, as `run.mode` produces them, through the staleness bound and filters."""
+        self._times = {"start": time.perf_counter()}
+        self.waiter.start_step(step)
+        self._times["gateway_s"] = self.cluster.gateway_overhead_s()
+        batch = self.source.batch(step, self.state.weight_version)
+        self._times["batch"] = time.perf_counter()
+        return batch
+
+    def train(self, step: int, batch: Batch) -> dict[str, float]:
+        """The batch's rollout metrics and one optimizer step on it; the engines keep the old
+        weights. A batch the filters emptied trains nothing (the step still counts)."""
+        metrics = rollout_metrics(batch)
+        self._count(batch)
+        if batch.samples:
+            self.trained.append(
+                StepRecord(
+                    step=step,
+                    trainer_version=self.state.weight_version,
+                    task_indices=[g.task_index for g in batch.groups],
+                    task_ids=[g.task_id for g in batch.groups],
+                    sample_ids=[s.sample_id for s in batch.samples],
+                    lags=batch.lags,
+                    versions=[sorted({v for v in s.weight_versions if v}) for s in batch.samples],
+                    masked=batch.counts["stale_masked"],
+                )
+            )
+            ref = self.cluster.trainer_call("train", [], rank0_args=(batch.samples,))
+            metrics.update(self.waiter.get(ref, "training")[0])
+            self.last_samples = batch.samples
+        else:
+            log.warning("step %d: no sample left to train after filtering (%s)", step + 1, dict(batch.counts))
+        self._times["train_s"] = time.perf_counter() - self._times["batch"] if batch.samples else 0.0
+        metrics["perf/train_s"] = self._times["train_s"]
+        return metrics
+
+    def sync(self, step: int, batch: Batch) -> dict[str, float]:
+        """What the mode does first (one-step-off: the next batch's generation ends; async: the
+        gateway drains), then the new weights onto every engine; the version is the trainer's."""
+        if not batch.samples:  # nothing trained: nothing to send
+            self.source.after_sync(step)
+            self._times["sync_s"] = 0.0
+            return {"perf/drain_s": 0.0, "perf/sync_s": 0.0}
+        drain_s = self.source.before_sync(step)
+        started = time.perf_counter()
+        version, metrics = self.waiter.get(self.cluster.trainer_call("sync_weights"), "weight sync")[0]
+        self.source.after_sync(step)
+        self.state.weight_version = version
+        self._times["sync_s"] = time.perf_counter() - started
+        return {**metrics, "perf/drain_s": drain_s, "perf/sync_s": self._times["sync_s"]}
+
+    def end_step(self, step: int, batch: Batch) -> dict[str, float]:
+        """The tasks the step consumed, the spool cursor, and the step's timing (`perf/*`)."""
+        self.state.consume([g.task_index for g in batch.considered])
+        self.state.cursor = self.feed.cursor
+        t = self._times
+        wall = time.perf_counter() - t["start"]
+        return {
+            "train/step": float(step + 1),
+            "train/weight_version": float(self.state.weight_version),
+            "perf/step_wall_s": wall,
+            "perf/wait_s": t["batch"] - t["start"],
+            "perf/trainer_idle_s": max(0.0, wall - t["train_s"] - t["sync_s"]),
+            "perf/gateway_s": self.cluster.gateway_overhead_s() - t["gateway_s"],
+            "perf/samples_per_s": len(batch.samples) / wall,
+        }
+
+    def _count(self, batch: Batch) -> None:
+        """Run totals (checkpointed): the batch's decisions, sessions per status, the feed's skips."""
+        self.counts.update(batch.counts)
+        self.counts.update({f"sessions_{k}": v for k, v in batch.session_statuses().items()})
+        self.counts.update({f"feed_{k}": v for k, v in self.feed.counts.items()})
+        self.feed.counts.clear()
+        self.state.counts = dict(self.counts)
+
+    def evaluation_due(self, step: int) -> bool:
+        """Evaluate after this step? Every `env.eval_every` steps, not after the last (the final
+        evaluation follows it anyway)."""
+        done, every = step + 1, self.cfg.env.eval_every
+        return bool(every) and done % every == 0 and done < self.cfg.run.steps
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's row: into the run state, every tracker, the console line and the progress bar."""
+        state, steps, done = self.state, self.cfg.run.steps, step + 1
+        state.step, state.rows = done, [*state.rows, metrics]
+        self.tracker.log(metrics, done)
+        if done % self.cfg.logging.console_every == 0 or done == steps:
+            _print(console_line(done, steps, metrics), self._bar)
+        if self._bar is not None:
+            reward = metrics.get("rollout/reward_mean", math.nan)
+            self._bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
+            self._bar.update(1)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Checkpoint after this step? Every `run.checkpoint_every` steps, and after the last."""
+        done, every = step + 1, self.cfg.run.checkpoint_every
+        return bool(every and done % every == 0) or done == self.cfg.run.steps
+
+    def checkpoint(self) -> None:
+        """The trainer's state, then the run's; `latest` moves once both are written."""
+        ckpt = checkpoint_dir(self.cfg, self.state)
+        self.waiter.begin(f"checkpoint {ckpt.name}")
+        self.waiter.get(self.cluster.trainer_call("save", str(ckpt / "trainer")), "saving the trainer")
+        commit_checkpoint(self.cfg, self.state, ckpt)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Greedy accuracy on `env.eval_tasks` held-out tasks (`EVAL_SEED`), with the engines' weights."""
+        self.waiter.begin(f"held-out evaluation ({tag})")
+        ref = self.cluster.rollout.evaluate.remote(
+            self.cfg.env.eval_tasks, EVAL_SEED, tag, self.cfg.env.concurrency
+        )
+        result = self.waiter.get([ref], "generation")[0]
+        _print(
+            f"eval {tag}: accuracy {result['accuracy']:.3f} on {int(result['tasks'])} held-out tasks "
+            f"(greedy, {result['wall_s']:.1f} s)",
+            None,
+        )
+        return result
+
+    def evaluate_after(self) -> None:
+        """Held-out accuracy after the last step: logged, and on the last step's row."""
+        state = self.state
+        self.eval_after = self.evaluate("after")
+        self.tracker.log({"eval/accuracy": self.eval_after["accuracy"]}, state.step)
+        if state.rows and state.step > 0:
+            state.rows[-1]["eval/accuracy"] = self.eval_after["accuracy"]
+
+    def evaluate_teacher(self) -> float | None:
+        """The teacher's held-out accuracy, for reference. Runs after the last checkpoint: the
+        teacher's weights replace the student's on every engine (through the trainer's weight
+        sync: pause, update, flush, version check). Only a megatron-mode teacher has the student's
+        architecture; any failure is a warning, never the run's end."""
+        cfg = self.cfg
+        if cfg.trainer.teacher_mode != "megatron":
+            log.info("teacher not evaluated: trainer.teacher_mode is %s", cfg.trainer.teacher_mode)
+            return None
+        from palaestra.models import resolve_model
+
+        try:
+            self.cluster.load_engine_weights(resolve_model(cfg.model.teacher), "teacher")
+            return self.evaluate("teacher")["accuracy"]
+        except Exception as exc:  # a reference number: report, never fail the finished run
+            log.warning("teacher not evaluated: %s", exc)
+            return None
+
+    # -- the end -------------------------------------------------------------------------------
+    def result(self) -> RunResult:
+        """What the run did (the engines' versions are read now)."""
+        step, version, cursor = self.start
+        return RunResult(
+            output_dir=self.out,
+            start_step=step,
+            start_weight_version=version,
+            start_cursor=cursor,
+            state=self.state,
+            engine_versions_start=self.engine_versions_start,
+            engine_versions_end=self.cluster.engine_versions(),
+            trained=self.trained,
+            eval_before=self.eval_before,
+            eval_after=self.eval_after,
+            startup_s=dict(self.cluster.startup_s),
+        )
+
+    def report(self, result: RunResult) -> RunResult:
+        """reward_curve.png, viewer.html (the last step's samples, with the teacher's logprobs)
+        and the summary line, printed; all three are set on `result`, which is returned."""
+        from palaestra.orchestrator.report import plot_reward_curve, summary_line
+        from palaestra.orchestrator.viewer import write_trajectory_viewer
+
+        cfg, rows = self.cfg, self.state.rows
+        result.reward_curve = plot_reward_curve(
+            rows,
+            self.out / "reward_curve.png",
+            title=f"{cfg.run.name}: reward per step",
+            teacher_accuracy=result.teacher_accuracy,
+        )
+        if self.last_samples:
+            shown = self.last_samples[:64]
+            samples = [s.to_dict() for s in shown]
+            self.waiter.begin("the trajectory viewer")
+            teacher = self.waiter.get(
+                self.cluster.trainer_call("teacher_logprobs", [], rank0_args=(shown,)), "teacher scoring"
+            )[0]
+            for s, t in zip(samples, teacher or [], strict=False):
+                s["teacher_logprobs"] = t
+            from transformers import AutoTokenizer
+
+            from palaestra.models import resolve_model
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.student))
+            result.viewer = write_trajectory_viewer(
+                samples, tokenizer, self.out / "viewer.html", title=f"{cfg.run.name}: last step's samples"
+            )
+        result.summary = summary_line(
+            rows,
+            steps=self.state.step,
+            mode=cfg.run.mode,
+            eval_after=result.eval_after,
+            teacher_accuracy=result.teacher_accuracy,
+            weight_version=self.state.weight_version,
+            engines=len(result.engine_versions_end),
+            counts=self.counts,
+            output_dir=self.out,
+        )
+        _print(result.summary, None)
+        return result
+
+
+def _progress(steps: int, done: int):
+    """A progress bar across steps on a terminal (console lines print above it); None otherwise."""
+    if not sys.stderr.isatty() or steps == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, initial=done, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _print(line: str, bar) -> None:
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, flush=True)
