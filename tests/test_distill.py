@@ -108,3 +108,59 @@ def test_bad_shapes_name_what_differs():
         distill.full_reverse_kl(student, teacher[:, :10], 1.0)
     with pytest.raises(ValueError, match="exceeds the vocabulary"):
         distill.select_topk(student, 51)
+
+
+TP_WORKER = """
+import sys, torch, torch.distributed as dist
+from palaestra.trainer import distill
+rank, out, rdzv = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=2)
+g = torch.Generator().manual_seed(0)
+student, teacher = torch.randn(7, 50, generator=g) * 2, torch.randn(7, 50, generator=g) * 2
+shard = slice(25 * rank, 25 * (rank + 1))  # vocab-parallel: rank r holds ids [25r, 25r + 25)
+group = dist.group.WORLD
+ids = distill.select_topk(student[:, shard], 5, group)
+t_lp = distill.gather_logprobs(teacher[:, shard], ids, 1.0, group)
+x = student[:, shard].clone().requires_grad_(True)
+topk = distill.topk_reverse_kl(x, ids, t_lp, 0.7, group)
+topk.sum().backward()
+y = student[:, shard].clone().requires_grad_(True)
+full = distill.full_reverse_kl(y, distill.full_logprobs(teacher[:, shard], 1.0, group), 0.7, 3, group)
+full.sum().backward()
+torch.save({"ids": ids, "t_lp": t_lp, "topk": topk.detach(), "topk_grad": x.grad, "full": full.detach(),
+            "full_grad": y.grad}, out)
+dist.destroy_process_group()
+"""
+
+
+def test_vocab_parallel_matches_one_process(tmp_path):
+    """Two gloo processes, each with half the vocabulary, give the single-process values and gradients."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(TP_WORKER)
+    rdzv = f"file://{tmp_path / 'rdzv'}"
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / f"r{r}.pt"), rdzv])
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ranks = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
+
+    student, teacher = _logits()
+    ids = distill.select_topk(student, 5)
+    t_lp = distill.gather_logprobs(teacher, ids)
+    x = student.clone().requires_grad_(True)
+    topk = distill.topk_reverse_kl(x, ids, t_lp, 0.7)
+    topk.sum().backward()
+    y = student.clone().requires_grad_(True)
+    full = distill.full_reverse_kl(y, distill.full_logprobs(teacher), 0.7, chunk_rows=3)
+    full.sum().backward()
+    for r in ranks:
+        assert torch.equal(r["ids"], ids)
+        assert torch.allclose(r["t_lp"], t_lp, atol=1e-5)
+        assert torch.allclose(r["topk"], topk.detach(), atol=1e-5)
+        assert torch.allclose(r["full"], full.detach(), atol=1e-5)
+    assert torch.allclose(torch.cat([r["topk_grad"] for r in ranks], -1), x.grad, atol=1e-5)
+    assert torch.allclose(torch.cat([r["full_grad"] for r in ranks], -1), y.grad, atol=1e-5)

@@ -168,6 +168,9 @@ class Trainer:
         if self.config.keep_old_actor:
             self.snapshots.save("old_actor")  # the next step's "old" = these pre-update weights
         t_update = time.perf_counter()
+        # The next step will most likely switch in the same order: saying so now lets the store
+        # prefetch its first teacher from disk while this step trains.
+        self.snapshots.plan([old_policy, *teachers, *ref, "actor"])
         metrics = self._train(mbs)
         metrics.update(opd_metrics)
         metrics.update(self.snapshots.stats())
