@@ -155,6 +155,7 @@ class Trainer:
         teachers = self.distiller.snapshot_order(routes) if self.distiller is not None else []
         self.snapshots.plan([old_policy, *teachers, *ref, "actor"])  # eviction and prefetch order
         k = self.distiller.topk_needed(routes) if self.distiller is not None else 0
+        t_old = time.perf_counter()
         old, topk_ids = self._student_pass(mbs, old_policy, k)
         self._store(mbs, "old_logprobs", old)
         t_teacher = time.perf_counter()
@@ -177,7 +178,7 @@ class Trainer:
         if self.distiller is not None:
             metrics.update(self._route_metrics(mbs))
         metrics["perf/teacher_s"] = t_score - t_teacher  # teacher scoring (OPD)
-        metrics["perf/score_s"] = t_update - t_score  # old/ref logprob passes and advantages
+        metrics["perf/score_s"] = (t_teacher - t_old) + (t_update - t_score)  # old/ref passes, advantages
         metrics["perf/update_s"] = time.perf_counter() - t_update  # forward+backward+optimizer
         self.step_count += 1
         self.weight_version += 1
