@@ -60,6 +60,10 @@ class Distiller:
         routes = [self.panel.route(s) for s in samples]
         for s, r in zip(samples, routes, strict=True):
             s.teacher = r.label
+            # every rank routes the same (broadcast) samples, so labels get the same indices on
+            # all DP ranks and the per-route sums can be all-reduced
+            if r.label not in self.labels:
+                self.labels.append(r.label)
         return routes
 
     def topk_needed(self, routes: Sequence[Route]) -> int:
@@ -170,13 +174,30 @@ class Distiller:
             self._fill(mb, samples, routes, targets)
         return metrics
 
-    def route_metrics(self, sums: torch.Tensor) -> dict[str, float]:
-        """opd/<route>/reverse_kl from per-route (sum, tokens) pairs [labels, 2] summed over the step."""
-        out = {}
-        for label, (total, count) in zip(self.labels, sums.tolist(), strict=False):
-            if count > 0:
-                out[f"opd/{label}/reverse_kl"] = total / count
-        return out
+    def route_metrics(self, mbs: Sequence[MicroBatch]) -> dict[str, float]:
+        """opd/<route>/reverse_kl over the step's policy-sampled tokens (all DP ranks), from the
+        per-row estimates the training pass left in ``extras["opd_rkl"]`` (objective.py)."""
+        from megatron.core import parallel_state
+
+        n = len(self.labels)
+        sums = torch.zeros(2, max(n, 1))
+        for mb in mbs:
+            if mb.dummy or "opd_rkl" not in mb.extras:
+                continue
+            sums[0].index_add_(0, mb.extras["opd_route"], mb.extras["opd_rkl"] * mb.loss_mask)
+            sums[1].index_add_(0, mb.extras["opd_route"], mb.loss_mask)
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        return {
+            f"opd/{label}/reverse_kl": float(sums[0, j] / sums[1, j])
+            for j, label in enumerate(self.labels)
+            if sums[1, j] > 0
+        }
+
+    def viewer_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per sample, its route's logprob of each response token (the trajectory viewer's handful)."""
+        mbs = [build_micro_batch(samples, list(range(len(samples))))]
+        self.score(samples, mbs, self.route(samples), topk_ids={})  # the sampled tokens only
+        return [r.tolist() for r in mbs[0].per_sample(mbs[0].teacher_logprobs)]
 
     def _fill(self, mb: MicroBatch, samples, routes: Sequence[Route], targets: dict[int, Scores]) -> None:
         r_rows = mb.num_rows
@@ -194,8 +215,6 @@ class Distiller:
             g = self.panel.granularity(r)
             for kind in coef:
                 coef[kind].append(torch.full((size,), self.panel.coef(r) if kind == g else 0.0))
-            if r.label not in self.labels:
-                self.labels.append(r.label)
             route_index.append(torch.full((size,), self.labels.index(r.label), dtype=torch.long))
         for kind, parts in coef.items():
             mb.extras[f"opd_coef_{kind}"] = torch.cat(parts)

@@ -1,4 +1,4 @@
-"""The two storage tiers under `SnapshotStore`: a pool of host slots and a safetensors spill directory.
+"""The storage tiers under `SnapshotStore`: host slots, safetensors spill files, a device staging copy.
 
 A *slot* is one full copy of this rank's weights in CPU memory: one flat buffer per dtype (pinned
 when CUDA is there, so host-to-device copies are DMA), with a view per parameter in
@@ -11,6 +11,9 @@ file that `safetensors.safe_open` reads too. `read_spill` memory-maps it and cop
 bytes straight into a slot (one copy, from the page cache); `write_spill` writes the slot's bytes
 without an intermediate buffer. Neither calls fsync: a spill file is scratch, valid for this
 process only, and the page cache is what makes a re-read cheap.
+
+`DeviceStaging` (CUDA only) is one more copy of the weights on the device, filled from a slot on a
+side stream by the prefetch thread, so that the switch itself is a device-to-device copy.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Layout", "read_spill", "spill_path", "write_spill"]
+__all__ = ["DeviceStaging", "Layout", "read_spill", "spill_path", "write_spill"]
 
 # safetensors dtype codes (https://github.com/huggingface/safetensors, "Format" in its README)
 _CODES = {
@@ -124,3 +127,44 @@ def read_spill(path: Path, flat: dict[torch.dtype, torch.Tensor]) -> int:
         del mapped
         total += b - a
     return total
+
+
+class DeviceStaging:
+    """One device copy of the weights, filled on a side stream by the prefetch thread (CUDA only)."""
+
+    def __init__(self, layout: Layout):
+        self._layout = layout
+        self._flat: dict[torch.dtype, torch.Tensor] | None = None
+        self._stream = torch.cuda.Stream()
+        self._ready = torch.cuda.Event()
+        self._consumed: torch.cuda.Event | None = None
+        self.tag: str | None = None
+
+    def stage(self, tag: str, slot: dict[torch.dtype, torch.Tensor]) -> None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        if self._flat is None:
+            self._flat = {d: torch.empty(n, dtype=d, device=dev) for d, n in self._layout.sizes}
+        self.tag = None
+        with torch.cuda.stream(self._stream):
+            if self._consumed is not None:  # the last switch may still be reading the buffer
+                self._stream.wait_event(self._consumed)
+            for d, src in slot.items():
+                self._flat[d].copy_(src, non_blocking=True)
+            self._ready.record(self._stream)
+        # The pinned slot must not be reused before the copy has read it: wait here, in the
+        # prefetch thread, rather than in the switch.
+        self._ready.synchronize()
+        self.tag = tag
+
+    def take(self, tag: str, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
+        """Copies the staged weights into the parameters (device to device) if `tag` is staged."""
+        if self.tag != tag or self._flat is None:
+            return False
+        torch.cuda.current_stream().wait_event(self._ready)
+        with torch.no_grad():
+            for src, (_, p) in zip(self._layout.views(self._flat), params, strict=True):
+                p.data.copy_(src)
+        self._consumed = torch.cuda.Event()
+        self._consumed.record(torch.cuda.current_stream())
+        self.tag = None
+        return True

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from palaestra.trainer.snapshot_tiers import Layout, read_spill, spill_path, write_spill
+from palaestra.trainer.snapshot_tiers import DeviceStaging, Layout, read_spill, spill_path, write_spill
 
 __all__ = ["SnapshotStore"]
 
@@ -99,7 +99,7 @@ class SnapshotStore:
             else None
         )
         self._staging = (
-            _DeviceStaging(self._layout) if device_staging and self._pin and self._prefetch else None
+            DeviceStaging(self._layout) if device_staging and self._pin and self._prefetch else None
         )
         self._stats = dict.fromkeys(_COUNTERS, 0.0)
         self._fingerprint = self.fingerprint()
@@ -469,44 +469,3 @@ class SnapshotStore:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
-class _DeviceStaging:
-    """One device copy of the weights, filled on a side stream by the prefetch thread (CUDA only)."""
-
-    def __init__(self, layout: Layout):
-        self._layout = layout
-        self._flat: dict[torch.dtype, torch.Tensor] | None = None
-        self._stream = torch.cuda.Stream()
-        self._ready = torch.cuda.Event()
-        self._consumed: torch.cuda.Event | None = None
-        self.tag: str | None = None
-
-    def stage(self, tag: str, slot: dict[torch.dtype, torch.Tensor]) -> None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-        if self._flat is None:
-            self._flat = {d: torch.empty(n, dtype=d, device=dev) for d, n in self._layout.sizes}
-        self.tag = None
-        with torch.cuda.stream(self._stream):
-            if self._consumed is not None:  # the last switch may still be reading the buffer
-                self._stream.wait_event(self._consumed)
-            for d, src in slot.items():
-                self._flat[d].copy_(src, non_blocking=True)
-            self._ready.record(self._stream)
-        # The pinned slot must not be reused before the copy has read it: wait here, in the
-        # prefetch thread, rather than in the switch.
-        self._ready.synchronize()
-        self.tag = tag
-
-    def take(self, tag: str, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
-        """Copies the staged weights into the parameters (device to device) if `tag` is staged."""
-        if self.tag != tag or self._flat is None:
-            return False
-        torch.cuda.current_stream().wait_event(self._ready)
-        with torch.no_grad():
-            for src, (_, p) in zip(self._layout.views(self._flat), params, strict=True):
-                p.data.copy_(src)
-        self._consumed = torch.cuda.Event()
-        self._consumed.record(torch.cuda.current_stream())
-        self.tag = None
-        return True

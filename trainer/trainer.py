@@ -176,7 +176,7 @@ class Trainer:
         metrics.update(opd_metrics)
         metrics.update(self.snapshots.stats())
         if self.distiller is not None:
-            metrics.update(self._route_metrics(mbs))
+            metrics.update(self.distiller.route_metrics(mbs))
         metrics["perf/teacher_s"] = t_score - t_teacher  # teacher scoring (OPD)
         metrics["perf/score_s"] = (t_teacher - t_old) + (t_update - t_score)  # old/ref passes, advantages
         metrics["perf/update_s"] = time.perf_counter() - t_update  # forward+backward+optimizer
@@ -252,31 +252,12 @@ class Trainer:
                 ids.update(zip(mb.sample_indices, mb.per_sample(o["topk"]), strict=True))
         return [o["logprobs"] for o in outs], ids
 
-    def _route_metrics(self, mbs: list[MicroBatch]) -> dict[str, float]:
-        """opd/<route>/reverse_kl over this step's policy-sampled tokens (all DP ranks)."""
-        from megatron.core import parallel_state
-
-        assert self.distiller is not None
-        n = len(self.distiller.labels)
-        sums = torch.zeros(max(n, 1), 2)
-        for mb in mbs:
-            if mb.dummy or "opd_rkl" not in mb.extras:
-                continue
-            m = mb.loss_mask
-            sums[:n, 0].index_add_(0, mb.extras["opd_route"], mb.extras["opd_rkl"] * m)
-            sums[:n, 1].index_add_(0, mb.extras["opd_route"], m)
-        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        return self.distiller.route_metrics(sums[:n])
-
     def teacher_logprobs(self, samples: list[Sample]) -> list[list[float]] | None:
         """Per sample, its teacher's (or mixture's) logprob of each response token, for the
         trajectory viewer; None without teachers. Also records `Sample.teacher`."""
         if self.distiller is None or not samples:
             return None
-        mbs = [build_micro_batch(samples, list(range(len(samples))))]
-        routes = self.distiller.route(samples)
-        self.distiller.score(samples, mbs, routes, topk_ids={})  # the sampled tokens' logprobs only
-        return [r.tolist() for r in mbs[0].per_sample(mbs[0].teacher_logprobs)]
+        return self.distiller.viewer_logprobs(samples)
 
     def _advantages(self, samples: list[Sample], mbs: list[MicroBatch]) -> None:
         """Sequence-level estimator over all samples, then per-token OPD / KL-reward terms, TIS, RS."""
