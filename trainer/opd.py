@@ -215,6 +215,8 @@ class Distiller:
             g = self.panel.granularity(r)
             for kind in coef:
                 coef[kind].append(torch.full((size,), self.panel.coef(r) if kind == g else 0.0))
+            if r.label not in self.labels:  # a route not made by route() (a caller's own)
+                self.labels.append(r.label)
             route_index.append(torch.full((size,), self.labels.index(r.label), dtype=torch.long))
         for kind, parts in coef.items():
             mb.extras[f"opd_coef_{kind}"] = torch.cat(parts)
