@@ -111,3 +111,21 @@ def test_single_teacher_config_is_a_one_teacher_panel():
     assert panel.route(_sample("whatever")).label == "teacher"
     assert TrainerConfig().panel() is None and not TrainerConfig().opd_enabled
     assert TrainerConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_math_routing_by_task_kind():
+    panel = TeacherPanel.from_config(
+        {
+            "arithmetic": {"mode": "megatron", "model": "x"},
+            "worked_steps": {"mode": "megatron", "model": "y"},
+        },
+        default_coef=1.0,
+        routing="palaestra.environments.math.routing:by_kind",
+    )
+    s = _sample("math")
+    for task_id, teacher in (("arithmetic-d0-s1-3", "arithmetic"), ("worked_steps-d0-s1-4", "worked_steps")):
+        s.task_id = task_id
+        assert panel.route(s).label == teacher
+    s.task_id = "fraction-d2-s1-5"
+    with pytest.raises(ValueError, match="no teacher for math task kind 'fraction'"):
+        panel.route(s)
