@@ -172,7 +172,12 @@ async def reward(session_id: str, request: Request) -> dict[str, Any]:
         raise GatewayError(f"'status' must be one of {', '.join(STATUSES)}", param="status")
     if body.get("done", True) is not True:
         raise GatewayError("only final rewards are supported ('done': true)", param="done")
-    return await svc.finish(session_id, float(value), {k: float(v) for k, v in metrics.items()}, status)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    answer = await svc.finish(session_id, float(value), metrics, status)
+    session = svc.sessions.get(session_id)
+    if not session.metrics:  # the first reward call's, like the rest of a finished session
+        session.metrics = metrics
+    return answer
 
 
 @sessions.get("/sessions/{session_id}")

@@ -97,6 +97,8 @@ class Session:
     finished: bool = False
     status: str | None = None
     reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The episode's metrics as the reward call gave them (``failure/<name>`` counts say what went wrong)."""
     sample_ids: list[str] = field(default_factory=list)
     cursors: list[int] = field(default_factory=list)
     sampled_tokens: int = 0
@@ -126,6 +128,10 @@ class Session:
             "finished": self.finished,
             "status": self.status,
             "reward": self.reward,
+            "metrics": self.metrics,
+            "failures": sorted(
+                k.removeprefix("failure/") for k, v in self.metrics.items() if k.startswith("failure/") and v
+            ),
             "turns": [t.summary() for t in self.turns],
             "forks": self.forks,
             "failed_calls": self.failed_calls,

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 # Held-out tasks come from this seed of `env.tasks(seed)` — the same set for every run, whatever
 # its training seed (a finite task list that ignores the seed is not held out: see docs/training.md).
 EVAL_SEED = 1_000_003
+VIEWER_PER_STEP = 8
+"""Samples of each earlier step the trajectory viewer shows (all of the last step's, up to 64)."""
 
 
 @dataclass
@@ -96,6 +98,8 @@ class Run:
         self.engine_versions_start = cluster.engine_versions()
         self.trained: list[StepRecord] = []
         self.last_samples: list[Sample] = []
+        self.last_step = 0  # the step (1-based) last_samples trained
+        self.earlier_samples: list[dict] = []  # a few per step, for the viewer's step-by-step view
         self.counts: Counter[str] = Counter(state.counts)
         self.eval_before: dict[str, float] | None = None
         self.eval_after: dict[str, float] | None = None
@@ -173,7 +177,11 @@ class Run:
             )
             ref = self.cluster.trainer_call("train", [], rank0_args=(batch.samples,))
             metrics.update(self.waiter.get(ref, "training")[0])
-            self.last_samples = batch.samples
+            if self.last_samples:  # the previous step's, now history: keep a few
+                self.earlier_samples += [
+                    {**s.to_dict(), "step": self.last_step} for s in self.last_samples[:VIEWER_PER_STEP]
+                ]
+            self.last_samples, self.last_step = batch.samples, step + 1
         else:
             log.warning("step %d: no sample left to train after filtering (%s)", step + 1, dict(batch.counts))
         self._times["train_s"] = time.perf_counter() - self._times["batch"] if batch.samples else 0.0
@@ -309,7 +317,7 @@ class Run:
         )
 
     def report(self, result: RunResult) -> RunResult:
-        """reward_curve.png, viewer.html (the last step's samples, with the teacher's logprobs)
+        """reward_curve.png, viewer.html (a few samples of every step, the last step's with the teacher's logprobs)
         and the summary line, printed; all three are set on `result`, which is returned."""
         from palaestra.orchestrator.report import plot_reward_curve, summary_line
         from palaestra.orchestrator.viewer import write_trajectory_viewer
@@ -323,7 +331,7 @@ class Run:
         )
         if self.last_samples:
             shown = self.last_samples[:64]
-            samples = [s.to_dict() for s in shown]
+            samples = [{**s.to_dict(), "step": self.last_step} for s in shown]
             self.waiter.begin("the trajectory viewer")
             teacher = self.waiter.get(
                 self.cluster.trainer_call("teacher_logprobs", [], rank0_args=(shown,)), "teacher scoring"
@@ -336,7 +344,10 @@ class Run:
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.student))
             result.viewer = write_trajectory_viewer(
-                samples, tokenizer, self.out / "viewer.html", title=f"{cfg.run.name}: last step's samples"
+                self.earlier_samples + samples,
+                tokenizer,
+                self.out / "viewer.html",
+                title=f"{cfg.run.name}: samples of every step (the last one with teacher logprobs)",
             )
         result.summary = summary_line(
             rows,

@@ -4,11 +4,13 @@
     write_trajectory_viewer([s.to_dict() for s in samples], tokenizer, "runs/demo/viewer.html",
                             title="demo: last step")
 
-One HTML file with inline CSS and JS and no network access: a filterable list of samples and, for
-the selected one, its response tokens coloured by loss mask (policy-sampled vs environment/template
-tokens) or by the student−teacher logprob gap. Token strings are embedded once per sample as JSON
-and put on the page with `textContent`, so whatever the model wrote (`<script>` included) stays
-text.
+One HTML file with inline CSS and JS and no network access: a list of samples filterable by step
+(with step-by-step navigation), reward, status, failure and fork reason and, for the selected one,
+what went wrong (its ``failure/*`` metrics), the conversation (model turns with their tool calls,
+environment replies, masked vs sampled) or its response tokens coloured by loss mask
+(policy-sampled vs environment/template tokens) or by the student−teacher logprob gap. Token
+strings are embedded once per sample as JSON and put on the page with `textContent`, so whatever
+the model wrote (`<script>` included) stays text.
 """
 
 from __future__ import annotations
@@ -47,6 +49,37 @@ def token_texts(tokenizer, ids: Sequence[int], start: int = 0) -> list[str]:
     return texts
 
 
+FAILURE_PREFIX = "failure/"
+
+
+def failures_of(sample: Mapping[str, Any]) -> list[str]:
+    """What went wrong in the sample's episode: the ``failure/<name>`` metrics that are non-zero
+    (the tool environments' named failures), and ``error`` when the episode raised."""
+    metrics = sample.get("metrics") or {}
+    names = [
+        k.removeprefix(FAILURE_PREFIX)
+        for k, v in sorted(metrics.items())
+        if k.startswith(FAILURE_PREFIX) and v
+    ]
+    if metrics.get("error"):
+        names.append("error")
+    return names
+
+
+def conversation(texts: Sequence[str], mask: Sequence[int]) -> list[dict[str, Any]]:
+    """The response as alternating runs: what the policy sampled (a model turn, its tool calls
+    included) and what the environment added (tool results, the template between turns)."""
+    runs: list[dict[str, Any]] = []
+    for text, m in zip(texts, mask, strict=True):
+        who = "model" if m else "env"
+        if runs and runs[-1]["who"] == who:
+            runs[-1]["text"] += text
+            runs[-1]["n"] += 1
+        else:
+            runs.append({"who": who, "text": text, "n": 1})
+    return runs
+
+
 def _rounded(x: float) -> float | None:
     return round(x, 3) if math.isfinite(x) else None  # JSON has no inf; shown as "–"
 
@@ -64,10 +97,15 @@ def _sample_record(sample: Mapping[str, Any], tokenizer, index: int) -> dict[str
             _rounded(r - t) if m == 1 and t is not None else None
             for r, t, m in zip(rollout, teacher, mask, strict=True)
         ]
+    texts = token_texts(tokenizer, tokens, prompt_len)
     return {
         "id": str(sample.get("sample_id", index)),
         "prompt": tokenizer.decode(tokens[:prompt_len], skip_special_tokens=False),
-        "tok": token_texts(tokenizer, tokens, prompt_len),
+        "tok": texts,
+        "turns": conversation(texts, mask),
+        "failures": failures_of(sample),
+        "metrics": {k: _rounded(float(v)) for k, v in sorted((sample.get("metrics") or {}).items())},
+        "step": sample.get("step"),
         "mask": mask,
         "lp": [_rounded(x) if m == 1 else None for x, m in zip(rollout, mask, strict=True)],
         "gap": gap,
@@ -89,8 +127,10 @@ def write_trajectory_viewer(
     samples: Sequence[Mapping[str, Any] | Sample], tokenizer, path: str | Path, *, title: str
 ) -> Path:
     """One self-contained HTML file: the samples (`Sample`s or their `to_dict()`), filterable by
-    reward range, status and fork reason; the selected one's response tokens coloured by loss mask
-    or by the student−teacher logprob gap (where the sample has teacher logprobs)."""
+    step, reward range, status, failure and fork reason; the selected one as a conversation (each
+    model turn with its tool calls, each environment reply, masked vs sampled) or as tokens
+    coloured by loss mask or by the student−teacher logprob gap (where it has teacher logprobs).
+    A dict may carry ``step`` (an int): then the page navigates the run step by step."""
     samples = [s.to_dict() if isinstance(s, Sample) else s for s in samples]
     records = [_sample_record(s, tokenizer, i) for i, s in enumerate(samples)]
     gaps = sorted(abs(g) for r in records for g in (r["gap"] or []) if g is not None)
@@ -99,15 +139,21 @@ def write_trajectory_viewer(
     scale = max(0.5, round(gaps[int(0.95 * (len(gaps) - 1))], 1)) if gaps else 1.0
     reasons = sorted({s.get("fork_reason") or "" for s in samples})
     statuses = sorted({str(s.get("status", "")) for s in samples})
+    failures = sorted({f for r in records for f in r["failures"]})
+    steps = sorted({s["step"] for s in samples if isinstance(s.get("step"), int)})
 
     rows = []
     for i, s in enumerate(samples):
         reward = float(s.get("reward", 0.0))
         response = len(s["tokens"]) - int(s["prompt_len"])
+        step = s.get("step")
+        failed = records[i]["failures"]
         rows.append(
             f'<tr data-i="{i}" data-reward="{reward!r}" data-status="{_cell(s.get("status"))}" '
-            f'data-fork="{_cell(s.get("fork_reason") or "")}"><td>{i}</td><td>{reward:.3f}</td>'
-            f"<td>{_cell(s.get('status'))}</td><td>{_cell(s.get('fork_reason') or '—')}</td>"
+            f'data-fork="{_cell(s.get("fork_reason") or "")}" data-step="{_cell(step)}" '
+            f'data-failures="{_cell(" ".join(failed))}"><td>{i}</td><td>{_cell(step if step is not None else "—")}</td>'
+            f"<td>{reward:.3f}</td><td>{_cell(s.get('status'))}</td>"
+            f'<td class="fail">{_cell(", ".join(failed) or "—")}</td><td>{_cell(s.get("fork_reason") or "—")}</td>'
             f"<td>{_cell(s.get('env'))}</td><td>{_cell(s.get('task_id'))}</td>"
             f"<td>{response}</td><td>{sum(records[i]['mask'])}</td>"
             f'<td class="mono">{_cell(s.get("sample_id"))}</td></tr>'
@@ -118,16 +164,20 @@ def write_trajectory_viewer(
         for r in reasons
     )
     status_options = "".join(f'<option value="{_cell(s)}">{_cell(s)}</option>' for s in statuses)
+    failure_options = "".join(f'<option value="{_cell(f)}">{_cell(f)}</option>' for f in failures)
+    step_options = "".join(f'<option value="{n}">step {n}</option>' for n in steps)
     slots = {
         "TITLE": html.escape(title),
         "COUNT": str(len(samples)),
         "ROWS": "\n".join(rows),
         "FORK_OPTIONS": fork_options,
         "STATUS_OPTIONS": status_options,
+        "FAILURE_OPTIONS": failure_options,
+        "STEP_OPTIONS": step_options,
         "RMIN": repr(min(rewards)),
         "RMAX": repr(max(rewards)),
         "SCALE": f"{scale:g}",
-        "DATA": _script_json({"samples": records, "scale": scale}),
+        "DATA": _script_json({"samples": records, "scale": scale, "steps": steps}),
     }
     # One pass, so text inside a slot (a task id, a token) is never taken for another slot.
     page = re.sub(r"__([A-Z_]+)__", lambda m: slots[m.group(1)], _PAGE)
@@ -172,6 +222,14 @@ tbody tr.sel{background:#bbdefb}
 details{margin:8px 0}
 details pre{white-space:pre-wrap;word-break:break-word;background:#fff;border:1px solid #cfd8dc;padding:8px;font-size:12px}
 .empty{color:#777;padding:16px}
+.turn{border:1px solid #cfd8dc;border-left-width:6px;margin:6px 0;background:#fff}
+.turn h3{margin:0;padding:3px 8px;font-size:12px;font-weight:600;background:#f5f5f5}
+.turn pre{margin:0;padding:6px 8px;white-space:pre-wrap;word-break:break-word;font-size:12px}
+.turn.model{border-left-color:#43a047}
+.turn.env{border-left-color:#9e9e9e;color:#555}
+.turn .call{background:#fff3e0}
+#why{background:#ffebee;border:1px solid #ef9a9a;padding:6px 8px;margin:6px 0}
+td.fail{color:#c62828}
 </style></head>
 <body>
 <header><h1>__TITLE__</h1><p>__COUNT__ samples &middot; click one to see its tokens</p></header>
@@ -180,16 +238,25 @@ details pre{white-space:pre-wrap;word-break:break-word;background:#fff;border:1p
  <label>to <input id="rmax" type="number" step="any" value="__RMAX__"></label>
  <label>fork reason <select id="fork"><option value="*">any</option>__FORK_OPTIONS__</select></label>
  <label>status <select id="status"><option value="*">any</option>__STATUS_OPTIONS__</select></label>
+ <label>failure <select id="failure"><option value="*">any</option><option value="-">none</option>__FAILURE_OPTIONS__</select></label>
+ <span><button id="prev-step" type="button">&#9664;</button>
+ <label>step <select id="step"><option value="*">all</option>__STEP_OPTIONS__</select></label>
+ <button id="next-step" type="button">&#9654;</button></span>
  <span id="shown"></span>
 </div>
 <main>
-<div id="list"><table><thead><tr><th>#</th><th>reward</th><th>status</th><th>fork reason</th><th>env</th>
+<div id="list"><table><thead><tr><th>#</th><th>step</th><th>reward</th><th>status</th><th>failures</th>
+<th>fork reason</th><th>env</th>
 <th>task</th><th>resp. tokens</th><th>sampled</th><th>sample id</th></tr></thead>
 <tbody id="rows">
 __ROWS__
 </tbody></table></div>
 <div id="detail">
- <div class="legend"><b>colour by</b>
+ <div class="legend"><b>show</b>
+  <label><input type="radio" name="view" value="turns" checked> conversation</label>
+  <label><input type="radio" name="view" value="tokens"> tokens</label>
+ </div>
+ <div class="legend" id="colour-by" hidden><b>colour by</b>
   <label><input type="radio" name="mode" value="mask" checked> loss mask</label>
   <label><input type="radio" name="mode" value="gap"> student − teacher logprob</label>
  </div>
@@ -198,8 +265,11 @@ __ROWS__
  <div class="legend" id="legend-gap" hidden><span>teacher more likely (−__SCALE__ nats)</span><span id="bar"></span>
   <span>student more likely (+__SCALE__ nats)</span><span class="nogap">grey: no teacher logprob or not sampled</span></div>
  <div id="meta" class="empty">Select a sample on the left.</div>
+ <div id="why" hidden></div>
+ <details id="metrics-box"><summary>metrics</summary><pre id="metrics"></pre></details>
  <details id="prompt-box"><summary>prompt</summary><pre id="prompt"></pre></details>
- <div id="tokens"></div>
+ <div id="turns"></div>
+ <div id="tokens" hidden></div>
 </div>
 </main>
 <script type="application/json" id="data">__DATA__</script>
@@ -221,12 +291,46 @@ function gapColour(g) {
 
 function fmt(x) { return x === null || x === undefined ? "–" : x.toFixed(3); }
 
+function view() { return document.querySelector("input[name=view]:checked").value; }
+
+// The parts of a model turn that are tool calls, in the chat formats the gateway parses.
+const CALL = /(<tool_call>[\\s\\S]*?(?:<\\/tool_call>|$)|<\\|tool_call[\\s\\S]*?(?:<\\|\\/tool_call\\|>|$))/;
+
+function renderTurns(s) {
+  const box = $("turns");
+  box.textContent = "";
+  let modelTurn = 0;
+  s.turns.forEach((t) => {
+    const div = document.createElement("div");
+    div.className = "turn " + t.who;
+    const h = document.createElement("h3");
+    if (t.who === "model") modelTurn++;
+    h.textContent = t.who === "model"
+      ? "model turn " + modelTurn + " · " + t.n + " sampled tokens (loss_mask 1)"
+      : "environment · " + t.n + " tokens: tool results, template (loss_mask 0)";
+    const pre = document.createElement("pre");
+    t.text.split(CALL).forEach((part, k) => {
+      if (!part) return;
+      const span = document.createElement("span");
+      span.textContent = part;
+      if (k % 2 === 1 && t.who === "model") { span.className = "call"; span.title = "tool call"; }
+      pre.appendChild(span);
+    });
+    div.append(h, pre);
+    box.appendChild(div);
+  });
+}
+
 function render() {
-  const m = mode();
-  $("legend-mask").hidden = m !== "mask";
-  $("legend-gap").hidden = m !== "gap";
+  const m = mode(), v = view();
+  $("turns").hidden = v !== "turns";
+  $("tokens").hidden = v !== "tokens";
+  $("colour-by").hidden = v !== "tokens";
+  $("legend-mask").hidden = v !== "tokens" || m !== "mask";
+  $("legend-gap").hidden = v !== "tokens" || m !== "gap";
   if (current === null) return;
   const s = DATA.samples[current];
+  if (v === "turns") { renderTurns(s); return; }
   const box = $("tokens");
   box.textContent = "";
   const frag = document.createDocumentFragment();
@@ -260,17 +364,23 @@ function select(i) {
   $("meta").textContent = "sample " + s.id + " · " + s.tok.length + " response tokens, " + sampled +
     " sampled · " + (s.gap ? "teacher: " + (s.teacher || "yes") : "no teacher logprobs");
   $("prompt").textContent = s.prompt;
+  $("why").hidden = !s.failures.length;
+  $("why").textContent = "what went wrong: " + s.failures.join(", ");
+  $("metrics").textContent = Object.entries(s.metrics).map(([k, x]) => k + " = " + fmt(x)).join("\\n");
   render();
 }
 
 function applyFilters() {
   const lo = parseFloat($("rmin").value), hi = parseFloat($("rmax").value);
-  const fork = $("fork").value, status = $("status").value;
+  const fork = $("fork").value, status = $("status").value, failure = $("failure").value, step = $("step").value;
   let shown = 0;
   document.querySelectorAll("#rows tr").forEach((tr) => {
     const r = parseFloat(tr.dataset.reward);
+    const failed = tr.dataset.failures ? tr.dataset.failures.split(" ") : [];
     const ok = (isNaN(lo) || r >= lo) && (isNaN(hi) || r <= hi) &&
-      (fork === "*" || tr.dataset.fork === fork) && (status === "*" || tr.dataset.status === status);
+      (fork === "*" || tr.dataset.fork === fork) && (status === "*" || tr.dataset.status === status) &&
+      (failure === "*" || (failure === "-" ? !failed.length : failed.includes(failure))) &&
+      (step === "*" || tr.dataset.step === step);
     tr.hidden = !ok;
     if (ok) shown++;
   });
@@ -281,11 +391,25 @@ $("rows").addEventListener("click", (e) => {
   const tr = e.target.closest("tr");
   if (tr) select(Number(tr.dataset.i));
 });
-document.querySelectorAll("input[name=mode]").forEach((r) => r.addEventListener("change", render));
-["rmin", "rmax", "fork", "status"].forEach((id) => $(id).addEventListener("input", applyFilters));
+document.querySelectorAll("input[name=mode],input[name=view]").forEach((r) => r.addEventListener("change", render));
+["rmin", "rmax", "fork", "status", "failure", "step"].forEach((id) => $(id).addEventListener("input", applyFilters));
+
+function stepBy(delta) {  // walk the run: all -> first step, then one step at a time
+  const sel = $("step"), n = sel.options.length;
+  if (n <= 1) return;
+  const next = sel.selectedIndex === 0 ? (delta > 0 ? 1 : n - 1) : sel.selectedIndex + delta;
+  sel.selectedIndex = Math.max(1, Math.min(n - 1, next));
+  applyFilters();
+  const firstShown = document.querySelector("#rows tr:not([hidden])");
+  if (firstShown) select(Number(firstShown.dataset.i));
+}
+$("prev-step").addEventListener("click", () => stepBy(-1));
+$("next-step").addEventListener("click", () => stepBy(1));
 // A link can open a given sample and colouring: viewer.html#sample=3&mode=gap
 const want = new URLSearchParams(location.hash.slice(1));
 if (want.get("mode") === "gap") document.querySelector("input[name=mode][value=gap]").checked = true;
+if (want.get("mode") || want.get("view") === "tokens") document.querySelector("input[name=view][value=tokens]").checked = true;
+if (want.get("step")) { $("step").value = want.get("step"); }
 applyFilters();
 const first = Number(want.get("sample") || 0);
 if (DATA.samples.length) select(first < DATA.samples.length ? first : 0);

@@ -16,8 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra import train as train_cmd
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
+    from palaestra.environments.swe_agent import cli as swe_cli
     from palaestra.gateway import cli as gateway_cli
     from palaestra.models import cli as models_cli
+    from palaestra.sandbox import cli as sandbox_cli
     from palaestra.sdk import cli as sdk_cli
 
     parser = argparse.ArgumentParser(
@@ -31,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     models_cli.register(groups)
     gateway_cli.register(groups)
     sdk_cli.register(groups)
+    sandbox_cli.register(groups)
     train_cmd.register(groups)
+    swe_cli.register(groups)
     return parser
 
 

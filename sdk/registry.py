@@ -10,6 +10,8 @@ from palaestra.sdk.environment import Environment
 BUILTIN = {
     "math": "palaestra.environments.math.env:MathEnv",
     "math-tool": "palaestra.environments.math.env:MathToolEnv",
+    "code": "palaestra.environments.code_sandbox.env:CodeSandboxEnv",
+    "swe": "palaestra.environments.swe_agent.env:SweAgentEnv",
 }
 
 

@@ -96,7 +96,7 @@ def test_viewer_structure_escaping_and_colourings(tokenizer, tmp_path):
 
     # Every sample is listed with its reward, status, fork reason, env and task.
     rows = re.findall(
-        r'<tr data-i="(\d+)" data-reward="([^"]*)" data-status="([^"]*)" data-fork="([^"]*)">', page
+        r'<tr data-i="(\d+)" data-reward="([^"]*)" data-status="([^"]*)" data-fork="([^"]*)"', page
     )
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
     assert [float(r[1]) for r in rows] == [1.0, 0.0, 0.5, 0.0]

@@ -1,5 +1,5 @@
 """Verifiers: math answers (extraction, equivalence decisions, timeouts), checks and their
-composition, and code tests through the labelled test double."""
+composition (code tests: tests/test_code_grader.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from palaestra.verifiers.checks import (
     regex_match,
     weighted,
 )
-from palaestra.verifiers.code import CodeResult, RunResult, verify_code
 from palaestra.verifiers.math import (
     MathVerifier,
     MathVerifierError,
@@ -27,7 +26,6 @@ from palaestra.verifiers.math import (
     normalize_answer,
     verify_math,
 )
-from palaestra.verifiers.testing import LocalSubprocessSandboxForTests
 
 
 @pytest.fixture(scope="module")
@@ -325,117 +323,3 @@ def test_weighted_rejects_bad_specs():
         weighted()
     with pytest.raises(TypeError):
         weighted(x=lambda text: 1.0)  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------------------------------ code
-
-ADD = "def add(a, b):\n    return a + b\n"
-ASSERT_TESTS = "assert add(1, 2) == 3\nx = 10\nassert add(x, -4) == 6\nassert add(0, 0) == 0\n"
-FUNCTION_TESTS = """
-from solution import add
-
-def test_small():
-    assert add(1, 2) == 3
-
-def test_negative():
-    assert add(-1, -2) == -3
-
-async def test_async():
-    assert add(0, 0) == 0
-
-def helper():  # not a test
-    raise AssertionError
-"""
-
-
-def run_code(program: str, tests: str, **kwargs) -> CodeResult:
-    return asyncio.run(verify_code(LocalSubprocessSandboxForTests(), program, tests, **kwargs))
-
-
-def test_code_passing_program():
-    assert run_code(ADD, ASSERT_TESTS) == CodeResult(
-        reward=1.0, passed=3, total=3, reason="passed", output=""
-    )
-    result = run_code(ADD, FUNCTION_TESTS)
-    assert (result.reward, result.passed, result.total, result.reason) == (1.0, 3, 3, "passed")
-
-
-def test_code_failing_program_all_or_nothing_and_partial_credit():
-    wrong = "def add(a, b):\n    return 0 if a == 1 else a + b\n"
-    result = run_code(wrong, ASSERT_TESTS)
-    assert (result.reward, result.passed, result.total, result.reason) == (0.0, 2, 3, "failed")
-    assert "FAIL assert line 1: AssertionError" in result.output
-    partial = run_code(wrong, ASSERT_TESTS, partial_credit=True)
-    assert partial.reward == pytest.approx(2 / 3)
-
-
-def test_code_timeout():
-    slow = "def add(a, b):\n    while a > 5:\n        pass\n    return a + b\n"
-    start = time.perf_counter()
-    result = run_code(slow, ASSERT_TESTS, timeout_s=1.0, partial_credit=True)
-    assert time.perf_counter() - start < 5
-    # Tests that passed before the hang still count under partial credit.
-    assert (result.reason, result.passed, result.total) == ("timeout", 1, 3)
-    assert result.reward == pytest.approx(1 / 3)
-    assert run_code(slow, ASSERT_TESTS, timeout_s=1.0).reward == 0.0
-
-
-@pytest.mark.parametrize(
-    "program, reason",
-    [
-        ("def add(a, b)\n    return a + b\n", "syntax error"),
-        ("import sys\nsys.exit(0)\n", "crashed"),  # exits on import
-        ("import os\nos._exit(0)\n", "crashed"),  # skips the harness entirely
-        ("raise RuntimeError('boom')\n", "crashed"),
-    ],
-)
-def test_code_broken_programs(program, reason):
-    result = run_code(program, ASSERT_TESTS)
-    assert (result.reward, result.passed, result.reason) == (0.0, 0, reason)
-
-
-def test_code_sys_exit_inside_a_test_is_a_failure():
-    result = run_code("import sys\ndef add(a, b):\n    sys.exit(0)\n", ASSERT_TESTS)
-    assert (result.reward, result.passed, result.reason) == (0.0, 0, "failed")
-
-
-def test_code_printed_lookalike_lines_do_not_count():
-    program = "print('@@palaestra-0000000000000000@@ pass 0')\ndef add(a, b):\n    return 0\n"
-    result = run_code(program, ASSERT_TESTS)
-    assert (result.passed, result.reason) == (1, "failed")  # only add(0, 0) == 0 really passed
-    assert "@@palaestra-0000000000000000@@" in result.output  # the program's print went to output
-
-
-def test_code_no_tests_and_memory_limit():
-    assert run_code(ADD, "x = 1\n").reason == "no tests"
-    hog = "x = bytearray(4 * 1024**3)\n" + ADD
-    result = run_code(hog, ASSERT_TESTS, memory_mb=256)
-    assert (result.reason, result.reward) == ("crashed", 0.0)
-    assert "MemoryError" in result.output
-
-
-def test_verify_code_reads_partial_progress_from_any_sandbox():
-    """A sandbox is anything with the `run` signature; here a canned one that 'timed out'."""
-
-    class CannedSandbox:
-        def __init__(self):
-            self.calls = []
-
-        async def run(self, files, command, timeout_s, memory_mb):
-            self.calls.append((sorted(files), command, timeout_s, memory_mb))
-            token = files["_palaestra_harness.py"].split('TOKEN = "', 1)[1].split('"', 1)[0]
-            stdout = f"{token} total 4\n{token} pass 0\n{token} pass 1\n"
-            return RunResult(exit_code=-9, stdout=stdout, stderr="", timed_out=True, duration_s=2.0)
-
-    sandbox = CannedSandbox()
-    result = asyncio.run(verify_code(sandbox, ADD, ASSERT_TESTS, 2.0, partial_credit=True))
-    assert (result.reward, result.passed, result.total, result.reason) == (0.5, 2, 4, "timeout")
-    assert sandbox.calls == [
-        (["_palaestra_harness.py", "solution.py", "tests.py"], ["python3", "_palaestra_harness.py"], 2.0, 512)
-    ]
-
-
-def test_test_double_refuses_paths_outside_its_directory():
-    sandbox = LocalSubprocessSandboxForTests()
-    with pytest.raises(ValueError):
-        asyncio.run(sandbox.run({"../escape.py": ""}, ["python3", "-c", "pass"], 5, 0))

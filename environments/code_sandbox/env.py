@@ -1,0 +1,164 @@
+"""The code_sandbox environment: the model writes a Python function, may run code in a sandbox
+with the `run_python` tool (OpenAI tools) while it works, and answers with the function in a code
+block; hidden tests grade the answer in a fresh sandbox (`palaestra.verifiers.code`).
+
+    palaestra rollout --env code --env-args '{"difficulty": 0, "backend": "local"}' --tasks 8
+
+Reward: 1 when every hidden test passes, or the fraction passed with ``partial_credit``. Tasks come
+from the seeded generator (`tasks.py`, levels 0-3) or HumanEval (``source="humaneval"``). What went
+wrong in an episode is in its metrics (``failure/*``, see `environments/episode.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import openai
+
+from palaestra.environments.code_sandbox.tasks import LEVELS, CodeTask, iter_generated, load_humaneval
+from palaestra.environments.code_sandbox.tools import RUN_PYTHON_TOOL, ToolCallError, extract_code, run_python
+from palaestra.environments.episode import EpisodeLog, looks_like_a_tool_call, resolve_backend, sampling
+from palaestra.sandbox.base import Limits, Sandbox, SandboxError
+from palaestra.sdk.environment import Environment, Reward
+from palaestra.sdk.session import Session
+from palaestra.verifiers.code import grade_code
+
+SYSTEM = (
+    "You write Python functions. You may call the run_python tool to test your code before you "
+    "answer. When you are done, answer with the complete function in a ```python code block."
+)
+
+
+class CodeSandboxEnv(Environment):
+    name = "code"
+
+    def __init__(
+        self,
+        source: str = "generated",
+        difficulty: int = 0,
+        backend: Any = "local",
+        max_turns: int = 4,
+        max_tokens: int = 512,
+        temperature: float = 1.0,
+        partial_credit: bool = False,
+        tool_timeout_s: float = 5.0,
+        grade_timeout_s: float = 10.0,
+        memory_mb: int = 512,
+    ):
+        """`source` "generated" (with `difficulty` 0-3) or "humaneval"; `backend` a sandbox spec
+        ("local", "docker", a remote URL) or a `Backend`; `max_turns` model calls per episode."""
+        if source not in ("generated", "humaneval"):
+            raise ValueError(f"source must be 'generated' or 'humaneval'; got {source!r}")
+        if source == "generated" and difficulty not in LEVELS:
+            raise ValueError(f"difficulty must be one of {LEVELS}; got {difficulty!r}")
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1; got {max_turns}")
+        self.source, self.difficulty, self.backend = source, difficulty, resolve_backend(backend)
+        self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
+        self.partial_credit, self.tool_timeout_s, self.grade_timeout_s = (
+            partial_credit,
+            tool_timeout_s,
+            grade_timeout_s,
+        )
+        self.limits = Limits(timeout_s=max(tool_timeout_s, grade_timeout_s), memory_mb=memory_mb)
+
+    def tasks(self, seed: int) -> Iterable[CodeTask]:
+        if self.source == "humaneval":
+            return load_humaneval()
+        return iter_generated(seed, self.difficulty)
+
+    async def rollout(self, session: Session, task: CodeTask) -> Reward:
+        log = EpisodeLog()
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": task.prompt},
+        ]
+        box: Sandbox | None = None
+        answer = None
+        try:
+            for _ in range(self.max_turns):
+                try:
+                    async with log.timed("model"):
+                        reply = await session.client.chat.completions.create(
+                            model=self.model,
+                            messages=messages,
+                            tools=[RUN_PYTHON_TOOL],
+                            max_tokens=self.max_tokens,
+                            **sampling(session, temperature=self.temperature),
+                        )
+                except openai.BadRequestError as exc:
+                    if getattr(exc, "code", None) != "context_length_exceeded":
+                        raise
+                    log.fail("context_exceeded")
+                    break
+                message = reply.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                if not message.tool_calls:
+                    if looks_like_a_tool_call(message.content):
+                        log.fail("tool_call_parse")  # no call id to answer: say it as the user
+                        messages.append(
+                            {"role": "user", "content": "error: that tool call could not be parsed"}
+                        )
+                        continue
+                    answer = extract_code(message.content)
+                    break
+                for call in message.tool_calls:
+                    log.count("tool_calls")
+                    if call.function.name != "run_python":
+                        log.fail("tool_call_parse")
+                        text = f"error: unknown tool {call.function.name!r}; the tool is run_python"
+                    else:
+                        try:
+                            if box is None:
+                                async with log.timed("sandbox"):
+                                    box = await self.backend.create("python", self.limits)
+                            async with log.timed("sandbox"):
+                                text, result = await run_python(
+                                    box, call.function.arguments, self.tool_timeout_s
+                                )
+                            if result.status == "timeout":
+                                log.fail("sandbox_timeout")
+                        except ToolCallError as exc:
+                            log.fail("tool_call_parse")
+                            text = str(exc)
+                        except SandboxError as exc:  # the next call gets a fresh sandbox
+                            log.fail("sandbox_error")
+                            text = f"error: the sandbox failed: {exc}"
+                            if box is not None:
+                                await box.close()
+                            box = None
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+        finally:
+            if box is not None:
+                await box.close()
+        if answer is None:
+            log.fail("no_answer")
+            return Reward(0.0, log.metrics(correct=0.0, tests_passed=0.0, turns=_turns(messages)))
+        try:
+            async with log.timed("grade"):
+                result = await grade_code(
+                    self.backend,
+                    task.preamble + "\n\n" + answer if task.preamble else answer,
+                    task.tests,
+                    limits=self.limits,
+                    timeout_s=self.grade_timeout_s,
+                    partial_credit=self.partial_credit,
+                )
+        except SandboxError:
+            log.fail("grader_error")
+            return Reward(0.0, log.metrics(correct=0.0, tests_passed=0.0, turns=_turns(messages)))
+        if result.reason in ("grader error",):
+            log.fail("grader_error")
+        return Reward(
+            result.reward,
+            log.metrics(
+                correct=float(result.reason == "passed"),
+                tests_passed=result.passed / result.total if result.total else 0.0,
+                turns=_turns(messages),
+            ),
+        )
+
+
+def _turns(messages: list[dict[str, Any]]) -> float:
+    return float(sum(m["role"] == "assistant" for m in messages))

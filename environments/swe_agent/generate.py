@@ -1,0 +1,231 @@
+"""Generating SWE instances by planting bugs in the repositories bundled under ``repos/``.
+
+    instances = await generate(Path("swe.jsonl"), backend, seed=0, per_kind=3)
+
+For each bundled repository: every mutation `mutate.py` admits is listed per bug kind and
+shuffled (seeded); a mutant is tried by running the whole test suite on it in a sandbox. It becomes
+an instance when 1 to ``max_failing`` tests fail: those are FAIL_TO_PASS, the rest PASS_TO_PASS.
+The test modules that hold FAIL_TO_PASS tests are removed from the base and come back in
+``test_patch``; ``patch`` is the diff from the mutant back to the original source. Each instance's
+base is a commit of a git repository written next to the JSONL (``<stem>.repos/<repo>``, one
+branch per instance), so the JSONL has exactly the loader's format. An instance is kept only if
+`grading.validate` passes.
+
+The problem statement is written from the failing behaviour: the failing call from the test, what
+it raised, and the test's name.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from palaestra.environments.swe_agent.grading import validate
+from palaestra.environments.swe_agent.instance import UNITTEST, SweInstance, write_jsonl
+from palaestra.environments.swe_agent.mutate import KINDS, Mutation, mutations
+from palaestra.environments.swe_agent.snapshot import (
+    Snapshot,
+    diff_snapshots,
+    read_directory,
+    write_directory,
+)
+from palaestra.environments.swe_agent.testrun import TestOutcome, run_tests
+from palaestra.sandbox.base import Backend
+
+REPOS_DIR = Path(__file__).with_name("repos")
+
+
+def bundled_repos() -> list[str]:
+    return sorted(p.name for p in REPOS_DIR.iterdir() if (p / "tests").is_dir())
+
+
+def discover_tests(files: Snapshot) -> list[str]:
+    """unittest ids (``tests.test_x.TestY.test_z``) of the test methods in ``tests/test_*.py``."""
+    ids = []
+    for path in sorted(files):
+        if not (path.startswith("tests/") and Path(path).name.startswith("test") and path.endswith(".py")):
+            continue
+        module = path[:-3].replace("/", ".")
+        for node in ast.parse(files[path]).body:
+            if isinstance(node, ast.ClassDef):
+                ids += [
+                    f"{module}.{node.name}.{item.name}"
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef) and item.name.startswith("test")
+                ]
+    return ids
+
+
+def _module_path(test_id: str) -> str:
+    return "/".join(test_id.split(".")[:-2]) + ".py"
+
+
+def problem_statement(repo: str, mutation: Mutation, failing: list[TestOutcome]) -> str:
+    """An issue as a user would file it: what they ran, what happened. Names no fix."""
+    parts = [f"{repo}: wrong behaviour\n"]
+    for outcome in failing[:2]:
+        at = outcome.at or {}
+        call = (at.get("code") or "").strip()
+        what = outcome.id.split(".")[-1].removeprefix("test_").replace("_", " ")
+        parts.append(f"Expected behaviour ({what}) does not hold. Running\n\n    {call}\n\nfails with:\n")
+        parts.append(f"    {outcome.message}\n")
+    parts.append(
+        "Please fix the library so that it behaves as documented; the existing behaviour that works "
+        "must keep working."
+    )
+    return "\n".join(parts)
+
+
+def _git(*args: str, cwd: Path, env: dict | None = None) -> str:
+    base_env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "palaestra",
+        "GIT_AUTHOR_EMAIL": "palaestra@localhost",
+        "GIT_COMMITTER_NAME": "palaestra",
+        "GIT_COMMITTER_EMAIL": "palaestra@localhost",
+        "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+        "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+    }
+    done = subprocess.run(
+        ["git", *args], cwd=cwd, capture_output=True, text=True, env={**base_env, **(env or {})}
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def _commit_tree(git_dir: Path, files: Snapshot, message: str, parent: str | None, branch: str) -> str:
+    """Commits ``files`` as a tree of ``git_dir`` on ``branch``, without touching its work tree."""
+    work = git_dir.parent / f".work-{branch.replace('/', '-')}"
+    shutil.rmtree(work, ignore_errors=True)
+    write_directory(files, work)
+    env = {
+        "GIT_INDEX_FILE": str(work / ".index"),
+        "GIT_WORK_TREE": str(work),
+        "GIT_DIR": str(git_dir / ".git"),
+    }
+    try:
+        _git("add", "-A", ".", cwd=work, env=env)
+        tree = _git("write-tree", cwd=work, env=env)
+        commit = _git(
+            "commit-tree", tree, *(["-p", parent] if parent else []), "-m", message, cwd=work, env=env
+        )
+        _git("update-ref", f"refs/heads/{branch}", commit, cwd=work, env=env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return commit
+
+
+async def generate(
+    out: Path,
+    backend: Backend,
+    *,
+    seed: int = 0,
+    per_kind: int = 3,
+    repos: list[str] | None = None,
+    max_failing: int = 4,
+    tries_per_kind: int = 12,
+    concurrency: int = 4,
+    progress: Callable[[str], None] | None = None,
+) -> list[SweInstance]:
+    """Writes ``out`` (JSONL) and ``<out stem>.repos/``; returns the validated instances."""
+    out = Path(out)
+    repo_root = out.parent / f"{out.stem}.repos"
+    kept: list[SweInstance] = []
+    for name in repos or bundled_repos():
+        kept += await _generate_repo(
+            name,
+            repo_root / name,
+            backend,
+            seed,
+            per_kind,
+            max_failing,
+            tries_per_kind,
+            concurrency,
+            progress,
+        )
+    write_jsonl(kept, out, relative_to=out.parent)
+    return kept
+
+
+async def _generate_repo(
+    name: str,
+    git_dir: Path,
+    backend: Backend,
+    seed: int,
+    per_kind: int,
+    max_failing: int,
+    tries_per_kind: int,
+    concurrency: int,
+    progress: Callable[[str], None] | None,
+) -> list[SweInstance]:
+    sem = asyncio.Semaphore(concurrency)
+    kept: list[SweInstance] = []
+    pristine = read_directory(REPOS_DIR / name)
+    all_tests = discover_tests(pristine)
+    shutil.rmtree(git_dir, ignore_errors=True)
+    git_dir.mkdir(parents=True)
+    _git("init", "-q", "-b", "main", cwd=git_dir)
+    root_commit = _commit_tree(git_dir, pristine, f"{name}: original", None, "main")
+    by_kind: dict[str, list[Mutation]] = {kind: [] for kind in KINDS}
+    for path in sorted(pristine):
+        if path.endswith(".py") and not path.startswith("tests/"):
+            for mutation in mutations(path, pristine[path].decode()):
+                by_kind[mutation.kind].append(mutation)
+
+    async def attempt(mutation: Mutation, index: int) -> SweInstance | None:
+        mutant = {**pristine, mutation.path: mutation.source.encode()}
+        async with sem:
+            run = await run_tests(backend, mutant, all_tests, UNITTEST, timeout_s=60)
+        failing = [run.outcomes[t] for t in all_tests if not run.outcomes[t].passed]
+        if not 1 <= len(failing) <= max_failing or any(o.outcome == "missing" for o in failing):
+            return None
+        hidden = {_module_path(o.id) for o in failing}
+        base = {p: d for p, d in mutant.items() if p not in hidden}
+        instance_id = f"{name}__{mutation.kind}__{index}"
+        commit = _commit_tree(git_dir, base, f"{name}: snapshot", root_commit, f"instances/{instance_id}")
+        f2p = [o.id for o in failing]
+        instance = SweInstance(
+            instance_id=instance_id,
+            repo=str(git_dir),
+            base_commit=commit,
+            problem_statement=problem_statement(name, mutation, failing),
+            patch=diff_snapshots(
+                {mutation.path: base[mutation.path]}, {mutation.path: pristine[mutation.path]}
+            ),
+            test_patch=diff_snapshots({}, {p: mutant[p] for p in sorted(hidden)}),
+            FAIL_TO_PASS=tuple(f2p),
+            PASS_TO_PASS=tuple(t for t in all_tests if t not in f2p),
+            test_cmd=UNITTEST,
+            bug_kind=mutation.kind,
+            source="generated",
+            extra={
+                "description": f"{mutation.path}:{mutation.line} in {mutation.function}: {mutation.description}"
+            },
+        )
+        async with sem:
+            check = await validate(instance, backend)
+        if progress:
+            progress(f"{instance_id}: {'valid' if check.valid else 'invalid: ' + check.reason}")
+        return instance if check.valid else None
+
+    for kind in KINDS:
+        candidates = by_kind[kind]
+        random.Random(f"swe/{seed}/{name}/{kind}").shuffle(candidates)
+        found: list[SweInstance] = []
+        index = 0
+        for start in range(0, min(len(candidates), tries_per_kind), concurrency):
+            batch = candidates[start : start + concurrency]
+            results = await asyncio.gather(*[attempt(m, index + k) for k, m in enumerate(batch)])
+            index += len(batch)
+            found += [r for r in results if r is not None]
+            if len(found) >= per_kind:
+                break
+        kept += found[:per_kind]
+    return kept

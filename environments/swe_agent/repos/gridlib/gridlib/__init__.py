@@ -1,0 +1,1 @@
+"""gridlib: points, rectangles and character grids."""

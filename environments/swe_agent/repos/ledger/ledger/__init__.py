@@ -1,0 +1,1 @@
+"""ledger: invoices in integer cents."""

@@ -1,0 +1,111 @@
+"""Running an instance's tests on a tree of files in a fresh sandbox.
+
+    outcomes = await run_tests(backend, files, ["tests.test_x.TestY.test_z"], "python3 -m unittest")
+    outcomes["tests.test_x.TestY.test_z"].outcome      # "passed", "failed", "error", "missing"
+
+The tree is unpacked under ``repo/`` of the sandbox with python's tarfile (no tar or git needed in
+the image). ``python3 -m unittest`` ids run through `unittest_runner.py`, which reports behind a
+per-run token; any other ``test_cmd`` gets the ids appended and its output read as pytest's
+``-rA`` summary (``PASSED id`` / ``FAILED id`` / ``ERROR id``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from palaestra.environments.swe_agent.instance import UNITTEST
+from palaestra.environments.swe_agent.snapshot import Snapshot, pack_tar
+from palaestra.sandbox.base import Backend, ExecResult, Limits, Sandbox
+
+RUNNER = Path(__file__).with_name("unittest_runner.py")
+UNPACK = (
+    "import sys, tarfile; t = tarfile.open(sys.argv[1]); "
+    "t.extractall(sys.argv[2], filter='data') if hasattr(tarfile, 'data_filter') else t.extractall(sys.argv[2])"
+)
+
+
+@dataclass(frozen=True)
+class TestOutcome:
+    id: str
+    outcome: str
+    """passed, failed, error, skipped, or missing (never reported: the run ended first)."""
+    message: str = ""
+    at: dict | None = None
+    """Where in the test file it failed: {file, line, code}."""
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "passed"
+
+
+@dataclass
+class TestRun:
+    outcomes: dict[str, TestOutcome]
+    exec: ExecResult
+
+    def all_pass(self, ids: tuple[str, ...] | list[str]) -> bool:
+        return all(self.outcomes[i].passed for i in ids)
+
+
+async def upload_tree(box: Sandbox, files: Snapshot | bytes, where: str = "repo") -> ExecResult:
+    """Unpacks ``files`` (a snapshot, or a ready .tar.gz) into ``where`` in ``box``."""
+    await box.upload("_tree.tgz", files if isinstance(files, bytes) else pack_tar(files))
+    return await box.exec(["python3", "-c", UNPACK, "_tree.tgz", where], timeout=60)
+
+
+async def run_tests_in(
+    box: Sandbox, test_ids: list[str], test_cmd: str = UNITTEST, timeout_s: float = 60.0
+) -> TestRun:
+    """Runs ``test_ids`` in the tree already unpacked under ``repo/`` of ``box``."""
+    if test_cmd.strip() == UNITTEST:
+        token = f"@@swe-{secrets.token_hex(16)}@@"
+        await box.upload("_unittest_runner.py", RUNNER.read_text())
+        result = await box.exec(
+            "cd repo && exec python3 -I -B ../_unittest_runner.py",
+            stdin=json.dumps({"token": token, "tests": test_ids}),
+            timeout=timeout_s,
+        )
+        outcomes: dict[str, TestOutcome] = {}
+        for line in result.stdout.splitlines():
+            if not line.startswith(token + " "):
+                continue
+            message = json.loads(line[len(token) + 1 :])
+            if isinstance(message, dict) and message.get("id") in test_ids:
+                outcomes[message["id"]] = TestOutcome(
+                    message["id"], message["outcome"], message.get("message", ""), message.get("at")
+                )
+    else:
+        command = f"cd repo && {test_cmd} " + " ".join(shlex.quote(t) for t in test_ids)
+        result = await box.exec(command, timeout=timeout_s)
+        outcomes = {}
+        for match in re.finditer(r"^(PASSED|FAILED|ERROR) (\S+)", result.stdout, re.MULTILINE):
+            if match.group(2) in test_ids:
+                outcomes[match.group(2)] = TestOutcome(match.group(2), match.group(1).lower())
+    for test_id in test_ids:
+        outcomes.setdefault(test_id, TestOutcome(test_id, "missing", f"not reported ({result.status})"))
+    return TestRun(outcomes, result)
+
+
+async def run_tests(
+    backend: Backend,
+    files: Snapshot,
+    test_ids: list[str],
+    test_cmd: str = UNITTEST,
+    *,
+    limits: Limits | None = None,
+    timeout_s: float = 60.0,
+) -> TestRun:
+    """``files`` unpacked in a fresh sandbox of ``backend``, ``test_ids`` run there."""
+    box = await backend.create("python", limits)
+    try:
+        unpacked = await upload_tree(box, files)
+        if not unpacked.ok:
+            raise RuntimeError(f"could not unpack the repository: {unpacked.status} {unpacked.stderr[-500:]}")
+        return await run_tests_in(box, test_ids, test_cmd, timeout_s)
+    finally:
+        await box.close()
