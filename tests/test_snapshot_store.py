@@ -205,3 +205,28 @@ def test_tensors_and_copy_read_through_the_disk_tier(tmp_path):
     assert _same(m, w)
     store.drop(["teacher/b"])
     assert "teacher/b" not in store.tags
+
+
+def test_a_switch_waits_for_a_prefetch_holding_the_last_free_slot(tmp_path, monkeypatch):
+    """With every slot taken, a prefetch filling one of them must finish before a switch that has
+    no other slot to use (a read made slow on purpose — a test double for a slow disk — so the
+    switch arrives while the prefetch still holds its slot)."""
+    import time
+
+    from palaestra.trainer import snapshots
+
+    real = snapshots.read_spill
+    monkeypatch.setattr(snapshots, "read_spill", lambda path, flat: (time.sleep(0.3), real(path, flat))[1])
+    m = _model()
+    store = _store(m, tmp_path, copies=2, prefetch=True)
+    w = {t: _weights(m, i) for i, t in enumerate(["teacher/a", "teacher/b", "teacher/c"])}
+    for tag, weights in w.items():
+        store.load(tag, weights)  # teacher/a goes to disk
+    store.mark_live_changed()  # the actor has no stored copy: leaving it needs a slot
+    store.plan(["teacher/a"])  # prefetch: evicts teacher/b, then reads teacher/a slowly
+    time.sleep(0.1)
+    store.switch("teacher/c")  # needs a slot for the actor: only teacher/a's, once it is loaded
+    assert _same(m, w["teacher/c"])
+    store.switch("teacher/a")
+    assert _same(m, w["teacher/a"])
+    store.close()

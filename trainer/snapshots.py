@@ -235,13 +235,18 @@ class SnapshotStore:
         self._count(disk_to_host_b=n, load_s=time.perf_counter() - started, demand_loads=1)
 
     def _settle(self, tag: str) -> None:
-        """Waits for a prefetch of `tag` in flight (without the lock: the prefetch needs it to finish)."""
+        """Waits for a prefetch of `tag` in flight (without the lock: the prefetch needs it to finish),
+        and for any prefetch at all when every slot is taken: the slot it fills may be the only one
+        this operation could get (only the caller's thread starts prefetches, so none starts after)."""
         e = self._entries.get(tag)
         fut = e.loading if e is not None else None
-        if fut is None:
+        full = self._max_slots is not None and not self._free and len(self._slots) >= self._max_slots
+        if fut is None and not (full and self._busy):
             return
         started = time.perf_counter()
-        fut.result()
+        if fut is not None:
+            fut.result()
+        self.wait_prefetch()
         with self._lock:
             self._count(prefetch_wait_s=time.perf_counter() - started)
 
