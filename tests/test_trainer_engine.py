@@ -244,6 +244,10 @@ def test_teacher_and_student_must_share_a_tokenizer(engine, tiny_model_dir, tmp_
         check_same_tokenizer(engine.url, other, use_path=False)
     with pytest.raises(TeacherError):
         Trainer(TrainerConfig(opd_kl_coef=1.0, teacher_mode="sglang", teacher_urls=[engine.url]), other)
+    with pytest.raises(TeacherError, match="teacher 'teacher' .* has another tokenizer"):  # megatron mode too
+        Trainer(
+            TrainerConfig(opd_kl_coef=1.0, teacher_mode="megatron", teacher_model=str(other)), tiny_model_dir
+        )
 
 
 # -- export ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,13 +43,30 @@ Scores = dict[str, torch.Tensor]  # kind ("sampled", "topk", "full") -> per-row 
 
 class Distiller:
     def __init__(self, trainer: Trainer, panel: TeacherPanel):
-        from palaestra.trainer.teacher import SGLangTeacher, load_teacher_tensors
+        from palaestra.trainer.teacher import (
+            SGLangTeacher,
+            TeacherError,
+            load_teacher_tensors,
+            tokenizer_fingerprint,
+        )
 
         self.trainer = trainer
         self.panel = panel
         self.engines: dict[str, SGLangTeacher] = {}
+        student_fp: str | None = None
         for name, spec in panel.specs.items():
             if spec.mode == "megatron":
+                # same architecture is checked by load_teacher_tensors; same tokenizer here, when the
+                # teacher's directory carries one (OPD compares token ids)
+                if any(
+                    (Path(str(spec.model)) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+                ):
+                    student_fp = student_fp or tokenizer_fingerprint(trainer.model_dir)
+                    if tokenizer_fingerprint(str(spec.model)) != student_fp:
+                        raise TeacherError(
+                            f"teacher {name!r} ({spec.model}) has another tokenizer than the student "
+                            f"({trainer.model_dir}); OPD needs one tokenizer on both sides"
+                        )
                 tensors = load_teacher_tensors(str(spec.model), trainer.arch)  # a directory (checked)
                 trainer.snapshots.load(snapshot_tag(name), trainer.shard_tp(tensors))
             else:
