@@ -2,6 +2,14 @@
 
     .venv/bin/python bench/opd_vs_grpo.py                          # 3 arms x 60 steps, eval every 10
     .venv/bin/python bench/opd_vs_grpo.py --arms opd,grpo --steps 100 --eval-every 10
+    .venv/bin/python bench/opd_vs_grpo.py --task worked_steps --steps 200 --eval-every 10
+
+`--task sums` (default) is the demo's: single-digit sums whose answers are one or two tokens, so
+a per-token teacher has nothing to add over the per-answer reward and the arms look alike.
+`--task worked_steps` is where per-token credit matters: "Start with 7, add 5, multiply by 3,
+subtract 9. Show each step." answered one line per step (23-29 tokens) and rewarded only on the
+final answer, from the worked-steps warm start (`demo-steps-student`, teacher `demo-steps-teacher`:
+palaestra/models/warmstart.py) with up to 48 new tokens per answer.
 
 Every arm is a real `palaestra train` run (the Python API, the CLI's code path) of
 configs/demo.yaml — the warm-started student on 2 embedded engines behind sglang-router, the
@@ -39,6 +47,13 @@ ARMS = {
 }  # fmt: skip
 
 
+TASKS = {
+    "sums": [],
+    "worked_steps": ["model.student=demo-steps-student", "model.teacher=demo-steps-teacher",
+                     "env.args.kinds=[worked_steps]", "env.args.max_tokens=48", "gateway.default_max_tokens=48"],
+}  # fmt: skip
+
+
 def run(name: str, out: Path, overrides: list[str]) -> tuple[list[tuple[int, float]], float]:
     """(step, held-out accuracy) pairs of one run (step 0: before training), and its wall seconds."""
     started = time.perf_counter()
@@ -50,6 +65,9 @@ def run(name: str, out: Path, overrides: list[str]) -> tuple[list[tuple[int, flo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of grpo, opd, grpo+opd")
+    ap.add_argument(
+        "--task", choices=sorted(TASKS), default="sums", help="task family (default: %(default)s)"
+    )
     ap.add_argument("--steps", type=int, default=60, help="training steps per arm (default: %(default)s)")
     ap.add_argument(
         "--eval-every", type=int, default=10, help="steps between evaluations (default: %(default)s)"
@@ -66,14 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         help="more dotted config overrides for every arm, e.g. trainer.megatron_optimizer.lr=2e-4",
     )
     args = ap.parse_args(argv)  # fmt: skip
+    task = TASKS[args.task]  # first, so that an arm's own overrides (grpo: no teacher) win
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
     results: dict[str, tuple[list[tuple[int, float]], float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-opd-") as tmp:
-        teacher_cfg = load_config(CONFIG)
-        (teacher_curve, _) = run("teacher", Path(tmp) / "teacher", [
+        teacher_cfg = load_config(CONFIG, task)
+        (teacher_curve, _) = run("teacher", Path(tmp) / "teacher", [*task,
             f"model.student={teacher_cfg.model.teacher}", *ARMS["grpo"], "run.steps=0", f"env.eval_tasks={args.eval_tasks}", *args.overrides])  # fmt: skip
         teacher_acc = teacher_curve[0][1]
         target = args.target * teacher_acc
@@ -81,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         common = [f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
                   f"env.eval_tasks={args.eval_tasks}", *args.overrides]  # fmt: skip
         for arm in arms:
-            results[arm] = run(arm, Path(tmp) / arm, [*ARMS[arm], *common])
+            results[arm] = run(arm, Path(tmp) / arm, [*task, *ARMS[arm], *common])
             print(f"{arm}: {' '.join(f'{s}:{a:.2f}' for s, a in results[arm][0])}", flush=True)
 
-    print(f"\n== {CONFIG.name} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "
+    print(f"\n== {CONFIG.name} --task {args.task} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "
           f"target {args.target:.0%} of it = {target:.3f}")  # fmt: skip
     reached: dict[str, int | None] = {}
     for arm, (curve, wall) in results.items():

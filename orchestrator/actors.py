@@ -443,6 +443,10 @@ class TrainerWorker:
         config = dict(config)
         if config.get("teacher_model"):
             config["teacher_model"] = str(resolve_model(config["teacher_model"]))
+        config["teachers"] = {  # a panel's megatron teachers too
+            name: {**spec, "model": str(resolve_model(spec["model"]))} if spec.get("model") else spec
+            for name, spec in (config.get("teachers") or {}).items()
+        }
         self.trainer = Trainer(TrainerConfig.from_dict(config), resolve_model(model), engine_urls=engine_urls)
         return self.ready()
 
@@ -484,18 +488,6 @@ class TrainerWorker:
         return str(self.trainer.export_hf(path))
 
     def teacher_logprobs(self, samples: list) -> list[list[float]] | None:
-        """Per sample, the teacher's logprob of each response token (for the trajectory viewer);
+        """Per sample, its teacher's logprob of each response token (for the trajectory viewer);
         None without a teacher."""
-        t = self.trainer
-        if t.config.opd_kl_coef <= 0 or not samples:
-            return None
-        if t.sglang_teacher is not None:
-            return t.sglang_teacher.score(samples)
-        from palaestra.trainer.packing import build_micro_batch
-
-        out: list[list[float]] = []
-        for s in samples:  # one micro-batch per sample: the viewer's handful, not a training batch
-            mb = build_micro_batch([s], [0])
-            (rows,) = t.logprobs([mb], tag="teacher", temperature=1.0)
-            out.append(rows.tolist())
-        return out
+        return self.trainer.teacher_logprobs(samples)

@@ -336,3 +336,31 @@ def test_calculator_tool_call_and_schema():
     assert CALCULATOR_TOOL["type"] == "function" and function["name"] == "calculator"
     assert function["parameters"]["required"] == ["expression"]
     assert function["parameters"]["properties"]["expression"]["type"] == "string"
+
+
+# -- worked steps --------------------------------------------------------------------------------
+def test_worked_steps_solutions_are_correct_line_by_line():
+    from palaestra.verifiers.math import verify_math
+
+    for difficulty in (0, 1, 3, 5):
+        for t in generate_tasks(60, seed=2, difficulty=difficulty, kinds=["worked_steps"]):
+            *lines, boxed = t.solution.split("\n")
+            assert boxed == f"\\boxed{{{t.answer}}}" and verify_math(t.solution, t.answer).correct
+            assert len(lines) == (3 if difficulty <= 1 else difficulty + 2), t
+            value = int(t.question.split(",")[0].removeprefix("Start with "))
+            for line in lines:  # each line starts from the previous result and is arithmetic truth
+                lhs, rhs = line.split("=")
+                op = next(c for c in "+-*" if c in lhs[1:])
+                a, b = lhs.split(op, 1)
+                assert int(a) == value
+                value = eval(f"{a}{op}{b}")  # noqa: S307 - our own digits and operators
+                assert value == int(rhs) and 0 <= value <= 99
+            assert str(value) == t.answer
+
+
+def test_worked_steps_are_long_answers_and_opt_in():
+    tasks = generate_tasks(50, seed=0, difficulty=0, kinds=["worked_steps"])
+    assert min(len(t.solution) for t in tasks) >= 24  # ≥ 15 tokens with any tokenizer here
+    assert len({t.question for t in tasks}) == 50
+    assert "worked_steps" not in KINDS  # the default streams are unchanged
+    assert all(t.solution == "" for t in generate_tasks(6, seed=0))

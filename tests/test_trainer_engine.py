@@ -179,7 +179,7 @@ def test_teacher_modes_agree_and_opd_is_zero_for_a_teacher_equal_to_the_student(
         tiny_model_dir,
     )
     mbs, _ = megatron_mode._schedule(samples)
-    from_snapshot = torch.cat(megatron_mode.logprobs(mbs, tag="teacher", temperature=1.0))
+    from_snapshot = torch.cat(megatron_mode.logprobs(mbs, tag="teacher/teacher", temperature=1.0))
     scored = SGLangTeacher([engine.url], tiny_model_dir).score(
         [samples[i] for mb in mbs for i in mb.sample_indices]
     )
@@ -195,6 +195,33 @@ def test_teacher_modes_agree_and_opd_is_zero_for_a_teacher_equal_to_the_student(
     metrics = sglang_mode.step(samples)
     assert abs(metrics["opd/reverse_kl"]) < 1e-6
     assert metrics["train/grad_norm"] < 1e-3  # A = 0 and teacher = student: (almost) nothing to learn
+
+
+def test_engine_and_megatron_teachers_agree_on_the_students_top_k(client, engine, tiny_model_dir):
+    """A topk teacher on an engine (asked with `token_ids_logprob`) and the same weights as a
+    megatron teacher give the same logprobs for the student's top-k ids."""
+    from palaestra.trainer.teacher_panel import Route
+
+    reset_engine(client, tiny_model_dir)
+    samples = rollouts(client, 4, 1.0, seed=7)
+    cfg = TrainerConfig(
+        opd_kl_coef=1.0,
+        teachers={
+            "eng": {"mode": "sglang", "urls": [engine.url], "granularity": "topk", "topk": 4},
+            "meg": {"mode": "megatron", "model": str(tiny_model_dir), "granularity": "topk", "topk": 4},
+        },
+    )
+    t = Trainer(cfg, tiny_model_dir)
+    mbs, _ = t._schedule(samples)
+    _, ids = t._student_pass(mbs, "actor", 4)
+    got = {}
+    for name in ("eng", "meg"):
+        t.distiller.score(samples, mbs, [Route(((name, 1.0),))] * len(samples), ids)
+        got[name] = torch.cat([mb.extras["opd_topk_teacher"] for mb in mbs])
+    print(
+        f"\nengine vs megatron top-4 teacher logprobs: max |Δ| = {(got['eng'] - got['meg']).abs().max():.2e}"
+    )
+    assert got["eng"].shape[-1] == 4 and (got["eng"] - got["meg"]).abs().max() <= 2e-6
 
 
 def _altered_tokenizer_dir(src, dst):
@@ -225,6 +252,10 @@ def test_teacher_and_student_must_share_a_tokenizer(engine, tiny_model_dir, tmp_
         check_same_tokenizer(engine.url, other, use_path=False)
     with pytest.raises(TeacherError):
         Trainer(TrainerConfig(opd_kl_coef=1.0, teacher_mode="sglang", teacher_urls=[engine.url]), other)
+    with pytest.raises(TeacherError, match="teacher 'teacher' .* has another tokenizer"):  # megatron mode too
+        Trainer(
+            TrainerConfig(opd_kl_coef=1.0, teacher_mode="megatron", teacher_model=str(other)), tiny_model_dir
+        )
 
 
 # -- export ---------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from palaestra.trainer.teacher_panel import TeacherPanel
 
 __all__ = ["TrainerConfig"]
 
@@ -174,10 +177,57 @@ class TrainerConfig:
     sync_pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
     """/pause_generation mode during a sync."""
 
+    teachers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The teacher panel, name -> options (docs/opd.md): ``mode`` (megatron | sglang), ``model``
+    (megatron: HF directory or preset), ``urls`` (sglang), ``opd_kl_coef`` (default: opd_kl_coef),
+    ``granularity`` (sampled | topk | full), ``topk`` (k, default 8), ``concurrency``, ``envs``
+    (environments routed to it besides its namesake). Empty = the single teacher of teacher_mode."""
+
+    teacher_routing: str = "env"
+    """Which teacher scores a sample: env (the teacher named like Sample.env, then one listing the env
+    in ``envs``, then ``default``) or ``package.module:function`` with the signature
+    ``route(sample, teacher_names) -> name | {name: weight}``."""
+
+    teacher_mixtures: dict[str, dict[str, float]] = field(default_factory=dict)
+    """env -> {teacher: weight}: samples of that env are distilled towards the weighted mixture of
+    those teachers' distributions (they must share a granularity)."""
+
+    opd_granularity: Literal["sampled", "topk", "full"] = "sampled"
+    """Granularity of the single teacher of teacher_mode (a panel sets it per teacher). sampled: the
+    reverse-KL estimate on the sampled token, in the advantage; topk: reverse KL over the student's
+    top-k tokens, renormalised, as a loss term; full: exact reverse KL over the vocabulary (megatron)."""
+
+    opd_topk: int = 8
+    """k of the single teacher's topk granularity."""
+
+    opd_full_chunk_rows: int = 256
+    """Rows per chunk of the full-vocabulary KL: its extra memory is chunk_rows x vocabulary floats."""
+
+    snapshot_host_budget_gb: float | None = None
+    """CPU memory for weight snapshots (actor, ref, old_actor, teachers), GB; tags beyond it spill to
+    snapshot_spill_dir and are read back on demand. None = every snapshot stays in CPU memory.
+    Must hold at least two copies of the weights."""
+
+    snapshot_spill_dir: str | None = None
+    """Directory of spilled snapshots (safetensors); None = a temporary directory."""
+
+    snapshot_prefetch: bool = True
+    """Bring the next teacher from disk into CPU memory in the background while the model computes."""
+
     def __post_init__(self) -> None:
         self.megatron_optimizer = {**DEFAULT_OPTIMIZER, **self.megatron_optimizer}
-        if self.opd_kl_coef and self.teacher_mode is None:
-            raise ValueError("opd_kl_coef > 0 needs teacher_mode ('megatron' or 'sglang')")
+        if self.teachers and self.teacher_mode is not None:
+            raise ValueError("set either teachers (a panel) or teacher_mode (one teacher), not both")
+        if self.opd_kl_coef and self.teacher_mode is None and not self.teachers:
+            raise ValueError("opd_kl_coef > 0 needs teacher_mode ('megatron' or 'sglang') or teachers")
+        if self.teachers:
+            self.panel()  # validates every entry, the routing path and the mixtures
+        if self.opd_full_chunk_rows <= 0:
+            raise ValueError(f"opd_full_chunk_rows must be positive; got {self.opd_full_chunk_rows}")
+        if self.snapshot_host_budget_gb is not None and self.snapshot_host_budget_gb <= 0:
+            raise ValueError(
+                f"snapshot_host_budget_gb must be positive or null; got {self.snapshot_host_budget_gb}"
+            )
         if self.teacher_mode == "megatron" and not self.teacher_model:
             raise ValueError("teacher_mode 'megatron' needs teacher_model (a HF directory)")
         if self.teacher_mode == "sglang" and not self.teacher_urls:
@@ -192,6 +242,34 @@ class TrainerConfig:
             raise ValueError("need 0 <= tis_clip_low <= tis_clip_high")
         if not 0 <= self.rs_low <= self.rs_high:
             raise ValueError("need 0 <= rs_low <= rs_high")
+
+    @property
+    def opd_enabled(self) -> bool:
+        """True when some teacher has β > 0 (OPD scoring runs)."""
+        panel = self.panel()
+        return panel is not None and any(t.opd_kl_coef > 0 for t in panel.specs.values())
+
+    def panel(self) -> TeacherPanel | None:
+        """The teacher panel: `teachers`, or the one teacher of teacher_mode named "teacher"; None without."""
+        from palaestra.trainer.teacher_panel import TeacherPanel
+
+        teachers = self.teachers
+        if not teachers and self.teacher_mode is not None:
+            teachers = {
+                "teacher": {
+                    "mode": self.teacher_mode,
+                    "model": self.teacher_model,
+                    "urls": list(self.teacher_urls),
+                    "granularity": self.opd_granularity,
+                    "topk": self.opd_topk,
+                    "concurrency": self.teacher_concurrency,
+                }
+            }
+        if not teachers:
+            return None
+        return TeacherPanel.from_config(
+            teachers, self.opd_kl_coef, self.teacher_routing, self.teacher_mixtures
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

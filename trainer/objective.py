@@ -8,6 +8,7 @@ Per response token t, with w_t = loss_mask_t · rs_keep_t:
     lp_t   = log_softmax(logits / T)[x_t]                      (differentiable)
     ℓ_t    = PPO-clip(lp_t, old_t, Â_t) · tis_t                 (tis_t = 1 without TIS)
            + β_kl · kl(lp_t, ref_t)                             (kl_mode "loss" only)
+           + β_T · D_t                  (rows of a topk or full teacher T: distill.py, docs/opd.md)
     loss   = Σ_mb Σ_t w_t ℓ_t / Σ_mb n_mb                       (token_mean; seq_mean per sequence)
 
 The division by the global denominator is Megatron's own (`calculate_per_token_loss`: the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from palaestra.trainer import losses
+from palaestra.trainer import distill, losses
 from palaestra.trainer.config import TrainerConfig
 from palaestra.trainer.packing import MicroBatch
 
@@ -32,10 +33,42 @@ SUM_KEYS = (
 )  # fmt: skip
 
 
+def distill_terms(
+    mb: MicroBatch, rows: torch.Tensor, c: TrainerConfig
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(β_t·D_t to add to the loss, D_t detached) of the topk/full teachers' rows; None if the
+    micro-batch has none. Rows of other granularities have β_t = 0 (opd.py fills the fields)."""
+    x = mb.extras
+    if "opd_topk_ids" not in x and "opd_full_teacher" not in x:
+        return None
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    dev = rows.device
+    term = rows.new_zeros(rows.shape[0], dtype=torch.float32)
+    value = torch.zeros_like(term)
+    if "opd_topk_ids" in x:
+        d = distill.topk_reverse_kl(
+            rows, x["opd_topk_ids"].to(dev), x["opd_topk_teacher"].to(dev), c.temperature, group,
+            x["opd_topk_valid"].to(dev),
+        )  # fmt: skip
+        coef = x["opd_coef_topk"].to(dev)
+        term, value = term + coef * d, torch.where(coef > 0, d.detach(), value)
+    if "opd_full_teacher" in x:
+        d = distill.full_reverse_kl(rows, x["opd_full_teacher"], c.temperature, c.opd_full_chunk_rows, group)
+        coef = x["opd_coef_full"].to(dev)
+        term, value = term + coef * d, torch.where(coef > 0, d.detach(), value)
+    return term, value
+
+
 def microbatch_loss(
     mb: MicroBatch, rows: torch.Tensor, c: TrainerConfig
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """(loss numerator, denominator, metric sums in `SUM_KEYS` order) from the rows' logits [R, V/tp]."""
+    """(loss numerator, denominator, metric sums in `SUM_KEYS` order) from the rows' logits [R, V/tp].
+
+    With OPD, `mb.extras["opd_rkl"]` is set to each row's reverse-KL estimate (k1 on sampled-
+    granularity rows, D_t on topk/full rows; detached, on CPU) for per-teacher metrics.
+    """
     dev = rows.device
     lp = losses.vocab_parallel_logprobs(rows, mb.targets.to(dev), c.temperature)
     entropy = losses.vocab_parallel_entropy(rows, c.temperature)
@@ -47,6 +80,9 @@ def microbatch_loss(
         kl = losses.kl_estimate(lp, mb.ref_logprobs.to(dev), c.kl_estimator)
         if c.kl_mode == "loss":
             token_loss = token_loss + c.kl_coef * kl
+    direct = distill_terms(mb, rows, c)
+    if direct is not None:
+        token_loss = token_loss + direct[0]
     weight = mb.extras["weight"].to(dev)
     num, den = losses.aggregate(token_loss, weight, mb.seq_index.to(dev), c.loss_agg)
     with torch.no_grad():
@@ -74,6 +110,11 @@ def microbatch_loss(
             "nll": (-old * weight).sum(),
         }
         sums = torch.stack([stats[k].float() for k in SUM_KEYS])
+        if teacher is not None:
+            rkl = old - teacher
+            if direct is not None:
+                rkl = torch.where(direct[1] != 0, direct[1], rkl)
+            mb.extras["opd_rkl"] = rkl.detach().cpu()
     return num, den, sums
 
 
@@ -100,7 +141,7 @@ def step_metrics(sums: torch.Tensor, c: TrainerConfig) -> dict[str, float]:
         "mismatch/tis_clip_frac": s["tis_clipped"] / mask,
         "mismatch/rs_mask_frac": s["rs_masked"] / mask,
     }
-    if c.opd_kl_coef > 0:
+    if c.opd_enabled:
         metrics["opd/reverse_kl"] = s["opd_rkl"] / max(s["teacher_tokens"], 1.0)
         metrics["opd/kl_coef"] = c.opd_kl_coef
     return metrics

@@ -28,6 +28,7 @@ import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -84,6 +85,10 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
 
 
 def _score_entries(client: httpx.Client, url: str, body: dict, routing_key: str | None = None) -> list:
+    return _generate(client, url, body, routing_key)["meta_info"]["input_token_logprobs"]
+
+
+def _generate(client: httpx.Client, url: str, body: dict, routing_key: str | None = None) -> dict:
     headers = {"X-SMG-Routing-Key": routing_key} if routing_key else None
     try:
         r = client.post(f"{url}/generate", json=body, headers=headers)
@@ -92,9 +97,7 @@ def _score_entries(client: httpx.Client, url: str, body: dict, routing_key: str 
     if r.status_code != 200:
         raise TeacherError(f"teacher engine {url}: HTTP {r.status_code}: {r.text[:300]}")
     answer = r.json()
-    if isinstance(answer, list):
-        answer = answer[0]
-    return answer["meta_info"]["input_token_logprobs"]
+    return answer[0] if isinstance(answer, list) else answer
 
 
 def check_same_tokenizer(
@@ -154,16 +157,23 @@ class SGLangTeacher:
         self.timeout = timeout
         self.checked = {u: check_same_tokenizer(u, student_dir, timeout) for u in self.urls}
 
-    def _score_one(self, client: httpx.Client, sample: Sample) -> list[float]:
+    def _score_one(
+        self, client: httpx.Client, sample: Sample, topk_ids: torch.Tensor | None = None
+    ) -> tuple[list[float], list[list[float]] | None]:
         # One URL per session keeps a session's samples on one engine and its prefix cache.
         url = self.urls[int(hashlib.md5(sample.session_id.encode()).hexdigest(), 16) % len(self.urls)]
-        body = {
+        body: dict[str, Any] = {
             "input_ids": list(sample.tokens),
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
             "logprob_start_len": 0,
         }
-        entries = _score_entries(client, url, body, routing_key=sample.session_id)
+        wanted: list[int] = []
+        if topk_ids is not None:  # the union of the student's top-k ids over the response
+            wanted = sorted(set(topk_ids.reshape(-1).tolist()))
+            body["token_ids_logprob"] = wanted
+        answer = _generate(client, url, body, routing_key=sample.session_id)
+        entries = answer["meta_info"]["input_token_logprobs"]
         n, p = len(sample.tokens), sample.prompt_len
         if len(entries) < n - 1:
             raise TeacherError(f"teacher engine {url}: {len(entries)} input logprobs for {n} tokens")
@@ -174,10 +184,32 @@ class SGLangTeacher:
                     f"teacher engine {url}: input_token_logprobs misaligned at response token {k} of "
                     f"sample {sample.sample_id} (entry {entry[:2]}, token {sample.tokens[p + k]})"
                 )
-        return [float(e[0]) for e in tail]
+        sampled = [float(e[0]) for e in tail]
+        if topk_ids is None:
+            return sampled, None
+        rows = answer["meta_info"].get("input_token_ids_logprobs") or []
+        rows = rows[len(rows) - (n - p) :] if n > p else []
+        if len(rows) != n - p or any(r is None for r in rows):
+            raise TeacherError(
+                f"teacher engine {url}: no input_token_ids_logprobs for the response of {sample.sample_id}"
+            )
+        top = []
+        for k, row in enumerate(rows):
+            by_id = {int(e[1]): float(e[0]) for e in row}
+            top.append([by_id[int(v)] for v in topk_ids[k].tolist()])
+        return sampled, top
 
     def score(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Per sample, the teacher's logprob of each response token (temperature 1)."""
+        return [sampled for sampled, _ in self.score_with_ids(samples)]
+
+    def score_with_ids(
+        self, samples: Sequence[Sample], topk_ids: Sequence[torch.Tensor | None] | None = None
+    ) -> list[tuple[list[float], list[list[float]] | None]]:
+        """Per sample, (`score`'s logprobs, and with `topk_ids` — [response tokens, k] per sample —
+        the teacher's logprobs of those ids at each position, asked for as ``token_ids_logprob`` and
+        answered in ``input_token_ids_logprobs``; None without)."""
+        ids = list(topk_ids) if topk_ids is not None else [None] * len(samples)
         with httpx.Client(timeout=self.timeout, trust_env=False) as client:
             with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-                return list(pool.map(lambda s: self._score_one(client, s), samples))
+                return list(pool.map(lambda si: self._score_one(client, *si), zip(samples, ids, strict=True)))

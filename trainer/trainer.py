@@ -8,7 +8,7 @@
 `Trainer.step` is the algorithm; everything it calls lives in a module of its own:
 
     schedule     pack samples into micro-batches, spread them over DP ranks   (packing.py)
-    teacher      teacher logprobs for OPD (snapshot swap, or a teacher engine) (teacher.py)
+    teacher      route samples to the teacher panel, score them per teacher   (opd.py, teacher.py)
     ref / old    logprobs of the reference and the pre-update policy           (snapshots.py)
     advantages   estimator per group, then the OPD and KL-reward terms         (advantages.py)
     train        PPO-clip loss with TIS/RS/KL, one optimizer step    (objective.py, losses.py)
@@ -28,7 +28,7 @@ its directory is the caller's job (in a `palaestra train` run, the trainer's Ray
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from palaestra.sample import Sample
 from palaestra.trainer import advantages as adv
-from palaestra.trainer import cpu_shim, losses, objective
+from palaestra.trainer import cpu_shim, distill, losses, objective
 from palaestra.trainer.config import TrainerConfig
 from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
 from palaestra.trainer.megatron_model import (
@@ -48,6 +48,7 @@ from palaestra.trainer.megatron_model import (
     transformer_config,
     unwrap,
 )
+from palaestra.trainer.opd import Distiller
 from palaestra.trainer.packing import MicroBatch, build_micro_batch, dummy_micro_batch, schedule
 from palaestra.trainer.snapshots import SnapshotStore
 from palaestra.trainer.weight_sync import WeightSync
@@ -87,8 +88,12 @@ class Trainer:
 
         self.config = config
         self.model_dir = _model_directory(model_dir, "model_dir")
-        megatron_teacher = config.opd_kl_coef > 0 and config.teacher_mode == "megatron"
-        teacher_dir = _model_directory(config.teacher_model, "teacher_model") if megatron_teacher else None
+        panel = config.panel() if config.opd_enabled else None
+        for name, spec in (panel.specs if panel is not None else {}).items():  # fail before building
+            if spec.mode == "megatron":
+                _model_directory(
+                    spec.model, "teacher_model" if not config.teachers else f"teachers.{name}.model"
+                )
         self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
         for key, why in _UNSUPPORTED_PARALLEL.items():
@@ -111,23 +116,19 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**config.megatron_optimizer), [self.model])
         self._wire_megatron_schedule()
 
-        self.snapshots = SnapshotStore(self.gpt, live_tag="actor")
+        budget = config.snapshot_host_budget_gb
+        self.snapshots = SnapshotStore(
+            self.gpt,
+            live_tag="actor",
+            host_budget_bytes=None if budget is None else int(budget * 1e9),
+            spill_dir=config.snapshot_spill_dir,
+            prefetch=config.snapshot_prefetch,
+        )
         if config.kl_coef > 0:
             self.snapshots.save("ref")
         if config.keep_old_actor:
             self.snapshots.save("old_actor")
-        self.sglang_teacher = None
-        if teacher_dir is not None:
-            from palaestra.trainer.teacher import load_teacher_tensors
-
-            teacher = load_teacher_tensors(teacher_dir, self.arch)
-            self.snapshots.load("teacher", self.shard_tp(teacher))
-        elif config.opd_kl_coef > 0 and config.teacher_mode == "sglang":
-            from palaestra.trainer.teacher import SGLangTeacher
-
-            self.sglang_teacher = SGLangTeacher(
-                config.teacher_urls, self.model_dir, config.teacher_concurrency
-            )
+        self.distiller = Distiller(self, panel) if panel is not None else None
         self.sync = (
             WeightSync(
                 engine_urls,
@@ -158,21 +159,36 @@ class Trainer:
         started = time.perf_counter()
         samples = self._broadcast(list(samples))
         mbs, plan_metrics = self._schedule(samples)
+        routes = self.distiller.route(samples) if self.distiller is not None else []
+        ref = ["ref"] if self.config.kl_coef > 0 else []
+        old_policy = "old_actor" if self.config.keep_old_actor else "actor"
+        teachers = self.distiller.snapshot_order(routes) if self.distiller is not None else []
+        self.snapshots.plan([old_policy, *teachers, *ref, "actor"])  # eviction and prefetch order
+        k = self.distiller.topk_needed(routes) if self.distiller is not None else 0
+        t_old = time.perf_counter()
+        old, topk_ids = self._student_pass(mbs, old_policy, k)
+        self._store(mbs, "old_logprobs", old)
         t_teacher = time.perf_counter()
-        if self.config.opd_kl_coef > 0:
-            self._teacher_logprobs(samples, mbs)
+        opd_metrics = (
+            self.distiller.score(samples, mbs, routes, topk_ids) if self.distiller is not None else {}
+        )
         t_score = time.perf_counter()
         if self.config.kl_coef > 0:
             self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
-        old_policy = "old_actor" if self.config.keep_old_actor else "actor"
-        self._store(mbs, "old_logprobs", self.logprobs(mbs, tag=old_policy))
         self._advantages(samples, mbs)
         if self.config.keep_old_actor:
             self.snapshots.save("old_actor")  # the next step's "old" = these pre-update weights
         t_update = time.perf_counter()
+        # The next step will most likely switch in the same order: saying so now lets the store
+        # prefetch its first teacher from disk while this step trains.
+        self.snapshots.plan([old_policy, *teachers, *ref, "actor"])
         metrics = self._train(mbs)
+        metrics.update(opd_metrics)
+        metrics.update(self.snapshots.stats())
+        if self.distiller is not None:
+            metrics.update(self.distiller.route_metrics(mbs))
         metrics["perf/teacher_s"] = t_score - t_teacher  # teacher scoring (OPD)
-        metrics["perf/score_s"] = t_update - t_score  # old/ref logprob passes and advantages
+        metrics["perf/score_s"] = (t_teacher - t_old) + (t_update - t_score)  # old/ref passes, advantages
         metrics["perf/update_s"] = time.perf_counter() - t_update  # forward+backward+optimizer
         self.step_count += 1
         self.weight_version += 1
@@ -225,35 +241,33 @@ class Trainer:
             setattr(mb, name, v)
             mb.check()
 
-    def _teacher_logprobs(self, samples: list[Sample], mbs: list[MicroBatch]) -> None:
-        """Fills mb.teacher_logprobs: from the samples when they carry them, else from the teacher."""
-        missing = [i for mb in mbs for i in mb.sample_indices if samples[i].teacher_logprobs is None]
-        scored: dict[int, list[float]] = {}
-        if missing and self.config.teacher_mode == "sglang":
-            assert self.sglang_teacher is not None
-            from megatron.core import parallel_state
+    def _student_pass(
+        self, mbs: list[MicroBatch], tag: str, k: int
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """Logprobs of the sampled tokens with weights `tag` and, if k > 0, each sample's top-k ids
+        per response row (what topk teachers score) — one forward pass for both."""
+        group = self.tp()[0]
 
-            group, rank, size = self._tp()
-            box: list[Any] = [None]
-            if rank == 0:  # TP ranks share their micro-batches: score once, share the answer
-                box[0] = self.sglang_teacher.score([samples[i] for i in missing])
-            if size > 1:
-                dist.broadcast_object_list(
-                    box, src=parallel_state.get_tensor_model_parallel_src_rank(), group=group
-                )
-            scored = dict(zip(missing, box[0], strict=True))
-        elif missing:
-            computed = self.logprobs(mbs, tag="teacher", temperature=1.0)
-            for mb, rows in zip(mbs, computed, strict=True):
-                scored.update(zip(mb.sample_indices, (r.tolist() for r in mb.per_sample(rows)), strict=True))
-        for mb in mbs:
-            rows = [
-                samples[i].teacher_logprobs if samples[i].teacher_logprobs is not None else scored[i]
-                for i in mb.sample_indices
-            ]
-            flat = [x for r in rows for x in r] if not mb.dummy else [0.0] * mb.num_rows
-            mb.teacher_logprobs = torch.tensor(flat, dtype=torch.float32)
-            mb.check()
+        def rows_fn(mb: MicroBatch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+            lp = losses.vocab_parallel_logprobs(rows, mb.targets.to(rows.device), self.config.temperature)
+            out = {"logprobs": lp.detach().float().cpu()}
+            if k > 0:
+                out["topk"] = distill.select_topk(rows, k, group).cpu()
+            return out
+
+        outs = self.forward_rows(mbs, tag, rows_fn)
+        ids: dict[int, torch.Tensor] = {}
+        if k > 0:
+            for mb, o in zip(mbs, outs, strict=True):
+                ids.update(zip(mb.sample_indices, mb.per_sample(o["topk"]), strict=True))
+        return [o["logprobs"] for o in outs], ids
+
+    def teacher_logprobs(self, samples: list[Sample]) -> list[list[float]] | None:
+        """Per sample, its teacher's (or mixture's) logprob of each response token, for the
+        trajectory viewer; None without teachers. Also records `Sample.teacher`."""
+        if self.distiller is None or not samples:
+            return None
+        return self.distiller.viewer_logprobs(samples)
 
     def _advantages(self, samples: list[Sample], mbs: list[MicroBatch]) -> None:
         """Sequence-level estimator over all samples, then per-token OPD / KL-reward terms, TIS, RS."""
@@ -283,8 +297,8 @@ class Trainer:
                 if mb.sample_indices
                 else mb.old_logprobs * 0
             )
-            if c.opd_kl_coef > 0:
-                a = adv.opd_adjust(a, mb.old_logprobs, mb.teacher_logprobs, c.opd_kl_coef)
+            if "opd_coef_sampled" in mb.extras:  # sampled-granularity teachers: the advantage term
+                a = adv.opd_adjust(a, mb.old_logprobs, mb.teacher_logprobs, mb.extras["opd_coef_sampled"])
             if c.kl_coef > 0 and c.kl_mode == "reward":
                 kl = losses.kl_estimate(mb.old_logprobs, mb.ref_logprobs, c.kl_estimator)
                 a = adv.kl_reward_adjust(a, kl, c.kl_coef)
@@ -352,23 +366,39 @@ class Trainer:
     def _rows(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
         return logits[0, mb.label_positions.to(logits.device)]
 
-    def _logprob_loss(self, temperature: float, mb: MicroBatch, logits: torch.Tensor):
-        lp = losses.vocab_parallel_logprobs(self._rows(mb, logits), mb.targets.to(logits.device), temperature)
-        return logits.new_zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": lp.detach().float().cpu()}
-
     def logprobs(
         self, mbs: list[MicroBatch], tag: str = "actor", temperature: float | None = None
     ) -> list[torch.Tensor]:
         """Per micro-batch, log_softmax(logits / T)[token] of every response row, with weights `tag`."""
         t = self.config.temperature if temperature is None else temperature
+        return [o["logprobs"] for o in self.forward_rows(mbs, tag, partial(self._logprob_rows, t))]
+
+    def _logprob_rows(
+        self, temperature: float, mb: MicroBatch, rows: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        lp = losses.vocab_parallel_logprobs(rows, mb.targets.to(rows.device), temperature)
+        return {"logprobs": lp.detach().float().cpu()}
+
+    def forward_rows(
+        self,
+        mbs: list[MicroBatch],
+        tag: str,
+        fn: Callable[[MicroBatch, torch.Tensor], dict[str, torch.Tensor]],
+    ) -> list[dict[str, torch.Tensor]]:
+        """Forward-only passes with weights `tag`: per micro-batch, `fn(mb, logits of its response
+        rows [R, V/tp])`. The live weights are `tag` during the passes and the actor afterwards."""
+
+        def loss(mb: MicroBatch, logits: torch.Tensor):
+            out = fn(mb, self._rows(mb, logits))
+            return logits.new_zeros(()), torch.zeros((), dtype=torch.int), out
+
         self.snapshots.switch(tag)
         try:
             self.model.eval()
             with torch.no_grad():
-                out = self._run(mbs, partial(self._logprob_loss, t), forward_only=True)
+                return self._run(mbs, loss, forward_only=True)
         finally:
             self.snapshots.switch("actor")
-        return [o["logprobs"] for o in out]
 
     def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
         num, den, sums = objective.microbatch_loss(mb, self._rows(mb, logits), self.config)
@@ -394,6 +424,10 @@ class Trainer:
     # ==========================================================================================
     # Weights in and out
     # ==========================================================================================
+    def tp(self) -> tuple[Any, int, int]:
+        """(tensor-parallel group, this rank in it, its size)."""
+        return self._tp()
+
     def _tp(self) -> tuple[Any, int, int]:
         from megatron.core import parallel_state
 

@@ -18,6 +18,11 @@ Three kinds, cycled by index (``kinds[index % len(kinds)]``):
   steps, 2: up to three, 3+: all) and from 4 on adds an irrelevant number to the story.
 - ``fraction``: sums, differences, products and quotients of 2-4 fractions; the answer is a
   reduced fraction string (``"7/12"``, ``"-3/4"``, or ``"2"`` when it is whole).
+- ``worked_steps`` (not in the default `KINDS`; ask for it): "Start with 7, add 5, multiply by 3,
+  subtract 9. Show each step." with a worked `MathTask.solution` of one line per step
+  (``7+5=12`` / ``12*3=36`` / ``36-9=27`` / ``\\boxed{27}``: 20+ tokens). The reward only checks
+  the final answer, so a per-answer reward cannot say which line went wrong; a teacher's per-token
+  logprobs can — the task where on-policy distillation has something to add over GRPO.
 
 Every task is drawn from its own ``random.Random`` seeded with (seed, index, kind, difficulty), so
 task ``i`` does not depend on how many tasks were asked for, ``generate_tasks(n)`` is a prefix of
@@ -64,7 +69,10 @@ class MathTask:
     difficulty: int
     """1-5 for generated tasks (0: single-digit arithmetic, or a loaded task)."""
     kind: str
-    """``arithmetic``, ``word_problem``, ``fraction`` or ``gsm8k``."""
+    """``arithmetic``, ``word_problem``, ``fraction``, ``worked_steps`` or ``gsm8k``."""
+    solution: str = ""
+    """A worked solution in the answer format the verifier accepts (``worked_steps`` tasks: one
+    line per step, then ``\\boxed{answer}``); empty for the other kinds."""
 
 
 def format_fraction(value: Fraction) -> str:
@@ -343,12 +351,47 @@ def _word_problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
     return question, str(answer)
 
 
+# ------------------------------------------------------------------------------------ worked steps
+
+_STEP_WORDS = {"+": "add {}", "-": "subtract {}", "*": "multiply by {}"}
+
+
+def _worked_steps(rng: random.Random, difficulty: int) -> tuple[str, str, str]:
+    """A chain of operations applied left to right, to be answered one line per step.
+
+    Difficulty 0 and 1: three steps on single digits; then 4, 5, 6, 7 steps, operands up to 9
+    (0-2) or 19 (3+). Every intermediate value stays in 0..99 (a step that would leave it is
+    replaced by an addition or subtraction that does not), so each line is a one- or two-digit
+    sum, difference or product the model can learn, and the answer is only right if every line is.
+    """
+    steps = 3 if difficulty <= 1 else difficulty + 2
+    top = 9 if difficulty <= 2 else 19
+    value = rng.randint(1, 9)
+    words, lines = [f"Start with {value}"], []
+    for _ in range(steps):
+        op, x = rng.choice("+-*"), rng.randint(2, top)
+        if op == "*" and value * x > 99:
+            op = "-" if value - x >= 0 else "+"
+        if op == "-" and value - x < 0:
+            op = "+"
+        if op == "+" and value + x > 99:
+            op = "-"
+        result = value + x if op == "+" else value - x if op == "-" else value * x
+        words.append(_STEP_WORDS[op].format(x))
+        lines.append(f"{value}{op}{x}={result}")
+        value = result
+    question = ", ".join(words) + ". Show each step."
+    solution = "\n".join(lines) + f"\n\\boxed{{{value}}}"
+    return question, str(value), solution
+
+
 # ------------------------------------------------------------------------------------ generation
 
-_GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
+_GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, ...]]] = {
     "arithmetic": _arithmetic,
     "word_problem": _word_problem,
     "fraction": _fraction,
+    "worked_steps": _worked_steps,
 }
 
 
@@ -356,16 +399,19 @@ def generate_task(seed: int, index: int, difficulty: int, kind: str) -> MathTask
     """Task ``index`` of the stream for ``seed``; depends on nothing else."""
     if kind not in _GENERATORS:
         raise ValueError(f"unknown kind {kind!r}; choose from {sorted(_GENERATORS)}")
-    low = 0 if kind == "arithmetic" else 1
+    low = 0 if kind in ("arithmetic", "worked_steps") else 1
     if not low <= difficulty <= MAX_DIFFICULTY:
         raise ValueError(
             f"difficulty must be {low}..{MAX_DIFFICULTY} for {kind} tasks, got {difficulty}"
-            + (" (0 exists only for arithmetic)" if difficulty == 0 else "")
+            + (" (0 exists only for arithmetic and worked_steps)" if difficulty == 0 else "")
         )
     rng = random.Random(f"palaestra.math/{kind}/d{difficulty}/s{seed}/{index}")
-    question, answer = _GENERATORS[kind](rng, difficulty)
+    question, answer, *worked = _GENERATORS[kind](rng, difficulty)
     task_id = f"{kind}-d{difficulty}-s{seed}-{index}"
-    return MathTask(task_id=task_id, question=question, answer=answer, difficulty=difficulty, kind=kind)
+    return MathTask(
+        task_id=task_id, question=question, answer=answer, difficulty=difficulty, kind=kind,
+        solution=worked[0] if worked else "",
+    )  # fmt: skip
 
 
 def iter_tasks(seed: int, difficulty: int = 1, kinds: Sequence[str] = KINDS) -> Iterator[MathTask]:

@@ -65,6 +65,12 @@ PRESETS: dict[str, Preset] = {
     "demo-student": Preset(
         _WARM_START, "the demo teacher's SFT run stopped early (~30% greedy; built with the teacher)"
     ),
+    "demo-steps-teacher": Preset(
+        _WARM_START, "tiny after 1500 SFT steps on worked_steps tasks (answers written out step by step)"
+    ),
+    "demo-steps-student": Preset(
+        _WARM_START, "the steps teacher's SFT run stopped at step 400 (built with the teacher)"
+    ),
 }
 
 

@@ -66,7 +66,7 @@ __all__ = [
 # carries it, so a stale build is never reused.
 VERSION = 2
 
-Kind = Literal["teacher", "student"]
+Kind = Literal["teacher", "student", "steps-teacher", "steps-student"]
 
 
 @dataclass(frozen=True)
@@ -99,20 +99,29 @@ class SFTRecipe:
     seed: int = 1234
     """`TrainerConfig.seed` (torch's generators)."""
 
+    kinds: tuple[str, ...] = ("arithmetic",)
+    """Math task kinds at difficulty 0: ``arithmetic`` (the demo's sums) or ``worked_steps`` (answers
+    written out one line per step, for OPD vs GRPO: docs/opd.md)."""
+
 
 RECIPES: dict[str, SFTRecipe] = {
     "teacher": SFTRecipe(steps=600),
     "student": SFTRecipe(steps=300),
+    # worked steps: answers of 23-29 tokens, learnt more slowly; the student is again the
+    # teacher's run stopped early (not measured to convergence yet: see docs/opd.md)
+    "steps-teacher": SFTRecipe(steps=1500, decay_steps=1500, kinds=("worked_steps",)),
+    "steps-student": SFTRecipe(steps=400, decay_steps=1500, kinds=("worked_steps",)),
 }
+_PAIRS = {"student": "teacher", "steps-student": "steps-teacher"}  # student -> the run it stops early
 
 
 # ----------------------------------------------------------------------------------------------
 # Tasks and chats
 # ----------------------------------------------------------------------------------------------
-def demo_tasks(n: int, seed: int) -> list[MathTask]:
-    """The first `n` tasks of the math environment's single-digit arithmetic stream for `seed`
-    (``MathEnv(difficulty=0, kinds=["arithmetic"])``): ``x + y`` / ``x - y`` with x, y in 0..9."""
-    return generate_tasks(n, seed, difficulty=0, kinds=("arithmetic",))
+def demo_tasks(n: int, seed: int, kinds: tuple[str, ...] = ("arithmetic",)) -> list[MathTask]:
+    """The first `n` tasks of the math environment's difficulty-0 stream for `seed` and `kinds`
+    (``MathEnv(difficulty=0, kinds=["arithmetic"])``: ``x + y`` / ``x - y`` with x, y in 0..9)."""
+    return generate_tasks(n, seed, difficulty=0, kinds=kinds)
 
 
 def prompt_messages(task: MathTask) -> list[dict[str, str]]:
@@ -121,8 +130,9 @@ def prompt_messages(task: MathTask) -> list[dict[str, str]]:
 
 
 def answer_text(task: MathTask) -> str:
-    """The assistant's answer: what `verify_math` accepts, and nothing else to learn."""
-    return f"\\boxed{{{task.answer}}}"
+    """The assistant's answer: what `verify_math` accepts (with the worked solution when the task
+    has one), and nothing else to learn."""
+    return task.solution or f"\\boxed{{{task.answer}}}"
 
 
 def _prompt_ids(tokenizer: Any, task: MathTask) -> list[int]:
@@ -203,7 +213,7 @@ def train_sft(
         wd_incr_steps=recipe.decay_steps,
         wd_incr_style="constant",
     )
-    tasks = demo_tasks(recipe.steps * recipe.batch_size, recipe.data_seed)
+    tasks = demo_tasks(recipe.steps * recipe.batch_size, recipe.data_seed, recipe.kinds)
     history: list[dict[str, float]] = []
     started = time.perf_counter()
     window: list[float] = []
@@ -246,8 +256,8 @@ def _exporter(kind: str, recipe: SFTRecipe, target: Path, progress: Progress) ->
     return export
 
 
-def _student_is_teacher_prefix() -> bool:
-    teacher, student = RECIPES["teacher"], RECIPES["student"]
+def _student_is_teacher_prefix(student_kind: str = "student") -> bool:
+    teacher, student = RECIPES[_PAIRS[student_kind]], RECIPES[student_kind]
     return student.steps < teacher.steps and asdict(student) == {**asdict(teacher), "steps": student.steps}
 
 
@@ -267,21 +277,25 @@ def warm_start(
     if is_built(target):
         return target
     recipe = RECIPES[kind]
-    if kind == "student" and steps is None and _student_is_teacher_prefix():
-        if not is_built(_target("teacher", cache, None)):
-            warm_start("teacher", cache_dir, progress=progress)  # exports the student on the way
+    if kind in _PAIRS and steps is None and _student_is_teacher_prefix(kind):
+        if not is_built(_target(_PAIRS[kind], cache, None)):
+            warm_start(_PAIRS[kind], cache_dir, progress=progress)  # exports the student on the way
             if is_built(target):
                 return target
     if steps is not None:
         recipe = SFTRecipe(**{**asdict(recipe), "steps": steps})
     exports = {recipe.steps: _exporter(kind, recipe, target, progress)}
-    if kind == "teacher" and steps is None:
-        student = _target("student", cache, None)
-        if _student_is_teacher_prefix() and not is_built(student):
-            exports[RECIPES["student"].steps] = _exporter("student", RECIPES["student"], student, progress)
+    for student_kind, teacher_kind in _PAIRS.items():
+        if kind != teacher_kind or steps is not None:
+            continue
+        student = _target(student_kind, cache, None)
+        if _student_is_teacher_prefix(student_kind) and not is_built(student):
+            exports[RECIPES[student_kind].steps] = _exporter(
+                student_kind, RECIPES[student_kind], student, progress
+            )
     progress(
         f"warm start: training the demo {kind} by SFT ({recipe.steps} steps of {recipe.batch_size} "
-        f"single-digit sums; cached afterwards)"
+        f"{'/'.join(recipe.kinds)} tasks; cached afterwards)"
     )
     started = time.perf_counter()
     train_sft(recipe, exports, progress=progress, label=kind)
