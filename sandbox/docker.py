@@ -1,0 +1,365 @@
+"""The docker backend: one long-lived, locked-down container per sandbox, commands exec'd into it.
+
+    backend = DockerBackend()                     # DockerBackend(runtime="runsc") for gVisor
+    async with await backend.create("python", Limits(memory_mb=256)) as box:
+        result = await box.exec("python3 -c 'print(6 * 7)'")
+
+Every container gets: no network at all (``network_mode=none``: only its own loopback), a
+read-only root with the work directory ``/work`` as a size-capped tmpfs, every capability dropped,
+``no-new-privileges``, pids/memory/CPU limits, and the unprivileged user 10001. Its PID 1 is the
+image's runner (images/runner.py) idling; each exec is ``docker exec`` of that runner, which starts
+the command with rlimits, enforces the wall-clock and output limits, tells an OOM kill from a
+timeout, and kills everything the command left behind. The container stays warm between execs.
+
+The images are built offline on first use (images/build.py; ``palaestra sandbox build-images``).
+Every container carries ``label`` and its owner (host, pid, process start) so that
+``cleanup_leaked`` can remove what a crashed owner left. ``runtime`` passes through to docker
+(``runsc`` where gVisor is installed). The docker SDK is synchronous; calls run in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from palaestra.sandbox.base import Backend, ExecResult, Limits, Sandbox, SandboxError
+from palaestra.sandbox.images.rootfs import SANDBOX_UID
+
+__all__ = ["DockerBackend", "DockerSandbox"]
+
+RUNNER = ["python3", "-I", "-S", "/opt/palaestra/runner.py"]
+WORKDIR = "/work"
+COMMAND_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORKDIR,
+    "TMPDIR": WORKDIR,
+    "LANG": "C.UTF-8",
+    "PYTHONUTF8": "1",
+}
+"""The whole environment a command sees (nothing of the host's or the runner's leaks in)."""
+ANSWER_GRACE_S = 15.0
+"""How long past an exec's own timeout the host waits for the runner before giving up on it."""
+
+
+def _owner_id() -> str:
+    """host:pid:start-ticks of this process; the start time tells a reused pid from ours."""
+    with open("/proc/self/stat") as f:
+        start = f.read().rsplit(")", 1)[1].split()[19]
+    return f"{socket.gethostname()}:{os.getpid()}:{start}"
+
+
+def _owner_alive(owner: str) -> bool:
+    host, _, rest = owner.partition(":")
+    pid, _, start = rest.partition(":")
+    if host != socket.gethostname():
+        return True  # another machine's process: we cannot tell, so we leave it alone
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19] == start
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+@dataclass
+class DockerBackend(Backend):
+    """Sandboxes as docker containers (see the module docstring for what each one is)."""
+
+    runtime: str | None = None
+    """OCI runtime, passed through to docker (e.g. ``runsc`` for gVisor); None: the daemon's default."""
+    cpus: float = 1.0
+    """CPU share of each container (docker ``nano_cpus``)."""
+    images: dict[str, str] = field(default_factory=dict)
+    """Image per profile, overriding the locally built ``palaestra/sandbox-<profile>`` image."""
+    base_url: str | None = None
+    """Docker daemon address; None: the environment's (``DOCKER_HOST``, else the local socket)."""
+    build: bool = True
+    """Build a profile's image on first use if it is missing (takes a few seconds, offline)."""
+
+    name = "docker"
+
+    def __post_init__(self) -> None:
+        self._client: Any = None
+        self._owner = _owner_id()
+        self._image_tags: dict[str, str] = {}
+
+    def client(self) -> Any:
+        if self._client is None:
+            import docker
+
+            try:
+                self._client = docker.DockerClient(base_url=self.base_url) if self.base_url else docker.from_env()
+                self._client.ping()
+            except docker.errors.DockerException as exc:
+                self._client = None
+                raise SandboxError(f"cannot reach the docker engine: {exc}") from exc
+        return self._client
+
+    def _image(self, profile: str) -> str:
+        if profile in self.images:
+            return self.images[profile]
+        if profile not in self._image_tags:
+            from palaestra.sandbox.images import build
+
+            if profile not in build.IMAGES or profile == "server":
+                raise ValueError(f"'profile' must be one of: python; got {profile!r}")
+            if self.build:
+                self._image_tags[profile] = build.ensure_image(self.client(), profile)
+            else:
+                self._image_tags[profile] = f"{build.REPOSITORY}-{profile}:latest"
+        return self._image_tags[profile]
+
+    def run_options(self, limits: Limits) -> dict[str, Any]:
+        """The container's confinement, as docker SDK ``containers.run`` keywords."""
+        # The work dir's tmpfs pages are charged to the container's memory cgroup, so the cgroup
+        # gets room for a full work dir on top of what commands may allocate.
+        memory = f"{limits.memory_mb + limits.workdir_mb}m"
+        return {
+            "network_mode": "none",
+            "read_only": True,
+            "tmpfs": {WORKDIR: f"size={limits.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0700,exec"},
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "pids_limit": limits.pids + 2,  # + the idle PID 1 and the runner of the current exec
+            "mem_limit": memory,
+            "memswap_limit": memory,
+            "nano_cpus": int(self.cpus * 1e9),
+            "user": f"{SANDBOX_UID}:{SANDBOX_UID}",
+            "working_dir": WORKDIR,
+            "ipc_mode": "private",
+            "hostname": "sandbox",
+            "log_config": {"type": "none", "config": {}},
+            "runtime": self.runtime,
+            "labels": {self.label: "1", f"{self.label}.owner": self._owner},
+        }
+
+    async def create(self, profile: str = "python", limits: Limits | None = None) -> DockerSandbox:
+        limits = limits or Limits()
+        image = await asyncio.to_thread(self._image, profile)
+        name = f"{self.label}-{uuid.uuid4().hex[:12]}"
+        container = await asyncio.to_thread(self._start, image, name, limits)
+        return DockerSandbox(self, container, limits)
+
+    def _start(self, image: str, name: str, limits: Limits) -> Any:
+        import docker
+
+        try:
+            return self.client().containers.run(
+                image, name=name, detach=True, stop_signal="SIGKILL", **self.run_options(limits)
+            )
+        except docker.errors.ImageNotFound as exc:
+            raise SandboxError(f"image {image} is missing; build it with `palaestra sandbox build-images`") from exc
+        except docker.errors.APIError as exc:
+            # e.g. "unknown or invalid runtime name: runsc" when gVisor is not installed
+            self._remove_quietly(name)
+            raise SandboxError(f"docker could not start a sandbox (runtime={self.runtime!r}): {exc.explanation}") from exc
+
+    def _remove_quietly(self, name: str) -> None:
+        import docker
+
+        try:
+            self.client().containers.get(name).remove(force=True)
+        except docker.errors.DockerException:
+            pass
+
+    async def cleanup_leaked(self) -> int:
+        def sweep() -> int:
+            removed = 0
+            for c in self.client().containers.list(all=True, filters={"label": self.label}):
+                owner = c.labels.get(f"{self.label}.owner", "")
+                if owner != self._owner and not _owner_alive(owner):
+                    self._remove_quietly(c.id)
+                    removed += 1
+            return removed
+
+        return await asyncio.to_thread(sweep)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+            self._client = None
+
+
+class DockerSandbox(Sandbox):
+    """One warm container; execs, uploads and downloads in it run one at a time (each exec ends by
+    killing every process in the container but PID 1)."""
+
+    def __init__(self, backend: DockerBackend, container: Any, limits: Limits) -> None:
+        self.backend = backend
+        self.container = container
+        self.id = container.name
+        self.limits = limits
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def exec(
+        self,
+        cmd: str | list[str] | None = None,
+        *,
+        script: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        if (cmd is None) == (script is None):
+            raise ValueError("exec needs exactly one of 'cmd' or 'script'")
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd) if cmd is not None else ["sh", "-c", script]
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"'cmd' must be a non-empty list of strings or a string; got {cmd!r}")
+        timeout = self.limits.timeout_s if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise ValueError(f"'timeout' must be > 0 seconds; got {timeout}")
+        lim = self.limits
+        spec = {
+            "argv": argv,
+            "timeout": timeout,
+            "cpu_s": lim.cpu_s,
+            "file_size_mb": lim.file_size_mb,
+            "open_files": lim.open_files,
+            "output_bytes": lim.output_bytes,
+            "output_kill_factor": lim.output_kill_factor,
+            "env": COMMAND_ENV,
+        }
+        data = stdin.encode() if isinstance(stdin, str) else stdin or b""
+        async with self._lock:
+            self._check_open()
+            code, out, err = await asyncio.to_thread(self._runner, "exec", spec, data, timeout + ANSWER_GRACE_S)
+            if code == 0:
+                return ExecResult.from_dict(json.loads(out))
+            return await self._runner_failed(code, err, timeout)
+
+    async def _runner_failed(self, code: int | None, err: bytes, timeout: float) -> ExecResult:
+        """The runner itself did not answer: killed by the OOM killer along with the command, or
+        stuck past its deadline. Clean up, then say which."""
+        _, out, _ = await asyncio.to_thread(self._runner, "reap", None, b"", ANSWER_GRACE_S)
+        if code is None:
+            return ExecResult("timeout", None, "", "", detail=f"no answer within {timeout:g} s (+ grace)")
+        if code == 137:
+            return ExecResult("memory", -9, "", "", detail="the memory cgroup's OOM killer ended the exec")
+        if not await self.alive():
+            raise SandboxError(f"sandbox {self.id} died (runner exit {code}: {err[-500:]!r})")
+        raise SandboxError(f"sandbox {self.id}: runner failed (exit {code}): {err[-2000:].decode(errors='replace')}")
+
+    def _runner(self, mode: str, spec: dict | None, payload: bytes, wait_s: float) -> tuple[int | None, bytes, bytes]:
+        """``docker exec`` the runner, send it a JSON line and ``payload``, collect its stdout and
+        stderr (docker's multiplexed stream) until it exits. Returns (exit code, out, err); exit
+        code None when it did not finish within ``wait_s``."""
+        import docker
+
+        api = self.backend.client().api
+        try:
+            ex = api.exec_create(
+                self.container.id,
+                RUNNER + [mode],
+                stdin=spec is not None,
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                workdir=WORKDIR,
+            )
+            sock = api.exec_start(ex["Id"], socket=True)
+        except docker.errors.NotFound as exc:
+            raise SandboxError(f"sandbox {self.id} is gone") from exc
+        except docker.errors.APIError as exc:
+            raise SandboxError(f"sandbox {self.id}: docker exec failed: {exc.explanation}") from exc
+        raw = sock._sock  # the hijacked connection under docker-py's SocketIO wrapper
+        raw.settimeout(wait_s)
+        limit = 16 * self.limits.output_bytes + (1 << 16)
+        chunks: dict[int, list[bytes]] = {1: [], 2: []}
+        try:
+            if spec is not None:
+                raw.sendall(json.dumps(spec).encode() + b"\n" + payload)
+                raw.shutdown(socket.SHUT_WR)
+            got = 0
+            for stream, data in _frames(raw):
+                got += len(data)
+                if got > limit and mode != "get":
+                    raise SandboxError(f"sandbox {self.id}: runner answered more than {limit} bytes")
+                chunks.setdefault(stream, []).append(data)
+        except TimeoutError:
+            return None, b"", b""
+        finally:
+            sock.close()
+        info = api.exec_inspect(ex["Id"])
+        for _ in range(100):  # the exit is recorded a moment after the stream closes
+            if not info.get("Running"):
+                break
+            time.sleep(0.01)
+            info = api.exec_inspect(ex["Id"])
+        return info.get("ExitCode"), b"".join(chunks[1]), b"".join(chunks[2])
+
+    async def upload(self, path: str, data: bytes | str) -> None:
+        payload = data.encode() if isinstance(data, str) else data
+        async with self._lock:
+            self._check_open()
+            code, _, err = await asyncio.to_thread(self._runner, "put", {"path": path}, payload, 60.0)
+        _raise_file_error(code, err, path)
+
+    async def download(self, path: str) -> bytes:
+        async with self._lock:
+            self._check_open()
+            code, out, err = await asyncio.to_thread(self._runner, "get", {"path": path}, b"", 60.0)
+        _raise_file_error(code, err, path)
+        return out
+
+    async def alive(self) -> bool:
+        if self._closed:
+            return False
+
+        def state() -> bool:
+            try:
+                self.container.reload()
+                return self.container.status == "running"
+            except Exception:
+                return False
+
+        return await asyncio.to_thread(state)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self.backend._remove_quietly, self.container.id)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+
+
+def _raise_file_error(code: int | None, err: bytes, path: str) -> None:
+    if code == 0:
+        return
+    try:
+        info = json.loads(err)
+    except ValueError:
+        info = {"error": "", "detail": err.decode(errors="replace")}
+    if info.get("error") == "not_found":
+        raise FileNotFoundError(f"{path}: not in the sandbox's work directory")
+    if info.get("error") == "PermissionError":
+        raise PermissionError(info.get("detail", path))
+    raise SandboxError(f"{path}: {info.get('detail') or f'runner exit {code}'}")
+
+
+def _frames(sock: socket.socket):
+    """(stream, bytes) frames of docker's multiplexed exec stream (8-byte header: stream id, 3
+    zero bytes, big-endian length) until EOF."""
+    header = bytearray()
+    while True:
+        while len(header) < 8:
+            more = sock.recv(8 - len(header))
+            if not more:
+                return
+            header += more
+        stream, size = struct.unpack(">BxxxL", header)
+        header.clear()
+        body = bytearray(size)
+        view, got = memoryview(body), 0
+        while got < size:
+            n = sock.recv_into(view[got:])
+            if not n:
+                return
+            got += n
+        yield stream, bytes(body)

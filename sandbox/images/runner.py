@@ -1,0 +1,286 @@
+"""The in-container half of the docker backend: PID 1 of every sandbox container, and the supervisor
+the backend ``docker exec``s for each command, upload and download.
+
+It runs inside the image with the image's own python (``python3 -I -S``, stdlib only) and never
+imports palaestra. The host sends one JSON line on stdin, then the raw payload (the command's stdin
+or an uploaded file's bytes); ``exec`` answers one JSON object on stdout.
+
+    python3 -I -S /opt/palaestra/runner.py init        # PID 1: reaps orphans, idles
+    python3 -I -S /opt/palaestra/runner.py exec        # {"argv": [...], "timeout": 5, ...} + stdin
+    python3 -I -S /opt/palaestra/runner.py put         # {"path": "a/b.py"} + file bytes
+    python3 -I -S /opt/palaestra/runner.py get         # {"path": "a/b.py"} -> file bytes on stdout
+    python3 -I -S /opt/palaestra/runner.py reap        # kill every process but PID 1 and itself
+
+Why a supervisor in the container rather than timing and killing from the host: docker has no
+"kill this exec" call, and only a process inside the container's PID namespace can see and kill a
+``setsid`` child that outlived its parent. Every exec ends with ``kill(-1, SIGKILL)``, which the
+kernel limits to this container's PID namespace and never delivers to its PID 1, so nothing a
+command started survives it. Execs in one sandbox are serialized by the backend for that reason.
+"""
+
+import json
+import os
+import resource
+import selectors
+import signal
+import sys
+import time
+
+WORKDIR = "/work"
+
+
+def init() -> None:
+    """PID 1: reap every orphan as soon as it exits (zombies count against pids.max)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        signal.sigtimedwait({signal.SIGCHLD}, 60)
+
+
+def oom_kills() -> int:
+    """The memory cgroup's OOM-kill counter (cgroup v2 memory.events, or v1 memory.oom_control)."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except OSError:
+            continue
+    return -1
+
+
+def reap() -> int:
+    """Kill every process in the container except PID 1 and this one; returns how many rounds it
+    took. Loops because a fork bomb can fork between the kernel's walk and our check."""
+    me = os.getpid()
+    for rounds in range(1, 200):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+        alive = []
+        for pid in others:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in ("Z", "X"):
+                alive.append(pid)
+        if not alive:
+            return rounds
+        time.sleep(0.005)
+    return -1
+
+
+def _child_setup(spec: dict) -> None:
+    """Runs in the child between fork and exec: its own session, rlimits, first in line for the
+    OOM killer."""
+    os.setsid()
+    cpu = int(spec["cpu_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    fsize = int(spec["file_size_mb"]) << 20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    nofile = int(spec["open_files"])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+def run(spec: dict, stdin_data: bytes) -> dict:
+    limit = int(spec["output_bytes"])
+    kill_at = limit * int(spec["output_kill_factor"])
+    timeout = float(spec["timeout"])
+    oom_before = oom_kills()
+    start = time.monotonic()
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        return {"status": "error", "exit_code": None, "detail": f"fork failed: {exc}"}
+    if pid == 0:
+        try:
+            os.dup2(in_r, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            _child_setup(spec)
+            os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+        except BaseException as exc:  # reported through the exit status and stderr
+            os.write(2, f"{type(exc).__name__}: {exc}".encode())
+            os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+
+    kept = {out_r: bytearray(), err_r: bytearray()}
+    seen = {out_r: 0, err_r: 0}
+    pending = memoryview(stdin_data)
+    sel = selectors.DefaultSelector()
+    sel.register(out_r, selectors.EVENT_READ)
+    sel.register(err_r, selectors.EVENT_READ)
+    # A pidfd turns readable when the child exits, so a background process still holding the
+    # pipes open cannot keep us waiting (Linux >= 5.3; else we poll every 50 ms).
+    try:
+        child_fd = os.pidfd_open(pid)
+        sel.register(child_fd, selectors.EVENT_READ)
+    except (AttributeError, OSError):
+        child_fd = -1
+    if pending:
+        os.set_blocking(in_w, False)
+        sel.register(in_w, selectors.EVENT_WRITE)
+    else:
+        os.close(in_w)
+    reason = ""
+    status_wait = None
+    deadline = start + timeout
+    while set(sel.get_map()) - {child_fd}:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            reason = "timeout"
+            break
+        for key, _ in sel.select(min(left, 0.05 if child_fd < 0 else 5.0)):
+            fd = key.fd
+            if fd == child_fd:
+                sel.unregister(child_fd)
+                os.close(child_fd)
+                continue
+            if fd == in_w:
+                try:
+                    pending = pending[os.write(in_w, pending[: 1 << 16]) :]
+                except OSError:
+                    pending = pending[:0]
+                if not pending:
+                    sel.unregister(in_w)
+                    os.close(in_w)
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                sel.unregister(fd)
+                continue
+            seen[fd] += len(chunk)
+            room = limit - len(kept[fd])
+            if room > 0:
+                kept[fd] += chunk[:room]
+            if seen[fd] > kill_at:
+                reason = "output_limit"
+        if reason:
+            break
+        if status_wait is None:
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            if done:
+                # The command is over; whatever it left running (and holding our pipes) dies now,
+                # so the reads below reach EOF.
+                status_wait = (status, usage)
+                reap()
+    if status_wait is None:
+        if reason:
+            os.killpg(pid, signal.SIGKILL)
+        _, status, usage = os.wait4(pid, 0)
+        status_wait = (status, usage)
+    reap()
+    for fd in list(sel.get_map()):
+        if fd == child_fd:
+            os.close(fd)
+            continue
+        if fd == in_w:
+            os.close(fd)
+            continue
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            room = limit - len(kept[fd])
+            if room > 0:
+                kept[fd] += chunk[:room]
+            seen[fd] += len(chunk)
+    duration = time.monotonic() - start
+    status, usage = status_wait
+    code = os.waitstatus_to_exitcode(status)
+    cpu_used = usage.ru_utime + usage.ru_stime
+    oom_after = oom_kills()
+    result = {
+        "status": "ok",
+        "exit_code": code,
+        "stdout": kept[out_r].decode("utf-8", "replace"),
+        "stderr": kept[err_r].decode("utf-8", "replace"),
+        "stdout_truncated": seen[out_r] > limit,
+        "stderr_truncated": seen[err_r] > limit,
+        "duration_s": round(duration, 6),
+        "detail": "",
+    }
+    if reason == "output_limit":
+        result.update(status="output_limit", detail=f"killed after more than {kill_at} bytes of output")
+    elif reason == "timeout":
+        result.update(status="timeout", detail=f"killed after {timeout:g} s wall clock")
+    elif code in killed_codes(signal.SIGXCPU, signal.SIGKILL) and cpu_used >= int(spec["cpu_s"]) - 0.05:
+        result.update(status="timeout", detail=f"killed after {cpu_used:.1f} s CPU (limit {spec['cpu_s']} s)")
+    elif code in killed_codes(signal.SIGKILL) and oom_after > oom_before >= 0:
+        result.update(status="memory", detail="killed by the memory cgroup's OOM killer")
+    elif code in (126, 127) and result["stderr"].startswith(("FileNotFoundError", "PermissionError")):
+        result.update(status="error", exit_code=None, detail=result["stderr"])
+    return result
+
+
+def killed_codes(*signals: int) -> set[int]:
+    """Exit codes of a command killed by one of ``signals``: -N directly, 128+N through a shell."""
+    return {-s for s in signals} | {128 + s for s in signals}
+
+
+def _resolve(path: str) -> str:
+    full = os.path.realpath(os.path.join(WORKDIR, path))
+    if full != WORKDIR and not full.startswith(WORKDIR + "/"):
+        raise PermissionError(f"path {path!r} is outside the work directory")
+    return full
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    if mode == "init":
+        init()
+    if mode == "reap":
+        print(json.dumps({"rounds": reap(), "oom_kills": oom_kills()}))
+        return 0
+    stdin = sys.stdin.buffer
+    spec = json.loads(stdin.readline())
+    payload = stdin.read()
+    if mode == "exec":
+        print(json.dumps(run(spec, payload)))
+        return 0
+    try:
+        full = _resolve(spec["path"])
+        if mode == "put":
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(payload)
+            return 0
+        if mode == "get":
+            with open(full, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    sys.stdout.buffer.write(chunk)
+            return 0
+    except FileNotFoundError as exc:
+        print(json.dumps({"error": "not_found", "detail": str(exc)}), file=sys.stderr)
+        return 3
+    except OSError as exc:
+        print(json.dumps({"error": type(exc).__name__, "detail": str(exc)}), file=sys.stderr)
+        return 4
+    print(f"unknown mode {mode!r}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
