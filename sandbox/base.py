@@ -16,10 +16,27 @@ command does: a timeout, a memory bomb or a flood of output comes back as a stat
 from __future__ import annotations
 
 import abc
+import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Backend", "ExecResult", "Limits", "Sandbox", "SandboxError", "Status"]
+__all__ = [
+    "WORKDIR",
+    "Backend",
+    "ExecResult",
+    "Limits",
+    "Sandbox",
+    "SandboxError",
+    "Status",
+    "to_argv",
+    "work_path",
+]
+
+WORKDIR = "/work"
+"""The work directory inside every sandbox."""
+
+MAX_INLINE_SCRIPT = 100_000
+"""Longest ``script`` passed as one ``sh -c`` argument (Linux caps one argument at 128 KiB)."""
 
 Status = Literal["ok", "timeout", "memory", "output_limit", "error"]
 """ok: the command ran to its end (any exit code); timeout: killed at the wall-clock or CPU limit;
@@ -54,6 +71,24 @@ class Limits:
     """Bytes kept per stream (stdout, stderr); output past it is dropped while it streams and the
     command is killed with status output_limit once it passes ``output_kill_factor`` times this."""
     output_kill_factor: int = 8
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"Limits.{name} must be a positive number; got {value!r}")
+            if name != "timeout_s" and not isinstance(value, int):
+                raise ValueError(f"Limits.{name} must be an integer; got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Limits:
+        """Limits from a JSON object; unknown keys are an error naming them."""
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown limits {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**data)
 
 
 @dataclass
@@ -115,6 +150,20 @@ class Sandbox(abc.ABC):
     async def close(self) -> None:
         """Kill everything still running in it and remove it. Idempotent."""
 
+    async def reset(self) -> None:
+        """Empty the work directory and /tmp so that the next user starts clean (the pool calls it
+        between users). Backends with a faster way override it; raises SandboxError on failure."""
+        result = await self.exec(
+            [
+                "/bin/sh",
+                "-c",
+                f"chmod -R u+rwx {WORKDIR} /tmp 2>/dev/null; find {WORKDIR} /tmp -mindepth 1 -delete",
+            ],
+            timeout=30,
+        )
+        if not result.ok:
+            raise SandboxError(f"reset of sandbox {self.id} failed: {result.status} {result.stderr[-500:]}")
+
     async def __aenter__(self) -> Sandbox:
         return self
 
@@ -141,4 +190,37 @@ class Backend(abc.ABC):
         """Remove sandboxes with this backend's label that no live owner holds; returns how many."""
 
     async def close(self) -> None:
-        """Release the backend's own resources (clients, connections)."""
+        """Release the backend's own resources (clients, connections). Not abstract: a backend
+        without any (local) has nothing to do."""
+        return None
+
+
+def to_argv(cmd: str | list[str] | None, script: str | None) -> list[str]:
+    """The argv for ``Sandbox.exec``'s ``cmd`` or ``script`` (exactly one of them)."""
+    if (cmd is None) == (script is None):
+        raise ValueError("exec needs exactly one of 'cmd' and 'script'")
+    if script is not None:
+        if len(script.encode()) > MAX_INLINE_SCRIPT:
+            raise ValueError(
+                f"'script' must be at most {MAX_INLINE_SCRIPT} bytes; got {len(script.encode())} "
+                "(upload it as a file and run that instead)"
+            )
+        return ["/bin/sh", "-c", script]
+    if isinstance(cmd, str):
+        return ["/bin/sh", "-c", cmd]
+    if not cmd or not all(isinstance(a, str) for a in cmd):
+        raise ValueError(f"'cmd' must be a non-empty list of strings or a string; got {cmd!r}")
+    return list(cmd)
+
+
+def work_path(path: str) -> str:
+    """``path`` (relative to the work directory) as a normalised relative path; raises ValueError
+    naming the field for absolute paths and paths that climb out with ``..``."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ValueError(f"'path' must be a non-empty string; got {path!r}")
+    if path.startswith("/"):
+        raise ValueError(f"'path' must be relative to the work directory; got {path!r}")
+    norm = posixpath.normpath(path)
+    if norm == "." or norm == ".." or norm.startswith("../"):
+        raise ValueError(f"'path' must name a file inside the work directory; got {path!r}")
+    return norm
