@@ -29,13 +29,22 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from palaestra.sandbox.base import Backend, ExecResult, Limits, Sandbox, SandboxError
+from palaestra.sandbox.base import (
+    WORKDIR,
+    Backend,
+    ExecResult,
+    Limits,
+    Sandbox,
+    SandboxError,
+    to_argv,
+    work_path,
+)
 from palaestra.sandbox.images.rootfs import SANDBOX_UID
+from palaestra.sandbox.output import CappedOutput, build_result
 
 __all__ = ["DockerBackend", "DockerSandbox"]
 
 RUNNER = ["python3", "-I", "-S", "/opt/palaestra/runner.py"]
-WORKDIR = "/work"
 COMMAND_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": WORKDIR,
@@ -94,7 +103,9 @@ class DockerBackend(Backend):
             import docker
 
             try:
-                self._client = docker.DockerClient(base_url=self.base_url) if self.base_url else docker.from_env()
+                self._client = (
+                    docker.DockerClient(base_url=self.base_url) if self.base_url else docker.from_env()
+                )
                 self._client.ping()
             except docker.errors.DockerException as exc:
                 self._client = None
@@ -123,7 +134,9 @@ class DockerBackend(Backend):
         return {
             "network_mode": "none",
             "read_only": True,
-            "tmpfs": {WORKDIR: f"size={limits.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0700,exec"},
+            "tmpfs": {
+                WORKDIR: f"size={limits.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0700,exec"
+            },
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
             "pids_limit": limits.pids + 2,  # + the idle PID 1 and the runner of the current exec
@@ -154,11 +167,15 @@ class DockerBackend(Backend):
                 image, name=name, detach=True, stop_signal="SIGKILL", **self.run_options(limits)
             )
         except docker.errors.ImageNotFound as exc:
-            raise SandboxError(f"image {image} is missing; build it with `palaestra sandbox build-images`") from exc
+            raise SandboxError(
+                f"image {image} is missing; build it with `palaestra sandbox build-images`"
+            ) from exc
         except docker.errors.APIError as exc:
             # e.g. "unknown or invalid runtime name: runsc" when gVisor is not installed
             self._remove_quietly(name)
-            raise SandboxError(f"docker could not start a sandbox (runtime={self.runtime!r}): {exc.explanation}") from exc
+            raise SandboxError(
+                f"docker could not start a sandbox (runtime={self.runtime!r}): {exc.explanation}"
+            ) from exc
 
     def _remove_quietly(self, name: str) -> None:
         import docker
@@ -206,11 +223,7 @@ class DockerSandbox(Sandbox):
         stdin: bytes | str | None = None,
         timeout: float | None = None,
     ) -> ExecResult:
-        if (cmd is None) == (script is None):
-            raise ValueError("exec needs exactly one of 'cmd' or 'script'")
-        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd) if cmd is not None else ["sh", "-c", script]
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise ValueError(f"'cmd' must be a non-empty list of strings or a string; got {cmd!r}")
+        argv = to_argv(cmd, script)
         timeout = self.limits.timeout_s if timeout is None else float(timeout)
         if timeout <= 0:
             raise ValueError(f"'timeout' must be > 0 seconds; got {timeout}")
@@ -228,10 +241,32 @@ class DockerSandbox(Sandbox):
         data = stdin.encode() if isinstance(stdin, str) else stdin or b""
         async with self._lock:
             self._check_open()
-            code, out, err = await asyncio.to_thread(self._runner, "exec", spec, data, timeout + ANSWER_GRACE_S)
+            code, out, err = await asyncio.to_thread(
+                self._runner, "exec", spec, data, timeout + ANSWER_GRACE_S
+            )
             if code == 0:
-                return ExecResult.from_dict(json.loads(out))
+                return self._result(json.loads(out), timeout)
             return await self._runner_failed(code, err, timeout)
+
+    def _result(self, seen: dict[str, Any], timeout: float) -> ExecResult:
+        """The runner's observations -> one status, by the rules every backend shares."""
+        streams = []
+        for name in ("stdout", "stderr"):
+            capped = CappedOutput.for_limits(self.limits)
+            capped.feed(seen.get(name, "").encode("latin-1"))  # latin-1 carried the raw bytes
+            capped.total = int(seen.get(f"{name}_total", 0))
+            streams.append(capped)
+        return build_result(
+            exit_code=seen.get("exit_code"),
+            stdout=streams[0],
+            stderr=streams[1],
+            duration_s=float(seen.get("duration_s", 0.0)),
+            killed=seen.get("killed"),
+            oom_killed=bool(seen.get("oom_killed")),
+            start_error=seen.get("start_error"),
+            timeout_s=timeout,
+            memory_mb=self.limits.memory_mb,
+        )
 
     async def _runner_failed(self, code: int | None, err: bytes, timeout: float) -> ExecResult:
         """The runner itself did not answer: killed by the OOM killer along with the command, or
@@ -243,9 +278,13 @@ class DockerSandbox(Sandbox):
             return ExecResult("memory", -9, "", "", detail="the memory cgroup's OOM killer ended the exec")
         if not await self.alive():
             raise SandboxError(f"sandbox {self.id} died (runner exit {code}: {err[-500:]!r})")
-        raise SandboxError(f"sandbox {self.id}: runner failed (exit {code}): {err[-2000:].decode(errors='replace')}")
+        raise SandboxError(
+            f"sandbox {self.id}: runner failed (exit {code}): {err[-2000:].decode(errors='replace')}"
+        )
 
-    def _runner(self, mode: str, spec: dict | None, payload: bytes, wait_s: float) -> tuple[int | None, bytes, bytes]:
+    def _runner(
+        self, mode: str, spec: dict | None, payload: bytes, wait_s: float
+    ) -> tuple[int | None, bytes, bytes]:
         """``docker exec`` the runner, send it a JSON line and ``payload``, collect its stdout and
         stderr (docker's multiplexed stream) until it exits. Returns (exit code, out, err); exit
         code None when it did not finish within ``wait_s``."""
@@ -292,6 +331,7 @@ class DockerSandbox(Sandbox):
         return info.get("ExitCode"), b"".join(chunks[1]), b"".join(chunks[2])
 
     async def upload(self, path: str, data: bytes | str) -> None:
+        path = work_path(path)
         payload = data.encode() if isinstance(data, str) else data
         async with self._lock:
             self._check_open()
@@ -299,6 +339,7 @@ class DockerSandbox(Sandbox):
         _raise_file_error(code, err, path)
 
     async def download(self, path: str) -> bytes:
+        path = work_path(path)
         async with self._lock:
             self._check_open()
             code, out, err = await asyncio.to_thread(self._runner, "get", {"path": path}, b"", 60.0)

@@ -59,7 +59,9 @@ def _server_context(ctx: Path) -> None:
     # The package itself: only its sandbox folder and an empty root (the rest needs torch).
     pkg = site / "palaestra"
     shutil.copytree(HERE.parent, pkg / "sandbox", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (pkg / "__init__.py").write_text('"""Palaestra (the sandbox part only, as the exec server image carries it)."""\n')
+    (pkg / "__init__.py").write_text(
+        '"""Palaestra (the sandbox part only, as the exec server image carries it)."""\n'
+    )
 
 
 def _closure(names: tuple[str, ...]) -> list[metadata.Distribution]:
@@ -145,7 +147,13 @@ def ensure_image(client: Any, name: str, force: bool = False) -> str:
         start = time.monotonic()
         # network_mode none: the build never needs a network and must not reach one.
         client.images.build(
-            path=str(ctx), tag=tag, buildargs={"BASE": base}, rm=True, forcerm=True, pull=False, network_mode="none"
+            path=str(ctx),
+            tag=tag,
+            buildargs={"BASE": base},
+            rm=True,
+            forcerm=True,
+            pull=False,
+            network_mode="none",
         )
     client.images.get(tag).tag(f"{REPOSITORY}-{name}", "latest")
     _log(f"built {tag} in {time.monotonic() - start:.1f} s")

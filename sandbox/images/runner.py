@@ -107,25 +107,30 @@ def run(spec: dict, stdin_data: bytes) -> dict:
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    # Closed by a successful exec; carries the error if exec fails (the classic self-pipe trick).
+    fail_r, fail_w = os.pipe2(os.O_CLOEXEC)
     try:
         pid = os.fork()
     except OSError as exc:
-        return {"status": "error", "exit_code": None, "detail": f"fork failed: {exc}"}
+        return {"exit_code": None, "start_error": f"fork failed: {exc}"}
     if pid == 0:
         try:
             os.dup2(in_r, 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w, fail_r):
                 os.close(fd)
             _child_setup(spec)
             os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
-        except BaseException as exc:  # reported through the exit status and stderr
-            os.write(2, f"{type(exc).__name__}: {exc}".encode())
-            os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
-    for fd in (in_r, out_w, err_w):
+        except BaseException as exc:
+            os.write(fail_w, f"{type(exc).__name__}: {exc}".encode())
+        os._exit(127)
+    for fd in (in_r, out_w, err_w, fail_w):
         os.close(fd)
-
+    start_error = b""
+    while chunk := os.read(fail_r, 4096):
+        start_error += chunk
+    os.close(fail_r)
     kept = {out_r: bytearray(), err_r: bytearray()}
     seen = {out_r: 0, err_r: 0}
     pending = memoryview(stdin_data)
@@ -212,27 +217,25 @@ def run(spec: dict, stdin_data: bytes) -> dict:
     code = os.waitstatus_to_exitcode(status)
     cpu_used = usage.ru_utime + usage.ru_stime
     oom_after = oom_kills()
-    result = {
-        "status": "ok",
-        "exit_code": code,
-        "stdout": kept[out_r].decode("utf-8", "replace"),
-        "stderr": kept[err_r].decode("utf-8", "replace"),
-        "stdout_truncated": seen[out_r] > limit,
-        "stderr_truncated": seen[err_r] > limit,
+    killed = reason or None
+    if (
+        not killed
+        and code in killed_codes(signal.SIGXCPU, signal.SIGKILL)
+        and cpu_used >= spec["cpu_s"] - 0.05
+    ):
+        killed = "cpu"
+    # Raw observations; the host turns them into one status (sandbox/output.py's build_result).
+    return {
+        "exit_code": None if start_error else code,
+        "start_error": start_error.decode(errors="replace") or None,
+        "killed": killed,
+        "oom_killed": code in killed_codes(signal.SIGKILL) and oom_after > oom_before >= 0,
+        "stdout": kept[out_r].decode("latin-1"),
+        "stdout_total": seen[out_r],
+        "stderr": kept[err_r].decode("latin-1"),
+        "stderr_total": seen[err_r],
         "duration_s": round(duration, 6),
-        "detail": "",
     }
-    if reason == "output_limit":
-        result.update(status="output_limit", detail=f"killed after more than {kill_at} bytes of output")
-    elif reason == "timeout":
-        result.update(status="timeout", detail=f"killed after {timeout:g} s wall clock")
-    elif code in killed_codes(signal.SIGXCPU, signal.SIGKILL) and cpu_used >= int(spec["cpu_s"]) - 0.05:
-        result.update(status="timeout", detail=f"killed after {cpu_used:.1f} s CPU (limit {spec['cpu_s']} s)")
-    elif code in killed_codes(signal.SIGKILL) and oom_after > oom_before >= 0:
-        result.update(status="memory", detail="killed by the memory cgroup's OOM killer")
-    elif code in (126, 127) and result["stderr"].startswith(("FileNotFoundError", "PermissionError")):
-        result.update(status="error", exit_code=None, detail=result["stderr"])
-    return result
 
 
 def killed_codes(*signals: int) -> set[int]:
