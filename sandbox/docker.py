@@ -135,7 +135,10 @@ class DockerBackend(Backend):
             "network_mode": "none",
             "read_only": True,
             "tmpfs": {
-                WORKDIR: f"size={limits.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0700,exec"
+                WORKDIR: f"size={limits.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0700,exec",
+                # ipc none leaves no /dev/shm; this covers docker's writable /dev/mqueue, so the
+                # work dir is the only place a command can write (no POSIX shm/semaphores).
+                "/dev/mqueue": "ro,size=4k",
             },
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
@@ -145,7 +148,7 @@ class DockerBackend(Backend):
             "nano_cpus": int(self.cpus * 1e9),
             "user": f"{SANDBOX_UID}:{SANDBOX_UID}",
             "working_dir": WORKDIR,
-            "ipc_mode": "private",
+            "ipc_mode": "none",
             "hostname": "sandbox",
             "log_config": {"type": "none", "config": {}},
             "runtime": self.runtime,
