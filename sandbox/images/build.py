@@ -56,12 +56,33 @@ def _server_context(ctx: Path) -> None:
                 continue
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(src, site / rel)
+    _copy_libraries(site, ctx / "root")
     # The package itself: only its sandbox folder and an empty root (the rest needs torch).
     pkg = site / "palaestra"
     shutil.copytree(HERE.parent, pkg / "sandbox", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (pkg / "__init__.py").write_text(
         '"""Palaestra (the sandbox part only, as the exec server image carries it)."""\n'
     )
+
+
+def _copy_libraries(tree: Path, out: Path) -> None:
+    """The host's shared libraries that compiled modules under ``tree`` load (e.g. libgcc_s for
+    pydantic_core), mirrored under ``out`` at their host paths (the Dockerfile copies it to /)."""
+    elves = [str(p) for p in tree.rglob("*.so*") if rootfs.is_elf(str(p))]
+    fs = rootfs.Rootfs()
+    for lib in rootfs.libraries(elves):
+        if not lib.startswith(str(tree)):
+            rootfs.add(fs, lib)
+    for path, src in fs.files.items():
+        dest = out / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dest)
+    for path, target in fs.links.items():
+        dest = out / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not dest.exists():
+            dest.symlink_to(target)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def _closure(names: tuple[str, ...]) -> list[metadata.Distribution]:

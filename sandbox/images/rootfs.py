@@ -24,7 +24,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SANDBOX_UID", "TOOLS", "Rootfs", "collect"]
+__all__ = ["SANDBOX_UID", "TOOLS", "Rootfs", "add", "collect", "is_elf", "libraries"]
 
 TOOLS = (
     "sh bash cat ls echo printf sleep head tail wc mkdir rmdir rm cp mv ln env true false id touch "
@@ -50,7 +50,7 @@ class Rootfs:
     files: dict[str, Path] = field(default_factory=dict)
     links: dict[str, str] = field(default_factory=dict)
     python: str = ""
-    """The interpreter's path inside the image (also linked as /usr/local/bin/python3)."""
+    """The interpreter's path inside the image (also linked as python3 in /usr/bin and /usr/local/bin)."""
 
     def key(self) -> str:
         """A hash of every input's path, size and mtime, and of this file's own code."""
@@ -120,7 +120,7 @@ def _image_path(host_path: str) -> str:
     return os.path.join(os.path.realpath(parent), name)
 
 
-def _add(fs: Rootfs, host_path: str) -> None:
+def add(fs: Rootfs, host_path: str) -> None:
     """Add a host file, following and recording every symlink on the way to the real file."""
     seen = 0
     path = _image_path(host_path)
@@ -133,7 +133,7 @@ def _add(fs: Rootfs, host_path: str) -> None:
         fs.files[path] = Path(path)
 
 
-def _is_elf(path: str) -> bool:
+def is_elf(path: str) -> bool:
     try:
         with open(path, "rb") as f:
             return f.read(4) == b"\x7fELF"
@@ -141,7 +141,7 @@ def _is_elf(path: str) -> bool:
         return False
 
 
-def _libraries(elf_paths: list[str]) -> set[str]:
+def libraries(elf_paths: list[str]) -> set[str]:
     """Shared libraries (and the dynamic loader) the given ELF files load, per ``ldd``."""
     libs: set[str] = set()
     for i in range(0, len(elf_paths), 200):
@@ -161,16 +161,19 @@ def _python_layout(python: str) -> dict[str, str]:
 
 
 def collect(python: str | None = None) -> Rootfs:
-    """Everything the base image needs, found on this host. ``python`` defaults to the interpreter
-    this process runs on (its base installation, not a virtualenv)."""
-    python = python or os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    """Everything the base image needs, found on this host. ``python`` defaults to the system's
+    ``/usr/bin/python3.X`` of this interpreter's version (it lives under /usr, where the local
+    backend's sandboxes look for it), else the interpreter this process runs on."""
+    python = python or default_python()
     layout = _python_layout(python)
     fs = Rootfs()
     exe = os.path.realpath(layout["exe"])
-    _add(fs, exe)
+    add(fs, exe)
     fs.python = _image_path(exe)
-    fs.links["/usr/local/bin/python3"] = fs.python
-    fs.links[f"/usr/local/bin/python{layout['version']}"] = fs.python
+    for name in ("python3", f"python{layout['version']}"):
+        for folder in ("/usr/local/bin", "/usr/bin"):
+            if f"{folder}/{name}" != fs.python:
+                fs.links[f"{folder}/{name}"] = fs.python
     stdlib = os.path.realpath(layout["stdlib"])
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if not (root == stdlib and d in _STDLIB_SKIP) and d != "test")
@@ -178,19 +181,19 @@ def collect(python: str | None = None) -> Rootfs:
             dirs[:] = [d for d in dirs if not d.startswith("config-")]
         for name in files:
             if not _skip_file(name):
-                _add(fs, os.path.join(root, name))
+                add(fs, os.path.join(root, name))
     dynload = os.path.realpath(layout["dynload"])
     if not dynload.startswith(stdlib + "/"):
         for name in os.listdir(dynload):
             if not _skip_file(name):
-                _add(fs, os.path.join(dynload, name))
+                add(fs, os.path.join(dynload, name))
     for tool in TOOLS:
         found = shutil.which(tool, path="/usr/bin:/bin:/usr/sbin:/sbin")
         if found:
-            _add(fs, found)
-    elves = [str(p) for p in fs.files.values() if _is_elf(str(p))]
-    for lib in sorted(_libraries(elves)):
-        _add(fs, lib)
+            add(fs, found)
+    elves = [str(p) for p in fs.files.values() if is_elf(str(p))]
+    for lib in sorted(libraries(elves)):
+        add(fs, lib)
     for top in _MERGED_USR:
         if os.path.islink(f"/{top}"):
             fs.links[f"/{top}"] = os.readlink(f"/{top}")
@@ -198,6 +201,13 @@ def collect(python: str | None = None) -> Rootfs:
     for path in [p for p in fs.links if p in fs.files]:
         del fs.links[path]
     return fs
+
+
+def default_python() -> str:
+    system = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    if os.path.exists(system):
+        return system
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
 def main(argv: list[str] | None = None) -> int:
