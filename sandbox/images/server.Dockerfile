@@ -6,7 +6,7 @@ FROM ${BASE}
 COPY runner.py /opt/palaestra/runner.py
 COPY site-packages /opt/palaestra/site-packages
 COPY root/ /
-ENV PATH=/usr/local/bin:/usr/bin:/bin HOME=/work TMPDIR=/work LANG=C.UTF-8 PYTHONUTF8=1 \
+ENV PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 PYTHONUTF8=1 \
     PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=/opt/palaestra/site-packages
 USER 10001:10001
-WORKDIR /work
+WORKDIR /tmp
