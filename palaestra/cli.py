@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
     from palaestra.gateway import cli as gateway_cli
+    from palaestra.sandbox import cli as sandbox_cli
     from palaestra.sdk import cli as sdk_cli
 
     parser = argparse.ArgumentParser(
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     presets.register(groups)
     gateway_cli.register(groups)
     sdk_cli.register(groups)
+    sandbox_cli.register(groups)
     train_cmd.register(groups)
     return parser
 

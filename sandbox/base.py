@@ -103,6 +103,9 @@ class ExecResult:
     duration_s: float = 0.0
     detail: str = ""
     """Why, for statuses other than ok (e.g. "killed after 10.0 s wall clock")."""
+    enforced: str = ""
+    """How the backend enforced the limits for this exec (e.g. "cgroup v2 (memory, pids) + rlimits",
+    or "rlimits only (...why...)"), so a result says what it can be trusted for."""
 
     @property
     def ok(self) -> bool:
@@ -176,7 +179,8 @@ class Backend(abc.ABC):
     """Creates sandboxes. ``label`` marks everything a backend starts, so that a later start can
     find and remove what a crashed process leaked."""
 
-    label: str = field(default="palaestra-sandbox")
+    label: str = field(default="palaestra-sandbox", kw_only=True)
+    """Marks what this backend starts (keyword-only, so subclasses' own fields come first)."""
 
     name = "abstract"
 

@@ -83,9 +83,10 @@ def build_result(
     timeout_s: float | None = None,
     memory_mb: int | None = None,
 ) -> ExecResult:
-    """One status from what happened. Precedence: could not start > output flood > our own kill
-    (wall clock, CPU) > memory (the cgroup's OOM kill, or a failed allocation reported on stderr
-    by a command that then failed) > ok."""
+    """One status from what happened. Precedence: could not start > output flood > an OOM kill
+    in the sandbox during the exec (the memory limit was hit, even if the command then ran into
+    its timeout) > our own kill (wall clock, CPU) > a failed allocation reported on stderr by a
+    command that then failed (the address-space rlimit) > ok."""
     status, detail = "ok", ""
     if start_error is not None:
         status, detail = "error", start_error
@@ -93,12 +94,15 @@ def build_result(
         which = "stdout" if stdout.over else "stderr"
         status = "output_limit"
         detail = f"killed after {which} passed {max(stdout.kill_at, stderr.kill_at)} bytes"
+    elif oom_killed:
+        status, detail = (
+            "memory",
+            f"the OOM killer killed a process at the sandbox's memory limit ({memory_mb} MiB)",
+        )
     elif killed == "timeout":
         status, detail = "timeout", f"killed after {timeout_s:g} s wall clock"
     elif killed == "cpu" or exit_code == -24:  # SIGXCPU: RLIMIT_CPU's soft limit
         status, detail = "timeout", "killed at the CPU-time limit"
-    elif oom_killed:
-        status, detail = "memory", f"killed by the OOM killer at the {memory_mb} MiB memory limit"
     elif exit_code not in (0, None) and looks_like_memory_error(stderr.data()):
         status, detail = "memory", f"an allocation failed at the {memory_mb} MiB address-space limit"
     elif exit_code == -25:  # SIGXFSZ: RLIMIT_FSIZE

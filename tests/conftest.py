@@ -7,6 +7,9 @@ import os
 import httpx
 import pytest
 
+# Sandbox backends by name, for tests/test_sandbox_*.py (new backends register in that file).
+from tests.sandbox_fixtures import loop_runner, sandbox_backend  # noqa: F401
+
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,213 @@
+"""Sandbox exec benchmark, one run, ratios: warm-exec latency and throughput per backend.
+
+    .venv/bin/python bench/sandbox.py [--execs 200] [--rounds 4] [--cmd echo ok]
+                                      [--compose-url http://127.0.0.1:8100 --compose-key KEY]
+
+For each backend, 8 warm sandboxes from a pool; the same command is run at concurrency 1 (one
+sandbox, one exec after another) and 8 (eight sandboxes, each running execs back to back):
+* floor: plain ``subprocess.run`` of the command on the host (8 threads for concurrency 8);
+* local: bubblewrap (sandbox/local.py);
+* remote: an exec server (``python -m palaestra.sandbox serve``, local backend) on loopback, over HTTP;
+* docker: containers on the local engine (sandbox/docker.py), when an engine answers;
+* compose: the compose fleet's exec server, when ``--compose-url`` (or $PALAESTRA_COMPOSE_SANDBOX_URL)
+  points at one.
+Backends that cannot run here are listed with the reason. The backends' blocks are interleaved over
+``--rounds`` so that load from other work on the machine hits them alike. Printed per backend:
+p50/p99 latency and execs/s at both concurrencies, and p50 as a multiple of the floor's. Goal: local
+warm exec p50 <= 15 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from palaestra.net import ServerProcess, free_port  # noqa: E402
+from palaestra.sandbox import Backend, Limits, SandboxError, SandboxPool  # noqa: E402
+from palaestra.sandbox.local import LocalBackend  # noqa: E402
+
+CONCURRENCY = (1, 8)
+LABEL = "palaestra-bench"
+LOCAL_GOAL_P50_MS = 15.0
+
+
+@dataclass
+class Series:
+    """Latencies and wall time of one (backend, concurrency) pair, summed over rounds."""
+
+    latencies: list[float] = field(default_factory=list)
+    wall: float = 0.0
+
+    def add(self, latencies: list[float], wall: float) -> None:
+        self.latencies += latencies
+        self.wall += wall
+
+    def p(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / self.wall
+
+
+Runner = Callable[[int, int], Awaitable[tuple[list[float], float]]]
+"""(concurrency, execs) → (latencies, wall seconds)."""
+
+
+def floor_runner(cmd: list[str]) -> Runner:
+    def one() -> float:
+        t0 = time.perf_counter()
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)
+        return time.perf_counter() - t0
+
+    async def run(concurrency: int, execs: int) -> tuple[list[float], float]:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            latencies = list(pool.map(lambda _: one(), range(execs)))
+        return latencies, time.perf_counter() - t0
+
+    return run
+
+
+def pool_runner(pool: SandboxPool, cmd: list[str]) -> Runner:
+    async def worker(box, n: int, out: list[float]) -> None:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            result = await box.exec(cmd)
+            out.append(time.perf_counter() - t0)
+            if not result.ok:
+                raise SandboxError(f"benchmark command failed: {result}")
+
+    async def run(concurrency: int, execs: int) -> tuple[list[float], float]:
+        boxes = [await pool.acquire() for _ in range(concurrency)]
+        latencies: list[float] = []
+        try:
+            t0 = time.perf_counter()
+            share = execs // concurrency
+            await asyncio.gather(*(worker(b, share, latencies) for b in boxes))
+            wall = time.perf_counter() - t0
+        finally:
+            for b in boxes:
+                await pool.release(b)
+        return latencies, wall
+
+    return run
+
+
+async def open_backends(args, server_url: str, key: str) -> tuple[dict[str, Backend], dict[str, str]]:
+    """The backends that can run here, and why the others cannot."""
+    from palaestra.sandbox.remote import RemoteBackend
+
+    backends: dict[str, Backend] = {
+        "local": LocalBackend(label=LABEL),
+        "remote": RemoteBackend(url=server_url, api_key=key, label=LABEL),
+    }
+    skipped: dict[str, str] = {}
+    try:
+        from palaestra.sandbox.docker import DockerBackend
+    except ImportError as exc:
+        skipped["docker"] = f"no docker backend in this tree ({exc})"
+    else:
+        try:
+            backends["docker"] = DockerBackend(label=LABEL)
+            await (await backends["docker"].create("python", Limits())).close()
+        except Exception as exc:  # no engine, no image: say so and go on
+            backends.pop("docker", None)
+            skipped["docker"] = f"{type(exc).__name__}: {exc}"
+    if args.compose_url:
+        backends["compose"] = RemoteBackend(url=args.compose_url, api_key=args.compose_key, label=LABEL)
+    else:
+        skipped["compose"] = (
+            "no compose exec server given (`docker compose up -d`, then --compose-url URL --compose-key KEY)"
+        )
+    return backends, skipped
+
+
+async def bench(args, server_url: str, key: str) -> None:
+    cmd = args.cmd
+    backends, skipped = await open_backends(args, server_url, key)
+    runners: dict[str, Runner] = {"floor": floor_runner(cmd)}
+    pools: list[SandboxPool] = []
+    for name, backend in backends.items():
+        try:
+            pool = await SandboxPool(
+                backend, size=max(CONCURRENCY), limits=Limits(), cleanup_on_start=False
+            ).start()
+        except (SandboxError, OSError) as exc:
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        pools.append(pool)
+        runners[name] = pool_runner(pool, cmd)
+    try:
+        for runner in runners.values():  # warm-up: first execs, connections, page cache
+            await runner(8, 16)
+        results = {(name, c): Series() for name in runners for c in CONCURRENCY}
+        per_round = max(8, args.execs // args.rounds)
+        for _ in range(args.rounds):
+            for name, runner in runners.items():
+                for c in CONCURRENCY:
+                    results[name, c].add(*await runner(c, per_round))
+    finally:
+        for pool in pools:
+            await pool.close()
+        for backend in backends.values():
+            await backend.close()
+    report(results, runners, skipped, cmd, args)
+
+
+def report(results, runners, skipped, cmd, args) -> None:
+    print(
+        f"command: {' '.join(cmd)}; {args.rounds} rounds; {os.cpu_count()} CPUs; loadavg {os.getloadavg()[0]:.1f}"
+    )
+    head = f"{'backend':<8}" + "".join(
+        f" | c={c}: {'p50 ms':>7} {'p99 ms':>7} {'execs/s':>8} {'p50/floor':>9}" for c in CONCURRENCY
+    )
+    print(head)
+    print("-" * len(head))
+    for name in runners:
+        row = f"{name:<8}"
+        for c in CONCURRENCY:
+            s, floor = results[name, c], results["floor", c]
+            row += f" | {'':4}{s.p(0.5):7.2f} {s.p(0.99):7.2f} {s.rate:8.1f} {s.p(0.5) / floor.p(0.5):8.1f}x"
+        print(row)
+    for name, why in skipped.items():
+        print(f"{name:<8} | not run: {why}")
+    if "local" in runners:
+        p50 = results["local", 1].p(0.5)
+        verdict = "met" if p50 <= LOCAL_GOAL_P50_MS else "NOT met"
+        print(f"goal local warm exec p50 <= {LOCAL_GOAL_P50_MS:g} ms: {verdict} ({p50:.2f} ms)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--execs", type=int, default=200, help="execs per backend and concurrency, over all rounds"
+    )
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
+    ap.add_argument("--cmd", nargs="+", default=["echo", "ok"], help="the command every exec runs")
+    ap.add_argument("--compose-url", default=os.environ.get("PALAESTRA_COMPOSE_SANDBOX_URL"))
+    ap.add_argument("--compose-key", default=os.environ.get("PALAESTRA_SANDBOX_API_KEY"))
+    args = ap.parse_args()
+    key = secrets.token_hex(16)
+    port = free_port()
+    argv = [sys.executable, "-m", "palaestra.sandbox", "serve", "--port", str(port), "--label", LABEL]
+    with ServerProcess(
+        argv, f"http://127.0.0.1:{port}", name="sandbox-server", env={"PALAESTRA_SANDBOX_API_KEY": key}
+    ) as server:
+        asyncio.run(bench(args, server.url, key))
+
+
+if __name__ == "__main__":
+    main()
