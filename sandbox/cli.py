@@ -88,9 +88,10 @@ async def run_server(args: argparse.Namespace) -> None:
         max_sandboxes=args.max_sandboxes,
         idle_timeout_s=args.idle_timeout,
     )
-    host, port = await server.start(args.host, args.port)
+    host, port = await server.start(args.host, args.port, uds=args.uds)
     enforced = getattr(server.backend, "enforced", "")
-    print(f"palaestra sandbox server: http://{host}:{port} ({args.backend} backend) {enforced}", flush=True)
+    where = f"unix:{host}" if args.uds else f"http://{host}:{port}"
+    print(f"palaestra sandbox server: {where} ({args.backend} backend) {enforced}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -148,6 +149,9 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--host", default="127.0.0.1", help="bind address")
     s.add_argument("--port", type=int, default=8100, help="TCP port")
+    s.add_argument(
+        "--uds", default=None, metavar="PATH", help="serve on this unix socket instead of host:port"
+    )
     s.add_argument("--backend", default="local", help="backend whose sandboxes are served: local or docker")
     s.add_argument("--api-key", default=None, help=f"required key (or ${API_KEY_ENV})")
     s.add_argument(
