@@ -98,6 +98,15 @@ class DockerBackend(Backend):
         self._owner = _owner_id()
         self._image_tags: dict[str, str] = {}
 
+    @property
+    def enforced(self) -> str:
+        """How limits hold (every result's ``enforced``)."""
+        runtime = self.runtime or "the daemon's default runtime"
+        return (
+            f"docker ({runtime}): container cgroup (memory, pids, cpu), no network, read-only root, "
+            "no capabilities; rlimits (cpu, fsize, nofile) and a seccomp deny-list per exec"
+        )
+
     def client(self) -> Any:
         if self._client is None:
             import docker
@@ -259,7 +268,7 @@ class DockerSandbox(Sandbox):
             capped.feed(seen.get(name, "").encode("latin-1"))  # latin-1 carried the raw bytes
             capped.total = int(seen.get(f"{name}_total", 0))
             streams.append(capped)
-        return build_result(
+        result = build_result(
             exit_code=seen.get("exit_code"),
             stdout=streams[0],
             stderr=streams[1],
@@ -270,15 +279,31 @@ class DockerSandbox(Sandbox):
             timeout_s=timeout,
             memory_mb=self.limits.memory_mb,
         )
+        result.enforced = self.backend.enforced
+        return result
 
     async def _runner_failed(self, code: int | None, err: bytes, timeout: float) -> ExecResult:
         """The runner itself did not answer: killed by the OOM killer along with the command, or
         stuck past its deadline. Clean up, then say which."""
         _, out, _ = await asyncio.to_thread(self._runner, "reap", None, b"", ANSWER_GRACE_S)
         if code is None:
-            return ExecResult("timeout", None, "", "", detail=f"no answer within {timeout:g} s (+ grace)")
+            return ExecResult(
+                "timeout",
+                None,
+                "",
+                "",
+                detail=f"no answer within {timeout:g} s (+ grace)",
+                enforced=self.backend.enforced,
+            )
         if code == 137:
-            return ExecResult("memory", -9, "", "", detail="the memory cgroup's OOM killer ended the exec")
+            return ExecResult(
+                "memory",
+                -9,
+                "",
+                "",
+                detail="the memory cgroup's OOM killer ended the exec",
+                enforced=self.backend.enforced,
+            )
         if not await self.alive():
             raise SandboxError(f"sandbox {self.id} died (runner exit {code}: {err[-500:]!r})")
         raise SandboxError(

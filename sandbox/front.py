@@ -9,11 +9,14 @@ in one replica, so every request about it must reach the replica that created it
 
 * finds replicas as ``*.sock`` files in ``--sockets`` (rescanned every few seconds; a replica that
   refuses connections is skipped until it answers again);
-* sends ``POST /sandboxes`` to the replica with the fewest sandboxes it knows of, and remembers
+* sends ``POST /v1/sandboxes`` to the replica with the fewest sandboxes it knows of, and remembers
   which replica the returned ``id`` lives in;
-* forwards ``/sandboxes/{id}/...`` to that replica, and forgets the id once its DELETE succeeds;
+* forwards ``/v1/sandboxes/{id}/...`` to that replica, and forgets the id once it is deleted (or
+  the replica says it has no such sandbox);
+* asks every replica for ``GET /v1/sandboxes`` and ``POST /v1/cleanup`` and merges the answers;
 * answers ``GET /health`` itself (live replicas, sandboxes) and forwards anything else to a live
-  replica. The API key is checked by the replicas; the front passes ``Authorization`` through.
+  replica. The API key is checked by the replicas (the front passes ``Authorization`` through),
+  so the front never answers anything but /health without a replica's say.
 
 It holds no state a restart cannot lose: sandboxes whose front forgot them are reaped by their
 replica's idle timeout.
@@ -101,37 +104,61 @@ class Front:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/health" and request.method == "GET":
             live = self.live()
-            body = {
-                "status": "ok" if live else "no replicas",
-                "replicas": len(live),
-                "sandboxes": len(self.owner),
-            }
+            body = {"ok": bool(live), "replicas": len(live), "sandboxes": len(self.owner)}
             return web.json_response(body, status=200 if live else 503)
         body = await request.read()
         parts = request.path.strip("/").split("/")
-        if parts[0] == "sandboxes" and len(parts) == 1 and request.method == "POST":
-            candidates = sorted(self.live(), key=lambda r: len(r.sandboxes))
-            replica, (status, headers, data) = await self._try(candidates, request, body)
-            if status < 300:
-                try:
-                    sid = json.loads(data)["id"]
-                except (ValueError, KeyError, TypeError):
-                    sid = None
-                if isinstance(sid, str):
-                    replica.sandboxes.add(sid)
-                    self.owner[sid] = replica
-            return web.Response(status=status, headers=headers, body=data)
-        if parts[0] == "sandboxes" and len(parts) >= 2:
-            replica = self.owner.get(parts[1])
-            if replica is None:
-                return web.json_response({"error": f"unknown sandbox {parts[1]!r}"}, status=404)
-            _, (status, headers, data) = await self._try([replica], request, body)
-            if request.method == "DELETE" and len(parts) == 2 and (status < 300 or status == 404):
-                replica.sandboxes.discard(parts[1])
-                self.owner.pop(parts[1], None)
-            return web.Response(status=status, headers=headers, body=data)
+        if parts[:2] == ["v1", "sandboxes"] and len(parts) == 2 and request.method == "POST":
+            return await self._create(request, body)
+        if parts[:2] == ["v1", "sandboxes"] and len(parts) >= 3:
+            return await self._sandbox(parts[2], len(parts) == 3, request, body)
+        if (parts == ["v1", "sandboxes"] and request.method == "GET") or parts == ["v1", "cleanup"]:
+            return await self._everywhere(parts[1], request, body)
         _, (status, headers, data) = await self._try(self.live(), request, body)
         return web.Response(status=status, headers=headers, body=data)
+
+    async def _create(self, request: web.Request, body: bytes) -> web.Response:
+        candidates = sorted(self.live(), key=lambda r: len(r.sandboxes))
+        replica, (status, headers, data) = await self._try(candidates, request, body)
+        if status < 300:
+            try:
+                sid = json.loads(data)["id"]
+            except (ValueError, KeyError, TypeError):
+                sid = None
+            if isinstance(sid, str):
+                replica.sandboxes.add(sid)
+                self.owner[sid] = replica
+        return web.Response(status=status, headers=headers, body=data)
+
+    async def _sandbox(self, sid: str, whole: bool, request: web.Request, body: bytes) -> web.Response:
+        replica = self.owner.get(sid)
+        if replica is None:
+            return web.json_response({"error": f"no sandbox {sid!r}", "type": "NotFound"}, status=404)
+        _, (status, headers, data) = await self._try([replica], request, body)
+        gone = status == 404 and b'"NotFound"' in data  # the replica closed it (idle) or restarted
+        if gone or (request.method == "DELETE" and whole and status < 300):
+            replica.sandboxes.discard(sid)
+            self.owner.pop(sid, None)
+        return web.Response(status=status, headers=headers, body=data)
+
+    async def _everywhere(self, what: str, request: web.Request, body: bytes) -> web.Response:
+        """List or clean up on every live replica and merge the answers."""
+        live = self.live()
+        if not live:
+            return web.json_response({"error": "no exec-server replica answers"}, status=503)
+        answers = await asyncio.gather(*(self._forward(r, request, body) for r in live), return_exceptions=True)
+        merged: list | int = [] if what == "sandboxes" else 0
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                continue
+            status, _, data = answer
+            if status >= 300:
+                return web.Response(status=status, body=data, content_type="application/json")
+            if what == "sandboxes":
+                merged += json.loads(data)
+            else:
+                merged += int(json.loads(data)["removed"])
+        return web.json_response(merged if what == "sandboxes" else {"removed": merged})
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)
@@ -154,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request limit towards a replica, s")
     args = parser.parse_args(argv)
     host, _, port = args.listen.rpartition(":")
+    print(f"palaestra sandbox front: http://{host}:{port} -> {args.sockets}/*.sock", flush=True)
     web.run_app(Front(args.sockets, args.timeout).app(), host=host or "127.0.0.1", port=int(port), print=None)
     return 0
 

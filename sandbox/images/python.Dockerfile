@@ -3,7 +3,7 @@
 # has no network, and needs none).
 ARG BASE
 FROM ${BASE}
-COPY runner.py /opt/palaestra/runner.py
+COPY runner.py seccomp.bpf /opt/palaestra/
 ENV PATH=/usr/local/bin:/usr/bin:/bin HOME=/work TMPDIR=/work LANG=C.UTF-8 PYTHONUTF8=1 \
     PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001

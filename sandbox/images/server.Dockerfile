@@ -3,7 +3,7 @@
 # Built by `palaestra sandbox build-images` on top of the offline base: no RUN steps, no network.
 ARG BASE
 FROM ${BASE}
-COPY runner.py /opt/palaestra/runner.py
+COPY runner.py seccomp.bpf /opt/palaestra/
 COPY site-packages /opt/palaestra/site-packages
 COPY root/ /
 ENV PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 PYTHONUTF8=1 \
