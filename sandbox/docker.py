@@ -5,7 +5,7 @@
         result = await box.exec("python3 -c 'print(6 * 7)'")
 
 Every container gets: no network at all (``network_mode=none``: only its own loopback), a
-read-only root with the work directory ``/work`` as a size-capped tmpfs, every capability dropped,
+read-only root with the work directory ``/work`` (and /tmp, /dev/shm) as size-capped tmpfs, every capability dropped,
 ``no-new-privileges``, pids/memory/CPU limits, and the unprivileged user 10001. Its PID 1 is the
 image's runner (images/runner.py) idling; each exec is ``docker exec`` of that runner, which starts
 the command with rlimits, enforces the wall-clock and output limits, tells an OOM kill from a
@@ -39,6 +39,7 @@ from palaestra.sandbox.base import (
     to_argv,
     work_path,
 )
+from palaestra.sandbox.bwrap import SHM_MB, TMP_MB
 from palaestra.sandbox.images.rootfs import SANDBOX_UID
 from palaestra.sandbox.output import CappedOutput, build_result
 
@@ -48,7 +49,7 @@ RUNNER = ["python3", "-I", "-S", "/opt/palaestra/runner.py"]
 COMMAND_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": WORKDIR,
-    "TMPDIR": WORKDIR,
+    "TMPDIR": "/tmp",
     "LANG": "C.UTF-8",
     "PYTHONUTF8": "1",
 }
@@ -137,16 +138,20 @@ class DockerBackend(Backend):
 
     def run_options(self, limits: Limits) -> dict[str, Any]:
         """The container's confinement, as docker SDK ``containers.run`` keywords."""
-        # The work dir's tmpfs pages are charged to the container's memory cgroup, so the cgroup
-        # gets room for a full work dir on top of what commands may allocate.
-        memory = f"{limits.memory_mb + limits.workdir_mb}m"
+        # Files in the tmpfs mounts are charged to the container's memory cgroup, so the cgroup
+        # gets room for them (full) on top of what commands may allocate, as the local backend's.
+        memory = f"{limits.memory_mb + limits.workdir_mb + TMP_MB + SHM_MB}m"
+        owner = f"uid={SANDBOX_UID},gid={SANDBOX_UID}"
         return {
             "network_mode": "none",
             "read_only": True,
+            # The only writable places, all size-capped: /work, /tmp and /dev/shm (as in the
+            # local backend). ipc none leaves no docker /dev/shm of its own, and the read-only
+            # tmpfs covers docker's writable /dev/mqueue.
             "tmpfs": {
-                WORKDIR: f"size={limits.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0700,exec",
-                # ipc none leaves no /dev/shm; this covers docker's writable /dev/mqueue, so the
-                # work dir is the only place a command can write (no POSIX shm/semaphores).
+                WORKDIR: f"size={limits.workdir_mb}m,{owner},mode=0700,exec",
+                "/tmp": f"size={TMP_MB}m,{owner},mode=1777,exec",
+                "/dev/shm": f"size={SHM_MB}m,{owner},mode=1777,noexec",
                 "/dev/mqueue": "ro,size=4k",
             },
             "cap_drop": ["ALL"],
@@ -409,6 +414,8 @@ def _raise_file_error(code: int | None, err: bytes, path: str) -> None:
         raise FileNotFoundError(f"{path}: not in the sandbox's work directory")
     if info.get("error") == "PermissionError":
         raise PermissionError(info.get("detail", path))
+    if info.get("error") in ("OSError", "IsADirectoryError", "NotADirectoryError", "FileExistsError"):
+        raise OSError(f"{path}: {info.get('detail')}")
     raise SandboxError(f"{path}: {info.get('detail') or f'runner exit {code}'}")
 
 

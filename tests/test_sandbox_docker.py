@@ -59,7 +59,7 @@ def test_container_is_locked_down(docker_client, box, runner):
     assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
     assert "no-new-privileges" in host["SecurityOpt"]
     assert host["PidsLimit"] == LIMITS.pids + 2
-    assert host["Memory"] == (LIMITS.memory_mb + LIMITS.workdir_mb) << 20
+    assert host["Memory"] == (LIMITS.memory_mb + LIMITS.workdir_mb + 64 + 16) << 20
     assert host["NanoCpus"] == 1_000_000_000
     assert "size=64m" in host["Tmpfs"]["/work"]
     r = runner.run(box.exec("id -u; cat /proc/self/status | grep CapEff"))

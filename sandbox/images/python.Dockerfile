@@ -4,7 +4,7 @@
 ARG BASE
 FROM ${BASE}
 COPY runner.py seccomp.bpf /opt/palaestra/
-ENV PATH=/usr/local/bin:/usr/bin:/bin HOME=/work TMPDIR=/work LANG=C.UTF-8 PYTHONUTF8=1 \
+ENV PATH=/usr/local/bin:/usr/bin:/bin HOME=/work TMPDIR=/tmp LANG=C.UTF-8 PYTHONUTF8=1 \
     PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
 WORKDIR /work

@@ -24,6 +24,7 @@ import os
 import resource
 import selectors
 import signal
+import stat
 import sys
 import time
 
@@ -250,7 +251,9 @@ def run(spec: dict, stdin_data: bytes) -> dict:
         "exit_code": None if start_error else code,
         "start_error": start_error.decode(errors="replace") or None,
         "killed": killed,
-        "oom_killed": code in killed_codes(signal.SIGKILL) and oom_after > oom_before >= 0,
+        # Any OOM kill in the container during the exec is the command's doing (a sandbox runs
+        # one exec at a time), also when it hit a child and the command itself exited normally.
+        "oom_killed": oom_after > oom_before >= 0,
         "stdout": kept[out_r].decode("latin-1"),
         "stdout_total": seen[out_r],
         "stderr": kept[err_r].decode("latin-1"),
@@ -286,24 +289,34 @@ def main() -> int:
         return 0
     try:
         full = _resolve(spec["path"])
+        # Never follow a link the command planted, never block on a FIFO it made: open without
+        # following, non-blocking, and insist on a regular file.
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         if mode == "put":
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "wb") as f:
+            fd = os.open(full, flags | os.O_WRONLY | os.O_CREAT, 0o644)
+        elif mode == "get":
+            fd = os.open(full, flags | os.O_RDONLY)
+        else:
+            print(f"unknown mode {mode!r}", file=sys.stderr)
+            return 2
+        with os.fdopen(fd, "wb" if mode == "put" else "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PermissionError(f"{spec['path']!r} is not a regular file")
+            os.set_blocking(fd, True)
+            if mode == "put":
+                f.truncate()
                 f.write(payload)
-            return 0
-        if mode == "get":
-            with open(full, "rb") as f:
+            else:
                 while chunk := f.read(1 << 20):
                     sys.stdout.buffer.write(chunk)
-            return 0
+        return 0
     except FileNotFoundError as exc:
         print(json.dumps({"error": "not_found", "detail": str(exc)}), file=sys.stderr)
         return 3
-    except OSError as exc:
+    except OSError as exc:  # ELOOP (a planted link), ENXIO (a FIFO), EACCES...
         print(json.dumps({"error": type(exc).__name__, "detail": str(exc)}), file=sys.stderr)
         return 4
-    print(f"unknown mode {mode!r}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":
