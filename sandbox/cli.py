@@ -1,8 +1,9 @@
-"""`palaestra sandbox exec` and `palaestra sandbox serve`.
+"""`palaestra sandbox exec`, `palaestra sandbox serve` and `palaestra sandbox build-images`.
 
     palaestra sandbox exec --upload solution.py --json -- python3 solution.py
     palaestra sandbox exec --backend http://127.0.0.1:8100 --timeout 5 -- sh -c 'echo hi'
     palaestra sandbox serve --port 8100 --api-key KEY
+    palaestra sandbox build-images                 # docker images, offline (images/build.py)
 
 ``exec`` runs one command in a fresh sandbox (the uploaded files in its work directory), prints
 its stdout and stderr (or, with ``--json``, one JSON object: the ExecResult) and exits with the
@@ -118,7 +119,8 @@ def register(groups) -> None:
 
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
-    """``exec`` and ``serve`` under ``parser`` (``palaestra sandbox`` or ``python -m palaestra.sandbox``)."""
+    """``exec``, ``serve`` and ``build-images`` under ``parser`` (``palaestra sandbox`` or
+    ``python -m palaestra.sandbox``)."""
     sub = parser.add_subparsers(dest="sandbox_cmd", metavar="COMMAND", required=True)
     p = sub.add_parser(
         "exec",
@@ -165,6 +167,24 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--log-level", default="info", help="logging level")
     s.set_defaults(func=_serve)
+
+    from palaestra.sandbox.images.build import add_arguments
+
+    b = sub.add_parser(
+        "build-images",
+        help="build the docker images offline (sandbox, exec server, app)",
+        description="Build the docker backend's and the compose fleet's images from this host's files, "
+        "offline; an image whose inputs did not change is found by its content tag and not rebuilt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_arguments(b)
+    b.set_defaults(func=_build_images)
+
+
+def _build_images(args: argparse.Namespace) -> int:
+    from palaestra.sandbox.images import build
+
+    return build.run(args)
 
 
 def _exec_entry(args: argparse.Namespace) -> int:
