@@ -12,8 +12,9 @@ sandbox, one exec after another) and 8 (eight sandboxes, each running execs back
 * compose: the compose fleet (docker-compose.yml: exec-server replicas with no network behind the
   loopback front); brought up for the run (``docker compose up --wait``, ``down`` after) where an
   engine answers, unless ``--compose-url`` (or $PALAESTRA_COMPOSE_SANDBOX_URL) points at a running one.
-Backends that cannot run here are listed with the reason. The backends' blocks are interleaved over
-``--rounds`` so that load from other work on the machine hits them alike. Printed per backend:
+Backends that cannot run here are listed with the reason. At concurrency 1 the backends take turns
+exec by exec, at 8 block by block over ``--rounds``, so that load from other work on the machine
+hits them alike (execs/s at concurrency 1 is then 1 / mean latency). Printed per backend:
 p50/p99 latency and execs/s at both concurrencies, and p50 as a multiple of the floor's. Goal: local
 warm exec p50 <= 15 ms.
 """
@@ -39,7 +40,7 @@ from palaestra.net import ServerProcess, free_port  # noqa: E402
 from palaestra.sandbox import Backend, Limits, SandboxError, SandboxPool  # noqa: E402
 from palaestra.sandbox.local import LocalBackend  # noqa: E402
 
-CONCURRENCY = (1, 8)
+CONCURRENCY = (1, 8)  # the loop in bench() knows these two
 LABEL = "palaestra-bench"
 LOCAL_GOAL_P50_MS = 15.0
 
@@ -64,48 +65,62 @@ class Series:
         return len(self.latencies) / self.wall
 
 
-Runner = Callable[[int, int], Awaitable[tuple[list[float], float]]]
-"""(concurrency, execs) → (latencies, wall seconds)."""
+@dataclass
+class Runner:
+    """One backend's way to run the command: once (``one``) or ``n`` times from ``c`` workers (``block``)."""
+
+    one: Callable[[], Awaitable[float]]
+    block: Callable[[int, int], Awaitable[tuple[list[float], float]]]
 
 
 def floor_runner(cmd: list[str]) -> Runner:
-    def one() -> float:
+    def run_once() -> float:
         t0 = time.perf_counter()
         subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)
         return time.perf_counter() - t0
 
-    async def run(concurrency: int, execs: int) -> tuple[list[float], float]:
+    async def one() -> float:
+        return run_once()
+
+    async def block(concurrency: int, execs: int) -> tuple[list[float], float]:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            latencies = list(pool.map(lambda _: one(), range(execs)))
+            latencies = list(pool.map(lambda _: run_once(), range(execs)))
         return latencies, time.perf_counter() - t0
 
-    return run
+    return Runner(one, block)
 
 
-def pool_runner(pool: SandboxPool, cmd: list[str]) -> Runner:
+async def pool_runner(pool: SandboxPool, cmd: list[str]) -> Runner:
+    own = await pool.acquire()  # concurrency 1 runs here; the block borrows the other sandboxes
+
+    async def timed(box) -> float:
+        t0 = time.perf_counter()
+        result = await box.exec(cmd)
+        if not result.ok:
+            raise SandboxError(f"benchmark command failed: {result}")
+        return time.perf_counter() - t0
+
+    async def one() -> float:
+        return await timed(own)
+
     async def worker(box, n: int, out: list[float]) -> None:
         for _ in range(n):
-            t0 = time.perf_counter()
-            result = await box.exec(cmd)
-            out.append(time.perf_counter() - t0)
-            if not result.ok:
-                raise SandboxError(f"benchmark command failed: {result}")
+            out.append(await timed(box))
 
-    async def run(concurrency: int, execs: int) -> tuple[list[float], float]:
-        boxes = [await pool.acquire() for _ in range(concurrency)]
+    async def block(concurrency: int, execs: int) -> tuple[list[float], float]:
+        boxes = [own] + [await pool.acquire() for _ in range(concurrency - 1)]
         latencies: list[float] = []
         try:
             t0 = time.perf_counter()
-            share = execs // concurrency
-            await asyncio.gather(*(worker(b, share, latencies) for b in boxes))
+            await asyncio.gather(*(worker(b, execs // concurrency, latencies) for b in boxes))
             wall = time.perf_counter() - t0
         finally:
-            for b in boxes:
+            for b in boxes[1:]:
                 await pool.release(b)
         return latencies, wall
 
-    return run
+    return Runner(one, block)
 
 
 async def open_backends(args, server_url: str, key: str) -> tuple[dict[str, Backend], dict[str, str]]:
@@ -151,16 +166,21 @@ async def bench(args, server_url: str, key: str) -> None:
             skipped[name] = f"{type(exc).__name__}: {exc}"
             continue
         pools.append(pool)
-        runners[name] = pool_runner(pool, cmd)
+        runners[name] = await pool_runner(pool, cmd)
     try:
         for runner in runners.values():  # warm-up: first execs, connections, page cache
-            await runner(8, 16)
+            await runner.block(8, 16)
         results = {(name, c): Series() for name in runners for c in CONCURRENCY}
         per_round = max(8, args.execs // args.rounds)
         for _ in range(args.rounds):
+            # Concurrency 1: one exec per backend in turn, so that load from other work on the
+            # machine hits every backend alike; concurrency 8: a block per backend.
+            for _ in range(per_round):
+                for name, runner in runners.items():
+                    latency = await runner.one()
+                    results[name, 1].add([latency], latency)
             for name, runner in runners.items():
-                for c in CONCURRENCY:
-                    results[name, c].add(*await runner(c, per_round))
+                results[name, 8].add(*await runner.block(8, per_round))
     finally:
         for pool in pools:
             await pool.close()

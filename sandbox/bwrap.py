@@ -14,8 +14,8 @@
   commands' seccomp filter (seccomp.py) at /.palaestra/seccomp.bpf.
 
 Every bwrap command line carries ``--setenv PALAESTRA_SANDBOX <label>.<owner>.<id>``, where the
-owner is "<pid>-<start time>" of the process that made it; ``labelled_processes`` finds them again
-so that leaked sandboxes can be told from live ones.
+owner is "<pid>-<start time>-<pid namespace>" of the process that made it; ``labelled_processes``
+finds them again so that leaked sandboxes can be told from live ones.
 """
 
 from __future__ import annotations
@@ -84,17 +84,27 @@ def find_bwrap() -> str:
 
 
 def owner_id(pid: int | None = None) -> str:
-    """A process's identity that survives pid reuse: "<pid>-<start time in ticks>"."""
+    """A process's identity that survives pid reuse and says whose pids it counts in:
+    "<pid>-<start time in ticks>-<pid namespace inode>"."""
     pid = os.getpid() if pid is None else pid
-    return f"{pid}-{_start_time(pid)}"
+    return f"{pid}-{_start_time(pid)}-{_pid_namespace()}"
 
 
 def owner_alive(owner: str) -> bool:
-    pid, _, start = owner.partition("-")
+    """False only if ``owner`` is a process of this pid namespace that has exited. Owners in other
+    pid namespaces (a container's exec server seen from the host, say), or without one, count as
+    alive: their pids mean nothing here."""
+    pid, start, pidns = (owner.split("-") + ["", ""])[:3]
+    if pidns != str(_pid_namespace()):
+        return True
     try:
         return _start_time(int(pid)) == int(start)
     except (OSError, ValueError):
         return False
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
 
 
 def _start_time(pid: int) -> int:

@@ -31,6 +31,7 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from palaestra.sandbox.base import (
@@ -204,6 +205,7 @@ class LocalBackend(Backend):
             )
         except BaseException:
             host_end.close()
+            os.close(stderr_fd)
             if cgroup is not None:
                 cgroup.remove()
             raise
@@ -266,7 +268,8 @@ class LocalSandbox(Sandbox):
         self._sock = sock
         self._log_fd = log_fd
         self._lock = asyncio.Lock()
-        self._closed = False
+        self._closed = False  # no more requests
+        self._released = False  # processes killed, cgroup and descriptors freed
 
     @property
     def pid(self) -> int:
@@ -304,14 +307,27 @@ class LocalSandbox(Sandbox):
         return json.loads(data)
 
     async def _request(self, msg: dict, fds: list[int] = (), timeout: float = 30.0) -> dict:
-        await self._send(msg, fds)
+        with self._exchange():
+            await self._send(msg, fds)
+            try:
+                return await asyncio.wait_for(self._recv(), timeout)
+            except TimeoutError:
+                raise SandboxError(
+                    f"sandbox {self.id}: agent did not answer {msg['op']!r} in {timeout:g} s"
+                ) from None
+
+    @contextlib.contextmanager
+    def _exchange(self) -> Iterator[None]:
+        """Around one request and its reply. One that does not complete (cancelled, timed out,
+        agent gone) may still be answered later, and the next request would read that answer:
+        the sandbox is killed instead (``close()`` then frees what is left)."""
         try:
-            return await asyncio.wait_for(self._recv(), timeout)
-        except TimeoutError:
-            await self._destroy()
-            raise SandboxError(
-                f"sandbox {self.id}: agent did not answer {msg['op']!r} in {timeout:g} s"
-            ) from None
+            yield
+        except BaseException:
+            self._closed = True
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            raise
 
     def _check_open(self) -> None:
         if self._closed:
@@ -334,7 +350,8 @@ class LocalSandbox(Sandbox):
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         async with self._lock:
             self._check_open()
-            return await self._exec(argv, data, timeout)
+            with self._exchange():
+                return await self._exec(argv, data, timeout)
 
     async def _exec(self, argv: list[str], data: bytes, timeout: float) -> ExecResult:
         loop = asyncio.get_running_loop()
@@ -380,19 +397,18 @@ class LocalSandbox(Sandbox):
         err_done = pump(loop, err_r, stderr, over)
         feeding = feed(loop, in_w, data)
         try:
-            reply = await asyncio.wait_for(self._recv(), timeout + EXEC_GRACE_S)
-        except TimeoutError:
-            await self._destroy()
-            raise SandboxError(
-                f"sandbox {self.id}: exec did not end {EXEC_GRACE_S:g} s after its timeout"
-            ) from None
+            try:
+                reply = await asyncio.wait_for(self._recv(), timeout + EXEC_GRACE_S)
+            except TimeoutError:
+                raise SandboxError(
+                    f"sandbox {self.id}: exec did not end {EXEC_GRACE_S:g} s after its timeout"
+                ) from None
+            # Every process of the exec is dead now, so the pipes reach EOF at once.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(out_done, err_done), 5.0)
         finally:
-            feeding.cancel()
-        # Every process of the exec is dead now, so the pipes reach EOF at once.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(out_done, err_done), 5.0)
-        for fut in (out_done, err_done):
-            fut.cancel()
+            for fut in (feeding, out_done, err_done):
+                fut.cancel()  # closes the pipe ends (also when this exec was cancelled)
         duration = time.monotonic() - started
         if "setup_error" in reply or "error" in reply:
             raise SandboxError(f"sandbox {self.id}: {reply.get('setup_error') or reply.get('error')}")
@@ -422,18 +438,19 @@ class LocalSandbox(Sandbox):
         async with self._lock:
             self._check_open()
             r, w = os.pipe2(os.O_CLOEXEC)
-            try:
-                await self._send({"op": "upload", "path": rel}, [r])
-            except BaseException:
-                os.close(w)
-                raise
-            finally:
-                os.close(r)
-            feeding = feed(loop, w, payload)
-            try:
-                reply = await asyncio.wait_for(self._recv(), 60 + len(payload) / 10e6)
-            finally:
-                feeding.cancel()
+            with self._exchange():
+                try:
+                    await self._send({"op": "upload", "path": rel}, [r])
+                except BaseException:
+                    os.close(w)
+                    raise
+                finally:
+                    os.close(r)
+                feeding = feed(loop, w, payload)
+                try:
+                    reply = await asyncio.wait_for(self._recv(), 60 + len(payload) / 10e6)
+                finally:
+                    feeding.cancel()
         _raise_for(reply, path)
 
     async def download(self, path: str) -> bytes:
@@ -442,20 +459,21 @@ class LocalSandbox(Sandbox):
         async with self._lock:
             self._check_open()
             r, w = os.pipe2(os.O_CLOEXEC)
-            try:
-                await self._send({"op": "download", "path": rel}, [w])
-            except BaseException:
-                os.close(r)
-                raise
-            finally:
-                os.close(w)
-            sink = CappedOutput(keep=1 << 62, kill_at=1 << 62)
-            done = pump(loop, r, sink, lambda: None)
-            try:
-                reply = await asyncio.wait_for(self._recv(), 300)
-                await done
-            finally:
-                done.cancel()
+            with self._exchange():
+                try:
+                    await self._send({"op": "download", "path": rel}, [w])
+                except BaseException:
+                    os.close(r)
+                    raise
+                finally:
+                    os.close(w)
+                sink = CappedOutput(keep=1 << 62, kill_at=1 << 62)
+                done = pump(loop, r, sink, lambda: None)
+                try:
+                    reply = await asyncio.wait_for(self._recv(), 300)
+                    await done
+                finally:
+                    done.cancel()
         _raise_for(reply, path)
         return sink.data()
 
@@ -477,20 +495,17 @@ class LocalSandbox(Sandbox):
         return bool(reply.get("ok"))
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self._destroy()
-
-    async def _destroy(self) -> None:
         """Kill the whole sandbox: bwrap (its init dies with it, taking the pid namespace along) and
-        anything left in its cgroup."""
+        anything left in its cgroup; then free the cgroup and descriptors. Idempotent."""
         self._closed = True
+        if self._released:
+            return
+        self._released = True
         with contextlib.suppress(ProcessLookupError):
             self._proc.kill()
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.kill)
-        with contextlib.suppress(asyncio.TimeoutError):
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._proc.wait(), 10)
         self._sock.close()
         if self.cgroup is not None:

@@ -9,6 +9,7 @@ summary; ``.ci/run`` starts an engine when it runs as root.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-FLEET_PROJECT = "palaestra-test-fleet"
+FLEET_PROJECT = f"palaestra-test-fleet-{os.getpid()}"
+"""This test run's compose project (other runs on the same engine have their own)."""
 
 
 def engine() -> Any | None:
@@ -78,11 +80,15 @@ def compose_fleet(label: str, replicas: int = 2) -> Iterator[Fleet]:
         pytest.fail(str(exc))
 
 
-def containers_memory_mb(client: Any, label: str) -> int:
+def containers_memory_mb(client: Any, label: str, owner_pid: int | None = None) -> int:
     """What the memory cgroups of the containers carrying ``label`` (a docker label filter, e.g.
-    "palaestra-test" or "com.docker.compose.project=NAME") hold: usage less reclaimable cache."""
+    "palaestra-test" or "com.docker.compose.project=NAME") hold: usage less reclaimable cache.
+    ``owner_pid``: only the docker backend's containers that this process owns."""
     total = 0
     for c in client.containers.list(filters={"label": label}):
+        owner = c.labels.get(f"{label}.owner", "")
+        if owner_pid is not None and owner.split(":")[1:2] != [str(owner_pid)]:
+            continue
         mem = client.api.stats(c.id, stream=False, one_shot=True).get("memory_stats", {})
         stats = mem.get("stats", {})
         total += mem.get("usage", 0) - stats.get("total_inactive_file", stats.get("inactive_file", 0))

@@ -175,13 +175,14 @@ def descendants(root: int | None = None) -> list[int]:
 
 
 def sandbox_memory_mb() -> dict[str, int]:
-    """Memory the tests' sandboxes hold now, measured where other work on a shared host does not
-    show up (MemAvailable moves by GBs with other people's jobs): the resident memory of this
+    """Memory this test run's sandboxes hold now, measured where other work on a shared host does
+    not show up (MemAvailable moves by GBs with other people's jobs): the resident memory of this
     process's descendants (local sandboxes, the exec server and its sandboxes), where sandboxes
-    get cgroups, what their cgroups are charged (processes and tmpfs files), and what the docker
-    backend's containers and the compose fleet's replicas hold (their cgroups, via the engine)."""
+    get cgroups, what the cgroups of sandboxes they own are charged (processes and tmpfs files),
+    and what this run's docker containers and compose replicas hold (their cgroups, via the engine)."""
     rss = 0
-    for pid in descendants():
+    ours = descendants()
+    for pid in ours:
         try:
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
@@ -193,15 +194,17 @@ def sandbox_memory_mb() -> dict[str, int]:
 
     host, _ = CgroupHost.detect()
     charged = 0
+    owners = {str(pid) for pid in [os.getpid(), *ours]}  # not another test run's sandboxes
     if host is not None:
         for name in host.names():
-            if name.startswith(TEST_LABEL + "."):
+            label, _, rest = name.partition(".")
+            if label == TEST_LABEL and rest.partition("-")[0] in owners:
                 charged += host.open(name).memory_bytes()
     from tests.docker_fixtures import FLEET_PROJECT, containers_memory_mb, engine
 
     client = engine()
     containers = 0
     if client is not None:  # the docker backend's containers and the compose fleet's replicas
-        containers += containers_memory_mb(client, TEST_LABEL)
+        containers += containers_memory_mb(client, TEST_LABEL, owner_pid=os.getpid())
         containers += containers_memory_mb(client, f"com.docker.compose.project={FLEET_PROJECT}")
     return {"rss": rss >> 10, "cgroups": charged >> 20, "containers": containers}

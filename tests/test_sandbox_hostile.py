@@ -70,9 +70,9 @@ def py(code: str, mark: str) -> list[str]:
 def test_fork_bomb_is_bounded_by_pids_and_killed_at_the_timeout(sandbox_backend, pool, loop_runner):
     mark = marker()
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    result = run_contained(loop_runner, pool, py(bomb, mark), mark, timeout=3)
+    result = run_contained(loop_runner, pool, py(bomb, mark), mark, timeout=2)
     assert result.status == "timeout", result
-    assert result.duration_s < 3 + 4, result
+    assert result.duration_s < 2 + 4, result
 
 
 def test_memory_bomb_ends_with_status_memory(sandbox_backend, pool, loop_runner):
@@ -93,7 +93,7 @@ def test_memory_bomb_spread_over_processes_is_killed_by_the_tree_limit(sandbox_b
         "for _ in range(6):\n"
         "    if os.fork() == 0:\n"
         "        block = bytearray(200 << 20)\n"
-        "        time.sleep(2)\n"
+        "        time.sleep(1)\n"
         "        os._exit(0)\n"
         "for _ in range(6):\n"
         "    os.wait()"
