@@ -23,8 +23,6 @@ import asyncio
 import json
 import os
 import socket
-import struct
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +38,12 @@ from palaestra.sandbox.base import (
     work_path,
 )
 from palaestra.sandbox.bwrap import SHM_MB, TMP_MB
+from palaestra.sandbox.docker_channel import RUNNER_SOCKET, ExecChannel, HostSocket, SocketChannel
 from palaestra.sandbox.images.rootfs import SANDBOX_UID
 from palaestra.sandbox.output import CappedOutput, build_result
 
 __all__ = ["DockerBackend", "DockerSandbox"]
 
-RUNNER = ["python3", "-I", "-S", "/opt/palaestra/runner.py"]
 COMMAND_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": WORKDIR,
@@ -91,10 +89,16 @@ class DockerBackend(Backend):
     """Docker daemon address; None: the environment's (``DOCKER_HOST``, else the local socket)."""
     build: bool = True
     """Build a profile's image on first use if it is missing (takes a few seconds, offline)."""
+    channel: str = "auto"
+    """How the host reaches the runner in a container (docker_channel.py): "socket" (a unix socket
+    bind-mounted in, ~1 ms a request), "exec" (``docker exec`` per request, ~100 ms), or "auto":
+    socket with a local engine and the default runtime, else exec."""
 
     name = "docker"
 
     def __post_init__(self) -> None:
+        if self.channel not in ("auto", "socket", "exec"):
+            raise ValueError(f"'channel' must be auto, socket or exec; got {self.channel!r}")
         self._client: Any = None
         self._owner = _owner_id()
         self._image_tags: dict[str, str] = {}
@@ -169,19 +173,50 @@ class DockerBackend(Backend):
             "labels": {self.label: "1", f"{self.label}.owner": self._owner},
         }
 
+    def uses_socket(self) -> bool:
+        if self.channel != "auto":
+            return self.channel == "socket"
+        local = self.client().api.base_url.startswith("http+docker://localhost")  # a unix socket
+        return local and self.runtime in (None, "runc")
+
     async def create(self, profile: str = "python", limits: Limits | None = None) -> DockerSandbox:
         limits = limits or Limits()
         image = await asyncio.to_thread(self._image, profile)
         name = f"{self.label}-{uuid.uuid4().hex[:12]}"
-        container = await asyncio.to_thread(self._start, image, name, limits)
-        return DockerSandbox(self, container, limits)
+        container, conn = await asyncio.to_thread(self._start, image, name, limits)
+        if conn is not None:
+            channel = await SocketChannel.open(name, conn)
+        else:
+            channel = ExecChannel(name, self.client(), container.id, 16 * limits.output_bytes + (1 << 16))
+        return DockerSandbox(self, container, limits, channel)
 
-    def _start(self, image: str, name: str, limits: Limits) -> Any:
+    def _start(self, image: str, name: str, limits: Limits) -> tuple[Any, socket.socket | None]:
+        """Run the container; with the socket channel, also wait for its runner to connect."""
+        options = self.run_options(limits)
+        host = HostSocket() if self.uses_socket() else None
+        try:
+            if host is not None:
+                options["volumes"] = {host.path: {"bind": RUNNER_SOCKET, "mode": "ro"}}
+                options["environment"] = {"PALAESTRA_RUNNER_SOCKET": RUNNER_SOCKET}  # PID 1's only
+            container = self._run(image, name, options)
+            if host is None:
+                return container, None
+            try:
+                container.reload()
+                return container, host.accept_init(container.attrs["State"]["Pid"], wait_s=60)
+            except BaseException:
+                self._remove_quietly(name)
+                raise
+        finally:
+            if host is not None:
+                host.close()
+
+    def _run(self, image: str, name: str, options: dict[str, Any]) -> Any:
         import docker
 
         try:
             return self.client().containers.run(
-                image, name=name, detach=True, stop_signal="SIGKILL", **self.run_options(limits)
+                image, name=name, detach=True, stop_signal="SIGKILL", **options
             )
         except docker.errors.ImageNotFound as exc:
             raise SandboxError(
@@ -224,9 +259,10 @@ class DockerSandbox(Sandbox):
     """One warm container; execs, uploads and downloads in it run one at a time (each exec ends by
     killing every process in the container but PID 1)."""
 
-    def __init__(self, backend: DockerBackend, container: Any, limits: Limits) -> None:
+    def __init__(self, backend: DockerBackend, container: Any, limits: Limits, channel: Any) -> None:
         self.backend = backend
         self.container = container
+        self._channel = channel
         self.id = container.name
         self.limits = limits
         self._lock = asyncio.Lock()
@@ -258,9 +294,7 @@ class DockerSandbox(Sandbox):
         data = stdin.encode() if isinstance(stdin, str) else stdin or b""
         async with self._lock:
             self._check_open()
-            code, out, err = await asyncio.to_thread(
-                self._runner, "exec", spec, data, timeout + ANSWER_GRACE_S
-            )
+            code, out, err = await self._channel.call("exec", spec, data, timeout + ANSWER_GRACE_S)
             if code == 0:
                 return self._result(json.loads(out), timeout)
             return await self._runner_failed(code, err, timeout)
@@ -290,16 +324,19 @@ class DockerSandbox(Sandbox):
     async def _runner_failed(self, code: int | None, err: bytes, timeout: float) -> ExecResult:
         """The runner itself did not answer: killed by the OOM killer along with the command, or
         stuck past its deadline. Clean up, then say which."""
-        _, out, _ = await asyncio.to_thread(self._runner, "reap", None, b"", ANSWER_GRACE_S)
+        enforced = self.backend.enforced
         if code is None:
+            if isinstance(self._channel, SocketChannel):
+                # PID 1 itself is stuck: this sandbox cannot be trusted to clean up; end it.
+                await self.close()
+                return ExecResult(
+                    "timeout", None, "", "", detail="runner did not answer; sandbox closed", enforced=enforced
+                )
+            await self._channel.call("reap", None, b"", ANSWER_GRACE_S)
             return ExecResult(
-                "timeout",
-                None,
-                "",
-                "",
-                detail=f"no answer within {timeout:g} s (+ grace)",
-                enforced=self.backend.enforced,
+                "timeout", None, "", "", detail=f"no answer within {timeout:g} s (+ grace)", enforced=enforced
             )
+        await self._channel.call("reap", None, b"", ANSWER_GRACE_S)
         if code == 137:
             return ExecResult(
                 "memory",
@@ -307,81 +344,38 @@ class DockerSandbox(Sandbox):
                 "",
                 "",
                 detail="the memory cgroup's OOM killer ended the exec",
-                enforced=self.backend.enforced,
+                enforced=enforced,
             )
-        if not await self.alive():
-            raise SandboxError(f"sandbox {self.id} died (runner exit {code}: {err[-500:]!r})")
         raise SandboxError(
             f"sandbox {self.id}: runner failed (exit {code}): {err[-2000:].decode(errors='replace')}"
         )
-
-    def _runner(
-        self, mode: str, spec: dict | None, payload: bytes, wait_s: float
-    ) -> tuple[int | None, bytes, bytes]:
-        """``docker exec`` the runner, send it a JSON line and ``payload``, collect its stdout and
-        stderr (docker's multiplexed stream) until it exits. Returns (exit code, out, err); exit
-        code None when it did not finish within ``wait_s``."""
-        import docker
-
-        api = self.backend.client().api
-        try:
-            ex = api.exec_create(
-                self.container.id,
-                RUNNER + [mode],
-                stdin=spec is not None,
-                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
-                workdir=WORKDIR,
-            )
-            sock = api.exec_start(ex["Id"], socket=True)
-        except docker.errors.NotFound as exc:
-            raise SandboxError(f"sandbox {self.id} is gone") from exc
-        except docker.errors.APIError as exc:
-            raise SandboxError(f"sandbox {self.id}: docker exec failed: {exc.explanation}") from exc
-        raw = sock._sock  # the hijacked connection under docker-py's SocketIO wrapper
-        raw.settimeout(wait_s)
-        limit = 16 * self.limits.output_bytes + (1 << 16)
-        chunks: dict[int, list[bytes]] = {1: [], 2: []}
-        try:
-            if spec is not None:
-                raw.sendall(json.dumps(spec).encode() + b"\n" + payload)
-                raw.shutdown(socket.SHUT_WR)
-            got = 0
-            for stream, data in _frames(raw):
-                got += len(data)
-                if got > limit and mode != "get":
-                    raise SandboxError(f"sandbox {self.id}: runner answered more than {limit} bytes")
-                chunks.setdefault(stream, []).append(data)
-        except TimeoutError:
-            return None, b"", b""
-        finally:
-            sock.close()
-        info = api.exec_inspect(ex["Id"])
-        for _ in range(100):  # the exit is recorded a moment after the stream closes
-            if not info.get("Running"):
-                break
-            time.sleep(0.01)
-            info = api.exec_inspect(ex["Id"])
-        return info.get("ExitCode"), b"".join(chunks[1]), b"".join(chunks[2])
 
     async def upload(self, path: str, data: bytes | str) -> None:
         path = work_path(path)
         payload = data.encode() if isinstance(data, str) else data
         async with self._lock:
             self._check_open()
-            code, _, err = await asyncio.to_thread(self._runner, "put", {"path": path}, payload, 60.0)
+            code, _, err = await self._channel.call("put", {"path": path}, payload, 60.0)
         _raise_file_error(code, err, path)
 
     async def download(self, path: str) -> bytes:
         path = work_path(path)
         async with self._lock:
             self._check_open()
-            code, out, err = await asyncio.to_thread(self._runner, "get", {"path": path}, b"", 60.0)
+            code, out, err = await self._channel.call("get", {"path": path}, b"", 60.0)
         _raise_file_error(code, err, path)
         return out
 
     async def alive(self) -> bool:
         if self._closed:
             return False
+        if isinstance(self._channel, SocketChannel):  # the runner answers: the container is fine
+            async with self._lock:
+                try:
+                    code, _, _ = await self._channel.call("ping", None, b"", 10.0)
+                except SandboxError:
+                    return False
+            return code == 0
 
         def state() -> bool:
             try:
@@ -396,6 +390,7 @@ class DockerSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        await self._channel.close()
         await asyncio.to_thread(self.backend._remove_quietly, self.container.id)
 
     def _check_open(self) -> None:
@@ -417,25 +412,3 @@ def _raise_file_error(code: int | None, err: bytes, path: str) -> None:
     if info.get("error") in ("OSError", "IsADirectoryError", "NotADirectoryError", "FileExistsError"):
         raise OSError(f"{path}: {info.get('detail')}")
     raise SandboxError(f"{path}: {info.get('detail') or f'runner exit {code}'}")
-
-
-def _frames(sock: socket.socket):
-    """(stream, bytes) frames of docker's multiplexed exec stream (8-byte header: stream id, 3
-    zero bytes, big-endian length) until EOF."""
-    header = bytearray()
-    while True:
-        while len(header) < 8:
-            more = sock.recv(8 - len(header))
-            if not more:
-                return
-            header += more
-        stream, size = struct.unpack(">BxxxL", header)
-        header.clear()
-        body = bytearray(size)
-        view, got = memoryview(body), 0
-        while got < size:
-            n = sock.recv_into(view[got:])
-            if not n:
-                return
-            got += n
-        yield stream, bytes(body)

@@ -156,3 +156,50 @@ def test_image_build_is_cached(docker_client):
     cached_s = time.monotonic() - start
     assert docker_client.images.get(tag).attrs["Created"] == created  # found, not rebuilt
     print(f"cached image lookup: {cached_s:.2f} s")
+
+
+def test_runner_channel_is_closed_to_commands(box, runner):
+    """The host's socket accepted the container's PID 1 and stopped listening: a command cannot
+    talk to it, nor read PID 1's environment or memory (not dumpable)."""
+    code = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n"
+        "    s.connect('/run/palaestra.sock'); print('CONNECTED')\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno)\n"
+        "for p in ('/proc/1/environ', '/proc/1/mem'):\n"
+        "    try:\n"
+        "        open(p, 'rb').read(1); print('READ', p)\n"
+        "    except OSError as e:\n"
+        "        print('denied', p)\n"
+    )
+    r = runner.run(box.exec(["python3", "-c", code]))
+    assert (
+        r.ok and "CONNECTED" not in r.stdout and "READ" not in r.stdout and r.stdout.count("denied") == 2
+    ), r
+
+
+def test_exec_channel_for_remote_engines(docker_client, runner):
+    """channel="exec" (docker exec per request, for remote engines and runsc) does the same."""
+    from palaestra.sandbox.docker import DockerBackend
+    from palaestra.sandbox.docker_channel import ExecChannel
+
+    async def go():
+        backend = DockerBackend(label="palaestra-test-docker-exec", channel="exec")
+        async with await backend.create("python", LIMITS) as box:
+            assert isinstance(box._channel, ExecChannel)
+            await box.upload("a.txt", "hello")
+            assert await box.download("a.txt") == b"hello"
+            r = await box.exec(["python3", "-c", "print(open('a.txt').read())"])
+            assert (r.status, r.stdout) == ("ok", "hello\n")
+            r = await box.exec(["sleep", "30"], timeout=1)
+            assert r.status == "timeout"
+            r = await box.exec(
+                ["python3", "-c", "x = []\nwhile True: x.append(bytearray(16 << 20))"], timeout=20
+            )
+            assert r.status == "memory", r
+            assert await box.alive()
+        await backend.close()
+
+    runner.run(go())

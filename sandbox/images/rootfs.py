@@ -63,7 +63,7 @@ class Rootfs:
 
     def write_tar(self, out: Path) -> None:
         """A deterministic tar: root-owned, normalized modes, the host files' mtimes."""
-        dirs = {"/tmp", "/work", "/etc", "/proc", "/sys", "/dev", "/usr/local/bin", "/opt"}
+        dirs = {"/tmp", "/work", "/etc", "/proc", "/sys", "/dev", "/run", "/usr/local/bin", "/opt"}
         for path in list(self.files) + list(self.links):
             parent = os.path.dirname(path)
             while parent not in ("/", ""):
