@@ -100,6 +100,8 @@ def _child_setup(spec: dict) -> None:
     """Runs in the child between fork and exec: its own session, rlimits, first in line for the
     OOM killer."""
     os.setsid()
+    with open(SECCOMP_FILTER, "rb") as f:  # before RLIMIT_NOFILE can get in the way
+        program = ctypes.create_string_buffer(f.read())
     # What the runner's python changed and exec keeps: a blocked signal mask, ignored SIGXFSZ.
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
@@ -116,8 +118,6 @@ def _child_setup(spec: dict) -> None:
         pass
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     # Last, so that nothing above needs a refused call; exec and all the command starts inherit it.
-    with open(SECCOMP_FILTER, "rb") as f:
-        program = ctypes.create_string_buffer(f.read())
     fprog = SockFprog((len(program) - 1) // 8, ctypes.addressof(program))
     libc = ctypes.CDLL(None, use_errno=True)
     for args in (
@@ -174,11 +174,14 @@ def run(spec: dict, stdin_data: bytes) -> dict:
         sel.register(child_fd, selectors.EVENT_READ)
     except (AttributeError, OSError):
         child_fd = -1
+    # Every descriptor this exec opened is closed by its end: PID 1 serves many execs.
+    owned = {fd for fd in (in_w, out_r, err_r, child_fd) if fd >= 0}
     if pending:
         os.set_blocking(in_w, False)
         sel.register(in_w, selectors.EVENT_WRITE)
     else:
         os.close(in_w)
+        owned.discard(in_w)
     reason = ""
     status_wait = None
     deadline = start + timeout
@@ -192,6 +195,7 @@ def run(spec: dict, stdin_data: bytes) -> dict:
             if fd == child_fd:
                 sel.unregister(child_fd)
                 os.close(child_fd)
+                owned.discard(child_fd)
                 continue
             if fd == in_w:
                 try:
@@ -201,6 +205,7 @@ def run(spec: dict, stdin_data: bytes) -> dict:
                 if not pending:
                     sel.unregister(in_w)
                     os.close(in_w)
+                    owned.discard(in_w)
                 continue
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -228,11 +233,7 @@ def run(spec: dict, stdin_data: bytes) -> dict:
         status_wait = (status, usage)
     reap()
     for fd in list(sel.get_map()):
-        if fd == child_fd:
-            os.close(fd)
-            continue
-        if fd == in_w:
-            os.close(fd)
+        if fd in (child_fd, in_w):
             continue
         while True:
             chunk = os.read(fd, 1 << 16)
@@ -242,6 +243,9 @@ def run(spec: dict, stdin_data: bytes) -> dict:
             if room > 0:
                 kept[fd] += chunk[:room]
             seen[fd] += len(chunk)
+    sel.close()
+    for fd in owned:
+        os.close(fd)
     duration = time.monotonic() - start
     status, usage = status_wait
     code = os.waitstatus_to_exitcode(status)
