@@ -1,20 +1,21 @@
-"""The docker backend: one long-lived, locked-down container per sandbox, commands exec'd into it.
+"""The docker backend: one long-lived, locked-down container per sandbox, warm between execs.
 
     backend = DockerBackend()                     # DockerBackend(runtime="runsc") for gVisor
     async with await backend.create("python", Limits(memory_mb=256)) as box:
         result = await box.exec("python3 -c 'print(6 * 7)'")
 
 Every container gets: no network at all (``network_mode=none``: only its own loopback), a
-read-only root with the work directory ``/work`` (and /tmp, /dev/shm) as size-capped tmpfs, every capability dropped,
-``no-new-privileges``, pids/memory/CPU limits, and the unprivileged user 10001. Its PID 1 is the
-image's runner (images/runner.py) idling; each exec is ``docker exec`` of that runner, which starts
-the command with rlimits, enforces the wall-clock and output limits, tells an OOM kill from a
-timeout, and kills everything the command left behind. The container stays warm between execs.
+read-only root with ``/work``, ``/tmp`` and ``/dev/shm`` as size-capped tmpfs, every capability
+dropped, ``no-new-privileges``, pids/memory/CPU limits, and the unprivileged user 10001. Its PID 1
+is the image's runner (images/runner.py): per request it starts the command with rlimits and a
+seccomp filter, enforces the wall-clock and output limits, tells an OOM kill from a timeout, and
+kills everything the command left behind. The host reaches it over a unix socket bind-mounted into
+the container, or by ``docker exec`` (docker_channel.py says which and why).
 
 The images are built offline on first use (images/build.py; ``palaestra sandbox build-images``).
 Every container carries ``label`` and its owner (host, pid, process start) so that
 ``cleanup_leaked`` can remove what a crashed owner left. ``runtime`` passes through to docker
-(``runsc`` where gVisor is installed). The docker SDK is synchronous; calls run in threads.
+(``runsc`` where gVisor is installed). The docker SDK is synchronous; its calls run in threads.
 """
 
 from __future__ import annotations
