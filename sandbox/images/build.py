@@ -203,12 +203,13 @@ def ensure_base(client: Any, force: bool = False) -> str:
     return tag
 
 
-def ensure_image(client: Any, name: str, force: bool = False) -> str:
-    """The tag of image ``name`` (a key of IMAGES), building it and its base only if missing."""
+def ensure_image(client: Any, name: str, force: bool = False, base: str | None = None) -> str:
+    """The tag of image ``name`` (a key of IMAGES), building it and its base only if missing.
+    ``base``: the base tag if the caller already ensured it (finding it costs ~1 s of ldd)."""
     if name not in IMAGES:
         raise ValueError(f"unknown sandbox image {name!r}; known: {', '.join(IMAGES)}")
     spec = IMAGES[name]
-    base = ensure_base(client, force=force)
+    base = base or ensure_base(client, force=force)
     with tempfile.TemporaryDirectory(prefix=f"palaestra-{name}-") as tmp:
         ctx = Path(tmp)
         spec.fill_context(ctx)
@@ -261,9 +262,10 @@ def run(args: argparse.Namespace) -> int:
     import docker
 
     client = docker.from_env()
+    base = ensure_base(client, force=args.force)
     for name in args.images:
         start = time.monotonic()
-        tag = ensure_image(client, name, force=args.force)
+        tag = ensure_image(client, name, force=args.force, base=base)
         print(f"{name}: {tag} ({time.monotonic() - start:.1f} s)")
     return 0
 
