@@ -146,7 +146,9 @@ class Front:
         live = self.live()
         if not live:
             return web.json_response({"error": "no exec-server replica answers"}, status=503)
-        answers = await asyncio.gather(*(self._forward(r, request, body) for r in live), return_exceptions=True)
+        answers = await asyncio.gather(
+            *(self._forward(r, request, body) for r in live), return_exceptions=True
+        )
         merged: list | int = [] if what == "sandboxes" else 0
         for answer in answers:
             if isinstance(answer, BaseException):
