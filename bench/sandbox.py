@@ -9,8 +9,9 @@ sandbox, one exec after another) and 8 (eight sandboxes, each running execs back
 * local: bubblewrap (sandbox/local.py);
 * remote: an exec server (``python -m palaestra.sandbox serve``, local backend) on loopback, over HTTP;
 * docker: containers on the local engine (sandbox/docker.py), when an engine answers;
-* compose: the compose fleet's exec server, when ``--compose-url`` (or $PALAESTRA_COMPOSE_SANDBOX_URL)
-  points at one.
+* compose: the compose fleet (docker-compose.yml: exec-server replicas with no network behind the
+  loopback front); brought up for the run (``docker compose up --wait``, ``down`` after) where an
+  engine answers, unless ``--compose-url`` (or $PALAESTRA_COMPOSE_SANDBOX_URL) points at a running one.
 Backends that cannot run here are listed with the reason. At concurrency 1 the backends take turns
 exec by exec, at 8 block by block over ``--rounds``, so that load from other work on the machine
 hits them alike (execs/s at concurrency 1 is then 1 / mean latency). Printed per backend:
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import subprocess
@@ -219,14 +221,56 @@ def main() -> None:
     ap.add_argument("--cmd", nargs="+", default=["echo", "ok"], help="the command every exec runs")
     ap.add_argument("--compose-url", default=os.environ.get("PALAESTRA_COMPOSE_SANDBOX_URL"))
     ap.add_argument("--compose-key", default=os.environ.get("PALAESTRA_SANDBOX_API_KEY"))
+    ap.add_argument(
+        "--no-compose-up",
+        action="store_true",
+        help="without --compose-url, do not bring the compose fleet up for the run",
+    )
     args = ap.parse_args()
     key = secrets.token_hex(16)
     port = free_port()
     argv = [sys.executable, "-m", "palaestra.sandbox", "serve", "--port", str(port), "--label", LABEL]
-    with ServerProcess(
-        argv, f"http://127.0.0.1:{port}", name="sandbox-server", env={"PALAESTRA_SANDBOX_API_KEY": key}
-    ) as server:
+    with contextlib.ExitStack() as stack:
+        if not args.compose_url and not args.no_compose_up:
+            args.compose_url, args.compose_key = stack.enter_context(compose_fleet_for_bench())
+        server = stack.enter_context(
+            ServerProcess(
+                argv,
+                f"http://127.0.0.1:{port}",
+                name="sandbox-server",
+                env={"PALAESTRA_SANDBOX_API_KEY": key},
+            )
+        )
         asyncio.run(bench(args, server.url, key))
+
+
+@contextlib.contextmanager
+def compose_fleet_for_bench():
+    """The docker-compose.yml fleet (2 replicas) on a free loopback port for this run, where a docker
+    engine answers; (None, None) otherwise (the compose row then says why it did not run)."""
+    try:
+        import docker
+
+        from palaestra.sandbox.fleet import FleetError, running_fleet
+        from palaestra.sandbox.images import build
+
+        client = docker.from_env()
+        client.ping()
+        build.ensure_image(client, "server")
+    except Exception as exc:  # no SDK, no engine, no image: the report says so
+        print(f"compose fleet not started: {type(exc).__name__}: {exc}", file=sys.stderr)
+        yield None, None
+        return
+    key = secrets.token_hex(16)
+    compose_file = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+    try:
+        with running_fleet(
+            compose_file, api_key=key, port=free_port(), project="palaestra-bench", label=LABEL
+        ) as url:
+            yield url, key
+    except FleetError as exc:
+        print(f"compose fleet not started: {exc}", file=sys.stderr)
+        yield None, None
 
 
 if __name__ == "__main__":

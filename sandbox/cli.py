@@ -1,8 +1,9 @@
-"""`palaestra sandbox exec` and `palaestra sandbox serve`.
+"""`palaestra sandbox exec`, `palaestra sandbox serve` and `palaestra sandbox build-images`.
 
     palaestra sandbox exec --upload solution.py --json -- python3 solution.py
     palaestra sandbox exec --backend http://127.0.0.1:8100 --timeout 5 -- sh -c 'echo hi'
     palaestra sandbox serve --port 8100 --api-key KEY
+    palaestra sandbox build-images                 # docker images, offline (images/build.py)
 
 ``exec`` runs one command in a fresh sandbox (the uploaded files in its work directory), prints
 its stdout and stderr (or, with ``--json``, one JSON object: the ExecResult) and exits with the
@@ -88,9 +89,10 @@ async def run_server(args: argparse.Namespace) -> None:
         max_sandboxes=args.max_sandboxes,
         idle_timeout_s=args.idle_timeout,
     )
-    host, port = await server.start(args.host, args.port)
+    host, port = await server.start(args.host, args.port, uds=args.uds)
     enforced = getattr(server.backend, "enforced", "")
-    print(f"palaestra sandbox server: http://{host}:{port} ({args.backend} backend) {enforced}", flush=True)
+    where = f"unix:{host}" if args.uds else f"http://{host}:{port}"
+    print(f"palaestra sandbox server: {where} ({args.backend} backend) {enforced}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -117,7 +119,8 @@ def register(groups) -> None:
 
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
-    """``exec`` and ``serve`` under ``parser`` (``palaestra sandbox`` or ``python -m palaestra.sandbox``)."""
+    """``exec``, ``serve`` and ``build-images`` under ``parser`` (``palaestra sandbox`` or
+    ``python -m palaestra.sandbox``)."""
     sub = parser.add_subparsers(dest="sandbox_cmd", metavar="COMMAND", required=True)
     p = sub.add_parser(
         "exec",
@@ -148,6 +151,9 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--host", default="127.0.0.1", help="bind address")
     s.add_argument("--port", type=int, default=8100, help="TCP port")
+    s.add_argument(
+        "--uds", default=None, metavar="PATH", help="serve on this unix socket instead of host:port"
+    )
     s.add_argument("--backend", default="local", help="backend whose sandboxes are served: local or docker")
     s.add_argument("--api-key", default=None, help=f"required key (or ${API_KEY_ENV})")
     s.add_argument(
@@ -161,6 +167,24 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--log-level", default="info", help="logging level")
     s.set_defaults(func=_serve)
+
+    from palaestra.sandbox.images.build import add_arguments
+
+    b = sub.add_parser(
+        "build-images",
+        help="build the docker images offline (sandbox, exec server, app)",
+        description="Build the docker backend's and the compose fleet's images from this host's files, "
+        "offline; an image whose inputs did not change is found by its content tag and not rebuilt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_arguments(b)
+    b.set_defaults(func=_build_images)
+
+
+def _build_images(args: argparse.Namespace) -> int:
+    from palaestra.sandbox.images import build
+
+    return build.run(args)
 
 
 def _exec_entry(args: argparse.Namespace) -> int:

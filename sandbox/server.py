@@ -33,6 +33,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -94,12 +95,24 @@ class ExecServer:
         self._server: asyncio.Server | None = None
         self._reaper: asyncio.Task | None = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 8100) -> tuple[str, int]:
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 8100, *, uds: str | None = None
+    ) -> tuple[str, int]:
+        """Listen on host:port, or on the unix socket ``uds`` (how the compose fleet's replicas,
+        which have no network, are reached); returns the bound (host, port), or (uds, 0)."""
         removed = await self.backend.cleanup_leaked()
         if removed:
             log.info("removed %d sandboxes leaked by an earlier server", removed)
-        self._server = await asyncio.start_server(self._connection, host, port, limit=MAX_HEADER_LINE)
+        if uds:
+            with contextlib.suppress(FileNotFoundError):  # left by a replica that was killed
+                os.unlink(uds)
+            self._server = await asyncio.start_unix_server(self._connection, uds, limit=MAX_HEADER_LINE)
+            os.chmod(uds, 0o600)
+        else:
+            self._server = await asyncio.start_server(self._connection, host, port, limit=MAX_HEADER_LINE)
         self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+        if uds:
+            return uds, 0
         return self._server.sockets[0].getsockname()[:2]
 
     async def serve_forever(self) -> None:
@@ -120,7 +133,9 @@ class ExecServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
-        if sock is not None:  # small answers must not wait for a delayed ACK
+        if (
+            sock is not None and sock.family != socket.AF_UNIX
+        ):  # small answers must not wait for a delayed ACK
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while True:

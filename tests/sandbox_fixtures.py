@@ -92,6 +92,29 @@ def remote_backend() -> Iterator[BackendMaker]:
         yield lambda: RemoteBackend(url=server.url, api_key=key, label=TEST_LABEL)
 
 
+@register_backend("docker")
+@contextlib.contextmanager
+def docker_backend() -> Iterator[BackendMaker]:
+    """Containers on the local docker engine (skips, saying why, where no engine answers)."""
+    from palaestra.sandbox.docker import DockerBackend
+    from tests.docker_fixtures import require_engine
+
+    require_engine()
+    yield lambda: DockerBackend(label=TEST_LABEL)
+
+
+@register_backend("compose")
+@contextlib.contextmanager
+def compose_backend() -> Iterator[BackendMaker]:
+    """The docker-compose.yml sandbox fleet (exec-server replicas with no network, behind the
+    loopback front), reached with the remote backend."""
+    from palaestra.sandbox.remote import RemoteBackend
+    from tests.docker_fixtures import compose_fleet
+
+    with compose_fleet(TEST_LABEL) as fleet:
+        yield lambda: RemoteBackend(url=fleet.url, api_key=fleet.api_key, label=TEST_LABEL)
+
+
 @dataclass
 class NamedBackend:
     name: str
@@ -154,8 +177,9 @@ def descendants(root: int | None = None) -> list[int]:
 def sandbox_memory_mb() -> dict[str, int]:
     """Memory this test run's sandboxes hold now, measured where other work on a shared host does
     not show up (MemAvailable moves by GBs with other people's jobs): the resident memory of this
-    process's descendants (local sandboxes, the exec server and its sandboxes) and, where sandboxes
-    get cgroups, what the cgroups of sandboxes they own are charged (processes and tmpfs files)."""
+    process's descendants (local sandboxes, the exec server and its sandboxes), where sandboxes
+    get cgroups, what the cgroups of sandboxes they own are charged (processes and tmpfs files),
+    and what this run's docker containers and compose replicas hold (their cgroups, via the engine)."""
     rss = 0
     ours = descendants()
     for pid in ours:
@@ -176,4 +200,11 @@ def sandbox_memory_mb() -> dict[str, int]:
             label, _, rest = name.partition(".")
             if label == TEST_LABEL and rest.partition("-")[0] in owners:
                 charged += host.open(name).memory_bytes()
-    return {"rss": rss >> 10, "cgroups": charged >> 20}
+    from tests.docker_fixtures import FLEET_PROJECT, containers_memory_mb, engine
+
+    client = engine()
+    containers = 0
+    if client is not None:  # the docker backend's containers and the compose fleet's replicas
+        containers += containers_memory_mb(client, TEST_LABEL, owner_pid=os.getpid())
+        containers += containers_memory_mb(client, f"com.docker.compose.project={FLEET_PROJECT}")
+    return {"rss": rss >> 10, "cgroups": charged >> 20, "containers": containers}

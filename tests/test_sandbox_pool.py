@@ -16,6 +16,7 @@ import pytest
 
 from palaestra.sandbox import Limits, LocalBackend, SandboxPool
 from palaestra.sandbox.cgroups import CgroupHost
+from palaestra.sandbox.docker import DockerSandbox
 from palaestra.sandbox.local import LocalSandbox
 from palaestra.sandbox.remote import RemoteBackend, RemoteSandbox
 from tests.sandbox_fixtures import exec_server
@@ -30,6 +31,8 @@ async def kill_from_outside(box) -> None:
         await asyncio.sleep(0.2)
     elif isinstance(box, RemoteSandbox):  # another client (or the idle reaper) closed it on the server
         await box.backend.request("DELETE", f"/v1/sandboxes/{box.id}")
+    elif isinstance(box, DockerSandbox):  # the container dies (docker kill of its PID 1)
+        await asyncio.to_thread(box.container.kill)
     else:
         pytest.skip(f"this test has no way yet to kill a {type(box).__name__} from outside")
 
