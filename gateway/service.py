@@ -118,6 +118,15 @@ class GatewayService:
         request = dialect.parse(body)
         if request.params.stream and dialect.stream is None:
             raise GatewayError("streaming is not supported on this route", param="stream")
+        if request.previous is not None:
+            kept = session.conversations.get(request.previous)
+            if kept is None:
+                raise GatewayError(
+                    f"Previous response with id '{request.previous}' not found in this session.",
+                    400,
+                    param="previous_response_id",
+                )
+            request.messages[request.preamble : request.preamble] = kept
         call = self._plan_chat(session, request, dialect.call_id_prefix)
         if dialect.stream is not None and request.params.stream:
             return shaped_stream(self._stream_chat(call), functools.partial(dialect.stream, request))
@@ -180,6 +189,9 @@ class GatewayService:
             request.params,
             request.params.top_logprobs,
         )
+        reply = reply_message(output)
+        if request.store and choice == 0:  # what a later `previous` continues: history + reply
+            call.session.conversations[call.call_id] = [*request.messages[request.preamble :], reply]
         self._new_turn(
             call.session,
             call.call_id,
@@ -189,7 +201,7 @@ class GatewayService:
             gen,
             latency,
             "chat",
-            reply_digest=message_digest(reply_message(output), loose_assistant=True),
+            reply_digest=message_digest(reply, loose_assistant=True),
             output_text=full,
             had_reasoning=parsed.reasoning_content is not None,
             **call.turn_extra,
@@ -204,7 +216,7 @@ class GatewayService:
         try:
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
             markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
-            text = HeldBackText(self._decode, markers, params.stop)
+            text = HeldBackText(self._decode, markers, params.stop, hold_space=call.request.tools_on)
             ids: list[int] = []
             final: Generation | None = None
             parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
@@ -230,6 +242,13 @@ class GatewayService:
         output = self._chat_output(call, 0, final, 0.0)
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
         yield StreamFinished(result, text.unsent(output.content or ""))
+
+    def count_tokens(self, session_id: str, body: dict[str, Any], parse: Any) -> int:
+        """Prompt tokens of a chat request as a fresh call renders them (`parse`: a dialect's parser)."""
+        self.sessions.get(session_id)
+        request: TurnRequest = parse(body)
+        rendered = self.renderer.render(request.messages, request.tools, True, request.template_kwargs)
+        return len(self.renderer.encode(rendered))
 
     # -- completions: a raw text prompt, bridged on the text ------------------------------------
     async def completion(

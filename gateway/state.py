@@ -94,6 +94,8 @@ class Session:
     by_digest: dict[int, list[Turn]] = field(default_factory=dict)
     forks: list[dict[str, Any]] = field(default_factory=list)
     failed_calls: list[dict[str, Any]] = field(default_factory=list)
+    conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Kept conversations by call id (internal messages incl. the reply): Responses `store`."""
     finished: bool = False
     status: str | None = None
     reward: float | None = None
