@@ -76,6 +76,7 @@ FIELDS = {
     "min_p",
     "repetition_penalty",
     "seed",
+    "stop",
     "chat_template_kwargs",
 }
 INCLUDES = {"message.output_text.logprobs"}
@@ -113,6 +114,11 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     ):
         if body.get(key) is not None:
             sampling[name] = _number(body, key, lo, hi, integer)
+    stops = body.get("stop") or []
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops) or len(stops) > 16:
+        raise GatewayError("'stop' must be an array of up to 16 non-empty strings", param="stop")
+    if stops:
+        sampling["stop"] = stops
     max_tokens = _number(body, "max_output_tokens", 1, 1 << 30, integer=True)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -125,7 +131,7 @@ def _params(body: dict[str, Any]) -> GenerationParams:
         raise _refuse("include", f"{bad!r}; only {sorted(INCLUDES)} can be included")
     logprobs = "message.output_text.logprobs" in include
     top = _number(body, "top_logprobs", 0, 20, integer=True) or 0
-    return GenerationParams(sampling, 1, stream, False, logprobs, top, [], max_tokens)
+    return GenerationParams(sampling, 1, stream, False, logprobs, top, list(stops), max_tokens)
 
 
 def _check_unhonoured(body: dict[str, Any]) -> None:
