@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from palaestra.gateway.parsers import render_tool_call_text
-from tests.test_gateway_bridge import new_session, reward, stack, tok, trajectory  # noqa: F401 (fixtures)
+from tests.test_gateway_bridge import CALC, new_session, reward, stack, tok, trajectory  # noqa: F401 (fixtures)
 
 CALC_RESPONSES = {
     "type": "function",
@@ -242,3 +242,38 @@ def test_one_session_mixes_the_three_dialects(stack):
     turns = bridged(gw, s["session_id"])
     assert [t["parent"] for t in turns] == [None, turns[0]["turn_id"], turns[1]["turn_id"]]
     assert len(reward(gw, s["session_id"])["sample_ids"]) == 1
+
+
+# -- parse status ----------------------------------------------------------------------------------
+def test_malformed_tool_calls_come_back_as_content_in_every_dialect(stack, tok):
+    gw, engine, script = stack
+    s = new_session(gw)
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {broken\n</tool_call>'
+    script.queue += ["Trying. " + broken, "Fine. " + broken, "Again. " + broken, "ok " + calc("1")]
+    oa = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    an = anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="k-test")
+    chat = oa.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a"}], tools=[CALC], max_tokens=64
+    )
+    assert chat.choices[0].finish_reason == "stop" and "broken" in chat.choices[0].message.content
+    resp = oa.responses.create(model="tiny", input="b", tools=[CALC_RESPONSES], max_output_tokens=64)
+    assert [i.type for i in resp.output] == ["message"] and "broken" in resp.output_text
+    msg = an.messages.create(
+        model="tiny", messages=[{"role": "user", "content": "c"}], tools=[CALC_ANTHROPIC], max_tokens=64
+    )
+    assert msg.stop_reason == "end_turn" and "broken" in msg.content[0].text
+    good = an.messages.create(
+        model="tiny", messages=[{"role": "user", "content": "d"}], tools=[CALC_ANTHROPIC], max_tokens=64
+    )
+    assert good.stop_reason == "tool_use"
+    traj = trajectory(gw, s["session_id"])
+    assert traj["parse_errors"] == {"malformed_json": 3}
+    for turn in traj["turns"][:3]:
+        (error,) = turn["parse"]["errors"]
+        assert error["reason"] == "malformed_json" and turn["parse"]["tool_calls"] == 0
+        a, b = error["span"]
+        assert tok.decode(turn["output_ids"][a:b]).startswith("<tool_call>")
+        assert tok.decode(turn["output_ids"][a:b]).rstrip().endswith("</tool_call>")
+    assert traj["turns"][3]["parse"] == {"tool_calls": 1, "reasoning": "off", "errors": []}
+    metrics = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer k-test"}).text
+    assert 'palaestra_gateway_parse_errors_total{reason="malformed_json"} 3.0' in metrics
