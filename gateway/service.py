@@ -28,7 +28,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from palaestra.gateway import parsers
+import orjson
+
+from palaestra.gateway import bridge, parsers
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.dialect import (
     Dialect,
@@ -97,6 +99,7 @@ class GatewayService:
             auto_reason if config.reasoning_parser == "auto" else config.reasoning_parser
         )
         self.stop_text = self._stop_texts()
+        self.incremental = bridge.incremental_ok(self.renderer)
         self._turn_ids = 0
 
     def _stop_texts(self) -> dict[int, str]:
@@ -139,6 +142,9 @@ class GatewayService:
 
     def _plan_chat(self, session: Session, request: TurnRequest, id_prefix: str) -> _ChatCall:
         digests = chain_digests(request.messages)
+        context_key = hash(
+            orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
+        )
         plan = plan_chat(
             self.renderer,
             session.by_digest,
@@ -149,6 +155,8 @@ class GatewayService:
             self.stop_text,
             self.config.reasoning_policy,
             request.template_kwargs,
+            context_key,
+            self.incremental,
         )
         max_tokens = self._max_tokens(request.params, len(plan.prompt_ids))
         self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
@@ -164,6 +172,7 @@ class GatewayService:
                 "rendered": plan.rendered,
                 "fork_reason": plan.fork_reason,
                 "fork_detail": plan.fork_detail,
+                "context_key": context_key,
             },
         )
 

@@ -49,6 +49,7 @@ class Turn:
     rendered: str = ""  # chat: the template text of the prompt; completion: prompt + output text
     output_text: str = ""  # decoded output incl. special tokens
     had_reasoning: bool = False
+    context_key: int | None = None  # chat: digest of what the template reads besides the messages
     parse: dict[str, Any] | None = None  # chat: how the output was parsed (service._parse_status)
     fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
     fork_detail: str = ""
