@@ -44,6 +44,7 @@ from palaestra.gateway.dialect import (
     TurnResult,
 )
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.openai_request import constraints
 from palaestra.gateway.renderer import normalize_messages
 from palaestra.gateway.streaming import sse
 
@@ -78,6 +79,8 @@ FIELDS = {
     "seed",
     "stop",
     "chat_template_kwargs",
+    "regex",
+    "ebnf",
 }
 INCLUDES = {"message.output_text.logprobs"}
 
@@ -145,11 +148,8 @@ def _check_unhonoured(body: dict[str, Any]) -> None:
             "effort and summaries are not controls of an open model; use chat_template_kwargs "
             "(e.g. {'enable_thinking': false})",
         )
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if body.get("text") is not None and not isinstance(body["text"], dict):
         raise GatewayError("'text' must be an object", param="text")
-    if fmt not in (None, {"type": "text"}):
-        raise _refuse("text.format", "structured output is not available on this gateway yet ('text' only)")
     if body.get("text") and set(body["text"]) - {"format"}:
         raise _refuse("text", f"only 'format' is supported; got {sorted(body['text'])}")
 
@@ -256,6 +256,8 @@ def parse(body: dict[str, Any]) -> TurnRequest:
     """A `/responses` body -> the core's request."""
     params = _params(body)
     _check_unhonoured(body)
+    fmt = (body.get("text") or {}).get("format")
+    params.sampling.update(constraints(body, fmt, "text.format"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise GatewayError("'instructions' must be a string", param="instructions")
@@ -284,6 +286,7 @@ def parse(body: dict[str, Any]) -> TurnRequest:
         "previous_response_id": previous,
         "store": store,
         "top_logprobs": params.top_logprobs,
+        "text": body.get("text") or {"format": {"type": "text"}},
     }
     return TurnRequest(
         messages,
@@ -389,7 +392,7 @@ def _response(
         "model": model,
         "output": output,
         "usage": usage,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": {"type": "text"}},  # a request's own `text` (echoed) replaces it
         "truncation": "disabled",
         "reasoning": {"effort": None, "summary": None},
         **echo,

@@ -112,7 +112,7 @@ def test_responses_stream_events_and_previous_response_id(stack):
     "extra, param",
     [
         ({"background": True}, "background"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
@@ -277,3 +277,47 @@ def test_malformed_tool_calls_come_back_as_content_in_every_dialect(stack, tok):
     assert traj["turns"][3]["parse"] == {"tool_calls": 1, "reasoning": "off", "errors": []}
     metrics = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer k-test"}).text
     assert 'palaestra_gateway_parse_errors_total{reason="malformed_json"} 3.0' in metrics
+
+
+# -- structured output -----------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+def test_output_formats_map_to_sglang_constraints(stack):
+    gw, engine, script = stack
+    s = new_session(gw)
+    oa = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    script.queue += ['{"answer": 4}'] * 4
+    oa.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "2+2?"}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": SCHEMA, "strict": True},
+        },
+    )
+    assert json.loads(engine.exchanges[-1].body["sampling_params"]["json_schema"]) == SCHEMA
+    oa.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
+    )
+    assert json.loads(engine.exchanges[-1].body["sampling_params"]["json_schema"]) == {"type": "object"}
+    r = oa.responses.create(
+        model="tiny", input="2+2?", text={"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}}
+    )
+    assert json.loads(engine.exchanges[-1].body["sampling_params"]["json_schema"]) == SCHEMA
+    assert r.text.format.type == "json_schema"
+    oa.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "y"}], extra_body={"regex": "[0-9]+"}
+    )
+    assert engine.exchanges[-1].body["sampling_params"]["regex"] == "[0-9]+"
+    for bad, param in (
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "response_format"),
+    ):
+        r = httpx.post(
+            f"{s['base_url']}/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "z"}], **bad},
+            headers={"Authorization": "Bearer k-test"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -398,3 +398,15 @@ def test_anthropic_sdk_multi_turn_and_stream_are_exact(gateway, proxy):
     )
     assert m3.usage.input_tokens > final.usage.input_tokens
     _exact(gateway, rec, s["session_id"])
+
+
+def test_structured_output_the_embedded_engine_cannot_honour_is_a_400(gateway):
+    """The gateway maps response_format to SGLang's json_schema; the embedded engine has no grammar
+    backend and refuses it, and the agent gets that 400 (never an unconstrained answer)."""
+    s = session(gateway)
+    client = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
+        )
+    assert "json_schema" in err.value.body["message"] and err.value.body["code"] == "engine_rejected"
