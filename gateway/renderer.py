@@ -21,6 +21,7 @@ from typing import Any
 from palaestra.gateway.errors import GatewayError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_PLAIN = ("system", "user", "assistant")  # roles a {role, content: str} message keeps as it is
 
 
 def _text(content: Any, where: str) -> str | None:
@@ -57,6 +58,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         raise GatewayError("'messages' must be a non-empty array", param="messages")
     out = []
     for i, m in enumerate(messages):
+        # the common case first, with no copy: this loop runs over the whole history on every call
+        if type(m) is dict and len(m) == 2 and type(m.get("content")) is str and m["role"] in _PLAIN:
+            out.append(m)
+            continue
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise GatewayError(f"{where} must be an object", param="messages")
@@ -140,7 +145,14 @@ def chain_digests(messages: list[dict[str, Any]]) -> list[int]:
     """d[i] identifies messages[: i + 1] (a hash chain, so prefix equality is one comparison)."""
     out, prev = [], 0
     for m in messages:
-        prev = hash((prev, message_digest(m)))
+        # message_digest inlined for the common cases: this runs over the whole history per call
+        role = m["role"]
+        if role != "assistant":
+            prev = hash((prev, hash((role, m.get("content"), m.get("name")))))
+        elif "tool_calls" not in m:
+            prev = hash((prev, hash(("assistant", m.get("content") or "", ()))))
+        else:
+            prev = hash((prev, message_digest(m)))
         out.append(prev)
     return out
 
