@@ -195,6 +195,8 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str
 def _output_text(content: Any) -> str:
     if isinstance(content, str):
         return content
+    if type(content) is list and len(content) == 1 and type(content[0]) is dict:  # the usual one part
+        return content[0].get("text", "")
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return ""
@@ -216,17 +218,20 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             out.append(turn)
         return turn
 
+    # this loop runs over the whole history on every call: the common items are handled first
     for i, item in enumerate(items):
-        where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise GatewayError(f"{where} must be an object", param="input")
+            raise GatewayError(f"input[{i}] must be an object", param="input")
         kind = item.get("type", "message")
-        if kind == "message" and item.get("role") == "assistant":
+        role = item.get("role")
+        if kind == "message" and role != "assistant":
+            turn = None
+            out.append(item if len(item) == 2 else {"role": role, "content": item.get("content")})
+            continue
+        where = f"input[{i}]"
+        if kind == "message":
             msg = assistant()
             msg["content"] += _output_text(item.get("content"))
-        elif kind == "message":
-            turn = None
-            out.append({"role": item.get("role"), "content": item.get("content")})
         elif kind == "reasoning":
             if turn is not None and (turn["content"] or turn.get("tool_calls")):
                 turn = None  # reasoning opens the next assistant turn

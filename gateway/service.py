@@ -395,7 +395,7 @@ class GatewayService:
         self.metrics.engine_errors.labels(code=exc.code or str(exc.status)).inc()
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.renderer.decode(ids)
 
     def _text_of(self, gen: Generation) -> tuple[str, str]:
         """(text for the agent, text incl. the final stop token) of a generation."""
@@ -413,7 +413,7 @@ class GatewayService:
     def _token_logprobs(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[float, int]]] | None, top_n: int
     ) -> list[TokenLogprob]:
-        decode = self.tokenizer.decode
+        decode = self.renderer.decode
         out = []
         for i, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
             top = (
