@@ -321,3 +321,45 @@ def test_output_formats_map_to_sglang_constraints(stack):
             headers={"Authorization": "Bearer k-test"},
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# -- replies come back unchanged (the seam's rule), without a server ---------------------------------
+def _out(content, reasoning=None, calls=()):
+    from palaestra.gateway.dialect import TurnOutput
+    from palaestra.gateway.parsers import ToolCall
+
+    tool_calls = [ToolCall(f"call_{i}", "calculator", json.dumps(a)) for i, a in enumerate(calls)]
+    return TurnOutput(
+        0, "", content, reasoning, tool_calls, "tool_calls" if calls else "stop", None, [1], None, "v", 0
+    )
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        _out("Hello."),
+        _out(None, calls=[{"expression": "1+1"}]),
+        _out("Let me.", reasoning="think first", calls=[{"expression": "2"}, {"expression": "3"}]),
+        _out("", reasoning="only thought"),
+    ],
+)
+def test_replies_sent_back_are_the_recorded_message(out):
+    from palaestra.gateway import anthropic_api, responses_api
+    from palaestra.gateway.dialect import TurnRequest, TurnResult, reply_message
+
+    result = TurnResult("resp_abc", 0, "tiny", 3, [out])
+    expected = reply_message(out)
+    request = responses_api.parse({"input": "q"})
+    items = responses_api.answer(request, result)["output"]
+    back = responses_api.parse({"input": [{"role": "user", "content": "q"}, *items]})
+    assert back.messages[-1] == expected
+    request = anthropic_api.parse({"messages": [{"role": "user", "content": "q"}], "max_tokens": 4})
+    blocks = anthropic_api.answer(request, TurnResult("msg_abc", 0, "tiny", 3, [out]))["content"]
+    back = anthropic_api.parse(
+        {
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": blocks}],
+            "max_tokens": 4,
+        }
+    )
+    assert back.messages[-1] == expected
+    assert isinstance(request, TurnRequest)
