@@ -54,14 +54,14 @@ def _check(request: Request, expected: str | None, what: str) -> None:
         )
 
 
-def require_api_key(request: Request) -> None:
-    cfg = service(request).config
-    _check(request, cfg.api_key, "API")
+# The dependencies are coroutines on purpose: FastAPI runs a plain `def` dependency in its thread
+# pool, a thread hand-off per request that cost more than the rest of the routing (bench/gateway.py).
+async def require_api_key(request: Request) -> None:
+    _check(request, service(request).config.api_key, "API")
 
 
-def require_admin_key(request: Request) -> None:
-    cfg = service(request).config
-    _check(request, cfg.admin_key, "admin")
+async def require_admin_key(request: Request) -> None:
+    _check(request, service(request).config.admin_key, "admin")
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -155,7 +155,7 @@ anthropic = APIRouter(prefix="/s/{session_id}/v1")
 
 async def _anthropic(request: Request, route: str, call) -> Response:
     try:
-        require_api_key(request)
+        await require_api_key(request)
         result = await _counted(request, route, call)
     except GatewayError as exc:
         return JSONResponse(anthropic_api.error_body(exc), status_code=exc.status, headers=exc.headers)
