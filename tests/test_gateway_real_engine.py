@@ -400,13 +400,24 @@ def test_anthropic_sdk_multi_turn_and_stream_are_exact(gateway, proxy):
     _exact(gateway, rec, s["session_id"])
 
 
-def test_structured_output_the_embedded_engine_cannot_honour_is_a_400(gateway):
-    """The gateway maps response_format to SGLang's json_schema; the embedded engine has no grammar
-    backend and refuses it, and the agent gets that 400 (never an unconstrained answer)."""
+def test_structured_output_is_honoured_and_recorded_exactly(gateway, proxy):
+    """response_format json_schema -> SGLang's json_schema -> the embedded engine's grammar: the
+    answer parses against the schema even from random weights, and the turn records exactly the
+    engine's (constrained) tokens and logprobs."""
+    rec, _ = proxy
     s = session(gateway)
     client = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
-        )
-    assert "json_schema" in err.value.body["message"] and err.value.body["code"] == "engine_rejected"
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 22]}}, "required": ["n"]}
+    schema["additionalProperties"], schema["x-guidance"] = False, {"whitespace_flexible": False}
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    assert json.loads(r.choices[0].message.content)["n"] in (1, 22)
+    (mine,) = [e for e in rec.exchanges if e.headers.get("x-smg-routing-key") == s["session_id"]]
+    assert json.loads(mine.body["sampling_params"]["json_schema"]) == schema
+    turn = httpx.get(f"{gateway.url}/sessions/{s['session_id']}", headers=KEY).json()["turns"][0]
+    assert turn["output_ids"] == mine.answer["output_ids"]
+    assert turn["output_logprobs"] == [e[0] for e in mine.answer["meta_info"]["output_token_logprobs"]]
