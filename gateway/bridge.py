@@ -62,13 +62,13 @@ def plan_chat(
     reasoning_policy: str = "strip",
     template_extra: dict[str, Any] | None = None,
     context_key: int | None = None,
-    incremental: bool = False,
+    gap: str | None = None,
 ) -> Plan:
     """Decides how the prompt for `messages` is built (bridged from a parent turn, or a fork).
 
     `context_key` identifies what besides the messages the template reads (tools, template
-    arguments); `incremental` (the template passed `incremental_ok`) lets an append to a turn
-    without reasoning be rendered from its last messages only (`_bridge_short`)."""
+    arguments); `gap` (not None: the template passed `incremental_ok`, which measured it) lets an
+    append to a turn without reasoning be rendered from its last messages only (`_bridge_short`)."""
 
     def fork(reason: str | None, detail: str = "") -> Plan:
         return _fork(renderer, renderer.render(messages, tools, True, template_extra), reason, detail)
@@ -92,8 +92,10 @@ def plan_chat(
     if parent.finish_reason.get("type") == "length":
         return fork("truncated", f"turn {parent.turn_id} ended at max_tokens")
     same_context = parent.context_key == context_key
-    if incremental and same_context and not any(t.had_reasoning for t in parent.path()):
-        plan = _bridge_short(renderer, messages, prefix_k, parent, tools, stop_text, template_extra)
+    # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
+    short_ok = gap is not None and not template_extra and same_context
+    if short_ok and not any(t.had_reasoning for t in parent.path()):
+        plan = _bridge_short(renderer, messages, prefix_k, parent, tools, stop_text, template_extra, gap)
         if plan is not None:
             return plan
     parent_rendered = parent.rendered
@@ -168,25 +170,27 @@ def _bridge_short(
     tools: list[dict[str, Any]] | None,
     stop_text: dict[int, str],
     extra: dict[str, Any] | None,
+    gap: str,
 ) -> Plan | None:
     """The bridge from a short rendering: the leading system message, the message before the
     assistant turn, the turn and the new messages, so the cost does not grow with the history.
-    The same checks as the full path, on the short conversation; None (use the full path) when
-    any fails. `Plan.rendered` stays empty: a later full-path check renders this request then."""
+    The full path's checks on the short conversation, with the template's `gap` (what it puts
+    between the generation prompt and an assistant's content, measured once by `incremental_ok`)
+    instead of a third rendering; None (use the full path) when any fails. `Plan.rendered` stays
+    empty: a later full-path check renders this request then."""
     lead = 1 if messages[0]["role"] == "system" else 0
     context = [*messages[:lead], *messages[max(lead, prefix_k - 1) : prefix_k]]
     new = messages[prefix_k + 1 :]
     try:  # a template may refuse the short conversation (e.g. one that must open with a user turn)
-        before = renderer.render(context, tools, True, extra)
         sentinel = {"role": "assistant", "content": SENTINEL}
         with_sentinel = renderer.render([*context, sentinel, *new], tools, True, extra)
         shown = renderer.render([*context, messages[prefix_k], *new], tools, True, extra)
     except GatewayError:
         return None
     pos = with_sentinel.find(SENTINEL)
-    if pos < len(before) or not with_sentinel.startswith(before) or not shown.startswith(before):
+    if pos < 0 or not with_sentinel.endswith(gap, 0, pos) or not parent.output_text.startswith(gap):
         return None
-    if not parent.output_text.startswith(with_sentinel[len(before) : pos]):
+    if not shown.startswith(with_sentinel[:pos]):
         return None
     tail = with_sentinel[pos + len(SENTINEL) :]
     if not shown.endswith(tail):
@@ -194,10 +198,13 @@ def _bridge_short(
     return _bridged(renderer, parent, tail, "", stop_text)
 
 
-def incremental_ok(renderer: ChatRenderer) -> bool:
+def incremental_ok(renderer: ChatRenderer) -> str | None:
     """Whether this template renders an appended turn the same from a short context as from the
     whole history, and renders a history the same once it is extended (checked once, on probe
-    conversations with and without tool calls). The full path checks the latter on every call."""
+    conversations with and without tool calls; the full path checks the latter on every call).
+    Returns the template's gap between the generation prompt and an assistant's content (the
+    same in every probe: '' for ChatML), or None when the template is not fit for it."""
+    gaps = set()
     tool = {
         "type": "function",
         "function": {"name": "probe", "description": "p", "parameters": {"type": "object"}},
@@ -232,12 +239,13 @@ def incremental_ok(renderer: ChatRenderer) -> bool:
                 part = renderer.render(short, tools)
                 head = renderer.render(messages[:k], tools)  # the history renders as before, extended
             except Exception:
-                return False
+                return None
             if not full.startswith(head) or SENTINEL not in full[len(head) :]:
-                return False
+                return None
             if full.split(SENTINEL)[1] != part.split(SENTINEL)[-1]:
-                return False
-    return True
+                return None
+            gaps.add(full[len(head) : full.find(SENTINEL)])
+    return gaps.pop() if len(gaps) == 1 else None
 
 
 def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:

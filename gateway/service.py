@@ -99,7 +99,7 @@ class GatewayService:
             auto_reason if config.reasoning_parser == "auto" else config.reasoning_parser
         )
         self.stop_text = self._stop_texts()
-        self.incremental = bridge.incremental_ok(self.renderer)
+        self.render_gap = bridge.incremental_ok(self.renderer)  # None: always render in full
         self._turn_ids = 0
 
     def _stop_texts(self) -> dict[int, str]:
@@ -156,7 +156,7 @@ class GatewayService:
             self.config.reasoning_policy,
             request.template_kwargs,
             context_key,
-            self.incremental,
+            self.render_gap,
         )
         max_tokens = self._max_tokens(request.params, len(plan.prompt_ids))
         self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
