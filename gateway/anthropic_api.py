@@ -138,6 +138,17 @@ def _messages(system: Any, raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise GatewayError("messages: must be a non-empty array", param="messages")
     for i, m in enumerate(raw):
+        # the common shapes first, with no block walk: this loop runs over the whole history per call
+        if type(m) is dict and len(m) == 2:
+            role, content = m.get("role"), m.get("content")
+            if role == "user" and type(content) is str:
+                out.append(m)
+                continue
+            if role == "assistant" and type(content) is list and len(content) == 1:
+                block = content[0]
+                if type(block) is dict and block.get("type") == "text" and len(block) == 2:
+                    out.append({"role": "assistant", "content": str(block.get("text", ""))})
+                    continue
         where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise GatewayError(f"{where}.role: must be 'user' or 'assistant'", param="messages")

@@ -228,7 +228,6 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             turn = None
             out.append(item if len(item) == 2 else {"role": role, "content": item.get("content")})
             continue
-        where = f"input[{i}]"
         if kind == "message":
             msg = assistant()
             msg["content"] += _output_text(item.get("content"))
@@ -239,18 +238,18 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             assistant()["reasoning_content"] = _output_text(parts)
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise GatewayError(f"{where}: a function_call needs 'name' and 'call_id'", param="input")
+                raise GatewayError(f"input[{i}]: a function_call needs 'name' and 'call_id'", param="input")
             call = {"id": item["call_id"], "type": "function"}
             call["function"] = {"name": item["name"], "arguments": item.get("arguments", "{}")}
             assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             turn = None
             if not isinstance(item.get("call_id"), str):
-                raise GatewayError(f"{where}: a function_call_output needs 'call_id'", param="input")
+                raise GatewayError(f"input[{i}]: a function_call_output needs 'call_id'", param="input")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item.get("output")})
         else:
             raise GatewayError(
-                f"{where}.type {kind!r} is not supported (message, reasoning, function_call, "
+                f"input[{i}].type {kind!r} is not supported (message, reasoning, function_call, "
                 "function_call_output)",
                 param="input",
             )
