@@ -3,7 +3,7 @@
 A *dialect* is a wire format agents use to talk to the gateway. Three are served, on the same
 renderer, bridge and trajectory: OpenAI Chat Completions (`/v1/chat/completions`, plus the legacy
 text `/v1/completions`; `openai_request.py` / `openai_response.py`), the OpenAI Responses API
-(`/v1/responses`; `responses_api.py`) and Anthropic Messages (`/v1/messages`; `anthropic_api.py`). A dialect is two halves and nothing else:
+(`/v1/responses`; `responses_api.py` + `responses_answer.py`) and Anthropic Messages (`/v1/messages`; `anthropic_api.py`). A dialect is two halves and nothing else:
 
 * a **parser**: its request body -> `TurnRequest` (or `TextRequest` for a raw text prompt). It
   validates every field and raises `GatewayError` naming the field; messages leave it in the

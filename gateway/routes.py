@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
-from palaestra.gateway import anthropic_api, openai_request, openai_response, responses_api
+from palaestra.gateway import anthropic_api, openai_request, openai_response, responses_answer, responses_api
 from palaestra.gateway.dialect import Dialect, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.service import GatewayService
@@ -84,7 +84,7 @@ OPENAI_COMPLETIONS: Dialect[TextRequest] = Dialect(
     "cmpl-", openai_request.parse_completion, openai_response.text_completion
 )
 OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
-    "resp_", responses_api.parse, responses_api.answer, responses_api.stream
+    "resp_", responses_api.parse, responses_answer.answer, responses_answer.stream
 )
 ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
     "msg_", anthropic_api.parse, anthropic_api.answer, anthropic_api.stream

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway import bridge, parsers
+from palaestra.gateway import bridge, parse_status, parsers
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.dialect import (
     Dialect,
@@ -222,47 +222,13 @@ class GatewayService:
     def _parse_status(
         self, ids: list[int], text: str, parsed: parsers.ParsedOutput, tools_on: bool
     ) -> dict[str, Any]:
-        """How a turn's output was parsed (recorded on the turn, errors counted in /metrics): calls
-        found, reasoning split or not, and each failure with its reason and token span [start, end)."""
-        errors = []
-        if parsed.parse_errors:
-            blocks = self._failed_blocks(text, parsed.content or "") if tools_on else []
-            for message in parsed.parse_errors:
-                reason = parsers.error_reason(message)
-                span = blocks.pop(0) if blocks and reason != "unknown_tool" else None
-                tokens = [self._token_at(ids, span[0]), self._token_at(ids, span[1])] if span else None
-                errors.append({"reason": reason, "error": message, "span": tokens})
-                self.metrics.parse_errors.labels(reason=reason).inc()
-        if self.reasoning_parser is None:
-            reasoning = "off"
-        else:
-            reasoning = "split" if parsed.reasoning_content is not None else "none"
-        return {"tool_calls": len(parsed.tool_calls), "reasoning": reasoning, "errors": errors}
-
-    def _failed_blocks(self, text: str, content: str) -> list[tuple[int, int]]:
-        """Character spans of tool-call blocks of `text` that stayed in the content (did not parse)."""
-        start_marker = self.tool_parser.start_marker
-        end_marker = getattr(self.tool_parser, "end_marker", "")
-        spans, at = [], text.find(start_marker) if start_marker else -1
-        while at >= 0:
-            end = text.find(end_marker, at) if end_marker else -1
-            end = len(text) if end < 0 else end + len(end_marker)
-            if text[at:end] in content:
-                spans.append((at, end))
-            at = text.find(start_marker, end)
-        return spans
-
-    def _token_at(self, ids: list[int], char: int) -> int:
-        """The index of the token whose text covers character `char` of the decoded ids (bisection
-        over decoded prefixes: only failed parses pay for it)."""
-        lo, hi = 0, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self._decode(ids[: mid + 1])) <= char:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        """How a turn's output was parsed (`parse_status.describe`); failures counted in /metrics."""
+        status = parse_status.describe(
+            ids, text, parsed, self.tool_parser if tools_on else None, self.reasoning_parser, self._decode
+        )
+        for error in status["errors"]:
+            self.metrics.parse_errors.labels(reason=error["reason"]).inc()
+        return status
 
     async def _stream_chat(self, call: _ChatCall) -> AsyncGenerator[StreamEvent, None]:
         """The call as events: started, safe text deltas, then finished (recorded) or failed."""

@@ -344,13 +344,13 @@ def _out(content, reasoning=None, calls=()):
     ],
 )
 def test_replies_sent_back_are_the_recorded_message(out):
-    from palaestra.gateway import anthropic_api, responses_api
+    from palaestra.gateway import anthropic_api, responses_answer, responses_api
     from palaestra.gateway.dialect import TurnRequest, TurnResult, reply_message
 
     result = TurnResult("resp_abc", 0, "tiny", 3, [out])
     expected = reply_message(out)
     request = responses_api.parse({"input": "q"})
-    items = responses_api.answer(request, result)["output"]
+    items = responses_answer.answer(request, result)["output"]
     back = responses_api.parse({"input": [{"role": "user", "content": "q"}, *items]})
     assert back.messages[-1] == expected
     request = anthropic_api.parse({"messages": [{"role": "user", "content": "q"}], "max_tokens": 4})
