@@ -21,6 +21,7 @@ __all__ = [
     "REWARD_STD",
     "STEP",
     "TEACHER_ACCURACY",
+    "dropped_totals",
     "plot_reward_curve",
     "summary_line",
 ]
