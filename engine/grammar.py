@@ -1,11 +1,10 @@
 """Constrained decoding in the embedded engine: SGLang's `json_schema`, `regex` and `ebnf` sampling
 fields, through llguidance (Rust, CPU, from PyPI; no torch or CUDA dependency of its own).
 
-Why llguidance: it compiles a JSON schema / regex / grammar lazily (no per-vocabulary
-precomputation, so the first token of a new schema costs ~1 ms on the tiny vocabulary), and its
-mask is computed per step on CPU, which is where the embedded engine samples. xgrammar precompiles
-per grammar and outlines-core builds a full index per regex; both cost more per new schema, and
-agents send a new schema per output type.
+Why llguidance: it compiles a JSON schema / regex / grammar lazily, without a per-grammar pass over
+the vocabulary, and computes each step's mask on CPU, which is where the embedded engine samples;
+agents send a new schema per output type, so compile cost per new schema matters. (xgrammar and
+outlines-core were not benchmarked against it here; that comparison is still to be measured.)
 
 The mask is applied to the logits after penalties and before the temperature, so the logprob the
 engine reports for a sampled token is that of the *constrained* distribution (masked tokens at

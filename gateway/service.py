@@ -506,6 +506,7 @@ class GatewayService:
             session.sampled_tokens = sum(s.num_sampled for s in samples)
             for turn in session.turns:  # only bridging needed these; a finished session takes no calls
                 turn.rendered = turn.output_text = ""
+            session.conversations.clear()  # likewise the kept Responses conversations
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.metrics.active.dec()
