@@ -4,9 +4,11 @@
 
 Everything runs against a zero-work engine (bench/zero_engine.py), so only the layers in front of it
 are measured:
-* per-call overhead: gateway (chat call: render, bridge, record, answer) and the real sglang-router,
-  each minus a direct /generate to the same engine (goal: gateway <= router);
-* gateway CPU per turn at turn 64 vs turn 1 of long sessions, read from /proc (goal <= 1.5x);
+* per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
+  answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
+  paths are interleaved call by call (goal: gateway <= 2x the router);
+* gateway CPU per turn at turn 64 vs turn 1 of long sessions in each dialect, read from /proc
+  (goal <= 1.2x: an append renders only what is new);
 * turns/s through the gateway at 1, 16 and 128 concurrent sessions.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -33,8 +34,15 @@ ENV = {"PALAESTRA_API_KEY": "bench", "PALAESTRA_ADMIN_KEY": "bench-admin"}
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every thread of `pid`, from schedstat (nanoseconds; /proc/PID/stat counts 10 ms
+    ticks, too coarse for a per-turn cost of about a millisecond)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+    return total / 1e9
 
 
 def median_latency(fn, n: int) -> float:
@@ -51,7 +59,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300, help="calls per path in the overhead test")
     ap.add_argument("--turns", type=int, default=64, help="turns per session in the CPU-growth test")
     ap.add_argument("--sessions", type=int, default=24, help="sessions in the CPU-growth test")
+    ap.add_argument(
+        "--dialects",
+        default="chat,responses,messages",
+        help="dialects to measure (comma-separated; 'chat' alone measures a gateway without the others)",
+    )
     args = ap.parse_args()
+    dialects = args.dialects.split(",")
 
     from transformers import AutoTokenizer
 
@@ -92,47 +106,83 @@ def main() -> None:
             "messages": [{"role": "user", "content": "Say something short."}],
             "max_tokens": 8,
         }
+        responses_body = {"model": "tiny", "input": "Say something short.", "max_output_tokens": 8}
+        messages_body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Say something short."}],
+            "max_tokens": 8,
+        }
+        all_paths = {
+            "direct": lambda: c.post(f"{zero.url}/generate", json=gen_body),
+            "router": lambda: c.post(
+                f"{router.url}/generate", json=gen_body, headers={"X-SMG-Routing-Key": "k"}
+            ),
+            "chat": lambda: c.post(f"{base}/chat/completions", json=chat_body, headers=KEY),
+            "responses": lambda: c.post(f"{base}/responses", json=responses_body, headers=KEY),
+            "messages": lambda: c.post(f"{base}/messages", json=messages_body, headers=KEY),
+        }
+        paths = {k: v for k, v in all_paths.items() if k in ("direct", "router", *dialects)}
         for _ in range(20):  # warm-up of every path
-            c.post(f"{zero.url}/generate", json=gen_body)
-            c.post(f"{router.url}/generate", json=gen_body, headers={"X-SMG-Routing-Key": "k"})
-            c.post(f"{base}/chat/completions", json=chat_body, headers=KEY)
-        direct = median_latency(lambda: c.post(f"{zero.url}/generate", json=gen_body), args.calls)
-        routed = median_latency(
-            lambda: c.post(f"{router.url}/generate", json=gen_body, headers={"X-SMG-Routing-Key": "k"}),
-            args.calls,
-        )
-        gated = median_latency(
-            lambda: c.post(f"{base}/chat/completions", json=chat_body, headers=KEY), args.calls
-        )
-        r_over, g_over = routed - direct, gated - direct
+            for call in paths.values():
+                call().raise_for_status()
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(args.calls):  # interleaved: the machine's noise hits every path alike
+            for name, call in paths.items():
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        direct, r_over = med["direct"], med["router"] - med["direct"]
         print(
-            f"per-call overhead over a direct /generate ({direct * 1e3:.2f} ms): router {r_over * 1e3:.2f} ms, "
-            f"gateway {g_over * 1e3:.2f} ms  -> gateway/router = {g_over / r_over:.2f}x"
+            f"per-call overhead over a direct /generate ({direct * 1e3:.2f} ms): router {r_over * 1e3:.2f} ms; "
+            + ", ".join(
+                f"{name} {(med[name] - direct) * 1e3:.2f} ms -> {(med[name] - direct) / r_over:.2f}x router"
+                for name in dialects
+            )
         )
 
         # CPU per turn at turn 1 vs turn N (lockstep rounds over many sessions, CPU read from /proc)
-        sessions = [
-            (new_session(), [{"role": "system", "content": "You are a helpful agent. " * 20}])
-            for _ in range(args.sessions)
-        ]
-        per_turn = []
-        for turn in range(args.turns):
-            before = cpu_seconds(gw.pid)
-            for url, msgs in sessions:
-                msgs.append(
-                    {"role": "user", "content": f"Turn {turn}: please continue the task with more detail."}
-                )
-                r = c.post(f"{url}/chat/completions", json={"model": "tiny", "messages": msgs}, headers=KEY)
-                r.raise_for_status()
-                msgs.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
-            per_turn.append((cpu_seconds(gw.pid) - before) / len(sessions))
-        first, last = statistics.mean(per_turn[:2]), statistics.mean(per_turn[-2:])
-        prompt_len = len(
-            tok.encode(tok.apply_chat_template(sessions[0][1], tokenize=False), add_special_tokens=False)
-        )
+        system = "You are a helpful agent. " * 20
+
+        def chat_turn(url: str, history: list, text: str) -> None:
+            history.append({"role": "user", "content": text})
+            body = {"model": "tiny", "messages": [{"role": "system", "content": system}, *history]}
+            r = c.post(f"{url}/chat/completions", json=body, headers=KEY)
+            r.raise_for_status()
+            history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+
+        def responses_turn(url: str, history: list, text: str) -> None:
+            history.append({"role": "user", "content": text})
+            body = {"model": "tiny", "instructions": system, "input": history}
+            r = c.post(f"{url}/responses", json=body, headers=KEY)
+            r.raise_for_status()
+            history += r.json()["output"]
+
+        def messages_turn(url: str, history: list, text: str) -> None:
+            history.append({"role": "user", "content": text})
+            body = {"model": "tiny", "system": system, "messages": history, "max_tokens": 64}
+            r = c.post(f"{url}/messages", json=body, headers=KEY)
+            r.raise_for_status()
+            history.append({"role": "assistant", "content": r.json()["content"]})
+
+        growth = {}
+        turn_fns = {"chat": chat_turn, "responses": responses_turn, "messages": messages_turn}
+        for dialect in dialects:
+            turn_fn = turn_fns[dialect]
+            sessions: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
+            per_turn = []
+            for turn in range(args.turns):
+                before = cpu_seconds(gw.pid)
+                for url, history in sessions:
+                    turn_fn(url, history, f"Turn {turn}: please continue the task with more detail.")
+                per_turn.append((cpu_seconds(gw.pid) - before) / len(sessions))
+            first, last = statistics.mean(per_turn[:4]), statistics.mean(per_turn[-4:])
+            growth[dialect] = (first, last)
         print(
-            f"gateway CPU per turn: turn 1 = {first * 1e3:.2f} ms, turn {args.turns} = {last * 1e3:.2f} ms "
-            f"(history {prompt_len} tokens)  -> {last / first:.2f}x"
+            f"gateway CPU per turn, turn 1 -> turn {args.turns} ({2 * args.turns} messages of history): "
+            + ", ".join(
+                f"{d} {a * 1e3:.2f} -> {b * 1e3:.2f} ms = {b / a:.2f}x" for d, (a, b) in growth.items()
+            )
         )
 
         # turns/s at several concurrency levels

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from palaestra.engine.grammar import Grammars
 from palaestra.engine.metrics import EngineMetrics
 from palaestra.engine.model_runner import ModelRunner, SeqKV
 from palaestra.engine.prefix_cache import PrefixCache
@@ -62,6 +63,7 @@ class Sequence:
     finished_at: float | None = None
     abort_message: str | None = None
     row: int | None = None
+    constraint: Any = None  # engine.grammar.Constraint of a json_schema / regex / ebnf request
 
     @property
     def rid(self) -> str:
@@ -93,6 +95,7 @@ class Engine:
         self.runner = ModelRunner(model)
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self.grammars = Grammars(tokenizer, self.eos_token_ids)
         self.max_running_requests = max_running_requests
         self.prefill_token_budget = prefill_token_budget
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -120,7 +123,9 @@ class Engine:
                 gen.manual_seed(spec.params.sampling_seed)
             else:
                 gen.seed()
-            seqs.append(Sequence(spec=spec, notify=notify, generator=gen))
+            seq = Sequence(spec=spec, notify=notify, generator=gen)
+            seq.constraint = self.grammars.constraint(spec.params)  # a bad grammar is the caller's 400
+            seqs.append(seq)
         with self._cond:
             live = (
                 {s.rid for s in self.running}
@@ -389,11 +394,14 @@ class Engine:
             seq.output_ids,
             seq.spec.input_ids,
             blocked + seq.spec.params.stop_token_ids,
+            seq.constraint,
         )
 
     def _append(self, seq: Sequence, result, i: int) -> None:
         token = result.tokens[i]
         seq.output_ids.append(token)
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
         seq.output_logprobs.append(result.logprobs[i])
         spec = seq.spec
         if spec.return_logprob and spec.top_logprobs_num:

@@ -45,10 +45,14 @@ class SamplingParams:
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
     stream_interval: int | None = None
+    json_schema: str | None = None  # constrained decoding (engine/grammar.py): at most one of these
+    regex: str | None = None
+    ebnf: str | None = None
 
 
-# SGLang sampling keys we accept only when unset (the embedded engine has no grammar backend).
-_UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+# SGLang sampling keys we accept only when unset (json_schema / regex / ebnf are served by
+# engine/grammar.py; structural tags and custom logit processors are not).
+_UNSUPPORTED_SAMPLING = ("structural_tag", "custom_params")
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Model-dependent defaults (SGLang's `--sampling-defaults model`): read from generation_config.json.
 MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -193,6 +197,11 @@ def parse_sampling(raw: Any, defaults: dict[str, Any], vocab_size: int) -> Sampl
         p.sampling_seed = _num("sampling_seed", merged["sampling_seed"], int)
     if "stream_interval" in merged:
         p.stream_interval = _num("stream_interval", merged["stream_interval"], int, 1)
+    for name in ("json_schema", "regex", "ebnf"):
+        if name in merged:
+            if not isinstance(merged[name], str) or not merged[name]:
+                raise RequestError(f"sampling_params.{name} must be a non-empty string")
+            setattr(p, name, merged[name])
     return p
 
 

@@ -1,14 +1,15 @@
 """Token sampling and the logprobs reported for each sampled token.
 
 Convention (the same as SGLang, see docs/engine.md): the logprob reported for a sampled token is
-`log_softmax(logits / temperature)` after penalties and logit bias, *before* top-k / top-p / min-p
-filtering. With temperature 0 (greedy) the temperature is taken as 1. Prompt (scoring) logprobs are
+`log_softmax(logits / temperature)` after penalties, logit bias and a grammar's mask (tokens it
+forbids are at -inf: the constrained distribution), *before* top-k / top-p / min-p filtering. With temperature 0 (greedy) the temperature is taken as 1. Prompt (scoring) logprobs are
 plain `log_softmax(logits)`. The trainer recomputes the same quantity.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class RowState:
     output_ids: list[int]
     prompt_ids: list[int]
     blocked_ids: list[int]  # EOS/stop ids masked while min_new_tokens is not reached
+    constraint: Any = None  # engine.grammar.Constraint: masks what the grammar does not allow next
 
 
 def _penalise(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
@@ -41,6 +43,8 @@ def _penalise(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if row.blocked_ids and len(row.output_ids) < p.min_new_tokens:
             logits[i, row.blocked_ids] = float("-inf")
+        if row.constraint is not None:  # before log_softmax: logprobs are the constrained ones
+            row.constraint.mask(logits[i])
     return logits
 
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from palaestra.gateway.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.routes import admin, openai, public, sessions
+from palaestra.gateway.routes import admin, anthropic, openai, public, sessions
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig
@@ -64,7 +64,7 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
 
     app = FastAPI(title="palaestra gateway", lifespan=lifespan)
     app.state.service = svc
-    for router in (public, openai, sessions, admin):
+    for router in (public, openai, anthropic, sessions, admin):
         app.include_router(router)
 
     @app.exception_handler(GatewayError)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.renderer import ChatRenderer, message_digest
 from palaestra.gateway.trajectory import Turn
 
@@ -60,11 +61,20 @@ def plan_chat(
     stop_text: dict[int, str],
     reasoning_policy: str = "strip",
     template_extra: dict[str, Any] | None = None,
+    context_key: int | None = None,
+    gap: str | None = None,
 ) -> Plan:
-    """Decides how the prompt for `messages` is built (bridged from a parent turn, or a fork)."""
-    rendered = renderer.render(messages, tools, True, template_extra)
+    """Decides how the prompt for `messages` is built (bridged from a parent turn, or a fork).
+
+    `context_key` identifies what besides the messages the template reads (tools, template
+    arguments); `gap` (not None: the template passed `incremental_ok`, which measured it) lets an
+    append to a turn without reasoning be rendered from its last messages only (`_bridge_short`)."""
+
+    def fork(reason: str | None, detail: str = "") -> Plan:
+        return _fork(renderer, renderer.render(messages, tools, True, template_extra), reason, detail)
+
     if not has_turns:
-        return _fork(renderer, rendered, None)
+        return fork(None)
     # the longest earlier request M_c = messages[:k] followed here by an assistant message
     prefix_k, candidates = 0, []
     for k in range(len(messages) - 1, 0, -1):
@@ -73,16 +83,31 @@ def plan_chat(
             prefix_k, candidates = k, found
             break
     if not candidates:
-        return _fork(renderer, rendered, "prefix_changed", "no earlier request is a prefix of this one")
+        return fork("prefix_changed", "no earlier request is a prefix of this one")
     echoed = message_digest(messages[prefix_k], loose_assistant=True)
     matching = [t for t in candidates if t.reply_digest == echoed]
     if not matching:
-        return _fork(
-            renderer, rendered, "assistant_edited", f"message {prefix_k} differs from what the model replied"
-        )
+        return fork("assistant_edited", f"message {prefix_k} differs from what the model replied")
     parent = max(matching, key=lambda t: (t.children == 0, t.turn_id))  # prefer the live tip
     if parent.finish_reason.get("type") == "length":
-        return _fork(renderer, rendered, "truncated", f"turn {parent.turn_id} ended at max_tokens")
+        return fork("truncated", f"turn {parent.turn_id} ended at max_tokens")
+    same_context = parent.context_key == context_key
+    # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
+    short_ok = gap is not None and not template_extra and same_context
+    if short_ok and not any(t.had_reasoning for t in parent.path()):
+        plan = _bridge_short(renderer, messages, prefix_k, parent, tools, stop_text, template_extra, gap)
+        if plan is not None:
+            return plan
+    parent_rendered = parent.rendered
+    if not parent_rendered:  # the parent was planned incrementally: render its request in full now
+        if not same_context:
+            return fork("template_nonmonotonic", "the tools or template arguments changed")
+        parent_rendered = renderer.render(messages[:prefix_k], tools, True, template_extra)
+    rendered = renderer.render(messages, tools, True, template_extra)
+
+    def full_fork(reason: str, detail: str) -> Plan:
+        return _fork(renderer, rendered, reason, detail)
+
     sentinel = {"role": "assistant", "content": SENTINEL}
     if messages[prefix_k].get("reasoning_content"):  # templates render reasoning before the content
         sentinel["reasoning_content"] = messages[prefix_k]["reasoning_content"]
@@ -90,44 +115,45 @@ def plan_chat(
     with_sentinel = renderer.render(sentinel_msgs, tools, True, template_extra)
     pos = with_sentinel.find(SENTINEL)
     if pos < 0:
-        return _fork(
-            renderer, rendered, "template_nonmonotonic", "the template does not render assistant content"
-        )
+        return full_fork("template_nonmonotonic", "the template does not render assistant content")
     history_ok = (
-        rendered.startswith(parent.rendered)
-        and with_sentinel.startswith(parent.rendered)
-        and pos >= len(parent.rendered)
+        rendered.startswith(parent_rendered)
+        and with_sentinel.startswith(parent_rendered)
+        and pos >= len(parent_rendered)
     )
     if not history_ok:
-        reason = "reasoning_stripped" if _lost_reasoning(parent, rendered) else "template_nonmonotonic"
+        reason = (
+            "reasoning_stripped"
+            if _lost_reasoning(parent, parent_rendered, rendered)
+            else "template_nonmonotonic"
+        )
         if not (reason == "reasoning_stripped" and reasoning_policy == "keep"):
-            return _fork(renderer, rendered, reason, "the template renders the earlier turns differently now")
-    before_content = with_sentinel[len(parent.rendered) : pos] if history_ok else ""
+            return full_fork(reason, "the template renders the earlier turns differently now")
+    before_content = with_sentinel[len(parent_rendered) : pos] if history_ok else ""
     tail = with_sentinel[pos + len(SENTINEL) :]
     if not rendered.endswith(tail):
-        return _fork(
-            renderer,
-            rendered,
-            "template_nonmonotonic",
-            "the new messages render differently after this assistant turn",
+        return full_fork(
+            "template_nonmonotonic", "the new messages render differently after this assistant turn"
         )
     if before_content and not parent.output_text.startswith(before_content):
         if parent.had_reasoning and reasoning_policy != "keep":
-            return _fork(
-                renderer,
-                rendered,
+            return full_fork(
                 "reasoning_stripped",
                 f"the template renders this turn as {before_content!r}... without the model's reasoning",
             )
         if not parent.had_reasoning:
-            return _fork(
-                renderer,
-                rendered,
-                "template_nonmonotonic",
-                f"the template opens past assistant turns with {before_content!r}",
+            return full_fork(
+                "template_nonmonotonic", f"the template opens past assistant turns with {before_content!r}"
             )
     if parent.had_reasoning and reasoning_policy != "keep" and not _reasoning_kept(rendered, parent):
-        return _fork(renderer, rendered, "reasoning_stripped", "the template drops this turn's reasoning")
+        return full_fork("reasoning_stripped", "the template drops this turn's reasoning")
+    return _bridged(renderer, parent, tail, rendered, stop_text)
+
+
+def _bridged(
+    renderer: ChatRenderer, parent: Turn, tail: str, rendered: str, stop_text: dict[int, str]
+) -> Plan:
+    """prompt = the parent's prompt + output + the tokens of `tail` (its closing token not twice)."""
     last = parent.output_ids[-1] if parent.output_ids else None
     closing = stop_text.get(last, "") if parent.finish_reason.get("type") == "stop" else ""
     if closing and tail.startswith(closing):
@@ -136,7 +162,93 @@ def plan_chat(
     return Plan(parent.prompt_ids + parent.output_ids + bridge, rendered, parent, bridge_tokens=len(bridge))
 
 
-def _lost_reasoning(parent: Turn, rendered: str) -> bool:
+def _bridge_short(
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    prefix_k: int,
+    parent: Turn,
+    tools: list[dict[str, Any]] | None,
+    stop_text: dict[int, str],
+    extra: dict[str, Any] | None,
+    gap: str,
+) -> Plan | None:
+    """The bridge from a short rendering: the leading system message, the message before the
+    assistant turn, the turn and the new messages, so the cost does not grow with the history.
+    The full path's checks on the short conversation, with the template's `gap` (what it puts
+    between the generation prompt and an assistant's content, measured once by `incremental_ok`)
+    instead of a third rendering; None (use the full path) when any fails. `Plan.rendered` stays
+    empty: a later full-path check renders this request then."""
+    lead = 1 if messages[0]["role"] == "system" else 0
+    context = [*messages[:lead], *messages[max(lead, prefix_k - 1) : prefix_k]]
+    new = messages[prefix_k + 1 :]
+    try:  # a template may refuse the short conversation (e.g. one that must open with a user turn)
+        sentinel = {"role": "assistant", "content": SENTINEL}
+        with_sentinel = renderer.render([*context, sentinel, *new], tools, True, extra)
+        shown = renderer.render([*context, messages[prefix_k], *new], tools, True, extra)
+    except GatewayError:
+        return None
+    pos = with_sentinel.find(SENTINEL)
+    if pos < 0 or not with_sentinel.endswith(gap, 0, pos) or not parent.output_text.startswith(gap):
+        return None
+    if not shown.startswith(with_sentinel[:pos]):
+        return None
+    tail = with_sentinel[pos + len(SENTINEL) :]
+    if not shown.endswith(tail):
+        return None
+    return _bridged(renderer, parent, tail, "", stop_text)
+
+
+def incremental_ok(renderer: ChatRenderer) -> str | None:
+    """Whether this template renders an appended turn the same from a short context as from the
+    whole history, and renders a history the same once it is extended (checked once, on probe
+    conversations with and without tool calls; the full path checks the latter on every call).
+    Returns the template's gap between the generation prompt and an assistant's content (the
+    same in every probe: '' for ChatML), or None when the template is not fit for it."""
+    gaps = set()
+    tool = {
+        "type": "function",
+        "function": {"name": "probe", "description": "p", "parameters": {"type": "object"}},
+    }
+    call = {"id": "c1", "type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
+    convos = [
+        (None, ["user", "assistant", "user", "assistant", "user"]),
+        ([tool], ["user", "assistant+call", "tool", "assistant", "user"]),
+    ]
+    for tools, roles in convos:
+        for lead in ([{"role": "system", "content": "S."}], []):
+            messages = [*lead]
+            for i, role in enumerate(roles):
+                if role == "assistant+call":
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                elif role == "tool":
+                    messages.append({"role": "tool", "tool_call_id": "c1", "content": f"r{i}"})
+                else:
+                    messages.append({"role": role, "content": f"m{i}"})
+            k = len(messages) - 2  # the last assistant message
+            try:
+                full = renderer.render(
+                    [*messages[:k], {"role": "assistant", "content": SENTINEL}, messages[-1]], tools
+                )
+                n = len(lead)
+                short = [
+                    *messages[:n],
+                    messages[k - 1],
+                    {"role": "assistant", "content": SENTINEL},
+                    messages[-1],
+                ]
+                part = renderer.render(short, tools)
+                head = renderer.render(messages[:k], tools)  # the history renders as before, extended
+            except Exception:
+                return None
+            if not full.startswith(head) or SENTINEL not in full[len(head) :]:
+                return None
+            if full.split(SENTINEL)[1] != part.split(SENTINEL)[-1]:
+                return None
+            gaps.add(full[len(head) : full.find(SENTINEL)])
+    return gaps.pop() if len(gaps) == 1 else None
+
+
+def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:
     """Whether what the template now renders differently is reasoning (or an empty think block).
 
     Qwen3 without thinking opens every generation with an empty `<think></think>` that later turns
@@ -144,7 +256,6 @@ def _lost_reasoning(parent: Turn, rendered: str) -> bool:
     """
     if any(t.had_reasoning for t in parent.path()):
         return True
-    before = parent.rendered
     same = 0
     for a, b in zip(before, rendered, strict=False):  # the fork path only: first difference
         if a != b:

@@ -1,9 +1,9 @@
 """The seam between an API dialect and the gateway's one turn core.
 
-A *dialect* is a wire format agents use to talk to the gateway. One is served today, OpenAI
-(Chat Completions on `/v1/chat/completions`, plus the legacy text `/v1/completions`); the OpenAI
-Responses API (`/v1/responses`) and Anthropic Messages (`/v1/messages`) are meant to be added on
-the same renderer, bridge and trajectory. A dialect is two halves and nothing else:
+A *dialect* is a wire format agents use to talk to the gateway. Three are served, on the same
+renderer, bridge and trajectory: OpenAI Chat Completions (`/v1/chat/completions`, plus the legacy
+text `/v1/completions`; `openai_request.py` / `openai_response.py`), the OpenAI Responses API
+(`/v1/responses`; `responses_api.py` + `responses_answer.py`) and Anthropic Messages (`/v1/messages`; `anthropic_api.py`). A dialect is two halves and nothing else:
 
 * a **parser**: its request body -> `TurnRequest` (or `TextRequest` for a raw text prompt). It
   validates every field and raises `GatewayError` naming the field; messages leave it in the
@@ -94,6 +94,13 @@ class TurnRequest:
     echo: dict[str, Any] = field(default_factory=dict)
     """Anything else the dialect's answer repeats from its request (e.g. a Responses API answer
     echoes `instructions` and `metadata`). The core never reads it."""
+    previous: str | None = None
+    """Continue a conversation the gateway kept (the Responses API's `previous_response_id`): its
+    messages go between the first `preamble` messages and the rest."""
+    preamble: int = 0
+    """Leading messages that are not part of a kept conversation (Responses `instructions`)."""
+    store: bool = False
+    """Keep this call's conversation (messages after the preamble + the reply) under its call id."""
 
     @property
     def tools_on(self) -> bool:

@@ -5,17 +5,20 @@ so consistent hashing keeps a session on one worker and its prefix cache. A call
 when no token can have been committed: the connection failed, or the engine answered 5xx / 503
 before streaming anything. Errors become OpenAI-style 503 (unreachable) / 504 (timeout) /
 400 (the engine refused the input) for the agent.
+
+The HTTP client is aiohttp's: measured as the cheapest Python upstream client per call (about the
+Rust router's own overhead, where httpx's async client costs ~2.5x more; bench/gateway.py). Its
+session is created on first use, inside the serving event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
 from palaestra.gateway.errors import GatewayError
@@ -71,18 +74,26 @@ class EngineClient:
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self.incremental_stream = incremental_stream
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            trust_env=False,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10.0)
+        self._max_connections = max_connections
+        self._client: aiohttp.ClientSession | None = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._client is None or self._client.closed:
+            self._client = aiohttp.ClientSession(
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                trust_env=False,
+            )
+        return self._client
 
     @staticmethod
     def _headers(session_id: str) -> dict[str, str]:
         return {ROUTING_HEADER: session_id, "content-type": "application/json"}
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.close()
 
     @staticmethod
     def _body(
@@ -95,46 +106,53 @@ class EngineClient:
             body["stream"] = True
         return body
 
-    def _raise_for(self, r: httpx.Response) -> None:
+    @staticmethod
+    def _raise_for(status: int, raw: bytes) -> None:
+        text = raw.decode(errors="replace")
         try:
-            detail = r.json()
-            message = detail.get("message") or (detail.get("error") or {}).get("message") or r.text
-        except (json.JSONDecodeError, AttributeError):
-            message = r.text
-        if 400 <= r.status_code < 500:
+            detail = orjson.loads(raw)
+            message = detail.get("message") or (detail.get("error") or {}).get("message") or text
+        except (orjson.JSONDecodeError, AttributeError):
+            message = text
+        if 400 <= status < 500:
             raise GatewayError(f"the engine refused the request: {message}", 400, code="engine_rejected")
         raise GatewayError(
-            f"engine error {r.status_code}: {message}", 503, type="engine_error", code="engine_unavailable"
+            f"engine error {status}: {message}", 503, type="engine_error", code="engine_unavailable"
+        )
+
+    def _unreachable(self, exc: Exception) -> GatewayError:
+        return GatewayError(
+            f"the engine at {self.url} is unreachable: {exc!r}",
+            503,
+            type="engine_error",
+            code="engine_unavailable",
         )
 
     async def generate(
         self, session_id: str, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int = 0
     ) -> list[Generation]:
         """Non-streaming; returns one Generation per sample (`n` in sampling)."""
-        body = self._body(input_ids, sampling, top_logprobs, stream=False)
+        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, stream=False))
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
             try:
-                r = await self._client.post(
-                    f"{self.url}/generate", content=orjson.dumps(body), headers=self._headers(session_id)
-                )
-            except httpx.TimeoutException:
+                async with self._session().post(
+                    f"{self.url}/generate", data=body, headers=self._headers(session_id)
+                ) as r:
+                    raw = await r.read()
+                    status = r.status
+            except TimeoutError:  # aiohttp's timeouts are TimeoutErrors (checked before ClientError)
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
                 ) from None
-            except httpx.TransportError as exc:  # nothing was generated: safe to retry
-                last = GatewayError(
-                    f"the engine at {self.url} is unreachable: {exc}",
-                    503,
-                    type="engine_error",
-                    code="engine_unavailable",
-                )
+            except aiohttp.ClientError as exc:  # nothing was generated: safe to retry
+                last = self._unreachable(exc)
             else:
-                if r.status_code == 200:
-                    answer = orjson.loads(r.content)
+                if status == 200:
+                    answer = orjson.loads(raw)
                     return [_generation(a) for a in (answer if isinstance(answer, list) else [answer])]
                 try:
-                    self._raise_for(r)
+                    self._raise_for(status, raw)
                 except GatewayError as exc:
                     if exc.status != 503:
                         raise
@@ -144,33 +162,42 @@ class EngineClient:
         assert last is not None
         raise last
 
+    @staticmethod
+    async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+        """Lines of a response body, however long (cumulative chunks of a long generation outgrow
+        aiohttp's own readline limit)."""
+        buffer = b""
+        async for data in content.iter_any():
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                yield line
+        if buffer:
+            yield buffer
+
     async def stream(
         self, session_id: str, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int = 0
     ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:
         """Streams (new ids, their logprobs, final Generation or None) for one sample."""
-        body = self._body(input_ids, sampling, top_logprobs, stream=True)
+        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, stream=True))
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
             sent = 0
             try:
-                async with self._client.stream(
-                    "POST",
-                    f"{self.url}/generate",
-                    content=orjson.dumps(body),
-                    headers=self._headers(session_id),
+                async with self._session().post(
+                    f"{self.url}/generate", data=body, headers=self._headers(session_id)
                 ) as r:
-                    if r.status_code != 200:
-                        await r.aread()
-                        self._raise_for(r)
+                    if r.status != 200:
+                        self._raise_for(r.status, await r.read())
                     ids: list[int] = []
                     lps: list[float] = []
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: "):
+                    async for line in self._lines(r.content):
+                        if not line.startswith(b"data: "):
                             continue
-                        data = line[6:]
-                        if data == "[DONE]":
+                        data = line[6:].strip()
+                        if data == b"[DONE]":
                             break
-                        chunk = json.loads(data)
+                        chunk = orjson.loads(data)
                         if "error" in chunk and "meta_info" not in chunk:
                             raise GatewayError(
                                 f"engine error mid-stream: {chunk['error']}", 502, type="engine_error"
@@ -202,21 +229,16 @@ class EngineClient:
                             )
                         yield fresh_ids, fresh_lps, final
                     return
-            except httpx.TimeoutException:
+            except TimeoutError:
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
                 ) from None
-            except httpx.TransportError as exc:
+            except aiohttp.ClientError as exc:
                 if sent:  # tokens already went to the agent: never retry
                     raise GatewayError(
-                        f"the engine connection broke mid-stream: {exc}", 502, type="engine_error"
+                        f"the engine connection broke mid-stream: {exc!r}", 502, type="engine_error"
                     ) from None
-                last = GatewayError(
-                    f"the engine at {self.url} is unreachable: {exc}",
-                    503,
-                    type="engine_error",
-                    code="engine_unavailable",
-                )
+                last = self._unreachable(exc)
             except GatewayError as exc:
                 if exc.status != 503 or sent:
                     raise

@@ -10,6 +10,7 @@ shaped by `openai_response.py`; `dialect.py` describes the seam.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, TextRequest, TurnRequest
@@ -62,6 +63,9 @@ CHAT_FIELDS = _COMMON | {
     "separate_reasoning",
     "verbosity",
     "web_search_options",
+    # SGLang's constrained decoding fields, as its own OpenAI server takes them through `extra_body`
+    "regex",
+    "ebnf",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 
@@ -155,9 +159,49 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     )
 
 
+def constraint(fmt: Any, param: str) -> dict[str, str]:
+    """An OpenAI output format (chat `response_format`, Responses `text.format`) -> SGLang's
+    constrained-decoding sampling field: json_object -> any JSON object, json_schema -> that schema
+    (both `json_schema`, a JSON-schema string), text -> nothing."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if kind == "json_schema":
+        # chat nests the schema under "json_schema"; the Responses API puts it on the format itself
+        spec = fmt.get("json_schema", fmt)
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise GatewayError(f"'{param}' of type json_schema needs a 'schema' object", param=param)
+        return {"json_schema": json.dumps(schema)}
+    raise GatewayError(
+        f"'{param}' must be of type text, json_object or json_schema; got {kind!r}", param=param
+    )
+
+
+def constraints(body: dict[str, Any], fmt: Any, param: str) -> dict[str, str]:
+    """All output constraints of a request: its format and SGLang's `regex` / `ebnf` extensions
+    (at most one: the engine applies one grammar)."""
+    out = constraint(fmt, param)
+    for key in ("regex", "ebnf"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise GatewayError(f"'{key}' must be a non-empty string", param=key)
+        out[key] = value
+    if len(out) > 1:
+        raise GatewayError(f"only one of {param}, 'regex' and 'ebnf' may constrain the output", param=param)
+    return out
+
+
 def parse_chat(body: dict[str, Any]) -> TurnRequest:
     """A `/chat/completions` body -> the core's request."""
     params = parse_generation(body, CHAT_FIELDS, chat=True)
+    params.sampling.update(constraints(body, body.get("response_format"), "response_format"))
     messages = normalize_messages(body.get("messages"))
     tools = normalize_tools(body.get("tools"))
     tool_choice = body.get("tool_choice", "auto" if tools else "none")

@@ -61,7 +61,9 @@ __all__ = [
     "ReasoningParser",
     "ToolCall",
     "ToolCallParser",
+    "PARSE_ERROR_REASONS",
     "call_id",
+    "error_reason",
     "detect_parsers",
     "get_reasoning_parser",
     "get_tool_parser",
@@ -187,6 +189,7 @@ class HermesToolParser:
 
     name = "hermes"
     start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
     _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(
@@ -241,6 +244,7 @@ class Glm45ToolParser:
 
     name = "glm45"
     start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
     _NAME = re.compile(r"[^\s<>]+")
@@ -410,6 +414,22 @@ def detect_parsers(chat_template: str) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------------------------
 # Putting it together
+
+PARSE_ERROR_REASONS = ("malformed_json", "malformed_call", "unterminated", "unknown_tool", "parser_failed")
+"""Why part of an output did not parse (metric labels; `error_reason` classifies a message)."""
+
+
+def error_reason(message: str) -> str:
+    """The reason (one of `PARSE_ERROR_REASONS`) of a `parse_errors` message."""
+    if "malformed tool call JSON" in message or "is a string that is not JSON" in message:
+        return "malformed_json"
+    if "unterminated" in message:
+        return "unterminated"
+    if "not in the request's tools" in message:
+        return "unknown_tool"
+    if "parser" in message and "failed" in message:
+        return "parser_failed"
+    return "malformed_call"
 
 
 def parse_output(

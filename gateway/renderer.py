@@ -21,6 +21,7 @@ from typing import Any
 from palaestra.gateway.errors import GatewayError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_PLAIN = ("system", "user", "assistant")  # roles a {role, content: str} message keeps as it is
 
 
 def _text(content: Any, where: str) -> str | None:
@@ -57,6 +58,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         raise GatewayError("'messages' must be a non-empty array", param="messages")
     out = []
     for i, m in enumerate(messages):
+        # the common case first, with no copy: this loop runs over the whole history on every call
+        if type(m) is dict and len(m) == 2 and type(m.get("content")) is str and m["role"] in _PLAIN:
+            out.append(m)
+            continue
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise GatewayError(f"{where} must be an object", param="messages")
@@ -140,7 +145,14 @@ def chain_digests(messages: list[dict[str, Any]]) -> list[int]:
     """d[i] identifies messages[: i + 1] (a hash chain, so prefix equality is one comparison)."""
     out, prev = [], 0
     for m in messages:
-        prev = hash((prev, message_digest(m)))
+        # message_digest inlined for the common cases: this runs over the whole history per call
+        role = m["role"]
+        if role != "assistant":
+            prev = hash((prev, hash((role, m.get("content"), m.get("name")))))
+        elif "tool_calls" not in m:
+            prev = hash((prev, hash(("assistant", m.get("content") or "", ()))))
+        else:
+            prev = hash((prev, message_digest(m)))
         out.append(prev)
     return out
 
@@ -168,6 +180,7 @@ class ChatRenderer:
                 self._compiled = _compile_jinja_template(template)
             except ImportError:  # other transformers versions: the public (slower) path
                 self._compiled = None
+        self._backend = _fast_backend(tokenizer)
         self._specials = {
             k: v
             for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
@@ -203,8 +216,34 @@ class ChatRenderer:
         except Exception as exc:  # a template error is the request's fault (bad roles/order/schema)
             raise GatewayError(f"the chat template rejected these messages: {exc}") from None
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens included (through the backend when that is the same)."""
+        if self._backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return self._backend.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _fast_backend(tokenizer: Any) -> Any:
+    """The `tokenizers` object behind a fast HF tokenizer, when encoding with it gives the same ids:
+    transformers' `encode` wraps it in per-call Python work that costs several times the encoding
+    of a short bridge. Checked on a probe with special tokens; None: use `tokenizer.encode`."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode"):
+        return None
+    specials = [t for t in (getattr(tokenizer, "all_special_tokens", None) or []) if isinstance(t, str)]
+    probe = f'Hello, world!\n  {"".join(specials[:4])} tail {{"k": [1, 2]}} \u00e9\u4e2d'
+    try:
+        same = backend.encode(probe, add_special_tokens=False).ids == tokenizer.encode(
+            probe, add_special_tokens=False
+        )
+    except Exception:
+        return None
+    return backend if same else None
 
 
 def _aliased(message: dict[str, Any]) -> dict[str, Any]:

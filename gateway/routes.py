@@ -16,11 +16,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
-from palaestra.gateway import openai_request, openai_response
+from palaestra.gateway import anthropic_api, openai_request, openai_response, responses_answer, responses_api
 from palaestra.gateway.dialect import Dialect, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.service import GatewayService
 from palaestra.sample import STATUSES
+
+
+class FastJSON(JSONResponse):
+    """JSON answers serialised by orjson (the stdlib encoder is a measurable part of a call)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 def service(request: Request) -> GatewayService:
@@ -40,21 +47,21 @@ def _check(request: Request, expected: str | None, what: str) -> None:
     got = _bearer(request)
     if got is None or not hmac.compare_digest(got.encode(), expected.encode()):
         raise GatewayError(
-            f"Incorrect or missing {what} key. Send it as 'Authorization: Bearer <key>'.",
+            f"Incorrect or missing {what} key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
             401,
             type="invalid_request_error",
             code="invalid_api_key",
         )
 
 
-def require_api_key(request: Request) -> None:
-    cfg = service(request).config
-    _check(request, cfg.api_key, "API")
+# The dependencies are coroutines on purpose: FastAPI runs a plain `def` dependency in its thread
+# pool, a thread hand-off per request that cost more than the rest of the routing (bench/gateway.py).
+async def require_api_key(request: Request) -> None:
+    _check(request, service(request).config.api_key, "API")
 
 
-def require_admin_key(request: Request) -> None:
-    cfg = service(request).config
-    _check(request, cfg.admin_key, "admin")
+async def require_admin_key(request: Request) -> None:
+    _check(request, service(request).config.admin_key, "admin")
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -76,6 +83,12 @@ OPENAI_CHAT: Dialect[TurnRequest] = Dialect(
 OPENAI_COMPLETIONS: Dialect[TextRequest] = Dialect(
     "cmpl-", openai_request.parse_completion, openai_response.text_completion
 )
+OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
+    "resp_", responses_api.parse, responses_answer.answer, responses_answer.stream
+)
+ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
+    "msg_", anthropic_api.parse, anthropic_api.answer, anthropic_api.stream
+)
 
 
 async def _counted(request: Request, route: str, call) -> Any:
@@ -94,13 +107,23 @@ async def _counted(request: Request, route: str, call) -> Any:
 async def chat_completions(session_id: str, request: Request) -> Response:
     result = await _counted(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
     if isinstance(result, dict):
-        return JSONResponse(result)
+        return FastJSON(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@openai.post("/responses")
+async def responses(session_id: str, request: Request) -> Response:
+    result = await _counted(
+        request, "responses", lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES)
+    )
+    if isinstance(result, dict):
+        return FastJSON(result)
     return StreamingResponse(result, media_type="text/event-stream")
 
 
 @openai.post("/completions")
 async def completions(session_id: str, request: Request) -> Response:
-    return JSONResponse(
+    return FastJSON(
         await _counted(
             request, "completions", lambda svc, body: svc.completion(session_id, body, OPENAI_COMPLETIONS)
         )
@@ -123,6 +146,37 @@ async def models(session_id: str, request: Request) -> dict[str, Any]:
             }
         ],
     }
+
+
+# Anthropic clients send the key as `x-api-key` (accepted by `_bearer`) and expect Anthropic's error
+# envelope, so this router checks the key itself and converts every GatewayError.
+anthropic = APIRouter(prefix="/s/{session_id}/v1")
+
+
+async def _anthropic(request: Request, route: str, call) -> Response:
+    try:
+        await require_api_key(request)
+        result = await _counted(request, route, call)
+    except GatewayError as exc:
+        return JSONResponse(anthropic_api.error_body(exc), status_code=exc.status, headers=exc.headers)
+    if isinstance(result, dict):
+        return FastJSON(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@anthropic.post("/messages")
+async def messages(session_id: str, request: Request) -> Response:
+    return await _anthropic(
+        request, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES)
+    )
+
+
+@anthropic.post("/messages/count_tokens")
+async def count_tokens(session_id: str, request: Request) -> Response:
+    async def count(svc: GatewayService, body: dict[str, Any]) -> dict[str, Any]:
+        return {"input_tokens": svc.count_tokens(session_id, body, anthropic_api.parse_count)}
+
+    return await _anthropic(request, "count_tokens", count)
 
 
 sessions = APIRouter(dependencies=[Depends(require_api_key)])

@@ -28,7 +28,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from palaestra.gateway import parsers
+import orjson
+
+from palaestra.gateway import bridge, parse_status, parsers
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.dialect import (
     Dialect,
@@ -97,6 +99,7 @@ class GatewayService:
             auto_reason if config.reasoning_parser == "auto" else config.reasoning_parser
         )
         self.stop_text = self._stop_texts()
+        self.render_gap = bridge.incremental_ok(self.renderer)  # None: always render in full
         self._turn_ids = 0
 
     def _stop_texts(self) -> dict[int, str]:
@@ -118,6 +121,15 @@ class GatewayService:
         request = dialect.parse(body)
         if request.params.stream and dialect.stream is None:
             raise GatewayError("streaming is not supported on this route", param="stream")
+        if request.previous is not None:
+            kept = session.conversations.get(request.previous)
+            if kept is None:
+                raise GatewayError(
+                    f"Previous response with id '{request.previous}' not found in this session.",
+                    400,
+                    param="previous_response_id",
+                )
+            request.messages[request.preamble : request.preamble] = kept
         call = self._plan_chat(session, request, dialect.call_id_prefix)
         if dialect.stream is not None and request.params.stream:
             return shaped_stream(self._stream_chat(call), functools.partial(dialect.stream, request))
@@ -130,6 +142,9 @@ class GatewayService:
 
     def _plan_chat(self, session: Session, request: TurnRequest, id_prefix: str) -> _ChatCall:
         digests = chain_digests(request.messages)
+        context_key = hash(
+            orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
+        )
         plan = plan_chat(
             self.renderer,
             session.by_digest,
@@ -140,6 +155,8 @@ class GatewayService:
             self.stop_text,
             self.config.reasoning_policy,
             request.template_kwargs,
+            context_key,
+            self.render_gap,
         )
         max_tokens = self._max_tokens(request.params, len(plan.prompt_ids))
         self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
@@ -155,6 +172,7 @@ class GatewayService:
                 "rendered": plan.rendered,
                 "fork_reason": plan.fork_reason,
                 "fork_detail": plan.fork_detail,
+                "context_key": context_key,
             },
         )
 
@@ -180,6 +198,10 @@ class GatewayService:
             request.params,
             request.params.top_logprobs,
         )
+        status = self._parse_status(gen.output_ids, text, parsed, request.tools_on)
+        reply = reply_message(output)
+        if request.store and choice == 0:  # what a later `previous` continues: history + reply
+            call.session.conversations[call.call_id] = [*request.messages[request.preamble :], reply]
         self._new_turn(
             call.session,
             call.call_id,
@@ -189,12 +211,24 @@ class GatewayService:
             gen,
             latency,
             "chat",
-            reply_digest=message_digest(reply_message(output), loose_assistant=True),
+            reply_digest=message_digest(reply, loose_assistant=True),
             output_text=full,
             had_reasoning=parsed.reasoning_content is not None,
+            parse=status,
             **call.turn_extra,
         )
         return output
+
+    def _parse_status(
+        self, ids: list[int], text: str, parsed: parsers.ParsedOutput, tools_on: bool
+    ) -> dict[str, Any]:
+        """How a turn's output was parsed (`parse_status.describe`); failures counted in /metrics."""
+        status = parse_status.describe(
+            ids, text, parsed, self.tool_parser if tools_on else None, self.reasoning_parser, self._decode
+        )
+        for error in status["errors"]:
+            self.metrics.parse_errors.labels(reason=error["reason"]).inc()
+        return status
 
     async def _stream_chat(self, call: _ChatCall) -> AsyncGenerator[StreamEvent, None]:
         """The call as events: started, safe text deltas, then finished (recorded) or failed."""
@@ -204,7 +238,7 @@ class GatewayService:
         try:
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
             markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
-            text = HeldBackText(self._decode, markers, params.stop)
+            text = HeldBackText(self._decode, markers, params.stop, hold_space=call.request.tools_on)
             ids: list[int] = []
             final: Generation | None = None
             parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
@@ -230,6 +264,13 @@ class GatewayService:
         output = self._chat_output(call, 0, final, 0.0)
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
         yield StreamFinished(result, text.unsent(output.content or ""))
+
+    def count_tokens(self, session_id: str, body: dict[str, Any], parse: Any) -> int:
+        """Prompt tokens of a chat request as a fresh call renders them (`parse`: a dialect's parser)."""
+        self.sessions.get(session_id)
+        request: TurnRequest = parse(body)
+        rendered = self.renderer.render(request.messages, request.tools, True, request.template_kwargs)
+        return len(self.renderer.encode(rendered))
 
     # -- completions: a raw text prompt, bridged on the text ------------------------------------
     async def completion(
@@ -320,7 +361,7 @@ class GatewayService:
         self.metrics.engine_errors.labels(code=exc.code or str(exc.status)).inc()
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.renderer.decode(ids)
 
     def _text_of(self, gen: Generation) -> tuple[str, str]:
         """(text for the agent, text incl. the final stop token) of a generation."""
@@ -338,7 +379,7 @@ class GatewayService:
     def _token_logprobs(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[float, int]]] | None, top_n: int
     ) -> list[TokenLogprob]:
-        decode = self.tokenizer.decode
+        decode = self.renderer.decode
         out = []
         for i, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
             top = (
@@ -465,6 +506,7 @@ class GatewayService:
             session.sampled_tokens = sum(s.num_sampled for s in samples)
             for turn in session.turns:  # only bridging needed these; a finished session takes no calls
                 turn.rendered = turn.output_text = ""
+            session.conversations.clear()  # likewise the kept Responses conversations
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.metrics.active.dec()

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.options import GatewayOptions
+from palaestra.gateway.parsers import PARSE_ERROR_REASONS
 from palaestra.gateway.trajectory import FORK_REASONS, Turn
 
 
@@ -94,6 +95,8 @@ class Session:
     by_digest: dict[int, list[Turn]] = field(default_factory=dict)
     forks: list[dict[str, Any]] = field(default_factory=list)
     failed_calls: list[dict[str, Any]] = field(default_factory=list)
+    conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Kept conversations by call id (internal messages incl. the reply): Responses `store`."""
     finished: bool = False
     status: str | None = None
     reward: float | None = None
@@ -115,6 +118,14 @@ class Session:
                 {"turn_id": turn.turn_id, "reason": turn.fork_reason, "detail": turn.fork_detail}
             )
 
+    def parse_errors(self) -> dict[str, int]:
+        """Outputs that did not parse, counted by reason over the session's turns."""
+        counts: dict[str, int] = {}
+        for turn in self.turns:
+            for error in (turn.parse or {}).get("errors", ()):
+                counts[error["reason"]] = counts.get(error["reason"], 0) + 1
+        return counts
+
     def leaves(self) -> list[Turn]:
         return [t for t in self.turns if t.children == 0]
 
@@ -134,6 +145,7 @@ class Session:
             ),
             "turns": [t.summary() for t in self.turns],
             "forks": self.forks,
+            "parse_errors": self.parse_errors(),
             "failed_calls": self.failed_calls,
             "sample_ids": self.sample_ids,
         }
@@ -156,6 +168,14 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens sent to engines", registry=r)
         self.completion_tokens = Counter(f"{p}_completion_tokens", "Tokens sampled", registry=r)
         self.engine_errors = Counter(f"{p}_engine_errors", "Failed engine calls", ["code"], registry=r)
+        self.parse_errors = Counter(
+            f"{p}_parse_errors",
+            "Outputs that did not parse (returned as content), by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in PARSE_ERROR_REASONS:
+            self.parse_errors.labels(reason=reason)
         self.sessions_created = Counter(f"{p}_sessions_created", "Sessions created", registry=r)
         self.sessions_finished = Counter(
             f"{p}_sessions_finished", "Sessions finished", ["status"], registry=r

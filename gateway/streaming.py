@@ -49,15 +49,25 @@ def safe_prefix(text: str, markers: list[str], stops: list[str]) -> str:
 class HeldBackText:
     """Text of a stream's ids so far, handed out only as far as `safe_prefix` allows."""
 
-    def __init__(self, decode: Callable[[list[int]], str], markers: list[str], stops: list[str]):
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        markers: list[str],
+        stops: list[str],
+        hold_space: bool = False,
+    ):
         self.decode = decode
         self.markers = [m for m in markers if m]
         self.stops = stops
+        self.hold_space = hold_space
+        """Hold back trailing whitespace: with tools on, content before a call is stripped at the end."""
         self.sent = ""
 
     def advance(self, ids: list[int]) -> str:
         """The new text that can go out, given all ids so far ('' when nothing may be sent yet)."""
         safe = safe_prefix(self.decode(ids), self.markers, self.stops)
+        if self.hold_space:
+            safe = safe.rstrip()
         if len(safe) > len(self.sent) and safe.startswith(self.sent):
             delta, self.sent = safe[len(self.sent) :], safe
             return delta

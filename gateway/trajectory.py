@@ -49,6 +49,8 @@ class Turn:
     rendered: str = ""  # chat: the template text of the prompt; completion: prompt + output text
     output_text: str = ""  # decoded output incl. special tokens
     had_reasoning: bool = False
+    context_key: int | None = None  # chat: digest of what the template reads besides the messages
+    parse: dict[str, Any] | None = None  # chat: how the output was parsed (service._parse_status)
     fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
     fork_detail: str = ""
     children: int = 0
@@ -85,6 +87,7 @@ class Turn:
             "cached_tokens": self.cached_tokens,
             "fork_reason": self.fork_reason,
             "fork_detail": self.fork_detail,
+            "parse": self.parse,
         }
 
 

@@ -13,7 +13,8 @@ and the filters into one step's `Batch`. No Ray here: every piece is testable al
   samples once they are all read.
 * `sample_lag` — how many weight versions a sample is behind the trainer (its oldest sampled token).
 * `select_batch` — the staleness bound per sample (drop, or keep with the loss masked) and the
-  zero-reward-variance filter per group, with every decision counted in `Batch.counts`.
+  zero-reward-variance filter per group, with every decision counted in `Batch.counts` and every
+  sample not trained on recorded with its reason in `Batch.dropped` (`DROP_REASONS`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ import httpx
 
 from palaestra.sample import Sample
 
-__all__ = ["TRAINABLE", "Batch", "GroupRecord", "SampleFeed", "sample_lag", "select_batch"]
+__all__ = ["DROP_REASONS", "TRAINABLE", "Batch", "GroupRecord", "SampleFeed", "sample_lag", "select_batch"]
 
 TRAINABLE = ("completed", "truncated")  # session statuses whose samples train
+DROP_REASONS = ("stale", "stale_masked", "zero_variance", "failed", "aborted")
+"""Why a sample is not trained on: beyond the staleness bound (dropped, or kept with its loss
+masked), in a group whose rewards do not vary, or from a session that failed / was aborted."""
 
 
 @dataclass
@@ -63,6 +67,7 @@ class SampleFeed:
         self.seen: set[str] = set()
         self.buffer: dict[str, Sample] = {}
         self.counts: Counter[str] = Counter()
+        self.dropped: dict[str, str] = {}  # sample_id -> reason (`DROP_REASONS`), of this launch's samples
         self.client = httpx.Client(timeout=60, trust_env=False, headers=self.headers)
 
     def close(self) -> None:
@@ -98,6 +103,7 @@ class SampleFeed:
             return 0
         if data["status"] not in TRAINABLE:
             self.counts[f"status_{data['status']}"] += 1
+            self.dropped[sid] = data["status"]
             return 0
         self.buffer[sid] = Sample.from_dict(data)
         return 1
@@ -131,6 +137,11 @@ class Batch:
     lags: list[float]  # per trained sample, in weight versions
     counts: Counter[str]  # stale_dropped, stale_masked, groups_zero_variance, zero_variance_samples, ...
     considered: list[GroupRecord] = field(default_factory=list)  # every group looked at (kept or not)
+    dropped: dict[str, str] = field(default_factory=dict)  # sample_id -> why it does not train
+
+    def dropped_counts(self) -> Counter[str]:
+        """Samples not trained on, per reason (`DROP_REASONS`)."""
+        return Counter(self.dropped.values())
 
     @classmethod
     def empty(cls) -> Batch:
@@ -149,6 +160,7 @@ class Batch:
         self.lags += other.lags
         self.counts += other.counts
         self.considered += other.considered
+        self.dropped.update(other.dropped)
 
 
 def select_batch(
@@ -168,9 +180,11 @@ def select_batch(
             if lag > max_staleness:
                 if stale_policy == "drop":
                     batch.counts["stale_dropped"] += 1
+                    batch.dropped[s.sample_id] = "stale"
                     continue
                 s = Sample.from_dict({**s.to_dict(), "loss_mask": [0] * s.response_len})
                 batch.counts["stale_masked"] += 1
+                batch.dropped[s.sample_id] = "stale_masked"
             fresh.append((s, lag))
         if not fresh:
             batch.counts["groups_empty"] += 1
@@ -178,6 +192,7 @@ def select_batch(
         if filter_zero_variance and len({s.reward for s, _ in fresh}) == 1:
             batch.counts["groups_zero_variance"] += 1
             batch.counts["zero_variance_samples"] += len(fresh)
+            batch.dropped.update({s.sample_id: "zero_variance" for s, _ in fresh})
             continue
         batch.groups.append(record)
         batch.samples += [s for s, _ in fresh]

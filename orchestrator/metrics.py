@@ -69,6 +69,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "rollout/groups_zero_variance": float(batch.counts["groups_zero_variance"]),
         "rollout/dropped": float(batch.counts["stale_dropped"] + batch.counts["zero_variance_samples"]),
     }
+    for reason, n in batch.dropped_counts().items():  # samples not trained on, per reason
+        m[f"rollout/dropped_{reason}"] = float(n)
     for status, n in batch.session_statuses().items():
         m[f"rollout/sessions_{status}"] = float(n)
     if batch.groups:

@@ -21,6 +21,7 @@ __all__ = [
     "REWARD_STD",
     "STEP",
     "TEACHER_ACCURACY",
+    "dropped_totals",
     "plot_reward_curve",
     "summary_line",
 ]
@@ -124,6 +125,17 @@ def plot_reward_curve(
     return path
 
 
+def dropped_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Samples not trained on over the run, per reason: the steps' `rollout/dropped_<reason>`."""
+    totals: dict[str, int] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("rollout/dropped_") and isinstance(value, (int, float)):
+                reason = key.removeprefix("rollout/dropped_")
+                totals[reason] = totals.get(reason, 0) + int(value)
+    return {k: v for k, v in totals.items() if v}
+
+
 def summary_line(
     rows: Sequence[Mapping[str, Any]],
     *,
@@ -150,6 +162,9 @@ def summary_line(
             f"({int(eval_after['tasks'])} tasks{teacher})"
         )
     parts.append(f"weight version {weight_version} on {engines} engines")
+    dropped = dropped_totals(rows)
+    if dropped:
+        parts.append("not trained on: " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
     noted = {k: v for k, v in counts.items() if v and k != "sessions_completed"}
     if noted:
         parts.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(noted.items())))

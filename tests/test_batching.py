@@ -75,11 +75,14 @@ def test_select_batch_drops_or_masks_stale_samples_and_filters_flat_groups():
     # group 0 loses "a" (2 versions old) and then has one reward left: filtered; so is group 1
     assert dropped.samples == [] and dropped.counts["stale_dropped"] == 1
     assert dropped.counts["groups_zero_variance"] == 2 and len(dropped.considered) == 2
+    # and each sample that does not train says why
+    assert dropped.dropped == {"a": "stale", "b": "zero_variance", "c": "zero_variance", "d": "zero_variance"}
 
     masked = select_batch(groups, 3, max_staleness=1, stale_policy="mask", filter_zero_variance=False)
     assert [s.sample_id for s in masked.samples] == ["a", "b", "c", "d"]
     assert masked.samples[0].loss_mask == [0] and masked.counts["stale_masked"] == 1
     assert masked.lags == [2, 0, 0, 0] and groups[0][1][0].loss_mask == [1]  # the original is untouched
+    assert masked.dropped == {"a": "stale_masked"}
 
 
 def test_rollout_metrics_count_what_the_filters_left_out():
@@ -97,6 +100,11 @@ def test_rollout_metrics_count_what_the_filters_left_out():
     assert batch.session_statuses() == Counter(completed=3, failed=1)  # every group looked at
     assert (m["rollout/samples"], m["rollout/groups"], m["rollout/sampled_tokens"]) == (2.0, 1.0, 3.0)
     assert m["rollout/reward_mean"] == 0.5 and m["rollout/dropped"] == 1.0
+    assert m["rollout/dropped_stale"] == 1.0 and batch.dropped == {"c": "stale"}
+    from palaestra.orchestrator.report import dropped_totals
+
+    rows = [m, {**m, "rollout/dropped_zero_variance": 2.0}]
+    assert dropped_totals(rows) == {"stale": 2, "zero_variance": 2}
     assert (m["rollout/sessions_completed"], m["rollout/sessions_failed"]) == (3.0, 1.0)
     assert math.isnan(rollout_metrics(Batch.empty())["rollout/reward_mean"])
 
@@ -137,6 +145,7 @@ def test_sample_feed_keeps_this_launchs_trainable_samples_once_until_claimed():
             assert feed.claim(_record(0, ["a", "e"])) is None  # nothing read yet
             assert feed.poll() == 2 and feed.cursor == 6
             assert feed.counts == Counter(duplicates=1, status_failed=1, other_run=1, eval=1)
+            assert feed.dropped == {"b": "failed"}
             claimed = feed.claim(_record(0, ["a", "e"]))
             assert [s.sample_id for s in claimed] == ["a", "e"] and feed.buffer == {}
             assert feed.poll() == 0  # the cursor moved on: nothing is read twice

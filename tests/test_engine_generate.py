@@ -251,7 +251,9 @@ def test_streaming_is_cumulative_and_ends_with_done(client):
         ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"input_ids": [1] * 40000}, "context length"),
         ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40000}}, "context length"),
-        ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{}"}}, "not supported"),
+        ({"input_ids": PROMPT, "sampling_params": {"structural_tag": "{}"}}, "not supported"),
+        ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{not json"}}, "json_schema"),
+        ({"input_ids": PROMPT, "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "only one"),
         ({"input_ids": PROMPT, "lora_path": "x"}, "not supported"),
         ({"input_ids": PROMPT, "logprob_start_len": 99}, "logprob_start_len"),
         ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{}]}, "batch"),
@@ -359,3 +361,38 @@ def test_logprobs_are_fp64_accurate_for_large_logits():
     masked[0, :10] = float("-inf")  # banned tokens stay -inf, the rest still sums to 1
     row = log_softmax(masked)[0]
     assert torch.isinf(row[:10]).all() and abs(row[10:].exp().sum().item() - 1) < 1e-5
+
+
+def test_constrained_decoding_follows_the_grammar_and_reports_constrained_logprobs(client):
+    """json_schema / regex / ebnf through llguidance: the output obeys the grammar even from random
+    weights, and each reported logprob is of the masked distribution (higher than unconstrained)."""
+    # a schema whose every document is short: random weights would otherwise wander in whitespace
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 22]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    schema["x-guidance"] = {"whitespace_flexible": False}
+    tok_url = client.get("/server_info").json()
+    assert tok_url  # the engine is up
+    for sampling, check in (
+        ({"json_schema": json.dumps(schema)}, lambda t: json.loads(t)["n"] in (1, 22)),
+        ({"regex": "[0-9]{3}-[a-c]+"}, lambda t: __import__("re").fullmatch("[0-9]{3}-[a-c]+", t)),
+        ({"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ):
+        r = client.post(
+            "/generate",
+            json={
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 48, "temperature": 1.0, "sampling_seed": 7, **sampling},
+                "return_logprob": True,
+            },
+        )
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", (sampling, out["text"])
+        assert check(out["text"]), (sampling, out["text"])
+        # forced tokens (the only one the grammar allows) have logprob 0 in the constrained distribution
+        lps = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert max(lps) > -1e-4 and all(lp <= 0 for lp in lps)

@@ -315,3 +315,109 @@ def test_spool_recovers_from_a_torn_tail(tmp_path):
     assert [r["sample"]["sample_id"] for r in again.read(0)] == ["a", "b"]
     assert again.append([{"sample_id": "b"}, {"sample_id": "c"}]) == [2, 3]  # dedup by sample_id
     assert [json.loads(line)["cursor"] for line in seg.read_text().splitlines()] == [1, 2, 3]
+
+
+def _exact(gateway, rec, sid: str) -> None:
+    """Every turn sampled exactly the engine's tokens; a turn that ended on a stop bridged the next
+    onto its exact prompt + output; the last sample is the last engine call's tokens."""
+    mine = [e for e in rec.exchanges if e.headers.get("x-smg-routing-key") == sid]
+    traj = httpx.get(f"{gateway.url}/sessions/{sid}", headers=KEY).json()
+    assert [t["output_ids"] for t in traj["turns"]] == [e.answer["output_ids"] for e in mine]
+    assert {f["reason"] for f in traj["forks"]} <= {"truncated"}
+    bridged = 0
+    for prev, cur, turn in zip(mine, mine[1:], traj["turns"][1:], strict=False):
+        if turn["fork_reason"] is None:
+            head = prev.body["input_ids"] + prev.answer["output_ids"]
+            assert cur.body["input_ids"][: len(head)] == head
+            bridged += 1
+    assert bridged >= 1, "no turn ended on a stop string: nothing was bridged"
+    finish(gateway, sid)
+    last = max(spooled(gateway, sid), key=lambda x: x["fork_index"])
+    assert last["tokens"] == mine[-1].body["input_ids"] + mine[-1].answer["output_ids"]
+
+
+# Random weights rarely end a turn; a turn cut by max_tokens forks ("truncated"). Stopping on common
+# letters ends most turns early, so the next turn bridges onto the exact tokens.
+STOPS = ["e", "a", "o", "i", " "]
+
+
+def test_responses_sdk_multi_turn_stream_and_chain_are_exact(gateway, proxy):
+    rec, _ = proxy
+    s = session(gateway)
+    client = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    items: list = [{"role": "user", "content": "Say hi."}]
+    more = {"extra_body": {"stop": STOPS}}
+    r = client.responses.create(
+        model="tiny", instructions="Be brief.", input=items, max_output_tokens=10, **more
+    )
+    items += [i.model_dump(exclude_none=True) for i in r.output] + [{"role": "user", "content": "More."}]
+    with client.responses.stream(
+        model="tiny", instructions="Be brief.", input=items, max_output_tokens=10, temperature=0.7, **more
+    ) as stream:
+        events = list(stream)
+    # cut by max_output_tokens (random weights rarely stop) ends in response.incomplete, as upstream
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    streamed = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == streamed.output_text and streamed.usage.output_tokens > 0
+    chained = client.responses.create(
+        model="tiny",
+        instructions="Be brief.",
+        previous_response_id=streamed.id,
+        input="Once more.",
+        max_output_tokens=10,
+        **more,
+    )
+    assert chained.previous_response_id == streamed.id
+    _exact(gateway, rec, s["session_id"])
+
+
+def test_anthropic_sdk_multi_turn_and_stream_are_exact(gateway, proxy):
+    import anthropic
+
+    rec, _ = proxy
+    s = session(gateway)
+    client = anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="k-test")
+    msgs: list = [{"role": "user", "content": "Say hi."}]
+    m = client.messages.create(
+        model="tiny", system="Be brief.", messages=msgs, max_tokens=10, stop_sequences=STOPS
+    )
+    msgs += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": "More."},
+    ]
+    with client.messages.stream(
+        model="tiny", system="Be brief.", messages=msgs, max_tokens=10, stop_sequences=STOPS
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text and final.usage.output_tokens > 0
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Again."}]
+    m3 = client.messages.create(
+        model="tiny", system="Be brief.", messages=msgs, max_tokens=10, stop_sequences=STOPS
+    )
+    assert m3.usage.input_tokens > final.usage.input_tokens
+    _exact(gateway, rec, s["session_id"])
+
+
+def test_structured_output_is_honoured_and_recorded_exactly(gateway, proxy):
+    """response_format json_schema -> SGLang's json_schema -> the embedded engine's grammar: the
+    answer parses against the schema even from random weights, and the turn records exactly the
+    engine's (constrained) tokens and logprobs."""
+    rec, _ = proxy
+    s = session(gateway)
+    client = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 22]}}, "required": ["n"]}
+    schema["additionalProperties"], schema["x-guidance"] = False, {"whitespace_flexible": False}
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    assert json.loads(r.choices[0].message.content)["n"] in (1, 22)
+    (mine,) = [e for e in rec.exchanges if e.headers.get("x-smg-routing-key") == s["session_id"]]
+    assert json.loads(mine.body["sampling_params"]["json_schema"]) == schema
+    turn = httpx.get(f"{gateway.url}/sessions/{s['session_id']}", headers=KEY).json()["turns"][0]
+    assert turn["output_ids"] == mine.answer["output_ids"]
+    assert turn["output_logprobs"] == [e[0] for e in mine.answer["meta_info"]["output_token_logprobs"]]

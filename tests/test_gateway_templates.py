@@ -257,3 +257,20 @@ def test_nonmonotonic_template_forks(tiny_model_dir, tmp_path):
         )
         traj = httpx.get(f"{gw.url}/sessions/{s['session_id']}").json()
         assert [f["reason"] for f in traj["forks"]] == ["template_nonmonotonic"]
+
+
+def test_incremental_render_probe(tiny_model_dir):
+    """An append renders from a short context only on templates that pass the start-up probe: ChatML
+    (gap ''), GLM-5 not (its generation prompt opens a think block past turns do not have); a
+    template that counts the messages in its header fails it."""
+    from palaestra.gateway.bridge import incremental_ok
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert incremental_ok(ChatRenderer(tok)) == ""
+    assert incremental_ok(ChatRenderer(AutoTokenizer.from_pretrained(resolve_model("tiny-glm5")))) is None
+    tok.chat_template = (
+        "{{ 'turns=' ~ (messages | length) ~ '\\n' }}{% for m in messages %}"
+        "{{ '<|im_start|>' ~ m.role ~ '\\n' ~ m.content ~ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    assert incremental_ok(ChatRenderer(tok)) is None

@@ -1,0 +1,417 @@
+"""The Anthropic Messages dialect (`POST /s/{sid}/v1/messages`, `/v1/messages/count_tokens`).
+
+`parse` turns a Messages body into the core's `TurnRequest`; `answer` and `stream` shape the
+core's results into a `message` object and Anthropic's server-sent events; `error_body` is
+Anthropic's error envelope (`routes.py` answers this dialect's errors in it). `dialect.py`
+describes the seam; docs/gateway.md lists what is honoured and what is refused.
+
+Content blocks map onto the internal (OpenAI chat) messages the renderer reads:
+
+* `system` (a string or text blocks) -> a leading system message;
+* a user message's `text` blocks -> a user message, each `tool_result` block -> a `tool` message
+  (in block order; text after results becomes a user message after them);
+* an assistant message's `thinking`, `text` and `tool_use` blocks -> one assistant message
+  (reasoning_content, content, tool_calls): exactly how `answer` lays a reply out, so a reply sent
+  back is the message the bridge matches (`dialect.reply_message`).
+
+`cache_control` (top level or on blocks) is accepted and has nothing to do: the engines cache every
+prefix. Sampling fields newer SDKs no longer send (`temperature`, `top_p`, `top_k`) are honoured when
+given; fields the gateway cannot honour (`container`, `output_config`, `mcp_servers`, ...) are a 400
+naming the field.
+
+Stream events, in order: `message_start`, then per content block `content_block_start`,
+`content_block_delta` (`thinking_delta` + `signature_delta`, `text_delta`, `input_json_delta`),
+`content_block_stop`; then `message_delta` (stop reason, output usage) and `message_stop`; an
+engine failure mid-stream is an `error` event. Text streams as it is sampled; thinking and tool
+calls are parsed whole and arrive at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from palaestra.gateway.dialect import (
+    GenerationParams,
+    StreamEvent,
+    StreamFailed,
+    StreamFinished,
+    StreamStarted,
+    TextDelta,
+    TurnOutput,
+    TurnRequest,
+    TurnResult,
+)
+from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.renderer import normalize_messages
+from palaestra.gateway.streaming import sse
+
+FIELDS = {
+    "model",
+    "messages",
+    "system",
+    "max_tokens",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "tools",
+    "tool_choice",
+    "metadata",
+    "thinking",
+    "service_tier",
+    "cache_control",
+}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"}
+
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(exc: GatewayError) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
+        raise GatewayError(f"{key}: must be {'an integer' if integer else 'a number'}", param=key)
+    if not lo <= value <= hi:
+        raise GatewayError(f"{key}: must be between {lo} and {hi}; got {value}", param=key)
+    return int(value) if integer else float(value)
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise GatewayError(f"{unknown[0]}: Extra inputs are not permitted", param=unknown[0])
+
+
+def _params(body: dict[str, Any]) -> GenerationParams:
+    if body.get("max_tokens") is None:
+        raise GatewayError("max_tokens: Field required", param="max_tokens")
+    max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
+    temperature, top_p = _number(body, "temperature", 0, 1), _number(body, "top_p", 0, 1)
+    sampling: dict[str, Any] = {
+        "temperature": 1.0 if temperature is None else temperature,  # Anthropic's default
+        "top_p": 1.0 if top_p is None else max(top_p, 1e-6),
+    }
+    if body.get("top_k") is not None:
+        sampling["top_k"] = _number(body, "top_k", 1, 1 << 30, integer=True)
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise GatewayError("stop_sequences: must be an array of non-empty strings", param="stop_sequences")
+    if stops:
+        sampling["stop"] = stops
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise GatewayError("stream: must be a boolean", param="stream")
+    return GenerationParams(sampling, 1, stream, False, False, 0, list(stops), max_tokens)
+
+
+def _text(content: Any, where: str) -> str:
+    """A system prompt or a text-only content: a string or text blocks."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+        return "".join(str(b.get("text", "")) for b in content)
+    raise GatewayError(f"{where}: must be a string or an array of text blocks", param=where.split(".")[0])
+
+
+def _messages(system: Any, raw: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        out.append({"role": "system", "content": _text(system, "system")})
+    if not isinstance(raw, list) or not raw:
+        raise GatewayError("messages: must be a non-empty array", param="messages")
+    for i, m in enumerate(raw):
+        # the common shapes first, with no block walk: this loop runs over the whole history per call
+        if type(m) is dict and len(m) == 2:
+            role, content = m.get("role"), m.get("content")
+            if role == "user" and type(content) is str:
+                out.append(m)
+                continue
+            if role == "assistant" and type(content) is list and len(content) == 1:
+                block = content[0]
+                if type(block) is dict and block.get("type") == "text" and len(block) == 2:
+                    out.append({"role": "assistant", "content": str(block.get("text", ""))})
+                    continue
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise GatewayError(f"{where}.role: must be 'user' or 'assistant'", param="messages")
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise GatewayError(f"{where}.content: must be a string or an array of blocks", param="messages")
+        if m["role"] == "assistant":
+            out.append(_assistant(blocks, where))
+        else:
+            out += _user(blocks, where)
+    return out
+
+
+def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    for j, b in enumerate(blocks):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            msg["content"] += str(b.get("text", ""))
+        elif kind == "thinking":
+            msg["reasoning_content"] = str(b.get("thinking", ""))
+        elif kind == "tool_use":
+            if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str):
+                raise GatewayError(f"{where}.content.{j}: tool_use needs 'id' and 'name'", param="messages")
+            fn = {"name": b["name"], "arguments": b.get("input", {})}
+            msg.setdefault("tool_calls", []).append({"id": b["id"], "type": "function", "function": fn})
+        else:
+            raise GatewayError(
+                f"{where}.content.{j}.type: {kind!r} is not supported in assistant messages "
+                "(text, thinking, tool_use)",
+                param="messages",
+            )
+    return msg
+
+
+def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    for j, b in enumerate(blocks):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            text.append(str(b.get("text", "")))
+        elif kind == "tool_result":
+            if text:  # text before a result stays before it
+                out.append({"role": "user", "content": "".join(text)})
+                text = []
+            body = b.get("content", "")
+            result = _text(body, f"{where}.content.{j}.content") if body is not None else ""
+            out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": result})
+        else:
+            raise GatewayError(
+                f"{where}.content.{j}.type: {kind!r} is not supported in user messages (text, tool_result)",
+                param="messages",
+            )
+    if text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise GatewayError("tools: must be an array", param="tools")
+    out = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+            kind = t.get("type") if isinstance(t, dict) else t
+            raise GatewayError(
+                f"tools.{i}: only custom (client) tools are supported; got {kind!r}", param="tools"
+            )
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise GatewayError(f"tools.{i}.name: must be a non-empty string", param="tools")
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise GatewayError(
+                f"tools.{i}.input_schema: Field required (a JSON schema object)", param="tools"
+            )
+        fn = {"name": t["name"], "description": t.get("description") or "", "parameters": schema}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    if raw is None:
+        return ("auto" if tools else "none"), None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind in ("auto", "none"):
+        return kind, None
+    if kind == "any":
+        if not tools:
+            raise GatewayError("tool_choice: 'any' needs tools", param="tool_choice")
+        return "required", None
+    if kind == "tool":
+        if not tools or raw.get("name") not in {t["function"]["name"] for t in tools}:
+            raise GatewayError(f"tool_choice.name: {raw.get('name')!r} is not in tools", param="tool_choice")
+        return "named", raw["name"]
+    raise GatewayError("tool_choice.type: must be 'auto', 'any', 'tool' or 'none'", param="tool_choice")
+
+
+def _thinking(raw: Any) -> dict[str, Any] | None:
+    """`thinking` switches the template's thinking on or off (budget_tokens is not enforced: the
+    model's template decides how long it thinks, max_tokens bounds the whole turn)."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind not in ("enabled", "disabled"):
+        raise GatewayError("thinking.type: must be 'enabled' or 'disabled'", param="thinking")
+    return {"enable_thinking": kind == "enabled"}
+
+
+def parse(body: dict[str, Any]) -> TurnRequest:
+    """A `/messages` body -> the core's request."""
+    _check_fields(body, FIELDS)
+    params = _params(body)
+    return _request(body, params)
+
+
+def parse_count(body: dict[str, Any]) -> TurnRequest:
+    """A `/messages/count_tokens` body -> a request that is only rendered (never generated)."""
+    _check_fields(body, COUNT_FIELDS)
+    return _request(body, GenerationParams({}, 1, False, False, False, 0, [], None))
+
+
+def _request(body: dict[str, Any], params: GenerationParams) -> TurnRequest:
+    messages = normalize_messages(_messages(body.get("system"), body.get("messages")))
+    tools = _tools(body.get("tools"))
+    tool_choice, named = _tool_choice(body.get("tool_choice"), tools)
+    return TurnRequest(
+        messages,
+        tools,
+        tool_choice,
+        params,
+        named_tool=named,
+        template_kwargs=_thinking(body.get("thinking")),
+    )
+
+
+# -- answers --------------------------------------------------------------------------------------
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        value = None
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(out: TurnOutput) -> list[dict[str, Any]]:
+    """thinking, text, tool_use: the order `_assistant` folds back into one message."""
+    blocks: list[dict[str, Any]] = []
+    if out.reasoning:
+        blocks.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+    if out.content or not (out.tool_calls or out.reasoning):
+        blocks.append({"type": "text", "text": out.content or ""})
+    for c in out.tool_calls:
+        blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)})
+    return blocks
+
+
+def stop_reason(request: TurnRequest, out: TurnOutput) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a choice."""
+    if out.finish == "tool_calls":
+        return "tool_use", None
+    if out.finish == "length":
+        return "max_tokens", None
+    if isinstance(out.stop_matched, str) and out.stop_matched in request.params.stop:
+        return "stop_sequence", out.stop_matched
+    return "end_turn", None
+
+
+def _usage(result: TurnResult) -> dict[str, Any]:
+    return {
+        "input_tokens": result.prompt_tokens,
+        "output_tokens": result.completion_tokens,
+        "cache_read_input_tokens": result.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def answer(request: TurnRequest, result: TurnResult) -> dict[str, Any]:
+    out = result.outputs[0]
+    reason, sequence = stop_reason(request, out)
+    return {
+        "id": result.call_id,
+        "type": "message",
+        "role": "assistant",
+        "model": result.model,
+        "content": content_blocks(out),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": _usage(result),
+    }
+
+
+def _event(kind: str, **data: Any) -> str:
+    return sse({"type": kind, **data}, event=kind)
+
+
+def _block_events(index: int, block: dict[str, Any]) -> list[str]:
+    """start -> delta(s) -> stop of a block sent whole at the end."""
+    kind = block["type"]
+    if kind == "thinking":
+        start = {"type": "thinking", "thinking": "", "signature": ""}
+        deltas = [{"type": "thinking_delta", "thinking": block["thinking"]}]
+        deltas.append({"type": "signature_delta", "signature": block["signature"]})
+    elif kind == "text":
+        start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": block["text"]}]
+    else:
+        start = {**block, "input": {}}
+        deltas = [
+            {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        ]
+    return [
+        _event("content_block_start", index=index, content_block=start),
+        *[_event("content_block_delta", index=index, delta=d) for d in deltas],
+        _event("content_block_stop", index=index),
+    ]
+
+
+async def stream(
+    request: TurnRequest, events: AsyncGenerator[StreamEvent, None]
+) -> AsyncGenerator[str, None]:
+    opened = False  # the text block went out while sampling (text streams first)
+    async for event in events:
+        if isinstance(event, StreamStarted):
+            message = {
+                "id": event.call_id,
+                "type": "message",
+                "role": "assistant",
+                "model": event.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": event.prompt_tokens, "output_tokens": 0},
+            }
+            yield _event("message_start", message=message)
+        elif isinstance(event, TextDelta):
+            if not opened:
+                opened = True
+                yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": event.text})
+        elif isinstance(event, StreamFailed):
+            yield _event("error", error=error_body(event.error)["error"])
+            return
+        elif isinstance(event, StreamFinished):
+            out = event.result.outputs[0]
+            blocks = content_blocks(out)
+            if opened and blocks[0]["type"] != "text":
+                blocks.insert(0, {"type": "text", "text": ""})  # the block that already went out
+            for index, block in enumerate(blocks):
+                if opened and index == 0:
+                    if event.unsent:
+                        yield _event(
+                            "content_block_delta", index=0, delta={"type": "text_delta", "text": event.unsent}
+                        )
+                    yield _event("content_block_stop", index=0)
+                else:
+                    for chunk in _block_events(index, block):
+                        yield chunk
+            reason, sequence = stop_reason(request, out)
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            yield _event(
+                "message_delta", delta=delta, usage={"output_tokens": event.result.completion_tokens}
+            )
+            yield _event("message_stop")

@@ -1,0 +1,262 @@
+"""The OpenAI Responses API dialect: the shapers (`responses_api.py` is the parser).
+
+`answer` shapes the core's `TurnResult` into a `response` object: output items reasoning, message,
+function calls -- the order `responses_api.parse` folds back into one assistant message.
+
+Stream events, in order: `response.created`, `response.in_progress`, then per output item
+`response.output_item.added`, its content events (`response.content_part.added`,
+`response.output_text.delta`..., `response.output_text.done`, `response.content_part.done`;
+`response.reasoning_text.delta` / `.done` for reasoning; `response.function_call_arguments.delta`
+/ `.done` for calls), `response.output_item.done`, and last `response.completed` (or
+`response.incomplete` when cut by `max_output_tokens`, `response.failed` when the engine failed).
+Content streams as it is sampled; reasoning and calls are parsed whole and arrive at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from palaestra.gateway.dialect import (
+    StreamEvent,
+    StreamFailed,
+    StreamFinished,
+    StreamStarted,
+    TextDelta,
+    TokenLogprob,
+    TurnOutput,
+    TurnRequest,
+    TurnResult,
+)
+from palaestra.gateway.streaming import sse
+
+
+def _logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top],
+        }
+        for e in entries or []
+    ]
+
+
+def _ids(call_id: str) -> str:
+    return call_id.removeprefix("resp_")
+
+
+def _reasoning_item(call_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    item: dict[str, Any] = {"type": "reasoning", "id": f"rs_{_ids(call_id)}", "summary": []}
+    item["content"] = [{"type": "reasoning_text", "text": text}]
+    return {**item, "status": status}
+
+
+def _message_item(call_id: str, text: str, logprobs: Any, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+    content = [part] if status == "completed" else []
+    return {
+        "type": "message",
+        "id": f"msg_{_ids(call_id)}",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def _call_item(call_id: str, j: int, call: Any, arguments: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{_ids(call_id)}_{j}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+        "status": "completed" if arguments is None else "in_progress",
+    }
+
+
+def output_items(call_id: str, out: TurnOutput, force_message: bool = False) -> list[dict[str, Any]]:
+    """A choice's output items: reasoning, message, function calls (the order the input parser
+    folds back into one assistant message)."""
+    items = []
+    if out.reasoning:
+        items.append(_reasoning_item(call_id, out.reasoning))
+    if out.content or force_message or not (out.tool_calls or out.reasoning):
+        lps = _logprobs(out.logprobs) if out.logprobs is not None else []
+        items.append(_message_item(call_id, out.content or "", lps))
+    items += [_call_item(call_id, j, c) for j, c in enumerate(out.tool_calls)]
+    return items
+
+
+def _usage(result: TurnResult, out: TurnOutput) -> dict[str, Any]:
+    completion = result.completion_tokens
+    return {
+        "input_tokens": result.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": result.prompt_tokens + completion,
+    }
+
+
+def _response(
+    request: TurnRequest,
+    call_id: str,
+    created: int,
+    model: str,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    echo = request.echo
+    return {
+        "id": call_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model,
+        "output": output,
+        "usage": usage,
+        "text": {"format": {"type": "text"}},  # a request's own `text` (echoed) replaces it
+        "truncation": "disabled",
+        "reasoning": {"effort": None, "summary": None},
+        **echo,
+    }
+
+
+def answer(request: TurnRequest, result: TurnResult, force_message: bool = False) -> dict[str, Any]:
+    out = result.outputs[0]
+    status = "incomplete" if out.finish == "length" else "completed"
+    items = output_items(result.call_id, out, force_message)
+    return _response(
+        request, result.call_id, result.created, result.model, status, items, _usage(result, out)
+    )
+
+
+class _Events:
+    """Numbers a stream's events (`sequence_number`, as upstream)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, **data: Any) -> str:
+        self.n += 1
+        return sse({"type": kind, "sequence_number": self.n - 1, **data}, event=kind)
+
+
+def _item_events(ev: _Events, index: int, item: dict[str, Any]) -> list[str]:
+    """The added -> content -> done events of an output item sent whole at the end."""
+    kind, item_id = item["type"], item["id"]
+    if kind == "message":
+        part = item["content"][0]
+        opened = {**item, "status": "in_progress", "content": []}
+        empty = {**part, "text": "", "logprobs": []}
+        return [
+            ev("response.output_item.added", output_index=index, item=opened),
+            ev(
+                "response.content_part.added",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part=empty,
+            ),
+            *_text_done(ev, index, item, part["text"]),
+        ]
+    if kind == "reasoning":
+        text = item["content"][0]["text"]
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        return [
+            ev(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "content": [], "status": "in_progress"},
+            ),
+            ev("response.reasoning_text.delta", **where, delta=text),
+            ev("response.reasoning_text.done", **where, text=text),
+            ev("response.output_item.done", output_index=index, item=item),
+        ]
+    args = item["arguments"]
+    return [
+        ev(
+            "response.output_item.added",
+            output_index=index,
+            item={**item, "arguments": "", "status": "in_progress"},
+        ),
+        ev("response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=args),
+        ev(
+            "response.function_call_arguments.done",
+            item_id=item_id,
+            output_index=index,
+            arguments=args,
+            name=item["name"],
+        ),
+        ev("response.output_item.done", output_index=index, item=item),
+    ]
+
+
+def _text_done(ev: _Events, index: int, item: dict[str, Any], unsent: str) -> list[str]:
+    """The rest of a message item's text, then its done events."""
+    part, item_id = item["content"][0], item["id"]
+    where = {"item_id": item_id, "output_index": index, "content_index": 0}
+    events = [ev("response.output_text.delta", **where, delta=unsent, logprobs=[])] if unsent else []
+    return [
+        *events,
+        ev("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
+        ev("response.content_part.done", **where, part=part),
+        ev("response.output_item.done", output_index=index, item=item),
+    ]
+
+
+async def stream(
+    request: TurnRequest, events: AsyncGenerator[StreamEvent, None]
+) -> AsyncGenerator[str, None]:
+    ev = _Events()
+    call_id, created, model = "", 0, ""
+    opened = False  # the message item went out while sampling (content streams first)
+    async for event in events:
+        if isinstance(event, StreamStarted):
+            call_id, created, model = event.call_id, event.created, event.model
+            head = _response(request, call_id, created, model, "in_progress", [], None)
+            yield ev("response.created", response=head)
+            yield ev("response.in_progress", response=head)
+        elif isinstance(event, TextDelta):
+            item_id = f"msg_{_ids(call_id)}"
+            if not opened:
+                opened = True
+                yield ev(
+                    "response.output_item.added",
+                    output_index=0,
+                    item=_message_item(call_id, "", [], "in_progress"),
+                )
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                yield ev(
+                    "response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part
+                )
+            lps = _logprobs(event.logprobs)
+            yield ev(
+                "response.output_text.delta",
+                item_id=item_id,
+                output_index=0,
+                content_index=0,
+                delta=event.text,
+                logprobs=lps,
+            )
+        elif isinstance(event, StreamFailed):
+            failed = _response(request, call_id, created, model, "failed", [], None)
+            failed["error"] = {"code": event.error.code or "server_error", "message": event.error.message}
+            yield ev("response.failed", response=failed)
+            return
+        elif isinstance(event, StreamFinished):
+            final = answer(request, event.result, force_message=opened)
+            for index, item in enumerate(final["output"]):
+                if opened and item["type"] == "message":
+                    for chunk in _text_done(ev, index, item, event.unsent):
+                        yield chunk
+                else:
+                    for chunk in _item_events(ev, index, item):
+                        yield chunk
+            done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+            yield ev(done, response=final)
