@@ -29,7 +29,7 @@ __all__ = ["SANDBOX_UID", "TOOLS", "Rootfs", "add", "collect", "is_elf", "librar
 TOOLS = (
     "sh bash cat ls echo printf sleep head tail wc mkdir rmdir rm cp mv ln env true false id touch "
     "dd yes sort uniq tr cut seq stat df du grep sed setsid kill timeout test chmod pwd tee xargs "
-    "find diff cmp basename dirname md5sum sha256sum nproc uname date whoami ps expr awk mkfifo"
+    "find diff cmp basename dirname md5sum sha256sum nproc uname date whoami ps expr awk mkfifo git patch"
 ).split()
 """Commands the images offer besides python3 (those this host lacks are left out)."""
 
