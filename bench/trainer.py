@@ -252,8 +252,10 @@ def weight_sync(model: str | Path, rounds: int) -> None:
         whole = sorted(c / r.seconds for c, r in rs)
         paused = sorted(c / r.pause_seconds for c, r in rs)
         pause_ms = sorted(r.pause_seconds * 1e3 for _, r in rs)
-        phases = {k: sorted(r.phases.get(k, 0.0) for _, r in rs)[mid] * 1e3 for k in rs[0][1].phases}
-        print(f"  {m:6s}: whole push {whole[mid]:.3f} [{whole[-1]:.3f}] of memcpy "
+        first = getattr(rs[0][1], "phases", {})  # (older SyncReports have none: the bench runs on either)
+        phases = {k: sorted(r.phases.get(k, 0.0) for _, r in rs)[mid] * 1e3 for k in first}
+        whole_ms = sorted(r.seconds * 1e3 for _, r in rs)[mid]
+        print(f"  {m:6s}: whole push {whole_ms:.1f} ms, {whole[mid]:.3f} [{whole[-1]:.3f}] of memcpy "
               f"({nbytes / min(r.seconds for _, r in rs) / 1e9:.3f} GB/s best); engine paused "
               f"{pause_ms[mid]:.1f} ms per sync -> {paused[mid]:.3f} [{paused[-1]:.3f}] of memcpy"
               f"\n          median ms per phase: " + " | ".join(f"{k} {t:.1f}" for k, t in phases.items()))  # fmt: skip
