@@ -348,8 +348,6 @@ class WeightSync:
         client = self.client
         with clock.phase("stage"):
             calls = self._stage(client, named, v)
-            if self.mode == "shm":  # asked before the pause: the answer is kept per engine
-                self._each(lambda url: self._shm_format(client, url))
 
         def update() -> int:
             if self.mode == "shm":  # inside the pause: an embedded engine's weights are this file
@@ -360,7 +358,7 @@ class WeightSync:
                 body = {"model_path": directory, "flush_cache": True, "weight_version": v}
                 clock.step("update", self._each(lambda url: self._call(
                     client, url, "update 1/1", "POST", "/update_weights_from_disk",
-                    {**body, "load_format": self._formats[url]})))  # fmt: skip
+                    {**body, "load_format": self._shm_format(client, url)})))  # fmt: skip
                 return 1
             if self.mode == "distributed":
                 assert self._group is not None
