@@ -255,6 +255,8 @@ def weight_sync(model: str | Path, rounds: int) -> None:
         first = getattr(rs[0][1], "phases", {})  # (older SyncReports have none: the bench runs on either)
         phases = {k: sorted(r.phases.get(k, 0.0) for _, r in rs)[mid] * 1e3 for k in first}
         whole_ms = sorted(r.seconds * 1e3 for _, r in rs)[mid]
+        if first:  # the whole push less its phases, per round: what no phase accounts for
+            phases["other"] = sorted(r.seconds - sum(r.phases.values()) for _, r in rs)[mid] * 1e3
         print(f"  {m:6s}: whole push {whole_ms:.1f} ms, {whole[mid]:.3f} [{whole[-1]:.3f}] of memcpy "
               f"({nbytes / min(r.seconds for _, r in rs) / 1e9:.3f} GB/s best); engine paused "
               f"{pause_ms[mid]:.1f} ms per sync -> {paused[mid]:.3f} [{paused[-1]:.3f}] of memcpy"
