@@ -12,8 +12,10 @@ Prints, from one run:
   pack-first order;
 * snapshot switch as a fraction of a plain memcpy of the same bytes;
 * weight sync to a real embedded engine, per mode (tensor: base64 buckets over HTTP; shm: one
-  safetensors file in /dev/shm + /update_weights_from_disk), as a fraction of memcpy, for the whole
-  push and for the pause alone (the time the engine does not generate).
+  safetensors file in /dev/shm + /update_weights_from_disk), as a fraction of a memcpy of the same
+  bytes timed around each push (one copy each, like the push), for the whole push and for the
+  pause alone (the time the engine does not generate), with the median milliseconds per phase
+  (stage, pause, write, update, version, continue).
 
     .venv/bin/python bench/trainer.py --parts balance,sync     # only those sections
 Absolute numbers depend on this machine's load; the ratios are what to compare between runs.
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--sync-hidden", type=int, default=1024,
                     help="hidden size of the model the sync section pushes (the trainer model's "
                          "architecture widened, random weights; 0 = the --model itself)")  # fmt: skip
+    ap.add_argument("--sync-rounds", type=int, default=7, help="timed pushes per sync mode")
     ap.add_argument("--parts", default="throughput,balance,snapshot,sync",
                     help="comma-separated sections to run (default: all: %(default)s)")  # fmt: skip
     args = ap.parse_args()
@@ -166,7 +169,7 @@ def main() -> None:
             model = (
                 widened(trainer.model_dir, Path(tmp), args.sync_hidden) if args.sync_hidden else args.model
             )
-            weight_sync(model)
+            weight_sync(model, args.sync_rounds)
 
 
 def widened(model_dir: Path, out: Path, hidden: int) -> Path:
@@ -194,8 +197,26 @@ def widened(model_dir: Path, out: Path, hidden: int) -> Path:
     return out
 
 
-def weight_sync(model: str | Path) -> None:
-    """tensor vs shm sync of the whole model to a real embedded engine, interleaved, as ratios."""
+class Memcpy:
+    """One timed copy of `nbytes` between two buffers allocated and touched once, so that each
+    measurement is a single copy into warm pages, like the shm write into the mapped file."""
+
+    def __init__(self, nbytes: int):
+        self.src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
+
+
+def weight_sync(model: str | Path, rounds: int) -> None:
+    """tensor vs shm sync of the whole model to a real embedded engine, interleaved, as ratios.
+
+    Each push is one shot, and so is its denominator: a memcpy of the same bytes timed just before
+    and just after it (their mean), so the machine's load weighs on both alike."""
     from safetensors.torch import load_file
 
     from palaestra.engine.cli import engine_process
@@ -208,27 +229,38 @@ def weight_sync(model: str | Path) -> None:
         (k, v.clone()) for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()
     ]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    memcpy = Memcpy(nbytes)
     with engine_process(str(model_dir), extra_args=["--num-threads", "1"]) as engine:
         syncs = {m: WeightSync([engine.url], mode=m, bucket_mb=64) for m in ("tensor", "shm")}
-        rounds: dict[str, list[tuple[float, object]]] = {m: [] for m in syncs}
+        results: dict[str, list[tuple[float, object]]] = {m: [] for m in syncs}
         for m, sync in syncs.items():
             sync.push(named, f"warmup-{m}")
-        for v in range(5):  # interleaved, each against a memcpy measured just before it: the
-            for m, sync in syncs.items():  # machine's load moves, the ratio within a round less so
-                copy_s = memcpy_seconds(nbytes)
-                rounds[m].append((copy_s, sync.push(named, f"{m}-{v}")))
+        for v in range(rounds):  # interleaved: the machine's load moves, the ratio within a round less so
+            for m, sync in syncs.items():
+                before = memcpy()
+                report = sync.push(named, f"{m}-{v}")
+                results[m].append(((before + memcpy()) / 2, report))
         for sync in syncs.values():
             sync.close()
+    copies = sorted(c for rs in results.values() for c, _ in rs)
     print(f"weight sync of the whole model ({nbytes / 1e6:.1f} MB, {len(named)} tensors) to 1 embedded engine, "
-          f"5 rounds, median [best] fraction of a memcpy of the same bytes measured just before:")  # fmt: skip
-    for m, rs in rounds.items():
+          f"{rounds} rounds; memcpy of the same bytes (one copy each, around every push) median "
+          f"{copies[len(copies) // 2] * 1e3:.1f} ms [best {copies[0] * 1e3:.1f} ms]; fraction of memcpy: "
+          f"median of the rounds [best round]:")  # fmt: skip
+    for m, rs in results.items():
+        mid = len(rs) // 2
         whole = sorted(c / r.seconds for c, r in rs)
         paused = sorted(c / r.pause_seconds for c, r in rs)
         pause_ms = sorted(r.pause_seconds * 1e3 for _, r in rs)
-        print(f"  {m:6s}: whole push {whole[2]:.4f} [{whole[-1]:.4f}] of memcpy "
+        first = getattr(rs[0][1], "phases", {})  # (older SyncReports have none: the bench runs on either)
+        phases = {k: sorted(r.phases.get(k, 0.0) for _, r in rs)[mid] * 1e3 for k in first}
+        whole_ms = sorted(r.seconds * 1e3 for _, r in rs)[mid]
+        if first:  # the whole push less its phases, per round: what no phase accounts for
+            phases["other"] = sorted(r.seconds - sum(r.phases.values()) for _, r in rs)[mid] * 1e3
+        print(f"  {m:6s}: whole push {whole_ms:.1f} ms, {whole[mid]:.3f} [{whole[-1]:.3f}] of memcpy "
               f"({nbytes / min(r.seconds for _, r in rs) / 1e9:.3f} GB/s best); engine paused "
-              f"{pause_ms[2]:.1f} ms per sync (pause -> update -> flush -> version check -> continue) "
-              f"-> {paused[2]:.4f} [{paused[-1]:.4f}] of memcpy")  # fmt: skip
+              f"{pause_ms[mid]:.1f} ms per sync -> {paused[mid]:.3f} [{paused[-1]:.3f}] of memcpy"
+              f"\n          median ms per phase: " + " | ".join(f"{k} {t:.1f}" for k, t in phases.items()))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 `free_port()` asks the kernel for an unused 127.0.0.1 port, `wait_http_ok()` polls a URL until it
 answers 2xx, and `ServerProcess` runs a local HTTP server as a subprocess (output to a log file,
 start-up wait, terminate-then-kill) so that the router and SGLang launchers share one lifecycle.
+`is_this_host()` and `address_towards()` tell the weight sync which engines share this host and
+which local address remote engines reach.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import urlsplit
 
 import httpx
 
-__all__ = ["ServerProcess", "ServerStartError", "free_port", "wait_http_ok"]
+__all__ = [
+    "ServerProcess",
+    "ServerStartError",
+    "address_towards",
+    "free_port",
+    "is_this_host",
+    "wait_http_ok",
+]
 
 LOOPBACK = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -210,3 +220,34 @@ class ServerProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def is_this_host(url: str) -> bool:
+    """Whether `url`'s host is an address of this machine (one a socket here can bind)."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def address_towards(urls: Sequence[str]) -> str:
+    """This host's address as the engines reach it: loopback when they all are, else the source
+    address of the route to the first non-loopback engine (no packet is sent)."""
+    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
+    remote = [h for h in hosts if h not in ("127.0.0.1", "localhost", "::1")]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote[0], 9))
+        return s.getsockname()[0]

@@ -149,7 +149,7 @@ def test_weight_sync_updates_every_engine_and_scores_match(client, engine, tiny_
     assert client.get("/get_weight_version").json()["weight_version"] == "3"
     t.sync_weights()
     assert client.get("/get_weight_version").json()["weight_version"] == "4"
-    # other weights from a directory, the same way (pause, update, flush, version check, continue)
+    # other weights from a directory, the same way (pause, update, version check, continue)
     report = t.sync.load_directory(tiny_model_dir, "reset")
     assert (report.version, report.engines) == ("reset", 1)
     assert client.get("/get_weight_version").json()["weight_version"] == "reset"

@@ -1,5 +1,6 @@
 """Weight-sync building blocks without an engine process: the shared-memory safetensors file, the
-engine's in-place safetensors loader, dtype-preserving buckets, and the SGLang payload shapes."""
+engine's in-place safetensors loader, dtype-preserving buckets, the SGLang payload shapes, and the
+order of the sync's steps over several engines (against a labelled in-process test double)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,78 @@ def test_bad_sync_mode_is_named():
 def test_shm_mode_refuses_an_engine_on_another_host():
     with pytest.raises(ValueError, match="sync_mode 'shm' needs every engine on this host.*198.51.100.7"):
         WeightSync(["http://127.0.0.1:1", "http://198.51.100.7:30000"], mode="shm")  # TEST-NET-2: not here
+
+
+class RecordingEngines:
+    """Test double (not an engine): answers the SGLang weight-sync calls of several engine URLs in
+    process through httpx.MockTransport and records (engine, path) in arrival order. A pause is
+    answered only once all `n` engines' pauses have arrived (a barrier; engines asked one after
+    another would time out). `fail_update` names an engine whose update answers 400."""
+
+    def __init__(self, n: int, fail_update: str | None = None):
+        import threading
+
+        self.pauses = threading.Barrier(n)
+        self.calls: list[tuple[str, str]] = []
+        self.versions: dict[str, str] = {}
+        self.fail_update = fail_update
+        self._lock = threading.Lock()
+
+    def __call__(self, request):
+        import json
+        import threading
+
+        import httpx
+
+        engine, path = f"{request.url.scheme}://{request.url.netloc.decode()}", request.url.path
+        with self._lock:
+            self.calls.append((engine, path))
+        if path == "/pause_generation":
+            try:
+                self.pauses.wait(timeout=10)
+            except threading.BrokenBarrierError:
+                return httpx.Response(500, text="pauses did not arrive together")
+        if path.startswith("/update_weights"):
+            if engine == self.fail_update:
+                return httpx.Response(400, json={"success": False, "message": "bad tensor"})
+            self.versions[engine] = json.loads(request.content)["weight_version"]
+            return httpx.Response(200, json={"success": True, "message": "ok"})
+        if path == "/get_weight_version":
+            return httpx.Response(200, json={"weight_version": self.versions.get(engine, "default")})
+        return httpx.Response(200, json={"status": "ok"})
+
+
+def _sync_with(engines: RecordingEngines, tmp_path, n: int = 3) -> WeightSync:
+    import httpx
+
+    sync = WeightSync(
+        [f"http://127.0.0.1:{9000 + i}" for i in range(n)], mode="disk", disk_dir=tmp_path, retries=1
+    )
+    sync._client = httpx.Client(transport=httpx.MockTransport(engines))  # the pooled client, replaced
+    return sync
+
+
+def test_each_step_reaches_every_engine_before_the_next_step_starts(tmp_path):
+    engines = RecordingEngines(3)
+    with _sync_with(engines, tmp_path) as sync:
+        report = sync.push(named_mixed(), 7)
+    steps = [path for _, path in engines.calls]
+    order = ["/pause_generation", "/update_weights_from_disk", "/get_weight_version", "/continue_generation"]
+    assert steps == [p for p in order for _ in range(3)]  # no /flush_cache: the update flushed
+    assert set(engines.versions.values()) == {"7"}
+    assert list(report.phases) == ["stage", "pause", "update", "version", "continue"]
+    assert len(report.engine_seconds) == 3 and all(len(s) == 4 for s in report.engine_seconds.values())
+
+
+def test_a_failed_update_names_the_engine_and_no_engine_continues(tmp_path):
+    from palaestra.trainer.weight_sync import WeightSyncError
+
+    engines = RecordingEngines(3, fail_update="http://127.0.0.1:9001")
+    with (
+        _sync_with(engines, tmp_path) as sync,
+        pytest.raises(WeightSyncError, match="127.0.0.1:9001: update"),
+    ):
+        sync.push(named_mixed(), 8)
+    paths = [path for _, path in engines.calls]
+    assert paths.count("/pause_generation") == 3 and paths.count("/update_weights_from_disk") == 3
+    assert "/continue_generation" not in paths and "/get_weight_version" not in paths  # left paused

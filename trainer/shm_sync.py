@@ -21,7 +21,9 @@ loads the new one). Tensors are laid out largest element size first, so every te
 a multiple of its own element size and can be used in place.
 
 The writer keeps its own mapping open between syncs, so after the first sync no page is faulted
-or allocated again: a write is a memcpy into page-cache pages.
+or allocated again: a write is one memcpy per tensor into page-cache pages, on the calling thread
+(a multi-threaded copy per tensor measured several times slower on a loaded host: every tensor
+waits for all threads to be scheduled).
 
 In-host only: an engine on another node cannot see this host's /dev/shm; use ``sync_mode:
 distributed`` there (`palaestra.trainer.sglang_sync`).
@@ -29,6 +31,7 @@ distributed`` there (`palaestra.trainer.sglang_sync`).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -157,11 +160,15 @@ class SharedWeightsFile:
             self._new_file(header, len(header) + sum(n for _, _, n in spans))
             self._header, self._spans = header, spans
         assert self._bytes is not None and self.path is not None
-        base = len(header)
+        # One plain memcpy per tensor on this thread (ctypes releases the GIL meanwhile). Not
+        # torch's copy_: it splits every tensor over its intra-op threads and joins them, and on a
+        # loaded host each of those joins waits for a descheduled thread (several times slower).
+        # The header, equal to this write's layout, guarantees each tensor's size is its span's.
+        base = self._bytes.data_ptr() + len(header)
         for name, start, n in self._spans:
             if n:
-                src = tensors[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                self._bytes[base + start : base + start + n].copy_(src)
+                src = tensors[name].detach().to("cpu").contiguous()
+                ctypes.memmove(base + start, src.data_ptr(), n)
         return self.path.parent
 
     @property

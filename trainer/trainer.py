@@ -507,6 +507,7 @@ class Trainer:
             "perf/sync_gb_per_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
             "perf/sync_buckets": float(report.buckets),
             "perf/sync_pause_s": report.pause_seconds,  # the engines generated nothing meanwhile
+            **{f"perf/sync_phase_{name}_s": seconds for name, seconds in report.phases.items()},
         }
 
     def save(self, path: str | Path) -> None:

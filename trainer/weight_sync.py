@@ -30,15 +30,23 @@ have left behind:
 
    Only the last call of an engine carries ``weight_version`` and ``flush_cache: true``, so the
    version changes exactly when every tensor is in.
-3. ``/flush_cache`` (a 400 is expected while requests are frozen in place; the last update call
-   already flushed the prefix cache), then the version is read back from every engine
-   (``/get_weight_version``, or ``/model_info`` where that answers 404).
+3. The version is read back from every engine (``/get_weight_version``, or ``/model_info`` where
+   that answers 404; the answer is remembered per engine). No separate ``/flush_cache``: the last
+   update call flushed the prefix cache (``flush_cache: true``), and with requests frozen in
+   place ``/flush_cache`` could only answer 400 anyway.
 4. ``POST /continue_generation`` on every engine.
+
+Each step is issued to all engines at once (one thread per engine over one pooled HTTP client) and
+the next step starts only when every engine has answered: every engine is paused before any is
+updated, and none continues before every version is confirmed.
 
 `load_directory` runs steps 1-4 with an HF directory every engine reads itself (other weights
 than the trainer's, e.g. the teacher's for a reference evaluation).
 
-`SyncReport` has the whole push time and the pause (steps 1-4: the time engines do not generate).
+`SyncReport` has the whole push time, the pause (steps 1-4: the time engines do not generate) and
+the seconds of each phase (``phases``: stage, pause, write, update, version, continue; each the
+wall time of that step over all engines) with the slowest engine's share per step
+(``engine_seconds``).
 Every call is retried (``sync_retries`` attempts, growing back-off) except the broadcast ones,
 which cannot be replayed alone. If an engine still fails, `WeightSyncError` names it and the step,
 and the engines are left **paused**: nothing generates with a mix of versions until the caller
@@ -50,8 +58,10 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +69,7 @@ import httpx
 import torch
 
 from palaestra.engine.weights import serialize_named_tensors
+from palaestra.net import is_this_host
 from palaestra.trainer.shm_sync import SharedWeightsFile
 
 __all__ = ["SyncReport", "WeightSync", "WeightSyncError", "make_buckets"]
@@ -80,7 +91,13 @@ class SyncReport:
     seconds: float  # the whole push: staging + pause
     buckets: int
     engines: int
-    pause_seconds: float = 0.0  # engines paused: pause -> update -> flush -> version check -> continue
+    pause_seconds: float = 0.0  # engines paused: pause -> update -> version check -> continue
+    phases: dict[str, float] = field(default_factory=dict)  # step -> wall seconds (module docstring)
+    engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # url -> step -> seconds
+
+    def breakdown(self) -> str:
+        """One line: milliseconds per phase, e.g. ``pause 1.2 | write 40.3 | update 3.1 | ...``."""
+        return " | ".join(f"{k} {v * 1e3:.1f}" for k, v in self.phases.items())
 
 
 def make_buckets(
@@ -135,8 +152,11 @@ class WeightSync:
         self._buckets: list[list[tuple[str, torch.Tensor]]] = []  # distributed: staged for the pause
         self._keepalive: list[Any] = []  # ipc: the memory the handles of this push point into
         self._formats: dict[str, str] = {}  # shm: load_format per engine URL
+        self._version_paths: dict[str, str] = {}  # where each engine answers its weight_version
+        self._client: httpx.Client | None = None  # one connection pool for every push
+        self._threads: ThreadPoolExecutor | None = None  # one thread per engine for each step
         if mode == "shm":  # in shared memory on this host; `disk_dir` moves it (e.g. for tests)
-            elsewhere = [u for u in self.urls if not _is_this_host(u)]
+            elsewhere = [u for u in self.urls if not is_this_host(u)]
             if elsewhere:
                 raise ValueError(
                     f"sync_mode 'shm' needs every engine on this host (its /dev/shm); {elsewhere[0]} is "
@@ -144,10 +164,10 @@ class WeightSync:
                 )
             self._shm_root = disk_dir  # the file is made by the first push (reading versions needs none)
         elif mode == "distributed":
-            from palaestra.net import free_port
+            from palaestra.net import address_towards, free_port
             from palaestra.trainer.sglang_sync import DistributedUpdate
 
-            address = group_address or _address_towards(self.urls)
+            address = group_address or address_towards(self.urls)
             self._group = DistributedUpdate(
                 self.urls, address, group_port or free_port(address), timeout_s=timeout_s
             )
@@ -160,12 +180,30 @@ class WeightSync:
         if self._group is not None:
             self._group.close(self._post_once)
             self._group = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._threads is not None:
+            self._threads.shutdown()
+            self._threads = None
 
     def __enter__(self) -> WeightSync:
         return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+    @property
+    def client(self) -> httpx.Client:
+        """The pooled client every push uses (kept alive between syncs: no connection set-up per call)."""
+        if self._client is None:
+            n = max(2, len(self.urls))
+            self._client = httpx.Client(
+                timeout=self.timeout_s,
+                trust_env=False,
+                limits=httpx.Limits(max_connections=2 * n, max_keepalive_connections=2 * n),
+            )
+        return self._client
 
     # -- one HTTP call, retried ----------------------------------------------------------------
     def _call(
@@ -204,10 +242,16 @@ class WeightSync:
             return self._call(client, url, step, "POST", path, body, retries=1).json()
 
     def read_version(self, client: httpx.Client, url: str) -> str:
-        """The engine's weight_version: /get_weight_version, or /model_info where that is a 404."""
-        r = self._call(client, url, "read weight_version", "GET", "/get_weight_version", ok=(200, 404))
-        if r.status_code == 404:  # recent SGLang: the version lives in /model_info only
-            r = self._call(client, url, "read weight_version", "GET", "/model_info")
+        """The engine's weight_version: /get_weight_version, or /model_info where that is a 404
+        (remembered, so later reads are one call)."""
+        path = self._version_paths.get(url, "/get_weight_version")
+        r = self._call(client, url, "read weight_version", "GET", path, ok=(200, 404))
+        if r.status_code == 404 and path != "/model_info":  # recent SGLang: only /model_info has it
+            path = "/model_info"
+            r = self._call(client, url, "read weight_version", "GET", path)
+        elif r.status_code == 404:
+            raise WeightSyncError(f"engine {url}: read weight_version failed: {path} answers 404")
+        self._version_paths[url] = path
         try:
             return str(r.json()["weight_version"])
         except (ValueError, KeyError, TypeError) as exc:
@@ -300,29 +344,33 @@ class WeightSync:
         v = str(version)
         started = time.perf_counter()
         raw = sum(t.numel() * t.element_size() for _, t in named)
-        with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
+        clock = _Clock()
+        client = self.client
+        with clock.phase("stage"):
             calls = self._stage(client, named, v)
 
-            def update() -> int:
-                if self.mode == "shm":  # inside the pause: an embedded engine's weights are this file
+        def update() -> int:
+            if self.mode == "shm":  # inside the pause: an embedded engine's weights are this file
+                with clock.phase("write"):
                     if self._shm is None:
                         self._shm = SharedWeightsFile(self._shm_root)
                     directory = str(self._shm.write(named))
-                    for url in self.urls:
-                        self._call(client, url, "update 1/1", "POST", "/update_weights_from_disk",
-                                   {"model_path": directory, "load_format": self._shm_format(client, url),
-                                    "flush_cache": True, "weight_version": v})  # fmt: skip
-                    return 1
-                if self.mode == "distributed":
-                    assert self._group is not None
+                body = {"model_path": directory, "flush_cache": True, "weight_version": v}
+                clock.step("update", self._each(lambda url: self._call(
+                    client, url, "update 1/1", "POST", "/update_weights_from_disk",
+                    {**body, "load_format": self._shm_format(client, url)})))  # fmt: skip
+                return 1
+            if self.mode == "distributed":
+                assert self._group is not None
+                with clock.phase("update"):
                     self._group.send(self._buckets, v, self._post_once)
-                    return len(self._buckets)
-                return self._call_each(client, calls, v)
+                return len(self._buckets)
+            return self._call_each(client, calls, v, clock)
 
-            try:
-                count, pause_s = self._paused(client, update, v)
-            finally:
-                self._buckets, self._keepalive = [], []
+        try:
+            count, pause_s = self._paused(client, update, v, clock)
+        finally:
+            self._buckets, self._keepalive = [], []
         if self.mode == "disk":
             for old in self.disk_dir.glob("v*"):  # keep only the version the engines now hold
                 if old.name != f"v{v}":
@@ -334,17 +382,20 @@ class WeightSync:
             buckets=count,
             engines=len(self.urls),
             pause_seconds=pause_s,
+            phases=clock.phases,
+            engine_seconds=clock.engines,
         )
 
     def load_directory(self, model_dir: str | Path, version: int | str) -> SyncReport:
         """Every engine loads the HF directory `model_dir` (readable by each of them) as `version`:
         other weights than the trainer's, e.g. a teacher's for evaluation. The same pause → update
-        → flush → version check → continue as `push`, whatever `mode` is."""
+        → version check → continue as `push`, whatever `mode` is."""
         v = str(version)
         started = time.perf_counter()
         calls = [("/update_weights_from_disk", {"model_path": str(model_dir)})]
-        with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
-            _, pause_s = self._paused(client, lambda: self._call_each(client, calls, v), v)
+        clock = _Clock()
+        client = self.client
+        _, pause_s = self._paused(client, lambda: self._call_each(client, calls, v, clock), v, clock)
         # An engine whose parameters are the shm file's pages copies these weights into that file;
         # the next push rewrites every byte of it, so nothing stale survives.
         return SyncReport(
@@ -354,69 +405,90 @@ class WeightSync:
             buckets=1,
             engines=len(self.urls),
             pause_seconds=pause_s,
+            phases=clock.phases,
+            engine_seconds=clock.engines,
         )
 
-    def _call_each(self, client: httpx.Client, calls: Sequence[tuple[str, dict[str, Any]]], v: str) -> int:
-        """`calls` on every engine; the last one of each carries the version and the cache flush."""
-        for url in self.urls:
+    def _each(self, fn: Callable[[str], Any]) -> dict[str, float]:
+        """`fn(url)` on every engine at once; returns once all have answered (seconds per engine).
+        A failure is raised only then, so no engine is left mid-step while the caller moves on."""
+
+        def timed(url: str) -> tuple[float, BaseException | None]:
+            t0 = time.perf_counter()
+            try:
+                fn(url)
+            except Exception as exc:  # re-raised below, after every engine has finished this step
+                return time.perf_counter() - t0, exc
+            return time.perf_counter() - t0, None
+
+        if len(self.urls) == 1:  # no thread hand-off for a single engine
+            results = [timed(self.urls[0])]
+        else:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(len(self.urls), thread_name_prefix="weight-sync")
+            results = list(self._threads.map(timed, self.urls))
+        for _, error in results:
+            if error is not None:
+                raise error
+        return {url: seconds for url, (seconds, _) in zip(self.urls, results, strict=True)}
+
+    def _call_each(
+        self, client: httpx.Client, calls: Sequence[tuple[str, dict[str, Any]]], v: str, clock: _Clock
+    ) -> int:
+        """`calls` on every engine (engines at once, each engine's calls in order); the last one of
+        each carries the version and the cache flush."""
+
+        def one_engine(url: str) -> None:
             for i, (path_, body) in enumerate(calls):
                 last = i == len(calls) - 1
                 body = {**body, "flush_cache": last}
                 if last:
                     body["weight_version"] = v
                 self._call(client, url, f"update {i + 1}/{len(calls)}", "POST", path_, body)
+
+        clock.step("update", self._each(one_engine))
         return len(calls)
 
-    def _paused(self, client: httpx.Client, update: Callable[[], int], v: str) -> tuple[int, float]:
+    def _paused(
+        self, client: httpx.Client, update: Callable[[], int], v: str, clock: _Clock
+    ) -> tuple[int, float]:
         """Steps 1-4 of the module docstring around `update`; (its count, seconds paused)."""
         paused = time.perf_counter()
-        for url in self.urls:
-            self._call(client, url, "pause", "POST", "/pause_generation", {"mode": self.pause_mode})
+        clock.step("pause", self._each(lambda url: self._call(
+            client, url, "pause", "POST", "/pause_generation", {"mode": self.pause_mode})))  # fmt: skip
         count = update()
-        for url in self.urls:
-            self._call(client, url, "flush_cache", "POST", "/flush_cache", ok=(200, 400))
+
+        def check(url: str) -> None:
             got = self.read_version(client, url)
             if got != v:
                 raise WeightSyncError(
                     f"engine {url}: reports weight_version {got!r} after the update to {v!r}"
                 )
-        for url in self.urls:
-            self._call(client, url, "continue", "POST", "/continue_generation", {})
+
+        clock.step("version", self._each(check))
+        clock.step("continue", self._each(lambda url: self._call(
+            client, url, "continue", "POST", "/continue_generation", {})))  # fmt: skip
         return count, time.perf_counter() - paused
 
 
-def _is_this_host(url: str) -> bool:
-    """Whether `url`'s host is an address of this machine (one a socket here can bind)."""
-    import socket
-    from urllib.parse import urlsplit
+class _Clock:
+    """Seconds per phase of one sync (wall time of the step) and per engine within each step."""
 
-    host = urlsplit(url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    for family, _, _, _, address in infos:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.bind((address[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.engines: dict[str, dict[str, float]] = {}
+        self._started = time.perf_counter()
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
-def _address_towards(urls: Sequence[str]) -> str:
-    """This host's address as the engines reach it: loopback when they all are, else the source
-    address of the route to the first non-loopback engine (no packet is sent)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
-    remote = [h for h in hosts if h not in ("127.0.0.1", "localhost", "::1")]
-    if not remote:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((remote[0], 9))
-        return s.getsockname()[0]
+    def step(self, name: str, per_engine: dict[str, float]) -> None:
+        """Records a step `_each` ran: its wall time is the slowest engine's."""
+        self.phases[name] = self.phases.get(name, 0.0) + max(per_engine.values(), default=0.0)
+        for url, seconds in per_engine.items():
+            self.engines.setdefault(url, {})[name] = seconds
