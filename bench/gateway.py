@@ -7,8 +7,8 @@ are measured:
 * per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
   paths are interleaved call by call (goal: gateway <= 2x the router);
-* gateway CPU per turn at turn 64 vs turn 1 of long sessions in each dialect, read from /proc
-  (goal <= 1.2x: an append renders only what is new);
+* gateway CPU per turn at turns 61-64 vs turns 1-4 of sessions in each dialect, read from /proc,
+  the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
 * turns/s through the gateway at 1, 16 and 128 concurrent sessions.
 """
 
@@ -167,17 +167,26 @@ def main() -> None:
 
         growth = {}
         turn_fns = {"chat": chat_turn, "responses": responses_turn, "messages": messages_turn}
+
+        def cpu_round(turn_fn, sessions: list[tuple[str, list]], turn: int) -> float:
+            before = cpu_seconds(gw.pid)
+            for url, history in sessions:
+                turn_fn(url, history, f"Turn {turn}: please continue the task with more detail.")
+            return (cpu_seconds(gw.pid) - before) / len(sessions)
+
         for dialect in dialects:
             turn_fn = turn_fns[dialect]
-            sessions: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
-            per_turn = []
-            for turn in range(args.turns):
-                before = cpu_seconds(gw.pid)
-                for url, history in sessions:
-                    turn_fn(url, history, f"Turn {turn}: please continue the task with more detail.")
-                per_turn.append((cpu_seconds(gw.pid) - before) / len(sessions))
-            first, last = statistics.mean(per_turn[:4]), statistics.mean(per_turn[-4:])
-            growth[dialect] = (first, last)
+            long: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
+            for turn in range(args.turns - 4):  # brought to the last rounds' depth, unmeasured
+                cpu_round(turn_fn, long, turn)
+            # turns 1-4 of fresh sessions interleaved round by round with turns N-3..N of the long
+            # ones, so a change in the machine's load hits both ends alike
+            fresh: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
+            first, last = [], []
+            for k in range(4):
+                first.append(cpu_round(turn_fn, fresh, k))
+                last.append(cpu_round(turn_fn, long, args.turns - 4 + k))
+            growth[dialect] = (statistics.mean(first), statistics.mean(last))
         print(
             f"gateway CPU per turn, turn 1 -> turn {args.turns} ({2 * args.turns} messages of history): "
             + ", ".join(

@@ -44,7 +44,8 @@ from palaestra.gateway.dialect import (
     TurnResult,
 )
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.renderer import normalize_messages
+from palaestra.gateway.history import ParseMemo
+from palaestra.gateway.renderer import normalize_messages, normalize_more
 from palaestra.gateway.streaming import sse
 
 FIELDS = {
@@ -131,13 +132,20 @@ def _text(content: Any, where: str) -> str:
     raise GatewayError(f"{where}: must be a string or an array of text blocks", param=where.split(".")[0])
 
 
-def _messages(system: Any, raw: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if system is not None:
-        out.append({"role": "system", "content": _text(system, "system")})
+def _history(system: Any, raw: Any, memo: ParseMemo | None) -> list[dict[str, Any]]:
+    """The system prompt and the messages as normalised internal messages."""
+    head = [] if system is None else [{"role": "system", "content": _text(system, "system")}]
     if not isinstance(raw, list) or not raw:
         raise GatewayError("messages: must be a non-empty array", param="messages")
-    for i, m in enumerate(raw):
+    if memo is None:
+        return normalize_messages(head + _convert(raw, 0)[0])
+    return normalize_more(head) + memo.history("messages", raw, _convert, len(head))
+
+
+def _convert(raw: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
+    """Messages (the first at position `start`) -> internal messages; each closes its own."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw, start):
         # the common shapes first, with no block walk: this loop runs over the whole history per call
         if type(m) is dict and len(m) == 2:
             role, content = m.get("role"), m.get("content")
@@ -160,7 +168,7 @@ def _messages(system: Any, raw: Any) -> list[dict[str, Any]]:
             out.append(_assistant(blocks, where))
         else:
             out += _user(blocks, where)
-    return out
+    return out, True
 
 
 def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
@@ -261,11 +269,11 @@ def _thinking(raw: Any) -> dict[str, Any] | None:
     return {"enable_thinking": kind == "enabled"}
 
 
-def parse(body: dict[str, Any]) -> TurnRequest:
-    """A `/messages` body -> the core's request."""
+def parse(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnRequest:
+    """A `/messages` body -> the core's request (`memo`: the session's, see `history.py`)."""
     _check_fields(body, FIELDS)
     params = _params(body)
-    return _request(body, params)
+    return _request(body, params, memo)
 
 
 def parse_count(body: dict[str, Any]) -> TurnRequest:
@@ -274,8 +282,8 @@ def parse_count(body: dict[str, Any]) -> TurnRequest:
     return _request(body, GenerationParams({}, 1, False, False, False, 0, [], None))
 
 
-def _request(body: dict[str, Any], params: GenerationParams) -> TurnRequest:
-    messages = normalize_messages(_messages(body.get("system"), body.get("messages")))
+def _request(body: dict[str, Any], params: GenerationParams, memo: ParseMemo | None = None) -> TurnRequest:
+    messages = _history(body.get("system"), body.get("messages"), memo)
     tools = _tools(body.get("tools"))
     tool_choice, named = _tool_choice(body.get("tool_choice"), tools)
     return TurnRequest(

@@ -94,7 +94,7 @@ def plan_chat(
     same_context = parent.context_key == context_key
     # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
     short_ok = gap is not None and not template_extra and same_context
-    if short_ok and not any(t.had_reasoning for t in parent.path()):
+    if short_ok and not parent.reasoning_on_path:
         plan = _bridge_short(renderer, messages, prefix_k, parent, tools, stop_text, template_extra, gap)
         if plan is not None:
             return plan
@@ -254,7 +254,7 @@ def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:
     Qwen3 without thinking opens every generation with an empty `<think></think>` that later turns
     drop; GLM drops `<think>...</think>` of turns before the last user message.
     """
-    if any(t.had_reasoning for t in parent.path()):
+    if parent.reasoning_on_path:
         return True
     same = 0
     for a, b in zip(before, rendered, strict=False):  # the fork path only: first difference

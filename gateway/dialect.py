@@ -9,7 +9,8 @@ text `/v1/completions`; `openai_request.py` / `openai_response.py`), the OpenAI 
   validates every field and raises `GatewayError` naming the field; messages leave it in the
   gateway's internal form (OpenAI-shaped chat messages as `renderer.normalize_messages` returns
   them), tools as `renderer.normalize_tools` returns them, sampling as SGLang `sampling_params`.
-  `openai_request.py` is the OpenAI one.
+  `openai_request.py` is the OpenAI one. A parser may take the session's `history.ParseMemo` as
+  a second argument (`Dialect.takes_memo`), to convert only the items a call adds to its history.
 * a **shaper**: `TurnResult` -> its answer body, and for `stream: true` the core's `StreamEvent`s
   -> its server-sent-event text. `openai_response.py` is the OpenAI one.
 
@@ -250,7 +251,11 @@ class Dialect(Generic[R]):
 
     call_id_prefix: str
     """Prefix of the call ids this dialect's answers carry (and turns record): 'chatcmpl-', ..."""
-    parse: Callable[[dict[str, Any]], R]
+    parse: Callable[..., R]
+    """body -> request; with `takes_memo`, (body, the session's `history.ParseMemo`) -> request."""
     answer: Callable[[R, TurnResult], dict[str, Any]]
     stream: Callable[[R, AsyncGenerator[StreamEvent, None]], AsyncGenerator[str, None]] | None = None
     """Written as an async generator: `streaming.shaped_stream` closes it with the response."""
+    takes_memo: bool = False
+    """The parser takes the session's `history.ParseMemo` as a second argument, so it converts only
+    the messages a call adds to the history the previous call sent."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_tools
 
 _COMMON = {
@@ -198,11 +199,19 @@ def constraints(body: dict[str, Any], fmt: Any, param: str) -> dict[str, str]:
     return out
 
 
-def parse_chat(body: dict[str, Any]) -> TurnRequest:
-    """A `/chat/completions` body -> the core's request."""
+def _as_is(messages: list[Any], start: int) -> tuple[list[Any], bool]:
+    return messages, True
+
+
+def parse_chat(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnRequest:
+    """A `/chat/completions` body -> the core's request (`memo`: the session's, see `history.py`)."""
     params = parse_generation(body, CHAT_FIELDS, chat=True)
     params.sampling.update(constraints(body, body.get("response_format"), "response_format"))
-    messages = normalize_messages(body.get("messages"))
+    raw = body.get("messages")
+    if memo is None or not isinstance(raw, list) or not raw:
+        messages = normalize_messages(raw)
+    else:
+        messages = memo.history("chat", raw, _as_is, 0)
     tools = normalize_tools(body.get("tools"))
     tool_choice = body.get("tool_choice", "auto" if tools else "none")
     named = None

@@ -56,8 +56,14 @@ def _arguments(value: Any) -> Any:
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise GatewayError("'messages' must be a non-empty array", param="messages")
+    return normalize_more(messages)
+
+
+def normalize_more(messages: list[Any], offset: int = 0) -> list[dict[str, Any]]:
+    """`normalize_messages` of messages that follow `offset` others (errors name their position);
+    an empty list is fine here."""
     out = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(messages, offset):
         # the common case first, with no copy: this loop runs over the whole history on every call
         if type(m) is dict and len(m) == 2 and type(m.get("content")) is str and m["role"] in _PLAIN:
             out.append(m)
@@ -141,9 +147,10 @@ def message_digest(msg: dict[str, Any], *, loose_assistant: bool = False) -> int
     return hash((msg["role"], msg.get("content"), msg.get("name")))
 
 
-def chain_digests(messages: list[dict[str, Any]]) -> list[int]:
-    """d[i] identifies messages[: i + 1] (a hash chain, so prefix equality is one comparison)."""
-    out, prev = [], 0
+def chain_digests(messages: list[dict[str, Any]], prev: int = 0) -> list[int]:
+    """d[i] identifies messages[: i + 1] (a hash chain, so prefix equality is one comparison);
+    `prev`: the digest of the messages before these (0: none)."""
+    out = []
     for m in messages:
         # message_digest inlined for the common cases: this runs over the whole history per call
         role = m["role"]
@@ -155,6 +162,44 @@ def chain_digests(messages: list[dict[str, Any]]) -> list[int]:
             prev = hash((prev, message_digest(m)))
         out.append(prev)
     return out
+
+
+class HistoryDigests:
+    """`chain_digests` of a session's calls, reusing the previous call's work on the history the new
+    call repeats (an agent sends its whole history every call; usually the last call's messages,
+    the reply and something new).
+
+    The repeated prefix is found by comparing the message lists with `==` (in C, much cheaper than
+    digesting them in Python), then checked exactly where `==` is looser than the digest: tool-call
+    arguments, where 1 == 1.0 == True but the template prints them differently. The matched prefix
+    is replaced by the previous call's message objects, so what a session keeps (Responses
+    conversations) shares one copy of its history instead of one per call, which keeps the garbage
+    collector's work per call from growing with the history. Only a cache: a call that repeats
+    nothing is digested in full, as by `chain_digests`."""
+
+    __slots__ = ("_messages", "_digests", "_calls")
+
+    def __init__(self) -> None:
+        self._messages: list[dict[str, Any]] = []
+        self._digests: list[int] = []
+        self._calls: list[int] = []  # indices of the messages with tool calls
+
+    def of(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Digests of `messages` (as `chain_digests`); the repeated prefix of `messages` is replaced
+        in place by the previous call's equal message objects."""
+        known, n = self._messages, len(self._messages)
+        start = 0
+        if n and n <= len(messages) and messages[:n] == known:
+            if all(message_digest(messages[i]) == message_digest(known[i]) for i in self._calls):
+                start = n
+                messages[:n] = known
+        digests = self._digests[:start] + chain_digests(
+            messages[start:], self._digests[start - 1] if start else 0
+        )
+        calls = self._calls if start else []
+        self._calls = calls + [i for i in range(start, len(messages)) if "tool_calls" in messages[i]]
+        self._messages, self._digests = messages, digests
+        return digests
 
 
 class ChatRenderer:

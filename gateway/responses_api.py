@@ -24,8 +24,9 @@ from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, TurnRequest
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.openai_request import constraints
-from palaestra.gateway.renderer import normalize_messages
+from palaestra.gateway.renderer import normalize_messages, normalize_more
 
 FIELDS = {
     "model",
@@ -181,12 +182,20 @@ def _output_text(content: Any) -> str:
     return ""
 
 
-def _messages(items: Any) -> list[dict[str, Any]]:
-    """Input items -> OpenAI chat messages (then normalised by the renderer's rules)."""
+def _history(preamble: list[dict[str, Any]], items: Any, memo: ParseMemo | None) -> list[dict[str, Any]]:
+    """The preamble and the input items as normalised internal messages."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return normalize_messages([*preamble, {"role": "user", "content": items}])
     if not isinstance(items, list) or not items:
         raise GatewayError("'input' must be a string or a non-empty array of items", param="input")
+    if memo is None:
+        return normalize_messages(preamble + _convert(items, 0)[0])
+    return normalize_more(preamble) + memo.history("responses", items, _convert, len(preamble))
+
+
+def _convert(items: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
+    """Input items (the first at position `start`) -> OpenAI chat messages (then normalised by the
+    renderer's rules), and whether the last one closed its message (no assistant run open)."""
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant message being assembled from a run of items
 
@@ -198,18 +207,25 @@ def _messages(items: Any) -> list[dict[str, Any]]:
         return turn
 
     # this loop runs over the whole history on every call: the common items are handled first
-    for i, item in enumerate(items):
+    for i, item in enumerate(items, start):
         if not isinstance(item, dict):
             raise GatewayError(f"input[{i}] must be an object", param="input")
         kind = item.get("type", "message")
-        role = item.get("role")
-        if kind == "message" and role != "assistant":
-            turn = None
-            out.append(item if len(item) == 2 else {"role": role, "content": item.get("content")})
-            continue
         if kind == "message":
-            msg = assistant()
-            msg["content"] += _output_text(item.get("content"))
+            role = item.get("role")
+            if role != "assistant":
+                turn = None
+                out.append(item if len(item) == 2 else {"role": role, "content": item.get("content")})
+            elif turn is None:  # what `answer` sends back: one output_text part, inlined
+                content = item.get("content")
+                if type(content) is list and len(content) == 1 and type(content[0]) is dict:
+                    text = content[0].get("text", "")
+                else:
+                    text = _output_text(content)
+                turn = {"role": "assistant", "content": text}
+                out.append(turn)
+            else:
+                turn["content"] += _output_text(item.get("content"))
         elif kind == "reasoning":
             if turn is not None and (turn["content"] or turn.get("tool_calls")):
                 turn = None  # reasoning opens the next assistant turn
@@ -232,11 +248,11 @@ def _messages(items: Any) -> list[dict[str, Any]]:
                 "function_call_output)",
                 param="input",
             )
-    return out
+    return out, turn is None
 
 
-def parse(body: dict[str, Any]) -> TurnRequest:
-    """A `/responses` body -> the core's request."""
+def parse(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnRequest:
+    """A `/responses` body -> the core's request (`memo`: the session's, see `history.py`)."""
     params = _params(body)
     _check_unhonoured(body)
     fmt = (body.get("text") or {}).get("format")
@@ -248,7 +264,7 @@ def parse(body: dict[str, Any]) -> TurnRequest:
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise GatewayError("'previous_response_id' must be a string", param="previous_response_id")
-    messages = normalize_messages(preamble + _messages(body.get("input")))
+    messages = _history(preamble, body.get("input"), memo)
     tools = _tools(body.get("tools"))
     tool_choice, named = _tool_choice(body.get("tool_choice"), tools)
     store = body.get("store", True)

@@ -78,16 +78,20 @@ async def json_body(request: Request) -> dict[str, Any]:
 openai = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_api_key)])
 
 OPENAI_CHAT: Dialect[TurnRequest] = Dialect(
-    "chatcmpl-", openai_request.parse_chat, openai_response.chat_completion, openai_response.chat_stream
+    "chatcmpl-",
+    openai_request.parse_chat,
+    openai_response.chat_completion,
+    openai_response.chat_stream,
+    takes_memo=True,
 )
 OPENAI_COMPLETIONS: Dialect[TextRequest] = Dialect(
     "cmpl-", openai_request.parse_completion, openai_response.text_completion
 )
 OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
-    "resp_", responses_api.parse, responses_answer.answer, responses_answer.stream
+    "resp_", responses_api.parse, responses_answer.answer, responses_answer.stream, takes_memo=True
 )
 ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
-    "msg_", anthropic_api.parse, anthropic_api.answer, anthropic_api.stream
+    "msg_", anthropic_api.parse, anthropic_api.answer, anthropic_api.stream, takes_memo=True
 )
 
 

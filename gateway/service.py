@@ -49,7 +49,7 @@ from palaestra.gateway.dialect import (
 )
 from palaestra.gateway.engine_client import EngineClient, Generation
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.renderer import ChatRenderer, chain_digests, message_digest
+from palaestra.gateway.renderer import ChatRenderer, message_digest
 from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig, GatewayMetrics, PauseGate, Session, SessionStore
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
@@ -118,7 +118,7 @@ class GatewayService:
         """One chat call in `dialect`: its answer body, or its event stream for `stream: true`."""
         t0 = time.perf_counter()
         session = self.sessions.open(session_id)
-        request = dialect.parse(body)
+        request = dialect.parse(body, session.parse_memo) if dialect.takes_memo else dialect.parse(body)
         if request.params.stream and dialect.stream is None:
             raise GatewayError("streaming is not supported on this route", param="stream")
         if request.previous is not None:
@@ -141,7 +141,7 @@ class GatewayService:
         return dialect.answer(request, self._result(call.call_id, len(call.plan.prompt_ids), outputs))
 
     def _plan_chat(self, session: Session, request: TurnRequest, id_prefix: str) -> _ChatCall:
-        digests = chain_digests(request.messages)
+        digests = session.history.of(request.messages)
         context_key = hash(
             orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
         )

@@ -14,8 +14,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.options import GatewayOptions
 from palaestra.gateway.parsers import PARSE_ERROR_REASONS
+from palaestra.gateway.renderer import HistoryDigests
 from palaestra.gateway.trajectory import FORK_REASONS, Turn
 
 
@@ -95,6 +97,10 @@ class Session:
     by_digest: dict[int, list[Turn]] = field(default_factory=dict)
     forks: list[dict[str, Any]] = field(default_factory=list)
     failed_calls: list[dict[str, Any]] = field(default_factory=list)
+    history: HistoryDigests = field(default_factory=HistoryDigests)
+    """The last call's message digests, reused by the next call on the history it repeats."""
+    parse_memo: ParseMemo = field(default_factory=ParseMemo)
+    """The last call's parsed history, reused by the next call's parser (gateway/history.py)."""
     conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Kept conversations by call id (internal messages incl. the reply): Responses `store`."""
     finished: bool = False

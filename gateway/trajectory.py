@@ -55,6 +55,14 @@ class Turn:
     fork_detail: str = ""
     children: int = 0
     created: float = field(default_factory=time.time)
+    reasoning_on_path: bool = field(init=False, repr=False)
+    """Whether this turn or an ancestor had reasoning: set once here, because the bridge asks on
+    every call and walking `path()` would grow with the session."""
+
+    def __post_init__(self) -> None:
+        self.reasoning_on_path = self.had_reasoning or (
+            self.parent is not None and self.parent.reasoning_on_path
+        )
 
     @property
     def root(self) -> Turn:
