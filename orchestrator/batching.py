@@ -14,7 +14,8 @@ and the filters into one step's `Batch`. No Ray here: every piece is testable al
 * `sample_lag` — how many weight versions a sample is behind the trainer (its oldest sampled token).
 * `select_batch` — the staleness bound per sample (drop, or keep with the loss masked) and the
   zero-reward-variance filter per group, with every decision counted in `Batch.counts` and every
-  sample not trained on recorded with its reason in `Batch.dropped` (`DROP_REASONS`).
+  sample not trained on recorded with its reason in `Batch.dropped` (`DROP_REASONS`), the group's
+  failed / aborted samples (`GroupRecord.dropped`, from the feed) included.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class GroupRecord:
     started: float  # wall clock (time.time()) of the first session's start
     finished: float
     errors: list[str] = field(default_factory=list)
+    # sample_id -> reason, of this group's samples that never train (failed / aborted sessions);
+    # filled by `SampleFeed.claim`, so the step that takes the group counts them in `Batch.dropped`
+    dropped: dict[str, str] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,6 +72,9 @@ class SampleFeed:
         self.buffer: dict[str, Sample] = {}
         self.counts: Counter[str] = Counter()
         self.dropped: dict[str, str] = {}  # sample_id -> reason (`DROP_REASONS`), of this launch's samples
+        self._unclaimed_drops: dict[
+            str, dict[str, str]
+        ] = {}  # group_id -> its part of `dropped`, until claimed
         self.client = httpx.Client(timeout=60, trust_env=False, headers=self.headers)
 
     def close(self) -> None:
@@ -104,14 +111,19 @@ class SampleFeed:
         if data["status"] not in TRAINABLE:
             self.counts[f"status_{data['status']}"] += 1
             self.dropped[sid] = data["status"]
+            self._unclaimed_drops.setdefault(data["group_id"], {})[sid] = data["status"]
             return 0
         self.buffer[sid] = Sample.from_dict(data)
         return 1
 
     def claim(self, record: GroupRecord) -> list[Sample] | None:
-        """The group's samples once all are read (None: poll again), removed from the buffer."""
+        """The group's samples once all are read (None: poll again), removed from the buffer; the
+        group's samples that do not train (failed / aborted) go into `record.dropped`, so that the
+        step taking the group counts them (the record arrives once every session ended, and each
+        session's samples are spooled before it ends, so they are read by now)."""
         if not all(sid in self.buffer for sid in record.sample_ids):
             return None
+        record.dropped.update(self._unclaimed_drops.pop(record.group_id, {}))
         return [self.buffer.pop(sid) for sid in record.sample_ids]
 
 
@@ -171,9 +183,11 @@ def select_batch(
     filter_zero_variance: bool,
 ) -> Batch:
     """Applies the staleness bound (per sample: drop, or keep with loss_mask zeroed) and the
-    zero-reward-variance filter (per group, after the staleness drop); counts every decision."""
+    zero-reward-variance filter (per group, after the staleness drop); counts every decision, and
+    records each sample not trained on with its reason (failed / aborted ones from the records)."""
     batch = Batch([], [], [], Counter(), [record for record, _ in groups])
     for record, group in groups:
+        batch.dropped.update(record.dropped)  # failed / aborted, set aside by the feed
         fresh = []
         for s in group:
             lag = sample_lag(s, trainer_version)

@@ -153,6 +153,37 @@ def test_sample_feed_keeps_this_launchs_trainable_samples_once_until_claimed():
             feed.close()
 
 
+def test_failed_and_aborted_samples_are_counted_in_the_step_that_takes_their_group():
+    g0, g1 = "env/t0/run1.0", "env/t1/run1.1"
+    records = [
+        _sample("a", ["0"], reward=1.0, group_id=g0).to_dict(),
+        _sample("b", ["0"], group_id=g0, status="failed").to_dict(),
+        _sample("c", ["0"], group_id=g0).to_dict(),
+        _sample("d", ["0"], group_id=g1, status="aborted").to_dict(),
+        _sample("e", ["0"], group_id=g1).to_dict(),
+    ]
+    with ThreadServer(_samples_endpoint(records)) as server:
+        feed = SampleFeed(server.url, "key", run_id="run1")
+        try:
+            feed.poll()
+            r0 = GroupRecord(
+                0, "t0", g0, ["a", "c"], [1.0, 0.0], {"completed": 2, "failed": 1}, {}, 0, 0.0, 1.0
+            )
+            r1 = GroupRecord(1, "t1", g1, ["e"], [0.0], {"completed": 1, "aborted": 1}, {}, 0, 0.0, 1.0)
+            step1 = select_batch([(r0, feed.claim(r0))], 0, 1, "drop", filter_zero_variance=True)
+            step2 = select_batch([(r1, feed.claim(r1))], 0, 1, "drop", filter_zero_variance=True)
+        finally:
+            feed.close()
+    assert step1.dropped == {"b": "failed"} and [s.sample_id for s in step1.samples] == ["a", "c"]
+    assert step2.dropped == {"d": "aborted", "e": "zero_variance"}
+    from palaestra.orchestrator.report import dropped_totals
+
+    rows = [rollout_metrics(step1), rollout_metrics(step2)]
+    assert rows[0]["rollout/dropped_failed"] == 1.0 and "rollout/dropped_aborted" not in rows[0]
+    assert rows[1]["rollout/dropped_aborted"] == 1.0
+    assert dropped_totals(rows) == {"failed": 1, "aborted": 1, "zero_variance": 1}
+
+
 # ----------------------------------------------------------------------------------------------
 # Task order, consumption, the console line
 # ----------------------------------------------------------------------------------------------
