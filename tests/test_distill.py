@@ -129,6 +129,7 @@ full = distill.full_reverse_kl(y, distill.full_logprobs(teacher[:, shard], 1.0, 
 full.sum().backward()
 torch.save({"ids": ids, "t_lp": t_lp, "topk": topk.detach(), "topk_grad": x.grad, "full": full.detach(),
             "full_grad": y.grad}, out)
+dist.barrier()  # both ranks done before either tears down (a peer gone mid-teardown aborts gloo)
 dist.destroy_process_group()
 """
 
