@@ -28,7 +28,7 @@ from typing import Any
 
 from palaestra.orchestrator.batching import TRAINABLE, GroupRecord
 
-__all__ = ["RolloutWorker", "ServerHost", "TaskSource", "TrainerWorker", "node_address"]
+__all__ = ["RolloutWorker", "ServerHost", "TaskSource", "TrainerWorker", "node_address", "score"]
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -362,29 +362,49 @@ class RolloutWorker:
         from palaestra.sdk.runner import run_rollouts, take_tasks
 
         env = load_environment(self.env_name, **self.env_args)
+        tasks = take_tasks(env, n, seed)
         summary = await run_rollouts(
             env,
             self.gateway,
-            take_tasks(env, n, seed),
+            tasks,
             samples_per_task=1,
             concurrency=concurrency,
             progress=False,
             run_id=f"eval-{self.run_id}-{tag}",
             sampling={**self.sampling, "temperature": 0.0},
         )
-        scored = [r for r in summary.results if r.status != "failed"]
-        correct = sum(r.metrics.get("correct", float(r.reward > 0)) for r in scored)
-        return {
-            "accuracy": correct / len(scored) if scored else float("nan"),
-            "reward_mean": summary.reward_mean,
-            "tasks": float(len(scored)),
-            "failed": float(len(summary.results) - len(scored)),
-            "wall_s": summary.wall_s,
-        }
+        return {**score(tasks, summary.results), "reward_mean": summary.reward_mean, "wall_s": summary.wall_s}
 
     async def close(self) -> None:
         await self.stop_stream()
         await self.gateway.close()
+
+
+def score(tasks: Sequence[Any], results: Sequence[Any]) -> dict[str, float]:
+    """Held-out accuracy of `results` (`RolloutResult`s of `tasks`; failed ones are counted apart).
+    Tasks of several kinds (a `kind` attribute, e.g. math's arithmetic and worked_steps) also get
+    each kind's ``accuracy/<kind>`` and ``tasks/<kind>``, so a multi-domain run shows what each
+    domain gained."""
+    scored = [r for r in results if r.status != "failed"]
+    out = {
+        "accuracy": _accuracy(scored),
+        "tasks": float(len(scored)),
+        "failed": float(len(results) - len(scored)),
+    }
+    kind_of = {str(t.task_id): getattr(t, "kind", None) for t in tasks}
+    kinds = sorted({k for k in kind_of.values() if isinstance(k, str)})
+    if len(kinds) > 1:
+        for kind in kinds:
+            of_kind = [r for r in scored if kind_of.get(r.task_id) == kind]
+            out[f"accuracy/{kind}"] = _accuracy(of_kind)
+            out[f"tasks/{kind}"] = float(len(of_kind))
+    return out
+
+
+def _accuracy(results: Sequence[Any]) -> float:
+    """The share of `results` whose `correct` metric (else reward > 0) is set; nan for none."""
+    correct = sum(r.metrics.get("correct", float(r.reward > 0)) for r in results)
+    return correct / len(results) if results else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class Run:
     def evaluate_before(self) -> None:
         """Held-out accuracy before training: the reward curve's first point (step 0)."""
         self.eval_before = self.evaluate("before")
-        self.state.rows.append({"train/step": 0.0, "eval/accuracy": self.eval_before["accuracy"]})
+        self.state.rows.append({"train/step": 0.0, **eval_row(self.eval_before)})
 
     @contextmanager
     def stepping(self) -> Iterator[None]:
@@ -265,9 +265,12 @@ class Run:
             self.cfg.env.eval_tasks, EVAL_SEED, tag, self.cfg.env.concurrency
         )
         result = self.waiter.get([ref], "generation")[0]
+        kinds = "".join(
+            f", {k.removeprefix('accuracy/')} {v:.3f}" for k, v in result.items() if k.startswith("accuracy/")
+        )
         _print(
-            f"eval {tag}: accuracy {result['accuracy']:.3f} on {int(result['tasks'])} held-out tasks "
-            f"(greedy, {result['wall_s']:.1f} s)",
+            f"eval {tag}: accuracy {result['accuracy']:.3f}{kinds} on {int(result['tasks'])} held-out "
+            f"tasks (greedy, {result['wall_s']:.1f} s)",
             None,
         )
         return result
@@ -276,9 +279,10 @@ class Run:
         """Held-out accuracy after the last step: logged, and on the last step's row."""
         state = self.state
         self.eval_after = self.evaluate("after")
-        self.tracker.log({"eval/accuracy": self.eval_after["accuracy"]}, state.step)
+        row = eval_row(self.eval_after)
+        self.tracker.log(row, state.step)
         if state.rows and state.step > 0:
-            state.rows[-1]["eval/accuracy"] = self.eval_after["accuracy"]
+            state.rows[-1].update(row)
 
     def evaluate_teacher(self) -> float | None:
         """The teacher's held-out accuracy, for reference. Runs after the last checkpoint: the
@@ -362,6 +366,12 @@ class Run:
         )
         _print(result.summary, None)
         return result
+
+
+def eval_row(result: dict[str, float]) -> dict[str, float]:
+    """An evaluation's accuracies as a metrics row: ``eval/accuracy`` and, for tasks of several
+    kinds, ``eval/accuracy/<kind>``."""
+    return {f"eval/{k}": v for k, v in result.items() if k == "accuracy" or k.startswith("accuracy/")}
 
 
 def _progress(steps: int, done: int):

@@ -40,7 +40,7 @@ from palaestra.config import ConfigError, RunConfig, config_help, config_to_dict
 from palaestra.orchestrator.checkpoint import prepare_run
 from palaestra.orchestrator.cluster import Cluster, start_cluster
 from palaestra.orchestrator.errors import RunFailed
-from palaestra.orchestrator.loop import Run, RunResult
+from palaestra.orchestrator.loop import Run, RunResult, eval_row
 
 __all__ = ["register", "train"]
 
@@ -66,7 +66,7 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, Cluster], None] | None = No
                 metrics |= run.sync(step, batch)  # new weights on every engine, the trainer's version
                 metrics |= run.end_step(step, batch)  # tasks consumed, spool cursor, step timing
                 if run.evaluation_due(step):
-                    metrics["eval/accuracy"] = run.evaluate(f"step{step + 1}")["accuracy"]
+                    metrics |= eval_row(run.evaluate(f"step{step + 1}"))
                 run.log(step, metrics)  # metrics.jsonl, TensorBoard/W&B, the console line
                 if run.checkpoint_due(step):
                     run.checkpoint()
