@@ -130,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             sa, sb = reached[a], reached[b]
             if sa is not None and sb is not None:
                 print(f"steps to target {a} / {b}: {sa} / {sb} = {sa / sb:.2f} (goal for OPD: <= 0.20)")
+            elif sa is not None:  # b did not get there: the ratio is below sa / (its last step)
+                last = results[b][0][-1][0]
+                print(
+                    f"steps to target {a} / {b}: {sa} / not reached within {last} = below {sa / last:.2f} "
+                    f"(goal for OPD: <= 0.20)"
+                )
             else:
                 print(
                     f"steps to target {a} / {b}: {sa or 'not reached'} / {sb or 'not reached'} (ratio undefined)"

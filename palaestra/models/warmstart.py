@@ -66,7 +66,7 @@ __all__ = [
 # carries it, so a stale build is never reused.
 VERSION = 2
 
-Kind = Literal["teacher", "student", "steps-teacher", "steps-student"]
+Kind = Literal["teacher", "student", "steps-teacher", "steps-student", "mixed-student"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,9 @@ RECIPES: dict[str, SFTRecipe] = {
     # teacher's run stopped early (not measured to convergence yet: see docs/opd.md)
     "steps-teacher": SFTRecipe(steps=1500, decay_steps=1500, kinds=("worked_steps",)),
     "steps-student": SFTRecipe(steps=400, decay_steps=1500, kinds=("worked_steps",)),
+    # both kinds in turn (8 of each per step), stopped early: the two-domain run's student
+    # (bench/two_domains.py), weak on both so that each domain's teacher has something to teach
+    "mixed-student": SFTRecipe(steps=300, decay_steps=1500, kinds=("arithmetic", "worked_steps")),
 }
 _PAIRS = {"student": "teacher", "steps-student": "steps-teacher"}  # student -> the run it stops early
 

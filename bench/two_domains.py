@@ -1,0 +1,129 @@
+"""Two domains, two teachers: the per-domain panel against either teacher alone, per domain.
+
+    .venv/bin/python bench/two_domains.py                        # 3 arms x 40 steps, eval every 20
+    .venv/bin/python bench/two_domains.py --steps 60 --eval-tasks 400
+
+The student (`demo-mixed-student`: tiny after 300 SFT steps on both kinds in turn) learns two
+math task kinds in one run: `arithmetic` ("What is 3 + 4?", answered ``\\boxed{7}``) and
+`worked_steps` ("Start with 7, add 5, multiply by 3, ... Show each step.", answered one line per
+step, 23-29 tokens). Each kind has its own warm-started teacher: `demo-teacher` (SFT on sums)
+and `demo-steps-teacher` (SFT on worked steps). Arms, same seeds, task order and student:
+
+* `panel`: both teachers, each sample routed to its kind's teacher
+  (`palaestra.environments.math.routing:by_kind`);
+* `sums-teacher`: `demo-teacher` scores every sample;
+* `steps-teacher`: `demo-steps-teacher` scores every sample.
+
+Every arm is a real `palaestra train` run of configs/demo.yaml (GRPO + OPD, 2 embedded engines,
+router, gateway, Megatron trainer, Ray) with held-out accuracy measured per kind
+(`eval/accuracy/<kind>`: greedy, `--eval-tasks` tasks, half of each kind). Prints each arm's
+accuracy per kind before and after, and whether the panel beats, on each kind, the arm whose
+only teacher is the other kind's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from demo_runs import train_demo
+
+KINDS = ("arithmetic", "worked_steps")
+TEACHERS = {"arithmetic": "demo-teacher", "worked_steps": "demo-steps-teacher"}
+
+
+def _panel(teachers: dict[str, str]) -> str:
+    inner = ", ".join(f"{name}: {{mode: megatron, model: {model}}}" for name, model in teachers.items())
+    return f"trainer.teachers={{{inner}}}"
+
+
+ARMS = {
+    "panel": [_panel(TEACHERS), "trainer.teacher_routing=palaestra.environments.math.routing:by_kind"],
+    "sums-teacher": [_panel({"default": TEACHERS["arithmetic"]})],
+    "steps-teacher": [_panel({"default": TEACHERS["worked_steps"]})],
+}
+COMMON = [
+    "model.student=demo-mixed-student",
+    "model.teacher=null",
+    "trainer.teacher_mode=null",
+    "env.args.kinds=[arithmetic,worked_steps]",
+    "env.args.max_tokens=48",
+    "gateway.default_max_tokens=48",
+]
+
+
+def run(name: str, out: Path, overrides: list[str]) -> tuple[list[dict[str, float]], float]:
+    """The evaluation rows of one run (step 0: before training) and its wall seconds."""
+    started = time.perf_counter()
+    rows = train_demo(out, name, overrides).state.rows
+    evals = [{k: v for k, v in r.items() if k == "train/step" or k.startswith("eval/")} for r in rows]
+    return [r for r in evals if "eval/accuracy" in r], time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
+    ap.add_argument("--steps", type=int, default=40, help="training steps per arm (default: %(default)s)")
+    ap.add_argument(
+        "--eval-every", type=int, default=20, help="steps between evaluations (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--eval-tasks", type=int, default=200, help="held-out tasks, both kinds (default: %(default)s)"
+    )
+    ap.add_argument("--json", default=None, help="also write the curves to this file")
+    ap.add_argument("overrides", nargs="*", help="more dotted config overrides for every arm")
+    args = ap.parse_args(argv)  # fmt: skip
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    common = [*COMMON, f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
+              f"env.eval_tasks={args.eval_tasks}", *args.overrides]  # fmt: skip
+    results: dict[str, tuple[list[dict[str, float]], float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-two-domains-") as tmp:
+        teachers = {}
+        for kind, model in TEACHERS.items():  # each teacher's own accuracy per kind (0 steps)
+            rows, _ = run(f"teacher-{kind}", Path(tmp) / f"teacher-{kind}",
+                          [*COMMON, f"model.student={model}", "run.steps=0", f"env.eval_tasks={args.eval_tasks}"])  # fmt: skip
+            teachers[model] = rows[0]
+            print(
+                f"teacher {model}: " + " ".join(f"{k} {rows[0][f'eval/accuracy/{k}']:.3f}" for k in KINDS),
+                flush=True,
+            )
+        for arm in arms:
+            results[arm] = run(arm, Path(tmp) / arm, [*ARMS[arm], *common])
+            last = results[arm][0][-1]
+            print(f"{arm}: " + " ".join(f"{k} {last[f'eval/accuracy/{k}']:.3f}" for k in KINDS), flush=True)
+
+    print(f"\n== two domains, {args.steps} steps, {args.eval_tasks} held-out tasks (half per kind), greedy")
+    header = f"{'':22s}" + "".join(f"{k:>24s}" for k in KINDS) + f"{'wall s':>9s}"
+    print(header)
+    for model, row in teachers.items():
+        print(f"{'teacher ' + model:22s}" + "".join(f"{row[f'eval/accuracy/{k}']:24.3f}" for k in KINDS))
+    for arm, (rows, wall) in results.items():
+        cells = "".join(
+            f"{rows[0][f'eval/accuracy/{k}']:.3f} -> {rows[-1][f'eval/accuracy/{k}']:.3f}".rjust(24)
+            for k in KINDS
+        )
+        print(f"{arm:22s}{cells}{wall:9.0f}")
+    # The issue's claim: on each kind, the panel beats the arm whose only teacher is the OTHER kind's.
+    other = {"arithmetic": "steps-teacher", "worked_steps": "sums-teacher"}
+    if "panel" in results:
+        for kind, rival in other.items():
+            if rival in results:
+                p = results["panel"][0][-1][f"eval/accuracy/{kind}"]
+                r = results[rival][0][-1][f"eval/accuracy/{kind}"]
+                verdict = "panel better" if p > r else "panel NOT better"
+                print(f"{kind}: panel {p:.3f} vs {rival} {r:.3f} ({p - r:+.3f}): {verdict}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"teachers": teachers, "arms": {a: r for a, (r, _) in results.items()}}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
