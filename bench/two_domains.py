@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         teachers = {}
         for kind, model in TEACHERS.items():  # each teacher's own accuracy per kind (0 steps)
             rows, _ = run(f"teacher-{kind}", Path(tmp) / f"teacher-{kind}",
-                          [*COMMON, f"model.student={model}", "run.steps=0", f"env.eval_tasks={args.eval_tasks}"])  # fmt: skip
+                          [*COMMON, f"model.student={model}", "trainer.opd_kl_coef=0", "run.steps=0", f"env.eval_tasks={args.eval_tasks}"])  # fmt: skip
             teachers[model] = rows[0]
             print(
                 f"teacher {model}: " + " ".join(f"{k} {rows[0][f'eval/accuracy/{k}']:.3f}" for k in KINDS),
