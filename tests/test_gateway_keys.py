@@ -5,7 +5,8 @@ fails here) is called with every kind of credential — none, a wrong key, the a
 environment key, the target session's own token, another session's token — each as
 `Authorization: Bearer` and as `x-api-key`, and must be allowed (200) or refused (401/403 in the
 route's dialect's error shape) exactly as `POLICY` says. Then what an agent holding a session token
-would try: post its reward, read another session, reach admin.
+would try: post its reward, read another session, reach admin; and that the SDK hands an agent its
+session's token, never the environment key.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_gateway_keys.py
 
@@ -15,6 +16,8 @@ may call what, not generation); the gateway, its routes and the tokenizer are re
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -23,6 +26,7 @@ from transformers import AutoTokenizer
 
 from palaestra.gateway.app import create_app
 from palaestra.gateway.state import GatewayConfig
+from palaestra.sdk import Environment, GatewayClient, Task, run_rollouts
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 
 ENV_KEY, ADMIN_KEY = "k-env", "k-admin"
@@ -222,3 +226,54 @@ def test_insecure_local_checks_nothing_but_still_returns_tokens(tok, tmp_path):
             stray = openai.OpenAI(base_url=s["base_url"], api_key=other["api_key"], max_retries=0)
             assert stray.chat.completions.create(**CHAT).choices[0].message.content == "ok"
             assert httpx.post(f"{gw.url}/admin/pause").status_code == 200
+
+
+class Snoop(Environment):
+    """An agent that tries its client's key outside its own session (and then does its episode)."""
+
+    name = "snoop"
+
+    def __init__(self, gateway_url: str):
+        self.gateway_url = gateway_url
+        self.seen: list[dict] = []
+
+    def tasks(self, seed):
+        return [Task("t0"), Task("t1")]
+
+    async def rollout(self, session, task):
+        key = session.client.api_key
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=self.gateway_url, trust_env=False) as http:
+            own_reward = await http.post(
+                f"/sessions/{session.session_id}/reward", json={"reward": 9.0}, headers=headers
+            )
+            samples = await http.get("/samples", headers=headers)
+        reply = await session.client.chat.completions.create(**CHAT)
+        self.seen.append(
+            {"sid": session.session_id, "key": key, "token": session.api_key, "reward": own_reward.status_code,
+             "samples": samples.status_code, "reply": reply.choices[0].message.content}
+        )  # fmt: skip
+        return 1.0
+
+
+def test_the_sdk_gives_an_agent_its_session_token_never_the_environment_key(gateway):
+    """`GatewayClient.session()` (what `run_rollouts`, the CLI and the run's RolloutWorker use)."""
+    _, gw = gateway
+    env = Snoop(gw.url)
+
+    async def run():
+        client = GatewayClient(gw.url, ENV_KEY)
+        try:
+            return await run_rollouts(env, client, env.tasks(0), samples_per_task=2, progress=False)
+        finally:
+            await client.close()
+
+    summary = asyncio.run(run())
+    assert summary.statuses == {"completed": 4}, [r.error for r in summary.results]
+    assert len({s["key"] for s in env.seen}) == 4  # one token per session
+    for seen in env.seen:
+        assert seen["key"] == seen["token"] and seen["key"].startswith(f"pst_{seen['sid']}.")
+        assert seen["key"] not in (ENV_KEY, ADMIN_KEY)
+        assert seen["reward"] == 403 and seen["samples"] == 403 and seen["reply"] == "ok"
+    # the rewards that count are the environment's (1.0), not the 9.0 the agent tried to post
+    assert {r.reward for r in summary.results} == {1.0}
