@@ -1,7 +1,8 @@
 """Every server a run starts listens on loopback unless configured otherwise.
 
 Each test starts the real servers (embedded engine, sglang-router with its Prometheus port, the
-gateway, the sandbox exec server; torch.distributed's rendezvous store and gloo; Ray) and reads
+gateway, the sandbox exec server; torch.distributed's rendezvous store and gloo; Ray as
+`init_ray` starts it for a one-machine run) and reads
 what their processes listen on from /proc: the LISTEN sockets of /proc/net/tcp{,6} whose inodes
 are among the open files of the process tree. Every one must be on 127.0.0.1 (or ::1), and the
 ports the launcher says it opened must be among them (so an empty list cannot pass).
@@ -82,9 +83,16 @@ def listening(pid: int) -> set[tuple[str, int]]:
     return found
 
 
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1, and IPv4-mapped ::ffff:127.x (Ray's servers; Python 3.11's `is_loopback`
+    says False for those)."""
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
 def assert_loopback_only(name: str, pid: int, expected_ports: set[int]) -> set[tuple[str, int]]:
     sockets = listening(pid)
-    exposed = {s for s in sockets if not ipaddress.ip_address(s[0]).is_loopback}
+    exposed = {s for s in sockets if not is_loopback(s[0])}
     assert not exposed, f"{name} listens beyond loopback: {sorted(exposed)} (all: {sorted(sockets)})"
     assert expected_ports <= {port for _, port in sockets}, (
         f"{name}: {sorted(sockets)} lacks {expected_ports}"
@@ -193,3 +201,53 @@ def test_two_trainer_ranks_rendezvous_and_talk_on_loopback_only(tmp_path):
         for proc in ranks:
             if proc.poll() is None:
                 proc.kill()
+
+
+RAY_DRIVER = textwrap.dedent(
+    """
+    import os, sys
+    from palaestra.orchestrator.cluster import init_ray
+    init_ray("127.0.0.1", num_cpus=1)
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Box:
+        def pid(self):
+            return os.getpid()
+
+    box = Box.remote()
+    print("ready", ray.get(box.pid.remote()), ray.get_runtime_context().gcs_address, flush=True)
+    sys.stdin.readline()  # the test reads our sockets meanwhile
+    ray.shutdown()
+    """
+)
+
+
+@pytest.mark.slow
+def test_ray_of_a_one_machine_run_listens_on_loopback_only():
+    """`init_ray("127.0.0.1")` as `palaestra train` calls it: GCS, raylet, object manager, agents and
+    an actor's worker (all children of the driver) listen on loopback only."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    }
+    driver = subprocess.Popen(
+        [sys.executable, "-c", RAY_DRIVER],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        line = driver.stdout.readline()
+        assert line.startswith("ready"), line
+        _, actor_pid, gcs_address = line.split()
+        gcs_port = int(gcs_address.rsplit(":", 1)[1])
+        sockets = assert_loopback_only("ray", driver.pid, {gcs_port})
+        assert int(actor_pid) in _tree(driver.pid) and listening(int(actor_pid)) <= sockets
+        driver.stdin.write("\n")
+        driver.stdin.flush()
+        assert driver.wait(timeout=120) == 0
+    finally:
+        if driver.poll() is None:
+            driver.kill()
