@@ -86,6 +86,11 @@ def _valid_session_token(got: str, sessions: SessionStore) -> str | None:
     return sid if _same(got, session.token or None) else None
 
 
+def _route(request: Request) -> str:
+    """The refused call, for messages."""
+    return f"{request.method} {request.scope['path']}"
+
+
 def _needs(scope: Scope, session_id: str | None) -> str:
     if scope is Scope.ADMIN:
         return "the admin key (--admin-key / PALAESTRA_ADMIN_KEY)"
@@ -109,11 +114,10 @@ def authorize(
     expected = config.admin_key if scope is Scope.ADMIN else config.api_key
     if expected is None:  # --insecure-local: nothing is checked
         return
-    what = f"{request.method} {request.url.path}"
     got = presented_key(request)
     if not got:
         raise GatewayError(
-            f"Missing key: {what} needs {_needs(scope, session_id)}. Send it as "
+            f"Missing key: {_route(request)} needs {_needs(scope, session_id)}. Send it as "
             "'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
             401,
             type="invalid_request_error",
@@ -132,13 +136,13 @@ def authorize(
         held = "the environment key does not open /admin/* routes"
     else:
         raise GatewayError(
-            f"Incorrect key: {what} needs {_needs(scope, session_id)}.",
+            f"Incorrect key: {_route(request)} needs {_needs(scope, session_id)}.",
             401,
             type="invalid_request_error",
             code="invalid_api_key",
         )
     raise GatewayError(
-        f"Not allowed: {held}; {what} needs {_needs(scope, session_id)}.",
+        f"Not allowed: {held}; {_route(request)} needs {_needs(scope, session_id)}.",
         403,
         type="permission_error",
         code="wrong_credential",
