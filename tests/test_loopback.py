@@ -112,6 +112,7 @@ def test_listening_sockets_are_read_from_proc():
         assert ("127.0.0.1", narrow.getsockname()[1]) in mine
 
 
+@pytest.mark.slow  # four servers start (engine, router, gateway, exec server)
 def test_engine_router_gateway_and_exec_server_listen_on_loopback_only(tiny_model_dir, tmp_path):
     key = secrets.token_hex(8)
     keys = {**os.environ, "PALAESTRA_API_KEY": key, "PALAESTRA_ADMIN_KEY": key + "-admin"}
