@@ -13,7 +13,6 @@ ports the launcher says it opened must be among them (so an empty list cannot pa
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import secrets
 import socket
@@ -30,74 +29,10 @@ from palaestra.engine.router import RouterProcess
 from palaestra.gateway.cli import gateway_process
 from palaestra.net import free_port
 from palaestra.rendezvous import tcp_store
+from tests.listening import assert_loopback_only, listening, process_tree
 from tests.sandbox_fixtures import exec_server
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads sockets from Linux /proc")
-
-
-def _tree(pid: int) -> set[int]:
-    """`pid` and all its descendants."""
-    pids, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        pids.add(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return pids
-
-
-def _socket_inodes(pids: set[int]) -> set[str]:
-    inodes = set()
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:  # closed meanwhile
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    return inodes
-
-
-def _address(hex_ip: str) -> str:
-    raw = bytes.fromhex(hex_ip)
-    # /proc prints the address as 32-bit words in host (little-endian) order
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(words))
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN state held by `pid` or its descendants."""
-    inodes = _socket_inodes(_tree(pid))
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state == "0A" and inode in inodes:
-                ip, port = local.split(":")
-                found.add((_address(ip), int(port, 16)))
-    return found
-
-
-def is_loopback(address: str) -> bool:
-    """127.0.0.0/8, ::1, and IPv4-mapped ::ffff:127.x (Ray's servers; Python 3.11's `is_loopback`
-    says False for those)."""
-    ip = ipaddress.ip_address(address)
-    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
-
-
-def assert_loopback_only(name: str, pid: int, expected_ports: set[int]) -> set[tuple[str, int]]:
-    sockets = listening(pid)
-    exposed = {s for s in sockets if not is_loopback(s[0])}
-    assert not exposed, f"{name} listens beyond loopback: {sorted(exposed)} (all: {sorted(sockets)})"
-    assert expected_ports <= {port for _, port in sockets}, (
-        f"{name}: {sorted(sockets)} lacks {expected_ports}"
-    )
-    return sockets
 
 
 def test_listening_sockets_are_read_from_proc():
@@ -245,7 +180,7 @@ def test_ray_of_a_one_machine_run_listens_on_loopback_only():
         _, actor_pid, gcs_address = line.split()
         gcs_port = int(gcs_address.rsplit(":", 1)[1])
         sockets = assert_loopback_only("ray", driver.pid, {gcs_port})
-        assert int(actor_pid) in _tree(driver.pid) and listening(int(actor_pid)) <= sockets
+        assert int(actor_pid) in process_tree(driver.pid) and listening(int(actor_pid)) <= sockets
         driver.stdin.write("\n")
         driver.stdin.flush()
         assert driver.wait(timeout=120) == 0
