@@ -37,21 +37,28 @@ def service(request: Request) -> GatewayService:
 # The dependencies are coroutines on purpose: FastAPI runs a plain `def` dependency in its thread
 # pool, a thread hand-off per request that cost more than the rest of the routing (bench/gateway.py).
 # Which credential opens which route: gateway/auth.py.
+def _authorize(request: Request, scope: Scope, session_id: str | None = None) -> None:
+    """`authorize`, counting refusals in /metrics by what the route needed and the status."""
+    svc = service(request)
+    try:
+        authorize(request, svc.config, svc.sessions, scope, session_id)
+    except GatewayError as exc:
+        svc.metrics.auth_refused.labels(scope=scope.value, status=str(exc.status)).inc()
+        raise
+
+
 async def require_api_key(request: Request) -> None:
     """The environment key (the run's `--api-key`)."""
-    svc = service(request)
-    authorize(request, svc.config, svc.sessions, Scope.ENVIRONMENT)
+    _authorize(request, Scope.ENVIRONMENT)
 
 
 async def require_admin_key(request: Request) -> None:
-    svc = service(request)
-    authorize(request, svc.config, svc.sessions, Scope.ADMIN)
+    _authorize(request, Scope.ADMIN)
 
 
 async def require_session_access(request: Request, session_id: str) -> None:
     """This session's token, or the environment key."""
-    svc = service(request)
-    authorize(request, svc.config, svc.sessions, Scope.SESSION, session_id)
+    _authorize(request, Scope.SESSION, session_id)
 
 
 async def json_body(request: Request) -> dict[str, Any]:

@@ -194,6 +194,13 @@ class GatewayMetrics:
         self.active = Gauge(f"{p}_active_sessions", "Sessions not yet rewarded", registry=r)
         self.in_flight = Gauge(f"{p}_in_flight_calls", "Generation calls in flight", registry=r)
         self.paused = Gauge(f"{p}_paused", "1 while generation is paused", registry=r)
+        self.auth_refused = Counter(
+            f"{p}_auth_refused",
+            "Calls refused for their credential, by what the route needs (admin, environment, session) "
+            "and status (401 missing/unknown, 403 out of scope)",
+            ["scope", "status"],
+            registry=r,
+        )
         self.overhead = Histogram(
             f"{p}_call_overhead_seconds",
             "Gateway time per call outside the engine",

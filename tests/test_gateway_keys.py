@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 from fastapi.routing import iter_route_contexts
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from palaestra.gateway.app import create_app
@@ -176,6 +177,17 @@ def test_route_by_credential(gateway, route, credential, header):
         assert f"/s/{other['session_id']}/v1" in message  # and says what the token does open
 
 
+def refused(gw) -> dict[tuple[str, str], float]:
+    """palaestra_gateway_auth_refused_total by (scope, status)."""
+    text = httpx.get(f"{gw.url}/metrics", headers={"Authorization": f"Bearer {ENV_KEY}"}).text
+    return {
+        (s.labels["scope"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "palaestra_gateway_auth_refused_total"
+    }
+
+
 def test_session_answer_carries_a_token_that_opens_only_its_session(gateway):
     _, gw = gateway
     a, b = new_session(gw), new_session(gw)
@@ -196,6 +208,7 @@ def test_a_session_token_cannot_reward_read_or_administer(gateway):
     _, gw = gateway
     a, b = new_session(gw), new_session(gw)
     as_agent = {"Authorization": f"Bearer {a['api_key']}"}
+    before = refused(gw)
     for method, path, body in (
         ("POST", f"/sessions/{a['session_id']}/reward", {"reward": 1.0}),  # its own reward
         ("GET", f"/sessions/{b['session_id']}", None),  # another session's trajectory
@@ -208,6 +221,9 @@ def test_a_session_token_cannot_reward_read_or_administer(gateway):
         r = httpx.request(method, f"{gw.url}{path}", json=body, headers=as_agent)
         assert r.status_code == 403, (path, r.text)
         assert "session token opens only its own session's routes" in r.json()["error"]["message"]
+    after = refused(gw)  # counted in /metrics: six environment routes, one admin route
+    assert after[("environment", "403")] - before.get(("environment", "403"), 0) == 6
+    assert after[("admin", "403")] - before.get(("admin", "403"), 0) == 1
     env = {"Authorization": f"Bearer {ENV_KEY}"}
     trajectory = httpx.get(f"{gw.url}/sessions/{a['session_id']}", headers=env).json()
     assert (
