@@ -1,7 +1,7 @@
 """Every server a run starts listens on loopback unless configured otherwise.
 
 Each test starts the real servers (embedded engine, sglang-router with its Prometheus port, the
-gateway, the sandbox exec server; torch.distributed's rendezvous store and gloo; Ray as
+gateway, the sandbox exec server and the compose fleet's front; torch.distributed's rendezvous store and gloo; Ray as
 `init_ray` starts it for a one-machine run) and reads
 what their processes listen on from /proc: the LISTEN sockets of /proc/net/tcp{,6} whose inodes
 are among the open files of the process tree. Every one must be on 127.0.0.1 (or ::1), and the
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,26 @@ def test_engine_router_gateway_and_exec_server_listen_on_loopback_only(tiny_mode
                     ):
                         assert server.pid is not None
                         assert_loopback_only(name, server.pid, ports)
+
+
+def test_compose_front_without_a_host_listens_on_loopback(tmp_path):
+    """`palaestra.sandbox.front --listen :PORT` (no host) serves on 127.0.0.1; it needs no replica to
+    listen (its /health waits for one), so its sockets are read as soon as the port appears."""
+    port = free_port()
+    front = subprocess.Popen(
+        [sys.executable, "-m", "palaestra.sandbox.front", "--listen", f":{port}", "--sockets", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while port not in {p for _, p in listening(front.pid)}:
+            assert front.poll() is None and time.monotonic() < deadline, "the front never listened"
+            time.sleep(0.1)
+        assert_loopback_only("compose sandbox front", front.pid, {port})
+    finally:
+        front.terminate()
+        front.wait(timeout=30)
 
 
 def test_rendezvous_store_listens_on_its_address_only():
