@@ -39,14 +39,18 @@ def new_update_group(
 ):
     """A process group outside the default one, joined the way SGLang's engines join it.
 
-    Rank 0 hosts the TCP store. Collectives on it name their source by group rank
+    Rank 0 hosts the TCP store, on `master_address` only. Collectives on it name their source by group rank
     (``dist.broadcast(t, group=g, group_src=0)``): a process without a default group has no
     global ranks to translate.
     """
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper
+
+    from palaestra.rendezvous import tcp_store
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    # Rank 0's store listens on `master_address` only (torch's tcp:// rendezvous would take every
+    # interface); its keys are those of SGLang's `tcp://` rendezvous, so SGLang engines join it.
+    store = tcp_store(master_address, master_port, rank, world_size, timeout)
     group, _ = _new_process_group_helper(
         world_size, rank, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout
     )

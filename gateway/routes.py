@@ -7,7 +7,6 @@ answer shapers) and hands the body to `GatewayService`, which is the same for ev
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from typing import Any
 
@@ -17,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
 from palaestra.gateway import anthropic_api, openai_request, openai_response, responses_answer, responses_api
+from palaestra.gateway.auth import Scope, authorize
 from palaestra.gateway.dialect import Dialect, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.service import GatewayService
@@ -34,34 +34,31 @@ def service(request: Request) -> GatewayService:
     return request.app.state.service
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("x-api-key")
-
-
-def _check(request: Request, expected: str | None, what: str) -> None:
-    if expected is None:  # --insecure-local
-        return
-    got = _bearer(request)
-    if got is None or not hmac.compare_digest(got.encode(), expected.encode()):
-        raise GatewayError(
-            f"Incorrect or missing {what} key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
-            401,
-            type="invalid_request_error",
-            code="invalid_api_key",
-        )
-
-
 # The dependencies are coroutines on purpose: FastAPI runs a plain `def` dependency in its thread
 # pool, a thread hand-off per request that cost more than the rest of the routing (bench/gateway.py).
+# Which credential opens which route: gateway/auth.py.
+def _authorize(request: Request, scope: Scope, session_id: str | None = None) -> None:
+    """`authorize`, counting refusals in /metrics by what the route needed and the status."""
+    svc = service(request)
+    try:
+        authorize(request, svc.config, svc.sessions, scope, session_id)
+    except GatewayError as exc:
+        svc.metrics.auth_refused.labels(scope=scope.value, status=str(exc.status)).inc()
+        raise
+
+
 async def require_api_key(request: Request) -> None:
-    _check(request, service(request).config.api_key, "API")
+    """The environment key (the run's `--api-key`)."""
+    _authorize(request, Scope.ENVIRONMENT)
 
 
 async def require_admin_key(request: Request) -> None:
-    _check(request, service(request).config.admin_key, "admin")
+    _authorize(request, Scope.ADMIN)
+
+
+async def require_session_access(request: Request, session_id: str) -> None:
+    """This session's token, or the environment key."""
+    _authorize(request, Scope.SESSION, session_id)
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -75,7 +72,7 @@ async def json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-openai = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_api_key)])
+openai = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_session_access)])
 
 OPENAI_CHAT: Dialect[TurnRequest] = Dialect(
     "chatcmpl-",
@@ -152,14 +149,14 @@ async def models(session_id: str, request: Request) -> dict[str, Any]:
     }
 
 
-# Anthropic clients send the key as `x-api-key` (accepted by `_bearer`) and expect Anthropic's error
+# Anthropic clients send the key as `x-api-key` (accepted by `authorize`) and expect Anthropic's error
 # envelope, so this router checks the key itself and converts every GatewayError.
 anthropic = APIRouter(prefix="/s/{session_id}/v1")
 
 
-async def _anthropic(request: Request, route: str, call) -> Response:
+async def _anthropic(request: Request, session_id: str, route: str, call) -> Response:
     try:
-        await require_api_key(request)
+        await require_session_access(request, session_id)
         result = await _counted(request, route, call)
     except GatewayError as exc:
         return JSONResponse(anthropic_api.error_body(exc), status_code=exc.status, headers=exc.headers)
@@ -171,7 +168,7 @@ async def _anthropic(request: Request, route: str, call) -> Response:
 @anthropic.post("/messages")
 async def messages(session_id: str, request: Request) -> Response:
     return await _anthropic(
-        request, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES)
+        request, session_id, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES)
     )
 
 
@@ -180,7 +177,7 @@ async def count_tokens(session_id: str, request: Request) -> Response:
     async def count(svc: GatewayService, body: dict[str, Any]) -> dict[str, Any]:
         return {"input_tokens": svc.count_tokens(session_id, body, anthropic_api.parse_count)}
 
-    return await _anthropic(request, "count_tokens", count)
+    return await _anthropic(request, session_id, "count_tokens", count)
 
 
 sessions = APIRouter(dependencies=[Depends(require_api_key)])
@@ -210,6 +207,7 @@ async def create_session(request: Request) -> dict[str, Any]:
         "session_id": session.session_id,
         "group_id": session.group_id,
         "base_url": f"{base}/s/{session.session_id}/v1",
+        "api_key": session.token,  # opens only this session's /s/{id}/v1 routes (gateway/auth.py)
     }
 
 

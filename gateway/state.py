@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from palaestra.gateway.auth import mint_session_token
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.options import GatewayOptions
@@ -43,10 +44,11 @@ class GatewayConfig(GatewayOptions):
     """Base URL put into session base_urls (default: as requested)."""
 
     api_key: str | None = None
-    """The run's API key (or env PALAESTRA_API_KEY)."""
+    """The environment key (or env PALAESTRA_API_KEY): the session API, /samples, /metrics and every
+    session's /s/<id>/v1 routes. Agents get their session's own token instead (docs/gateway.md)."""
 
     admin_key: str | None = None
-    """Admin key for /admin routes (or env PALAESTRA_ADMIN_KEY)."""
+    """Admin key, for /admin routes only (or env PALAESTRA_ADMIN_KEY)."""
 
     insecure_local: bool = False
     """Serve without keys (loopback development only)."""
@@ -80,8 +82,8 @@ class GatewayConfig(GatewayOptions):
             ]
             raise SystemExit(
                 f"palaestra gateway: no {' and no '.join(missing)} given. Every route but /health needs the "
-                "run's API key and admin routes the admin key. Set them, or pass --insecure-local explicitly "
-                "to serve without authentication on loopback."
+                "environment key (or, for an agent, its session's token) and admin routes the admin key. Set "
+                "them, or pass --insecure-local explicitly to serve without authentication on loopback."
             )
 
 
@@ -92,6 +94,8 @@ class Session:
     task_id: str
     group_id: str
     metadata: dict[str, Any]
+    token: str = ""
+    """The session's own credential (gateway/auth.py): opens only its /s/<id>/v1 routes."""
     created: float = field(default_factory=time.time)
     turns: list[Turn] = field(default_factory=list)
     by_digest: dict[int, list[Turn]] = field(default_factory=dict)
@@ -190,6 +194,13 @@ class GatewayMetrics:
         self.active = Gauge(f"{p}_active_sessions", "Sessions not yet rewarded", registry=r)
         self.in_flight = Gauge(f"{p}_in_flight_calls", "Generation calls in flight", registry=r)
         self.paused = Gauge(f"{p}_paused", "1 while generation is paused", registry=r)
+        self.auth_refused = Counter(
+            f"{p}_auth_refused",
+            "Calls refused for their credential, by what the route needs (admin, environment, session) "
+            "and status (401 missing/unknown, 403 out of scope)",
+            ["scope", "status"],
+            registry=r,
+        )
         self.overhead = Histogram(
             f"{p}_call_overhead_seconds",
             "Gateway time per call outside the engine",
@@ -277,7 +288,9 @@ class SessionStore:
         sid = session_id or uuid.uuid4().hex
         if sid in self._sessions:
             raise GatewayError(f"session {sid!r} already exists", 409, code="session_exists")
-        session = Session(sid, env, task_id, group_id or f"{env}/{task_id}", metadata)
+        session = Session(
+            sid, env, task_id, group_id or f"{env}/{task_id}", metadata, token=mint_session_token(sid)
+        )
         self._sessions[sid] = session
         self.metrics.sessions_created.inc()
         self.metrics.active.inc()

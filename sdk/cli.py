@@ -2,10 +2,11 @@
 
     palaestra rollout --env math --gateway http://127.0.0.1:8000 --tasks 16 --samples-per-task 4 --concurrency 16
     palaestra eval --env math --gateway http://127.0.0.1:8000 --tasks 200
-    palaestra session new --env my-agent          # prints a base URL and key for any external agent
+    palaestra session new --env my-agent          # prints a base URL and session token for any external agent
     palaestra session reward SESSION_ID 1.0
 
-The gateway's API key comes from --api-key or PALAESTRA_API_KEY.
+The gateway's environment key comes from --api-key or PALAESTRA_API_KEY; it creates sessions and
+posts rewards, and an agent never gets it (`session new` prints the session's own token).
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def _session_new(args: argparse.Namespace) -> int:
             await gateway.close()
 
     s = asyncio.run(run())
-    print(f"session_id: {s.session_id}\nbase_url:   {s.base_url}\napi_key:    {gateway.api_key}")
+    # The session's own token, not the environment key: it opens this session's routes only.
+    print(f"session_id: {s.session_id}\nbase_url:   {s.base_url}\napi_key:    {s.api_key}")
     return 0
 
 
@@ -144,7 +146,9 @@ def _session_reward(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway", required=True, help="gateway URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=None, help="the run's API key (default: env PALAESTRA_API_KEY)")
+    p.add_argument(
+        "--api-key", default=None, help="the gateway's environment key (default: env PALAESTRA_API_KEY)"
+    )
     p.add_argument(
         "--retries", type=int, default=3, help="retries of transient gateway errors (default: %(default)s)"
     )
@@ -210,7 +214,7 @@ def register(groups) -> None:
 
     session = groups.add_parser("session", help="sessions for external agents")
     sub = session.add_subparsers(dest="session_cmd", metavar="COMMAND", required=True)
-    p = sub.add_parser("new", help="create a session and print its base URL and key")
+    p = sub.add_parser("new", help="create a session and print its base URL and its own token")
     _common(p)
     p.add_argument("--env", required=True, help="environment name recorded with the samples")
     p.add_argument("--task-id", default="", help="task id recorded with the samples")

@@ -4,8 +4,11 @@
         reply = await session.client.chat.completions.create(model="policy", messages=[...])
         await session.reward(1.0, metrics={"correct": 1.0})
 
-`session.client` is an `openai.AsyncOpenAI` bound to the session's base URL; the agent needs nothing
-else but `session.sampling`, the sampling settings the run chose (temperature, the episode's seed,
+`session.client` is an `openai.AsyncOpenAI` bound to the session's base URL and holding the session's
+own token (`session.api_key`, minted by the gateway's POST /sessions), which opens that session's
+`/s/<id>/v1` routes and nothing else: never the environment key, which stays with the
+`GatewayClient` that creates sessions and posts rewards. The agent needs nothing else but
+`session.sampling`, the sampling settings the run chose (temperature, the episode's seed,
 ...), which it passes to every call: `create(model=..., messages=..., **session.sampling)`. Leaving the `async with` block by an exception closes the session as `failed` (its samples are
 marked and the trainer drops them); leaving it without a reward closes it as `aborted`.
 """
@@ -34,7 +37,10 @@ TRANSIENT = {0, 429, 502, 503, 504}
 
 @dataclass
 class GatewayClient:
-    """The gateway's session API (create, reward) with retries on transient failures."""
+    """The gateway's session API (create, reward) with retries on transient failures.
+
+    `api_key` is the environment key (the gateway's `--api-key`): it creates sessions and posts
+    rewards, and is never given to an agent; each `Session` carries its own token instead."""
 
     url: str
     api_key: str = "local"
@@ -98,13 +104,19 @@ class GatewayClient:
         max_retries: int = 2,
         sampling: Mapping[str, Any] | None = None,
     ) -> Session:
-        """A new session on the gateway; `sampling` becomes its `Session.sampling`."""
+        """A new session on the gateway; `sampling` becomes its `Session.sampling`. Its client holds
+        the session's token, so the agent can reach this session's routes and nothing else."""
         info = await self._post(
             "/sessions", {"env": env, "task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
         )
+        if not info.get("api_key"):
+            raise GatewayError(
+                f"the gateway at {self.url} returned no session token ('api_key') from POST /sessions; "
+                "it predates per-session tokens, and agents are never handed the environment key"
+            )
         client = openai.AsyncOpenAI(
             base_url=info["base_url"],
-            api_key=self.api_key,
+            api_key=info["api_key"],
             max_retries=max_retries,
             timeout=self.timeout_s,
             http_client=self._openai_pool(),
@@ -113,6 +125,7 @@ class GatewayClient:
             info["session_id"],
             info["group_id"],
             info["base_url"],
+            info["api_key"],
             client,
             self,
             sampling=dict(sampling or {}),
@@ -136,6 +149,8 @@ class Session:
     session_id: str
     group_id: str
     base_url: str
+    api_key: str
+    """The session's own token: opens only `base_url`'s routes (give it to an external agent)."""
     client: openai.AsyncOpenAI
     gateway: GatewayClient
     result: dict[str, Any] | None = None

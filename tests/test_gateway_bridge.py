@@ -277,7 +277,7 @@ def test_auth_and_bad_input(stack):
         missing.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert httpx.get(f"{gw.url}/health").status_code == 200
     admin = httpx.post(f"{gw.url}/admin/pause", headers={"Authorization": "Bearer k-test"})
-    assert admin.status_code == 401  # the API key is not the admin key
+    assert admin.status_code == 403  # the environment key is not the admin key (tests/test_gateway_keys.py)
     script.queue.append("still serving")
     assert (
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])

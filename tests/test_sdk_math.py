@@ -175,10 +175,11 @@ def test_external_agent_session_commands(gateway):
     r = cli("session", "new", "--env", "external", "--gateway", gateway.url)
     assert r.returncode == 0, r.stderr
     info = dict(line.split(":", 1) for line in r.stdout.strip().splitlines())
-    base_url, sid = info["base_url"].strip(), info["session_id"].strip()
+    base_url, sid, token = info["base_url"].strip(), info["session_id"].strip(), info["api_key"].strip()
+    assert token != "k-sdk"  # the session's own token, never the environment key
     answer = httpx.post(
         f"{base_url}/chat/completions",
-        headers=KEY,
+        headers={"Authorization": f"Bearer {token}"},
         json={"model": "policy", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
     )
     assert answer.status_code == 200

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from safetensors.torch import load_file
 
 from palaestra.net import free_port, wait_http_ok
 from palaestra.trainer.weight_sync import WeightSync, WeightSyncError
+from tests.listening import listening
 
 FAKE = Path(__file__).parent / "fakes" / "sglang_weights.py"
 
@@ -56,9 +58,12 @@ def test_distributed_broadcast_reaches_every_engine(two_engines, tiny_model_dir,
     ids = list(range(5, 60))
     before = [score(u, ids) for u in two_engines]
     named = perturbed(tiny_model_dir, 0.05)
-    with WeightSync(two_engines, mode="distributed", bucket_mb=4) as sync:
+    port = free_port()
+    with WeightSync(two_engines, mode="distributed", bucket_mb=4, group_port=port) as sync:
         report = sync.push(named, "d-1")
         assert report.buckets > 1  # several broadcast rounds of one group
+        # this process hosts the group's store: on the group address only, not torch's [::]
+        assert {a for a, p in listening(os.getpid()) if p == port} == {"127.0.0.1"}
         for url in two_engines:
             assert httpx.get(f"{url}/model_info", trust_env=False).json()["weight_version"] == "d-1"
         after = [score(u, ids) for u in two_engines]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from palaestra.rendezvous import is_loopback, store_address, tcp_store
 from palaestra.trainer import cpu_shim
 from palaestra.trainer.convert import HFArchitecture
 
@@ -70,7 +71,9 @@ def init_parallel(
     """Starts torch.distributed and Megatron's parallel groups (idempotent for the same sizes).
 
     Multi-process runs set RANK and WORLD_SIZE (torchrun, Ray) and rendezvous through
-    `init_method` (default ``env://``: MASTER_ADDR/MASTER_PORT; ``file://PATH`` needs no socket).
+    `init_method` (default ``env://``: MASTER_ADDR/MASTER_PORT; ``file://PATH`` needs no socket);
+    rank 0's store listens on MASTER_ADDR only (palaestra/rendezvous.py), and on a loopback
+    MASTER_ADDR gloo's sockets stay on loopback too.
     Without RANK/WORLD_SIZE this is one process with an in-memory store: nothing listens for a
     rendezvous, and gloo's own sockets stay on the loopback interface. Calling it again with the
     same parallel sizes is a no-op; different sizes raise, because Megatron's groups are
@@ -88,13 +91,28 @@ def init_parallel(
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(
-                backend,
-                init_method=init_method or "env://",
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=timeout,
-            )
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            address = store_address(init_method)
+            if address is None:  # file:// (no socket), torchrun's agent store
+                dist.init_process_group(
+                    backend,
+                    init_method=init_method or "env://",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                )
+            else:
+                # torch's own env:// / tcp:// store would listen on every interface (palaestra/rendezvous.py)
+                if is_loopback(address[0]) and backend == "gloo" and Path("/sys/class/net/lo").exists():
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair sockets too
+                store = tcp_store(*address, rank, world_size, timeout)
+                dist.init_process_group(
+                    backend,
+                    store=dist.PrefixStore("default_pg", store),  # the keys torch's rendezvous uses
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                )
         else:
             if backend == "gloo" and Path("/sys/class/net/lo").exists():
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
