@@ -14,6 +14,9 @@ and `demo-steps-teacher` (SFT on worked steps). Arms, same seeds, task order and
 * `sums-teacher`: `demo-teacher` scores every sample;
 * `steps-teacher`: `demo-steps-teacher` scores every sample.
 
+Every teacher distils at `full` granularity (the exact reverse KL over the vocabulary, megatron
+mode: docs/opd.md), the sharpest per-token signal this trainer has.
+
 Every arm is a real `palaestra train` run of configs/demo.yaml (GRPO + OPD, 2 embedded engines,
 router, gateway, Megatron trainer, Ray) with held-out accuracy measured per kind
 (`eval/accuracy/<kind>`: greedy, `--eval-tasks` tasks, half of each kind). Prints each arm's
@@ -35,8 +38,11 @@ KINDS = ("arithmetic", "worked_steps")
 TEACHERS = {"arithmetic": "demo-teacher", "worked_steps": "demo-steps-teacher"}
 
 
-def _panel(teachers: dict[str, str]) -> str:
-    inner = ", ".join(f"{name}: {{mode: megatron, model: {model}}}" for name, model in teachers.items())
+def _panel(teachers: dict[str, str], granularity: str = "full") -> str:
+    inner = ", ".join(
+        f"{name}: {{mode: megatron, model: {model}, granularity: {granularity}}}"
+        for name, model in teachers.items()
+    )
     return f"trainer.teachers={{{inner}}}"
 
 
