@@ -170,3 +170,24 @@ def test_backlog_limit_until_the_consumer_reads(scripted, tok, tmp_path):
         assert metric(c, gw, "palaestra_gateway_spool_backlog_samples") == 0
         assert create(c, gw).status_code == 200
         assert metric(c, gw, 'palaestra_gateway_sessions_refused_total{limit="backlog"}') == 2
+
+
+def test_the_trainers_feed_acknowledges_and_the_spool_deletes(scripted, tok, tmp_path):
+    from palaestra.orchestrator.batching import SampleFeed
+
+    with (
+        gateway(scripted, tok, tmp_path, spool_segment_bytes=1) as gw,
+        httpx.Client(timeout=30) as c,
+    ):
+        for _ in range(3):
+            episode(c, gw)
+        feed = SampleFeed(gw.url, "k-test", run_id="other")
+        try:
+            feed.poll()
+            assert feed.cursor == 3
+            feed.ack(feed.cursor)
+        finally:
+            feed.close()
+        assert metric(c, gw, "palaestra_gateway_spool_acked_cursor") == 3
+        assert metric(c, gw, "palaestra_gateway_spool_segments_deleted") == 2  # not the one appended to
+        assert len(list((tmp_path / "spool").glob("samples-*.jsonl"))) == 1
