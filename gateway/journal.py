@@ -293,6 +293,8 @@ class SessionJournal:
         """A recorded turn. Chat turns pass the request's `messages` (after any kept Responses
         conversation was put in), the `reply` message, the template `context` bytes whose hash is the
         turn's context key, and `keep` (the preamble length) when the call's conversation is kept."""
+        if session.finished:  # a call that was in flight when the session finished: not replayed
+            return
         sid = session.session_id
         last = self._last.get(sid)
         parent = turn.parent
@@ -354,7 +356,8 @@ class SessionJournal:
             last.prompt = None
 
     def failed(self, session: Session, call: dict[str, Any]) -> None:
-        self._write("fail", session.session_id, "c", call)
+        if not session.finished:
+            self._write("fail", session.session_id, "c", call)
 
     def finished(self, session_id: str, answer: dict[str, Any]) -> None:
         """The session's samples are durable in the spool: it is closed, its segments may go."""
