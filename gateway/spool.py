@@ -224,7 +224,12 @@ class SampleSpool:
         handles: dict[Path, Any] = {}
         try:
             for loc in locs:
-                f = handles.get(loc.segment) or handles.setdefault(loc.segment, open(loc.segment, "rb"))  # noqa: SIM115
+                f = handles.get(loc.segment)
+                if f is None:
+                    try:
+                        f = handles[loc.segment] = open(loc.segment, "rb")  # noqa: SIM115
+                    except FileNotFoundError:  # acknowledged and deleted since: the reader is behind the ack
+                        continue
                 f.seek(loc.offset)
                 out.append(json.loads(f.read(loc.length)))
         finally:
