@@ -277,7 +277,7 @@ class SessionJournal:
         fields = {
             f.name: getattr(session, f.name)
             for f in dataclasses.fields(session)
-            if f.name not in _NOT_PERSISTED and _plain(getattr(session, f.name))
+            if f.init and f.name not in _NOT_PERSISTED and _plain(getattr(session, f.name))
         }
         self._write("open", session.session_id, "s", fields)
 
