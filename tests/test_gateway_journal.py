@@ -248,3 +248,25 @@ def test_spool_deletes_acknowledged_segments_and_keeps_counting(tmp_path):
     keep.append([{"sample_id": "a"}])
     keep.append([{"sample_id": "b"}])
     assert keep.ack(2) == 0 and len(list((tmp_path / "keep").glob("samples-*"))) == 2
+
+
+def test_every_plain_field_of_a_session_survives(tmp_path):
+    """Fields added to `Session` later (e.g. its token) are journaled without naming them here."""
+    import dataclasses
+
+    from palaestra.gateway.journal import _NOT_PERSISTED
+
+    session = Session("s", "e", "t", "g", {"k": [1, 2.5, None]})
+    plain = [f for f in dataclasses.fields(Session) if f.init and f.name not in _NOT_PERSISTED]
+    for f in plain:
+        if f.type in ("str", "str | None") and f.name != "session_id":
+            setattr(session, f.name, f"value of {f.name}")
+    journal = SessionJournal(tmp_path, fsync="off")
+    journal.recover()
+    journal.opened(session)
+    journal.close()
+    (restored,), _ = restore(SessionJournal(tmp_path, fsync="off").recover(), lambda ids: "")
+    assert {f.name: getattr(restored, f.name) for f in plain} == {
+        f.name: getattr(session, f.name) for f in plain
+    }
+    assert {"env", "task_id", "group_id", "metadata", "created"} <= {f.name for f in plain}
