@@ -49,7 +49,9 @@ def engine(tok):
     def script(input_ids: list[int], index: int) -> list[int]:
         return tok.encode(f"reply {len(input_ids)}.{index % 100}", add_special_tokens=False) + [end]
 
-    with ThreadServer(ChoicesEngine(script, stop_ids={end}).app()) as srv:
+    double = ChoicesEngine(script, stop_ids={end})
+    with ThreadServer(double.app()) as srv:
+        srv.double = double  # type: ignore[attr-defined]
         yield srv
 
 
@@ -270,3 +272,24 @@ def test_every_plain_field_of_a_session_survives(tmp_path):
         f.name: getattr(session, f.name) for f in plain
     }
     assert {"env", "task_id", "group_id", "metadata", "created"} <= {f.name for f in plain}
+
+
+def test_a_failed_call_survives_and_still_marks_the_session(engine, tok, tmp_path):
+    with gateway(engine, tmp_path, tok, engine_retries=0) as gw, httpx.Client(timeout=30) as c:
+        open_session(c, gw, "x")
+        chat(c, gw, "x", [{"role": "user", "content": "hi"}])
+        engine.double.fail_next = 1
+        r = c.post(
+            f"{gw.url}/s/x/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "a"}]},
+            headers=KEY,
+        )
+        assert r.status_code == 503
+        before = c.get(f"{gw.url}/sessions/x", headers=KEY).json()
+    with gateway(engine, tmp_path, tok) as gw, httpx.Client(timeout=30) as c:
+        after = c.get(f"{gw.url}/sessions/x", headers=KEY).json()
+        assert after["failed_calls"] == before["failed_calls"] and len(after["failed_calls"]) == 1
+        assert (
+            c.post(f"{gw.url}/sessions/x/reward", json={"reward": 1}, headers=KEY).json()["status"]
+            == "failed"
+        )
