@@ -4,7 +4,9 @@ continues every open session exactly (the session journal, gateway/journal.py).
 Real processes: `palaestra gateway serve` subprocesses, killed with `kill -9`. The engine is a
 deterministic TEST DOUBLE (`ScriptedEngine`, SGLang's /generate shape): its answer is a pure function
 of the prompt ids, so the same sessions run without a crash must give exactly the same samples; a
-random-weight model would rarely end a turn and would not call tools, so nothing would bridge.
+random-weight model would rarely end a turn and would not call tools, so little would bridge. The
+last test runs the real embedded engine (`tiny`) through a recording proxy instead, and checks the
+tokens against what that engine was sent and sampled.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from transformers import AutoTokenizer
 from palaestra.gateway.cli import gateway_process
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.net import free_port
-from tests.gateway_helpers import ScriptedEngine, ThreadServer
+from tests.gateway_helpers import RecordingProxy, ScriptedEngine, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}
 ENV = {"PALAESTRA_API_KEY": "k-test", "PALAESTRA_ADMIN_KEY": "k-admin"}
@@ -45,7 +47,7 @@ def tok(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(tok):
+def scripted(tok):
     end = tok.convert_tokens_to_ids("<|im_end|>")
 
     def script(input_ids: list[int], index: int) -> list[int]:
@@ -160,8 +162,8 @@ def by_session(samples: list[dict[str, Any]]) -> dict[str, list[tuple[Any, ...]]
     return out
 
 
-def test_sigkill_mid_episode_every_open_session_continues_exactly(engine, tmp_path):
-    double, srv = engine
+def test_sigkill_mid_episode_every_open_session_continues_exactly(scripted, tmp_path):
+    double, srv = scripted
     names = list(AGENTS)
     # the reference: the same sessions, the same turns, no crash
     with (
@@ -228,10 +230,10 @@ def test_sigkill_mid_episode_every_open_session_continues_exactly(engine, tmp_pa
         c.close()
 
 
-def test_sigkill_during_a_burst_of_turns_tears_nothing_that_was_answered(engine, tmp_path):
+def test_sigkill_during_a_burst_of_turns_tears_nothing_that_was_answered(scripted, tmp_path):
     """Kill -9 while many calls are in flight: every answered turn is in the journal after the
     restart (a write reaches the file before the answer), and a torn record (if any) is dropped."""
-    _, srv = engine
+    _, srv = scripted
     import concurrent.futures
 
     spool, port = str(tmp_path / "spool"), free_port()
@@ -262,3 +264,65 @@ def test_sigkill_during_a_burst_of_turns_tears_nothing_that_was_answered(engine,
                 assert len(traj["turns"]) >= n and traj["forks"] == []
     finally:
         gw.stop()
+
+
+# Random weights rarely end a turn; stopping on common letters ends most turns early, so turns bridge.
+STOPS = ["e", "a", "o", "i", " "]
+
+
+def test_sigkill_with_the_real_engine_the_sample_is_what_the_engine_sampled(engine, tmp_path):
+    rec = RecordingProxy(engine.url)
+    spool, port = str(tmp_path / "spool"), free_port()
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0.7, "stop": STOPS}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say hi."}]
+    with ThreadServer(rec.app()) as proxy, httpx.Client(timeout=120) as c:
+
+        def turn(url: str, i: int) -> None:
+            r = c.post(f"{url}/s/real/v1/chat/completions", json={**body, "messages": messages}, headers=KEY)
+            assert r.status_code == 200, r.text
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            messages.append({"role": "user", "content": f"Go on ({i})."})
+
+        gw = gateway_process("tiny", proxy.url, spool, port=port, env=ENV).start()
+        try:
+            create(c, gw.url, "real")
+            for i in range(12):  # until the last turn before the crash ended on a stop: it must bridge
+                turn(gw.url, i)
+                before = c.get(f"{gw.url}/sessions/real", headers=KEY).json()
+                if i >= 1 and before["turns"][-1]["finish_reason"]["type"] == "stop":
+                    break
+            assert before["turns"][-1]["finish_reason"]["type"] == "stop", "no turn ended on a stop"
+            os.kill(gw.pid, signal.SIGKILL)
+            gw.wait(10)
+        finally:
+            gw.stop()
+        gw = gateway_process("tiny", proxy.url, spool, port=port, env=ENV).start()
+        try:
+            crash = len(rec.exchanges)
+            for i in range(3):
+                turn(gw.url, 100 + i)
+            traj = c.get(f"{gw.url}/sessions/real", headers=KEY).json()
+            (sample,) = [
+                s for s in reward_and_read(c, gw.url, "real") if s["fork_index"] == len(traj["forks"])
+            ]
+        finally:
+            gw.stop()
+    n = len(before["turns"])
+    assert traj["turns"][:n] == before["turns"]
+    assert [t["output_ids"] for t in traj["turns"]] == [e.answer["output_ids"] for e in rec.exchanges]
+    assert {f["reason"] for f in traj["forks"]} <= {"truncated"}  # a turn cut by max_tokens starts anew
+    # the first call after the restart bridged onto the exact ids of the last one before the crash
+    assert (
+        traj["turns"][n]["fork_reason"] is None
+        and traj["turns"][n]["parent"] == before["turns"][-1]["turn_id"]
+    )
+    last_before, first_after = rec.exchanges[crash - 1], rec.exchanges[crash]
+    head = last_before.body["input_ids"] + last_before.answer["output_ids"]
+    assert first_after.body["input_ids"][: len(head)] == head
+    last = rec.exchanges[-1]
+    assert sample["tokens"] == last.body["input_ids"] + last.answer["output_ids"]
+
+
+def reward_and_read(c: httpx.Client, url: str, sid: str) -> list[dict[str, Any]]:
+    reward(c, url, sid)
+    return [s for s in all_samples(c, url) if s["session_id"] == sid]
