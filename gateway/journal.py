@@ -2,7 +2,7 @@
 directory, so that a gateway restarted on the same directory continues each session exactly.
 
     journal = SessionJournal(spool_dir, fsync="batch", interval_s=0.05)
-    sessions, last_turn_id = restore(journal.recover(), decode)   # at start: what the last process wrote
+    sessions, last_turn_id = replay.restore(journal.recover(), decode)   # at start (gateway/replay.py)
     journal.opened(session); journal.turn(session, turn, ...); journal.failed(session, call)
     journal.sync(); <samples appended to the spool>; journal.finished(session, answer)
 
@@ -54,11 +54,10 @@ from typing import Any, Literal
 
 import orjson
 
-from palaestra.gateway.renderer import chain_digests, message_digest
 from palaestra.gateway.state import Session
 from palaestra.gateway.trajectory import Turn
 
-__all__ = ["FSYNC_POLICIES", "SessionJournal", "restore"]
+__all__ = ["FSYNC_POLICIES", "NOT_PERSISTED", "SessionJournal"]
 
 log = logging.getLogger("palaestra.gateway.journal")
 
@@ -68,7 +67,7 @@ _HEADER = struct.Struct("<II")
 
 # Session fields the journal rebuilds from its own records (or that mean nothing in another
 # process); every other field of a new session is written in its "open" record.
-_NOT_PERSISTED = frozenset(
+NOT_PERSISTED = frozenset(
     {
         "turns",
         "by_digest",
@@ -277,7 +276,7 @@ class SessionJournal:
         fields = {
             f.name: getattr(session, f.name)
             for f in dataclasses.fields(session)
-            if f.init and f.name not in _NOT_PERSISTED and _plain(getattr(session, f.name))
+            if f.init and f.name not in NOT_PERSISTED and _plain(getattr(session, f.name))
         }
         self._write("open", session.session_id, "s", fields)
 
@@ -390,113 +389,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# -- replay -----------------------------------------------------------------------------------
-@dataclass
-class _Replay:
-    """One session being rebuilt: its turns by id and its previous chat call's messages/digests."""
-
-    session: Session
-    turns: dict[int, Turn] = field(default_factory=dict)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    digests: list[int] = field(default_factory=list)
-    context_key: int | None = None
-
-
-def restore(records: list[dict[str, Any]], decode: Any) -> tuple[list[Session], int]:
-    """Sessions rebuilt from journal records (finished ones marked finished, with their answer) and
-    the highest turn id seen. `decode(ids) -> str` is the renderer's (for the output text the bridge
-    compares). Records of a session whose "open" record was compacted away are ignored: it finished."""
-    live: dict[str, _Replay] = {}
-    last_turn = 0
-    for record in records:
-        rep = live.get(record["sid"])
-        kind = record["k"]
-        if kind == "open":
-            live[record["sid"]] = _Replay(Session(**record["s"]))
-            continue
-        if rep is None or rep.session.finished:
-            continue
-        if kind == "turn":
-            turn = _turn(rep, record["t"])
-            rep.session.add_turn(turn)
-            last_turn = max(last_turn, turn.turn_id)
-        elif kind == "fail":
-            rep.session.failed_calls.append(record["c"])
-        elif kind == "fin":
-            _finish(rep.session, record["a"])
-    for rep in live.values():
-        if not rep.session.finished:
-            for turn in rep.session.turns:
-                turn.output_text = decode(turn.output_ids)
-    return [rep.session for rep in live.values()], last_turn
-
-
-def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
-    parent = rep.turns[t["parent"]] if t["parent"] is not None else None
-    context_key = rep.context_key
-    if "sib" in t:
-        sibling = rep.turns[t["sib"]]
-        prompt, messages, digest = sibling.prompt_ids, rep.messages, sibling.digest
-        n_messages = sibling.n_messages
-    else:
-        if "tail" in t:
-            assert parent is not None
-            prompt = parent.prompt_ids + parent.output_ids + t["tail"]
-        else:
-            prompt = t["prompt"]
-        messages, digest, n_messages = rep.messages, None, 0
-        if "msgs" in t:
-            k, new = t["msgs"]
-            messages = rep.messages[:k] + new
-            digests = rep.digests[:k] + chain_digests(new, rep.digests[k - 1] if k else 0)
-            rep.messages, rep.digests = messages, digests
-            digest, n_messages = (digests[-1] if digests else None), len(messages)
-        if "ctx" in t:
-            context_key = rep.context_key = hash(t["ctx"].encode())
-    rendered = ""
-    if "rtail" in t:
-        assert parent is not None
-        rendered = parent.rendered + t["rtail"]
-    elif "rendered" in t:
-        rendered = t["rendered"]
-    reply = t.get("reply")
-    turn = Turn(
-        turn_id=t["id"],
-        call_id=t["call"],
-        choice=t["choice"],
-        parent=parent,
-        prompt_ids=prompt,
-        output_ids=t["out"],
-        output_logprobs=[float("-inf") if x is None else x for x in t["lp"]],  # orjson writes -inf as null
-        weight_version=t["wv"],
-        weight_spans=t["spans"],
-        finish_reason=t["fin"],
-        latency_s=t["lat"],
-        cached_tokens=t["cached"],
-        kind=t["kind"],
-        n_messages=n_messages if t["kind"] == "chat" else 0,
-        digest=digest if t["kind"] == "chat" else None,
-        reply_digest=message_digest(reply, loose_assistant=True) if reply is not None else None,
-        rendered=rendered,
-        had_reasoning=t["had_r"],
-        context_key=context_key if t["kind"] == "chat" else None,
-        parse=t["parse"],
-        fork_reason=t["fork"],
-        fork_detail=t["fork_detail"],
-        created=t["created"],
-    )
-    rep.turns[turn.turn_id] = turn
-    if t.get("keep") is not None and reply is not None:
-        rep.session.conversations[turn.call_id] = [*messages[t["keep"] :], reply]
-    return turn
-
-
-def _finish(session: Session, answer: dict[str, Any]) -> None:
-    session.finished, session.status, session.reward = True, answer["status"], answer["reward"]
-    session.metrics = dict(answer.get("metrics") or {})
-    session.sample_ids = list(answer["sample_ids"])
-    session.cursors = list(answer["cursors"])
-    session.sampled_tokens = int(answer["sampled_tokens"])
-    session.conversations.clear()

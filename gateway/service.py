@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway import bridge, parse_status, parsers
+from palaestra.gateway import bridge, parse_status, parsers, replay
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.dialect import (
     Dialect,
@@ -52,14 +52,13 @@ from palaestra.gateway.dialect import (
 )
 from palaestra.gateway.engine_client import EngineClient, Generation
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.journal import SessionJournal, restore
+from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.limits import IdleReaper, Limits
 from palaestra.gateway.renderer import ChatRenderer, message_digest
 from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig, GatewayMetrics, PauseGate, Session, SessionStore
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
 from palaestra.gateway.trajectory import Turn, linearize
-from palaestra.sample import sample_id_for
 
 
 @dataclass(slots=True)
@@ -120,53 +119,22 @@ class GatewayService:
 
     # -- the journal: what a restarted gateway continues ------------------------------------------
     def _recover(self) -> dict[str, int]:
-        """Rebuilds the sessions the journal holds: open ones continue exactly; finished ones answer a
-        repeated reward call; a session whose samples are all in the spool but whose finish record
-        was lost is finished from the spool (never spooled twice). Returns the counts."""
-        sessions, last_turn = restore(self.journal.recover(), self._decode)
+        """Rebuilds the sessions the journal holds (`replay.py`): open ones continue exactly;
+        finished ones answer a repeated reward call; a session whose samples are all in the spool
+        but whose finish record was lost is finished from the spool (never spooled twice)."""
+        sessions, last_turn = replay.restore(self.journal.recover(), self._decode)
         self._turn_ids = max(self._turn_ids, last_turn)
         counts = {"open": 0, "finished": 0, "finished_in_spool": 0}
         for session in sessions:
             if session.finished:
                 counts["finished"] += 1
-            elif self._finished_in_spool(session):
+            elif replay.finish_from_spool(session, self.spool):
+                self.journal.finished(session.session_id, replay.journal_answer(session))
                 counts["finished_in_spool"] += 1
             else:
                 counts["open"] += 1
             self.sessions.adopt(session)
         return counts
-
-    def _finished_in_spool(self, session: Session) -> bool:
-        """Whether every sample of `session` is in the spool (the process died between the spool's
-        fsync and the finish record); if so, marks it finished as the spool has it and journals that."""
-        leaves = session.leaves()
-        ids = [sample_id_for(session.session_id, i) for i in range(len(leaves))]
-        cursors = [self.spool.cursor_of(i) for i in ids]
-        if not ids or any(c is None for c in cursors):
-            return False
-        first = self.spool.read(cursors[0] - 1, 1)[0]["sample"]
-        others = {k: v for k, v in first["metrics"].items() if k not in ("failed_calls", "turns")}
-        session.finished, session.reward, session.metrics = True, first["reward"], others
-        session.status = first["status"]
-        session.sample_ids, session.cursors = ids, [c for c in cursors if c is not None]
-        session.sampled_tokens = sum(sum(r["sample"]["loss_mask"]) for r in self._spooled(cursors))
-        session.conversations.clear()
-        self.journal.finished(session.session_id, self._journal_answer(session))
-        return True
-
-    def _spooled(self, cursors: list[int | None]) -> list[dict[str, Any]]:
-        return [self.spool.read(c - 1, 1)[0] for c in cursors if c is not None]
-
-    @staticmethod
-    def _journal_answer(session: Session) -> dict[str, Any]:
-        return {
-            "status": session.status,
-            "reward": session.reward,
-            "metrics": session.metrics,
-            "sample_ids": session.sample_ids,
-            "cursors": session.cursors,
-            "sampled_tokens": session.sampled_tokens,
-        }
 
     def create_session(
         self,
@@ -612,7 +580,7 @@ class GatewayService:
             for turn in session.turns:  # only bridging needed these; a finished session takes no calls
                 turn.rendered = turn.output_text = ""
             session.conversations.clear()  # likewise the kept Responses conversations
-            self.journal.finished(session_id, {**self._journal_answer(session), "metrics": metrics})
+            self.journal.finished(session_id, {**replay.journal_answer(session), "metrics": metrics})
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.sessions.closed(session)

@@ -18,7 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from palaestra.gateway.app import create_app
-from palaestra.gateway.journal import SessionJournal, restore
+from palaestra.gateway.journal import SessionJournal
+from palaestra.gateway.replay import restore
 from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig, Session
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
@@ -256,10 +257,10 @@ def test_every_plain_field_of_a_session_survives(tmp_path):
     """Fields added to `Session` later (e.g. its token) are journaled without naming them here."""
     import dataclasses
 
-    from palaestra.gateway.journal import _NOT_PERSISTED
+    from palaestra.gateway.journal import NOT_PERSISTED
 
     session = Session("s", "e", "t", "g", {"k": [1, 2.5, None]})
-    plain = [f for f in dataclasses.fields(Session) if f.init and f.name not in _NOT_PERSISTED]
+    plain = [f for f in dataclasses.fields(Session) if f.init and f.name not in NOT_PERSISTED]
     for f in plain:
         if f.type in ("str", "str | None") and f.name != "session_id":
             setattr(session, f.name, f"value of {f.name}")
