@@ -294,8 +294,7 @@ class GatewayService:
         """The call as events: started, safe text deltas, then finished (recorded) or failed."""
         created = int(time.time())
         params = call.request.params
-        await self.gate.enter()
-        self._busy(call.session, +1)
+        await self._enter(call.session)
         try:
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
             markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
@@ -320,8 +319,7 @@ class GatewayService:
                 yield StreamFailed(exc)
                 return
         finally:
-            self._busy(call.session, -1)
-            self.gate.leave()
+            self._leave(call.session)
         assert final is not None
         output = self._chat_output(call, 0, final, 0.0)
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
@@ -405,8 +403,7 @@ class GatewayService:
         self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
     ) -> tuple[list[Generation], float]:
         """One non-streaming engine call behind the pause gate; a failure is recorded on the session."""
-        await self.gate.enter()
-        self._busy(session, +1)
+        await self._enter(session)
         try:
             t0 = time.perf_counter()
             try:
@@ -416,14 +413,24 @@ class GatewayService:
                 raise
             return gens, time.perf_counter() - t0
         finally:
-            self._busy(session, -1)
-            self.gate.leave()
+            self._leave(session)
 
-    @staticmethod
-    def _busy(session: Session, delta: int) -> None:
-        """Counts the session's calls in flight and restarts its idle clock (`limits.IdleReaper`)."""
-        session.busy += delta
+    async def _enter(self, session: Session) -> None:
+        """Through the pause gate. The session's calls in flight are counted from before the gate, so
+        one waiting out a pause is not idle (`limits.IdleReaper`); each entry and exit restarts its
+        idle clock."""
+        session.busy += 1
         session.last_active = time.monotonic()
+        try:
+            await self.gate.enter()
+        except BaseException:
+            session.busy -= 1
+            raise
+
+    def _leave(self, session: Session) -> None:
+        session.busy -= 1
+        session.last_active = time.monotonic()
+        self.gate.leave()
 
     def _record_failure(self, session: Session, call_id: str, exc: GatewayError) -> None:
         failure = {"call_id": call_id, "status": exc.status, "message": exc.message, "time": time.time()}

@@ -191,3 +191,30 @@ def test_the_trainers_feed_acknowledges_and_the_spool_deletes(scripted, tok, tmp
         assert metric(c, gw, "palaestra_gateway_spool_acked_cursor") == 3
         assert metric(c, gw, "palaestra_gateway_spool_segments_deleted") == 2  # not the one appended to
         assert len(list((tmp_path / "spool").glob("samples-*.jsonl"))) == 1
+
+
+def test_a_call_waiting_out_a_pause_keeps_its_session_alive(scripted, tok, tmp_path):
+    import threading
+
+    admin = {"Authorization": "Bearer k-admin"}
+    with (
+        gateway(scripted, tok, tmp_path, session_idle_timeout_s=0.3) as gw,
+        httpx.Client(timeout=30) as c,
+    ):
+        sid = create(c, gw).json()["session_id"]
+        c.post(f"{gw.url}/admin/pause", headers=admin)
+        answers: list[int] = []
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        call = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    f"{gw.url}/s/{sid}/v1/chat/completions", json=body, headers=KEY, timeout=30
+                ).status_code
+            )
+        )
+        call.start()
+        time.sleep(1.2)  # four idle timeouts, waiting at the gate
+        assert not c.get(f"{gw.url}/sessions/{sid}", headers=KEY).json()["finished"]
+        c.post(f"{gw.url}/admin/resume", headers=admin)
+        call.join(30)
+        assert answers == [200]
