@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
@@ -53,13 +55,20 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
         retries=config.engine_retries,
         incremental_stream=config.engine_incremental_stream,
     )
-    spool = SampleSpool(config.spool_dir)
-    svc = GatewayService(config, tokenizer, config.context_length, engine, spool)
+    spool = SampleSpool(config.spool_dir, config.spool_segment_bytes, not config.spool_keep_acked)
+    svc = GatewayService(config, tokenizer, config.context_length, engine, spool)  # replays the journal
+    if any(svc.recovered.values()):
+        log.warning("session journal replayed: %s", svc.recovered)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        reaper = asyncio.create_task(svc.reaper.run())
         yield
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
         await engine.close()
+        svc.close()
         spool.close()
 
     app = FastAPI(title="palaestra gateway", lifespan=lifespan)

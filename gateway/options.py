@@ -50,6 +50,29 @@ class GatewayOptions:
     engine_retries: int = 2
     """Retries of an engine call that committed no tokens (connection refused, 5xx)."""
 
+    journal_fsync: Literal["always", "batch", "off"] = "batch"
+    """Session journal durability (docs/reliability-journal.md): always = fsync every record before
+    the call answers (survives power loss); batch = fsync every journal_fsync_interval_ms (survives a
+    killed process; a power loss drops at most that window); off = never fsync (a killed process)."""
+
+    journal_fsync_interval_ms: float = 50.0
+    """With journal_fsync=batch: the longest time a journal record waits for its fsync, ms."""
+
+    max_open_sessions: int = 4096
+    """Sessions not yet finished; POST /sessions beyond it gets 429 with Retry-After."""
+
+    session_idle_timeout_s: float = 1800.0
+    """A session with no call for this long is finished as aborted (metric failure/idle_timeout);
+    0 = never."""
+
+    spool_max_bytes: int = 50 << 30
+    """Disk budget of the spool directory (samples + session journal), bytes; over it, POST /sessions
+    gets 429 until the consumer acknowledges samples (POST /samples/ack) and they are deleted."""
+
+    max_backlog_samples: int = 100_000
+    """Durable samples not yet delivered to or acknowledged by a reader of /samples; over it, POST
+    /sessions gets 429 (the trainer is behind)."""
+
     def serve_flags(self) -> list[str]:
         """`palaestra gateway serve` arguments for these options (None = left to the gateway); the
         run adds model, URLs, keys and spool dir."""

@@ -201,7 +201,7 @@ async def create_session(request: Request) -> dict[str, Any]:
         raise GatewayError("'session_id' must be letters, digits and dashes", param="session_id")
     if not isinstance(metadata, dict):
         raise GatewayError("'metadata' must be an object", param="metadata")
-    session = svc.sessions.create(env, task_id, group_id, metadata, session_id)
+    session = svc.create_session(env, task_id, group_id, metadata, session_id)
     base = (svc.config.public_url or str(request.base_url)).rstrip("/")
     return {
         "session_id": session.session_id,
@@ -248,7 +248,28 @@ async def samples(request: Request, after: int = 0, limit: int = 100) -> dict[st
     return {
         "samples": [r["sample"] for r in records],
         "cursors": [r["cursor"] for r in records],
-        "cursor": records[-1]["cursor"] if records else after,
+        "cursor": records[-1]["cursor"] if records else max(after, svc.spool.first_cursor - 1),
+        "last_cursor": svc.spool.last_cursor,
+        "first_cursor": svc.spool.first_cursor,
+    }
+
+
+@sessions.post("/samples/ack")
+async def samples_ack(request: Request) -> dict[str, Any]:
+    """The consumer has everything up to `cursor` for good (the trainer: a checkpoint records it);
+    spool segments holding only acknowledged samples are deleted (unless --spool-keep-acked)."""
+    svc = service(request)
+    cursor = (await json_body(request)).get("cursor")
+    if isinstance(cursor, bool) or not isinstance(cursor, int) or cursor < 0:
+        raise GatewayError("'cursor' must be a non-negative integer", param="cursor")
+    try:
+        deleted = await asyncio.to_thread(svc.spool.ack, cursor)
+    except ValueError as exc:
+        raise GatewayError(str(exc), param="cursor") from None
+    return {
+        "acked": svc.spool.acked,
+        "segments_deleted": deleted,
+        "first_cursor": svc.spool.first_cursor,
         "last_cursor": svc.spool.last_cursor,
     }
 

@@ -14,7 +14,10 @@ speaks (OpenAI chat or completions today). Per call, `GatewayService`:
    (`streaming.py` decides how much text may go out before the end).
 
 `finish` (the reward call) linearises the session's turn tree into Samples and makes them durable
-in the spool. No wire format is known here: `openai_request.py` / `openai_response.py` are the
+in the spool. Sessions, turns, failed calls and finishes are also written to the session journal
+(`journal.py`) as they happen; constructing the service replays it, so a gateway restarted on the
+same spool directory continues every open session. New sessions pass `limits.Limits` first. No
+wire format is known here: `openai_request.py` / `openai_response.py` are the
 OpenAI dialect, and `dialect.py` says what another one provides.
 """
 
@@ -30,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway import bridge, parse_status, parsers
+from palaestra.gateway import bridge, parse_status, parsers, replay
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.dialect import (
     Dialect,
@@ -49,6 +52,8 @@ from palaestra.gateway.dialect import (
 )
 from palaestra.gateway.engine_client import EngineClient, Generation
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.journal import SessionJournal
+from palaestra.gateway.limits import IdleReaper, Limits
 from palaestra.gateway.renderer import ChatRenderer, message_digest
 from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig, GatewayMetrics, PauseGate, Session, SessionStore
@@ -66,6 +71,7 @@ class _ChatCall:
     plan: Plan
     sampling: dict[str, Any]
     turn_extra: dict[str, Any]  # recorded on every Turn of the call
+    context: bytes  # what the template reads besides the messages (its hash is the context key)
 
 
 class GatewayService:
@@ -101,6 +107,51 @@ class GatewayService:
         self.stop_text = self._stop_texts()
         self.render_gap = bridge.incremental_ok(self.renderer)  # None: always render in full
         self._turn_ids = 0
+        self.journal = SessionJournal(
+            spool.dir,
+            fsync=config.journal_fsync,
+            interval_s=config.journal_fsync_interval_ms / 1000,
+            segment_bytes=config.journal_segment_bytes,
+        )
+        self.limits = Limits(config, self.sessions, spool, self.journal, self.metrics.registry)
+        self.reaper = IdleReaper(self.limits, self.finish)
+        self.recovered = self._recover()
+
+    # -- the journal: what a restarted gateway continues ------------------------------------------
+    def _recover(self) -> dict[str, int]:
+        """Rebuilds the sessions the journal holds (`replay.py`): open ones continue exactly;
+        finished ones answer a repeated reward call; a session whose samples are all in the spool
+        but whose finish record was lost is finished from the spool (never spooled twice)."""
+        sessions, last_turn = replay.restore(self.journal.recover(), self._decode)
+        self._turn_ids = max(self._turn_ids, last_turn)
+        counts = {"open": 0, "finished": 0, "finished_in_spool": 0}
+        for session in sessions:
+            if session.finished:
+                counts["finished"] += 1
+            elif replay.finish_from_spool(session, self.spool):
+                self.journal.finished(session.session_id, replay.journal_answer(session))
+                counts["finished_in_spool"] += 1
+            else:
+                counts["open"] += 1
+            self.sessions.adopt(session)
+        return counts
+
+    def create_session(
+        self,
+        env: str,
+        task_id: str,
+        group_id: str | None,
+        metadata: dict[str, Any],
+        session_id: str | None = None,
+    ) -> Session:
+        """A new session, if the limits admit one (429 otherwise); journaled before it is answered."""
+        self.limits.admit()
+        session = self.sessions.create(env, task_id, group_id, metadata, session_id)
+        self.journal.opened(session)
+        return session
+
+    def close(self) -> None:
+        self.journal.close()
 
     def _stop_texts(self) -> dict[int, str]:
         """Text of every special token: what a model's final stop token looks like in the template."""
@@ -142,9 +193,8 @@ class GatewayService:
 
     def _plan_chat(self, session: Session, request: TurnRequest, id_prefix: str) -> _ChatCall:
         digests = session.history.of(request.messages)
-        context_key = hash(
-            orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
-        )
+        context = orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
+        context_key = hash(context)
         plan = plan_chat(
             self.renderer,
             session.by_digest,
@@ -174,6 +224,7 @@ class GatewayService:
                 "fork_detail": plan.fork_detail,
                 "context_key": context_key,
             },
+            context=context,
         )
 
     def _chat_output(self, call: _ChatCall, choice: int, gen: Generation, latency: float) -> TurnOutput:
@@ -200,9 +251,10 @@ class GatewayService:
         )
         status = self._parse_status(gen.output_ids, text, parsed, request.tools_on)
         reply = reply_message(output)
-        if request.store and choice == 0:  # what a later `previous` continues: history + reply
+        kept = request.store and choice == 0
+        if kept:  # what a later `previous` continues: history + reply
             call.session.conversations[call.call_id] = [*request.messages[request.preamble :], reply]
-        self._new_turn(
+        turn = self._new_turn(
             call.session,
             call.call_id,
             choice,
@@ -216,6 +268,14 @@ class GatewayService:
             had_reasoning=parsed.reasoning_content is not None,
             parse=status,
             **call.turn_extra,
+        )
+        self.journal.turn(
+            call.session,
+            turn,
+            request.messages,
+            reply,
+            call.context,
+            request.preamble if kept else None,
         )
         return output
 
@@ -234,7 +294,7 @@ class GatewayService:
         """The call as events: started, safe text deltas, then finished (recorded) or failed."""
         created = int(time.time())
         params = call.request.params
-        await self.gate.enter()
+        await self._enter(call.session)
         try:
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
             markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
@@ -259,7 +319,7 @@ class GatewayService:
                 yield StreamFailed(exc)
                 return
         finally:
-            self.gate.leave()
+            self._leave(call.session)
         assert final is not None
         output = self._chat_output(call, 0, final, 0.0)
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
@@ -298,7 +358,7 @@ class GatewayService:
         outputs = []
         for i, gen in enumerate(gens):
             text, full = self._text_of(gen)
-            self._new_turn(
+            turn = self._new_turn(
                 session,
                 call_id,
                 i,
@@ -312,6 +372,7 @@ class GatewayService:
                 fork_reason=fork,
                 fork_detail="the prompt does not extend an earlier one" if fork else "",
             )
+            self.journal.turn(session, turn)
             # completions report no alternatives (top_logprobs: null), so none are decoded
             outputs.append(self._output(i, gen, text, text, None, [], request.params, 0))
         return dialect.answer(request, self._result(call_id, len(ids), outputs))
@@ -342,7 +403,7 @@ class GatewayService:
         self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
     ) -> tuple[list[Generation], float]:
         """One non-streaming engine call behind the pause gate; a failure is recorded on the session."""
-        await self.gate.enter()
+        await self._enter(session)
         try:
             t0 = time.perf_counter()
             try:
@@ -352,12 +413,29 @@ class GatewayService:
                 raise
             return gens, time.perf_counter() - t0
         finally:
-            self.gate.leave()
+            self._leave(session)
+
+    async def _enter(self, session: Session) -> None:
+        """Through the pause gate. The session's calls in flight are counted from before the gate, so
+        one waiting out a pause is not idle (`limits.IdleReaper`); each entry and exit restarts its
+        idle clock."""
+        session.busy += 1
+        session.last_active = time.monotonic()
+        try:
+            await self.gate.enter()
+        except BaseException:
+            session.busy -= 1
+            raise
+
+    def _leave(self, session: Session) -> None:
+        session.busy -= 1
+        session.last_active = time.monotonic()
+        self.gate.leave()
 
     def _record_failure(self, session: Session, call_id: str, exc: GatewayError) -> None:
-        session.failed_calls.append(
-            {"call_id": call_id, "status": exc.status, "message": exc.message, "time": time.time()}
-        )
+        failure = {"call_id": call_id, "status": exc.status, "message": exc.message, "time": time.time()}
+        session.failed_calls.append(failure)
+        self.journal.failed(session, failure)
         self.metrics.engine_errors.labels(code=exc.code or str(exc.status)).inc()
 
     def _decode(self, ids: list[int]) -> str:
@@ -499,6 +577,8 @@ class GatewayService:
                 )
                 for i, leaf in enumerate(leaves)
             ]
+            # the turns durable before their samples: a restart never finds samples of unknown turns
+            await asyncio.to_thread(self.journal.sync)
             cursors = await asyncio.to_thread(self.spool.append, [s.to_dict() for s in samples])
             session.finished, session.status, session.reward = True, status, reward
             session.sample_ids = [s.sample_id for s in samples]
@@ -507,9 +587,10 @@ class GatewayService:
             for turn in session.turns:  # only bridging needed these; a finished session takes no calls
                 turn.rendered = turn.output_text = ""
             session.conversations.clear()  # likewise the kept Responses conversations
+            self.journal.finished(session_id, {**replay.journal_answer(session), "metrics": metrics})
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
-            self.metrics.active.dec()
+            self.sessions.closed(session)
             return self._finish_answer(session)
 
     @staticmethod

@@ -54,7 +54,18 @@ class GatewayConfig(GatewayOptions):
     """Serve without keys (loopback development only)."""
 
     spool_dir: str = "runs/spool"
-    """Directory of the durable sample spool."""
+    """Directory of the durable sample spool and of the session journal."""
+
+    spool_segment_bytes: int = 64 << 20
+    """Size at which the spool starts a new segment file (acknowledged segments are deleted whole)."""
+
+    spool_keep_acked: bool = False
+    """Keep spool segments whose samples are all acknowledged (POST /samples/ack); by default they
+    are deleted, which is what bounds the spool's disk use."""
+
+    journal_segment_bytes: int = 16 << 20
+    """Size at which the session journal starts a new segment (segments of finished sessions are
+    deleted whole)."""
 
     served_model_name: str | None = None
     """Model name in answers (default: --model)."""
@@ -116,6 +127,10 @@ class Session:
     cursors: list[int] = field(default_factory=list)
     sampled_tokens: int = 0
     finish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_active: float = field(default_factory=time.monotonic)
+    """When a call last started or ended (the idle timeout's clock; not journaled)."""
+    busy: int = 0
+    """Calls of this session in flight (an idle session has none)."""
 
     def add_turn(self, turn: Turn) -> None:
         self.turns.append(turn)
@@ -276,6 +291,7 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.metrics = metrics
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.open_count = 0  # sessions not finished (the max_open_sessions limit)
 
     def create(
         self,
@@ -294,8 +310,25 @@ class SessionStore:
         self._sessions[sid] = session
         self.metrics.sessions_created.inc()
         self.metrics.active.inc()
+        self.open_count += 1
         self._evict()
         return session
+
+    def adopt(self, session: Session) -> None:
+        """A session rebuilt from the journal at start (gateway/journal.py)."""
+        self._sessions[session.session_id] = session
+        if not session.finished:
+            self.metrics.active.inc()
+            self.open_count += 1
+        self._evict()
+
+    def closed(self, session: Session) -> None:
+        """`session` just finished."""
+        self.metrics.active.dec()
+        self.open_count -= 1
+
+    def open_sessions(self) -> list[Session]:
+        return [s for s in self._sessions.values() if not s.finished]
 
     def _evict(self) -> None:
         while len(self._sessions) > self.max_sessions:

@@ -10,7 +10,7 @@ and the filters into one step's `Batch`. No Ray here: every piece is testable al
   runner reports it: task index, sample ids, rewards, statuses, timing.
 * `SampleFeed` — reads `/samples?after=CURSOR`: deduplicates by `sample_id`, drops failed/aborted
   samples and those of evaluations or of another launch (all counted), and hands out a group's
-  samples once they are all read.
+  samples once they are all read; `ack(cursor)` lets the gateway delete what a checkpoint holds.
 * `sample_lag` — how many weight versions a sample is behind the trainer (its oldest sampled token).
 * `select_batch` — the staleness bound per sample (drop, or keep with the loss masked) and the
   zero-reward-variance filter per group, with every decision counted in `Batch.counts` and every
@@ -97,6 +97,12 @@ class SampleFeed:
             self.cursor = int(page["cursor"])
             if not page["samples"] or self.cursor >= int(page["last_cursor"]):
                 return new
+
+    def ack(self, cursor: int) -> None:
+        """Tells the gateway that everything up to `cursor` is consumed for good (a checkpoint records
+        it: a resumed run reads after it), so the spool may delete those samples (`POST /samples/ack`)."""
+        r = self.client.post(f"{self.url}/samples/ack", json={"cursor": cursor})
+        r.raise_for_status()
 
     def _take(self, data: dict[str, Any]) -> int:
         sid = data["sample_id"]

@@ -256,6 +256,7 @@ class Run:
         self.waiter.begin(f"checkpoint {ckpt.name}")
         self.waiter.get(self.cluster.trainer_call("save", str(ckpt / "trainer")), "saving the trainer")
         commit_checkpoint(self.cfg, self.state, ckpt)
+        self.feed.ack(self.state.cursor)  # a resume reads after it: the spool may delete up to here
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict[str, float]:

@@ -48,6 +48,7 @@ POLICY: dict[tuple[str, str], tuple[str, dict | None]] = {
     ("POST", "/sessions/{session_id}/reward"): ("env", {"reward": 1.0}),
     ("GET", "/samples"): ("env", None),
     ("GET", "/samples/stream"): ("env", None),
+    ("POST", "/samples/ack"): ("env", {"cursor": 0}),
     ("POST", "/admin/pause"): ("admin", None),
     ("POST", "/admin/resume"): ("admin", None),
     ("POST", "/s/{session_id}/v1/chat/completions"): ("session", CHAT),

@@ -159,6 +159,12 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.reasoning_parser=qwen3",
             "gateway.engine_timeout_s=30",
             "gateway.engine_retries=0",
+            "gateway.journal_fsync=always",
+            "gateway.journal_fsync_interval_ms=10",
+            "gateway.max_open_sessions=8",
+            "gateway.session_idle_timeout_s=60",
+            "gateway.spool_max_bytes=1000000",
+            "gateway.max_backlog_samples=100",
         ],
     ).gateway
     config = served(tuned.serve_flags())
