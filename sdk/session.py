@@ -35,6 +35,14 @@ class GatewayError(RuntimeError):
 TRANSIENT = {0, 429, 502, 503, 504}
 
 
+def _retry_after(r: httpx.Response) -> float | None:
+    """The `Retry-After` header in seconds (at least 0.1), or None when absent or not a number."""
+    try:
+        return max(0.1, float(r.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None
+
+
 @dataclass
 class GatewayClient:
     """The gateway's session API (create, reward) with retries on transient failures.
@@ -47,6 +55,9 @@ class GatewayClient:
     retries: int = 3
     backoff_s: float = 0.5
     timeout_s: float = 600.0
+    limit_wait_s: float = 600.0
+    """How long, in all, one call waits out 429 answers that carry `Retry-After` (the gateway's
+    open-session, spool and backlog limits: back-pressure, not failures)."""
     _http: httpx.AsyncClient | None = field(default=None, repr=False)
     _openai_http: Any = field(default=None, repr=False)  # openai.DefaultAsyncHttpxClient
 
@@ -75,7 +86,8 @@ class GatewayClient:
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         last: GatewayError | None = None
-        for attempt in range(self.retries + 1):
+        attempt, waited = 0, 0.0
+        while True:
             try:
                 r = await self._client().post(path, json=body)
             except httpx.HTTPError as exc:
@@ -90,10 +102,17 @@ class GatewayClient:
                 last = GatewayError(f"POST {path}: {r.status_code} {message}", r.status_code)
                 if r.status_code not in TRANSIENT:
                     raise last
-            if attempt < self.retries:
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-        assert last is not None
-        raise last
+                pause = _retry_after(r)
+                if r.status_code == 429 and pause is not None and waited + pause <= self.limit_wait_s:
+                    # Back-pressure (a gateway limit or a pause): wait as told, without using up
+                    # the retries meant for failures; bounded by `limit_wait_s` in all.
+                    waited += pause
+                    await asyncio.sleep(pause)
+                    continue
+            if attempt >= self.retries:
+                raise last
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
 
     async def session(
         self,

@@ -218,3 +218,34 @@ def test_a_call_waiting_out_a_pause_keeps_its_session_alive(scripted, tok, tmp_p
         c.post(f"{gw.url}/admin/resume", headers=admin)
         call.join(30)
         assert answers == [200]
+
+
+def test_sdk_waits_out_a_limit_and_gives_up_after_limit_wait_s(scripted, tok, tmp_path):
+    """`GatewayClient` treats a 429 with Retry-After as back-pressure: it waits as told (without
+    using up its failure retries) and gets the session once a slot frees; past `limit_wait_s` it
+    raises the gateway's error."""
+    import asyncio
+
+    from palaestra.sdk import GatewayClient
+    from palaestra.sdk.session import GatewayError as SDKGatewayError
+
+    with gateway(scripted, tok, tmp_path, max_open_sessions=1) as gw, httpx.Client(timeout=30) as c:
+        first = create(c, gw).json()["session_id"]
+
+        async def main() -> None:
+            client = GatewayClient(gw.url, api_key="k-test", retries=0, limit_wait_s=2.0)
+            with pytest.raises(SDKGatewayError, match="max_open_sessions"):  # 3 s > 2 s: gives up
+                await client.session("lim", "t")
+            client.limit_wait_s = 30.0
+            started = time.monotonic()
+            waiting = asyncio.create_task(client.session("lim", "t"))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # held back by the limit, not failed
+            await asyncio.to_thread(
+                c.post, f"{gw.url}/sessions/{first}/reward", json={"reward": 0}, headers=KEY
+            )
+            session = await waiting
+            assert session.session_id != first and time.monotonic() - started >= 2.9  # one Retry-After
+            await client.close()
+
+        asyncio.run(main())
