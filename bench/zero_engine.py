@@ -1,6 +1,6 @@
 """The zero-work engine's command, kept at its old path for the benchmarks: see palaestra/engine/zero.py.
 
-    python bench/zero_engine.py --port 31000 --reply-ids 1234 2
+python bench/zero_engine.py --port 31000 --reply-ids 1234 2
 """
 
 from __future__ import annotations

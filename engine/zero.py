@@ -59,7 +59,9 @@ def make_app(
         if reply_ids is not None:
             return reply_ids
         assert alphabet is not None and stop_id is not None
-        return derived_reply(request.headers.get(ROUTING_HEADER, ""), prompt_len, alphabet, reply_len, stop_id)
+        return derived_reply(
+            request.headers.get(ROUTING_HEADER, ""), prompt_len, alphabet, reply_len, stop_id
+        )
 
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:

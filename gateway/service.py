@@ -504,13 +504,22 @@ class GatewayService:
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
             session.sampled_tokens = sum(s.num_sampled for s in samples)
-            for turn in session.turns:  # only bridging needed these; a finished session takes no calls
-                turn.rendered = turn.output_text = ""
-            session.conversations.clear()  # likewise the kept Responses conversations
+            session.release(leaves)  # a finished session takes no calls; its tokens are in the spool
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.metrics.active.dec()
             return self._finish_answer(session)
+
+    async def trajectory(self, session_id: str) -> dict[str, Any]:
+        """GET /sessions/{id}: a finished session's token lists are read back from its samples."""
+        session = self.sessions.get(session_id)
+        samples = None
+        if session.packed_turns is not None:
+            samples = await asyncio.to_thread(self._spooled, session.cursors)
+        return session.trajectory(samples)
+
+    def _spooled(self, cursors: list[int]) -> list[dict[str, Any]]:
+        return [self.spool.read(c - 1, 1)[0]["sample"] for c in cursors]
 
     @staticmethod
     def _finish_answer(session: Session) -> dict[str, Any]:

@@ -32,7 +32,12 @@ from palaestra.net import ServerProcess, free_port
 REPLY_LEN = 8
 """Ids per engine answer before the stop id."""
 
-SYSTEM = "You are a terse agent. Answer in one word."
+SYSTEM = (
+    "You are a terse agent in a load test of the gateway. Every answer you give is one short word, "
+    "with no punctuation, no explanation and no greeting. "
+) * 4
+"""232 tokens of the `tiny` preset: a prompt of some size, so that what a session keeps of its
+tokens after it finished shows in the gateway's memory."""
 
 
 @dataclass(frozen=True)
