@@ -80,6 +80,8 @@ class AgentRecord:
     latencies: list[float] = field(default_factory=list)
     """Seconds per chat call, as the agent measured them."""
     sample_ids: list[str] = field(default_factory=list)
+    reconnects: int = 0
+    """Requests sent again on a new connection after the gateway closed an idle one (`_post`)."""
 
 
 def rss_kib(pid: int) -> int:
@@ -101,9 +103,28 @@ def raise_fd_limit(needed: int) -> int:
 
 
 def fds_needed(sessions: int) -> int:
-    """Descriptors one process of a load run may hold: the gateway holds one per agent connection,
-    up to 512 to the engine (EngineClient's pool) and its own files; the driver one per agent."""
-    return sessions + 512 + 512
+    """Descriptors one process of a load run may hold: the gateway one per agent connection (two
+    while a closed one is being replaced), up to 512 to the engine (EngineClient's pool) and its
+    own files; the driver as many per agent."""
+    return 2 * sessions + 512 + 512
+
+
+async def _post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str], record: AgentRecord
+) -> tuple[int, Any]:
+    """POST with the reconnect an HTTP client makes: the gateway (uvicorn) closes a connection idle
+    for 5 s, and an agent that reuses it just then sees it reset before its request was read. A
+    request that did reach the gateway and is sent again would show as a `branched` fork, which
+    tests/test_load.py refuses, so the retry cannot hide a double generation."""
+    for attempt in range(3):
+        try:
+            async with http.post(url, json=body, headers=headers) as r:
+                return r.status, await r.json()
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if attempt == 2:
+                raise
+            record.reconnects += 1
+    raise AssertionError("unreachable")
 
 
 async def _agent(
@@ -117,13 +138,15 @@ async def _agent(
     created: list[int],
     n: int,
 ) -> AgentRecord:
-    async with http.post(f"{gateway}/sessions", json={"env": "load", "task_id": tag}, headers=headers) as r:
-        assert r.status == 200, f"{tag}: POST /sessions -> {r.status} {await r.text()}"
-        opened = await r.json()
+    record = AgentRecord("", tag)
+    status, opened = await _post(
+        http, f"{gateway}/sessions", {"env": "load", "task_id": tag}, headers, record
+    )
+    assert status == 200, f"{tag}: POST /sessions -> {status} {opened}"
     sid, base = opened["session_id"], opened["base_url"]
+    record.session_id = sid
     # a per-session key where the gateway mints one, else the run's key
     session_headers = {"Authorization": f"Bearer {opened['api_key']}"} if "api_key" in opened else headers
-    record = AgentRecord(sid, tag)
     created[0] += 1
     if created[0] == n:
         all_created.set()
@@ -133,10 +156,9 @@ async def _agent(
         messages.append({"role": "user", "content": f"[{tag}] turn {turn}: name a letter."})
         body = {"model": "tiny", "messages": messages, "max_tokens": REPLY_LEN + 1}
         t0 = time.perf_counter()
-        async with http.post(f"{base}/chat/completions", json=body, headers=session_headers) as r:
-            answer = await r.json()
+        status, answer = await _post(http, f"{base}/chat/completions", body, session_headers, record)
         record.latencies.append(time.perf_counter() - t0)
-        assert r.status == 200, f"{tag} turn {turn}: {r.status} {answer}"
+        assert status == 200, f"{tag} turn {turn}: {status} {answer}"
         prompt_len = answer["usage"]["prompt_tokens"]
         content = answer["choices"][0]["message"]["content"]
         expected = replies.text(sid, prompt_len)
@@ -146,9 +168,8 @@ async def _agent(
         record.prompt_lens.append(prompt_len)
         messages.append({"role": "assistant", "content": content})
     reward = {"reward": 1.0, "done": True}
-    async with http.post(f"{gateway}/sessions/{sid}/reward", json=reward, headers=headers) as r:
-        finished = await r.json()
-        assert r.status == 200, f"{tag}: reward -> {r.status} {finished}"
+    status, finished = await _post(http, f"{gateway}/sessions/{sid}/reward", reward, headers, record)
+    assert status == 200, f"{tag}: reward -> {status} {finished}"
     record.sample_ids = finished["sample_ids"]
     return record
 
@@ -159,9 +180,9 @@ async def run_agents(
     """`n` agents at once, each opening a session, chatting `turns` turns (all sessions open before
     the first turn) and rewarding it. Returns their records and the round's wall time (seconds)."""
     timeout = aiohttp.ClientTimeout(total=600)
-    connector = aiohttp.TCPConnector(limit=n, force_close=False)
     all_created, created = asyncio.Event(), [0]
     t0 = time.perf_counter()
+    connector = aiohttp.TCPConnector(limit=n)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as http:
         records = await asyncio.gather(
             *(
