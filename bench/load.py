@@ -7,10 +7,13 @@ A `palaestra gateway serve` subprocess (the `tiny` preset's tokenizer) over the 
 (`palaestra.engine.zero`, alphabet mode), both on 127.0.0.1, so only the gateway is measured. At
 each level, that many agents (tests/load_agents.py, the same ones tests/test_load.py verifies) open
 their sessions, all before the first turn, chat `--turns` turns each and reward them; each agent
-checks every answer is the one its engine produced for its session. Printed per level: sessions/s
-(sessions / the level's wall time, session creation and reward included), p50/p99 of the chat
-calls' latency as the agents measured it, and the gateway's RSS before, at its peak during (read
-from /proc every 20 ms) and after the level. The driver, the engine and the gateway share the
+checks every answer is the one its engine produced for its session. Each level runs two such
+rounds. Printed per level, from the second round: sessions/s (sessions / the round's wall time,
+session creation and reward included) and p50/p99 of the chat calls' latency as the agents
+measured it; the gateway's RSS before the level, at its peak (read from /proc every 20 ms) and
+after it; and the RSS the second round added per session: what a finished session keeps once the
+first round has sized the allocator's pools (freed memory stays with the process for reuse, so
+the RSS after a level is about its peak). The driver, the engine and the gateway share the
 machine's cores, so the latency at 1,000 sessions is mostly queueing: read the ratios, not the
 absolute times. Stops by itself; the spool goes to a temporary directory that is removed.
 """
@@ -51,11 +54,19 @@ class Level:
     p99_ms: float
     rss_before: int
     rss_peak: int
+    rss_first: int
+    """After the level's first round."""
     rss_after: int
+    """After its second round."""
 
     @property
     def rate(self) -> float:
         return self.sessions / self.wall_s
+
+    @property
+    def kept_bytes(self) -> float:
+        """RSS the second round added per session (see the module docstring)."""
+        return (self.rss_after - self.rss_first) * 1024 / self.sessions
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -63,22 +74,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_level(url: str, pid: int, n: int, turns: int, replies: ZeroReplies) -> Level:
-    before = rss_kib(pid)
-    (records, wall), peak = asyncio.run(
-        peak_rss_while(pid, run_agents(url, HEADERS, n, turns, f"c{n}x", replies))
-    )
+def run_round(url: str, pid: int, n: int, turns: int, replies: ZeroReplies) -> tuple[list[float], float, int]:
+    """One round of `n` agents: their chat calls' latencies, the wall time and the gateway's peak RSS."""
+    work = run_agents(url, HEADERS, n, turns, f"c{n}x", replies)
+    (records, wall), peak = asyncio.run(peak_rss_while(pid, work))
     time.sleep(1.0)  # connections close, the last spool writes return
-    latencies = [s for r in records for s in r.latencies]
-    return Level(
-        n,
-        wall,
-        statistics.median(latencies) * 1e3,
-        percentile(latencies, 0.99) * 1e3,
-        before,
-        peak,
-        rss_kib(pid),
-    )
+    return [s for r in records for s in r.latencies], wall, peak
+
+
+def run_level(url: str, pid: int, n: int, turns: int, replies: ZeroReplies) -> Level:
+    """Two rounds of `n` sessions: the timings of the second, the RSS around both."""
+    before = rss_kib(pid)
+    _, _, peak1 = run_round(url, pid, n, turns, replies)
+    first = rss_kib(pid)
+    latencies, wall, peak2 = run_round(url, pid, n, turns, replies)
+    p50, p99 = statistics.median(latencies) * 1e3, percentile(latencies, 0.99) * 1e3
+    return Level(n, wall, p50, p99, before, max(peak1, peak2), first, rss_kib(pid))
 
 
 def main() -> None:
@@ -104,7 +115,7 @@ def main() -> None:
         gateway_process("tiny", engine.url, spool, env=ENV) as gw,
     ):
         assert gw.pid is not None
-        run_level(gw.url, gw.pid, 10, args.turns, replies)  # warm-up: first-use caches, imports
+        run_round(gw.url, gw.pid, 10, args.turns, replies)  # warm-up: first-use caches, imports
         idle = rss_kib(gw.pid)
         levels = [run_level(gw.url, gw.pid, n, args.turns, replies) for n in args.levels]
 
@@ -112,13 +123,12 @@ def main() -> None:
     print(
         f"gateway over the zero-work engine, {args.turns} chat turns per session; idle RSS {idle * mib:.1f} MiB"
     )
-    print("sessions  sessions/s  p50 ms  p99 ms  RSS before / peak / after (MiB)  kept per session")
+    print("sessions  sessions/s  p50 ms  p99 ms  RSS before / peak / after (MiB)  kept per finished session")
     for lv in levels:
-        kept = (lv.rss_after - lv.rss_before) * 1024 / lv.sessions
+        rss = f"{lv.rss_before * mib:.1f} / {lv.rss_peak * mib:.1f} / {lv.rss_after * mib:.1f}"
         print(
-            f"{lv.sessions:>8}  {lv.rate:>10.1f}  {lv.p50_ms:>6.1f}  {lv.p99_ms:>6.1f}  "
-            f"{lv.rss_before * mib:>6.1f} / {lv.rss_peak * mib:.1f} / {lv.rss_after * mib:.1f}"
-            f"{'':>10}{kept:>7.0f} B"
+            f"{lv.sessions:>8}  {lv.rate:>10.1f}  {lv.p50_ms:>6.1f}  {lv.p99_ms:>6.1f}  {rss:>31}  "
+            f"{lv.kept_bytes:>10.0f} B"
         )
     base = levels[0]
     for lv in levels[1:]:
