@@ -16,7 +16,7 @@ and that the gateway's memory returns to its baseline. Three rounds of 1,000 ses
 the other; the baseline is the RSS after the second. One round is not enough to count the
 allocator's pools, the engine connection pool and first-use caches once: on the development
 machine the RSS after the rounds grew by 120, 9.5 and 3.4 MiB. After the third round the RSS may
-exceed the baseline by `SLACK_KIB` at most, 8 KiB per finished session: the light record a
+exceed the baseline by `SLACK_KIB` at most, 12 KiB per finished session: the light record a
 finished session keeps for GET /sessions/{id} (about 2-3 KiB, gateway/finished.py,
 docs/reliability-load.md), the spool's index entry of its sample, and the allocator's noise. The
 checks read the samples back in pages of 100, so that their own transient memory stays small.
@@ -45,8 +45,8 @@ SESSIONS = 1000
 TURNS = 3
 ROUNDS = ("warm", "again", "load")
 """Rounds of SESSIONS sessions; the RSS after the next-to-last is the baseline (see the docstring)."""
-SLACK_KIB = 8 * SESSIONS
-"""Allowed RSS above the baseline after a second round: 8 KiB per finished session (see the docstring)."""
+SLACK_KIB = 12 * SESSIONS
+"""Allowed RSS above the baseline after the last round: 12 KiB per finished session (see the docstring)."""
 
 KEY = "load-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
