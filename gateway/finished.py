@@ -7,16 +7,15 @@ prompt, and its logprobs sit at the same positions of the sample's `rollout_logp
 session keeps `pack_turns`'s compact JSON (each turn's summary without `prompt_ids`, `output_ids`
 and `output_logprobs`, plus which sample holds them and how many output ids it has), and
 GET /sessions/{id} puts the lists back from the spooled samples (`unpack_turns`). A finished
-session then costs about 1 KiB instead of tens of KiB (tests/test_load.py measures it), and the
-gateway's memory returns to its baseline when sessions finish.
+session then costs a few KiB (2-3 for 3 turns) instead of tens (tests/test_load.py measures it),
+and the gateway's memory returns to its baseline when sessions finish. Where the samples are no
+longer in the spool, the lists are answered as null.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
-
-import orjson
 
 from palaestra.gateway.trajectory import Turn
 
@@ -52,17 +51,22 @@ def pack_turns(turns: list[Turn], leaves: list[Turn], parse_errors: dict[str, in
     return json.dumps({"turns": packed, "parse_errors": parse_errors}, separators=(",", ":"))
 
 
-def unpack_turns(packed: str, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def unpack_turns(
+    packed: str, samples: list[dict[str, Any]] | None
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """The turn summaries of `pack_turns` with their token lists back, from the session's samples
-    (in `sample_ids` order), and the session's parse-error counts."""
-    data = orjson.loads(packed)
+    (in `sample_ids` order; None: not in the spool any more, the lists stay null), and the
+    session's parse-error counts."""
+    data = json.loads(packed)
     turns = []
     for summary, i, m in data["turns"]:
+        turns.append(summary)
+        if samples is None:
+            continue
         sample = samples[i]
         n = summary["prompt_len"]
         r = n - sample["prompt_len"]  # the output's start within the sample's response
         summary["prompt_ids"] = sample["tokens"][:n]
         summary["output_ids"] = sample["tokens"][n : n + m]
         summary["output_logprobs"] = sample["rollout_logprobs"][r : r + m]
-        turns.append(summary)
     return turns, data["parse_errors"]

@@ -518,8 +518,13 @@ class GatewayService:
             samples = await asyncio.to_thread(self._spooled, session.cursors)
         return session.trajectory(samples)
 
-    def _spooled(self, cursors: list[int]) -> list[dict[str, Any]]:
-        return [self.spool.read(c - 1, 1)[0]["sample"] for c in cursors]
+    def _spooled(self, cursors: list[int]) -> list[dict[str, Any]] | None:
+        """The samples at `cursors`, or None when one is no longer in the spool."""
+        try:
+            records = [self.spool.read(c - 1, 1) for c in cursors]
+        except OSError:  # a segment removed under the index
+            return None
+        return [r[0]["sample"] for r in records] if all(records) else None
 
     @staticmethod
     def _finish_answer(session: Session) -> dict[str, Any]:

@@ -153,10 +153,9 @@ class Session:
         return [t for t in self.turns if t.children == 0]
 
     def trajectory(self, samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """What GET /sessions/{id} answers; a released session needs its `samples` (in `sample_ids` order)."""
+        """What GET /sessions/{id} answers; a released session's token lists come from its `samples`
+        (in `sample_ids` order; None: no longer spooled, the lists are null)."""
         if self.packed_turns is not None:
-            if samples is None:
-                raise ValueError(f"session {self.session_id} was released: its samples are needed")
             turns, parse_errors = finished_turns.unpack_turns(self.packed_turns, samples)
         else:
             turns, parse_errors = [t.summary() for t in self.turns], self.parse_errors()

@@ -4,6 +4,7 @@ Once the reward call has spooled a session's samples, `Session.release` keeps on
 summaries (gateway/finished.py) and the trajectory's ids and logprobs are read back from the
 spool. Here a session with a bridged turn, a branched retry, a prefix_changed fork and a raw
 completion (four samples) is read before and after its reward; the two answers must be equal.
+Where the samples are gone from the spool the summaries still answer, with null token lists.
 The engine is the zero-work engine (`palaestra.engine.zero`, alphabet mode: answers derived from
 the session id and prompt length), the gateway and the `tiny` tokenizer are real.
 """
@@ -74,3 +75,11 @@ def test_finished_session_answers_the_same_trajectory_from_the_spool(stack) -> N
     assert sum(len(t["output_ids"]) for t in after["turns"]) == 5 * 6  # five turns of 5 letters + stop
     again = http.post(f"/sessions/{sid}/reward", json={"reward": 0.5}).json()
     assert again == done  # the reward stays idempotent once released
+
+    # samples no longer in the spool: the summaries still answer, the token lists are null
+    lost = session.trajectory(None)["turns"]
+    assert all(t["prompt_ids"] is None and t["output_ids"] is None for t in lost)
+    drop = ("prompt_ids", "output_ids", "output_logprobs")
+    assert [{k: v for k, v in t.items() if k not in drop} for t in lost] == [
+        {k: v for k, v in t.items() if k not in drop} for t in before["turns"]
+    ]
