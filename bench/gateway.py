@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/gateway.py [--calls 300] [--turns 64] [--sessions 24]
 
-Everything runs against a zero-work engine (bench/zero_engine.py), so only the layers in front of it
+Everything runs against a zero-work engine (palaestra/engine/zero.py), so only the layers in front of it
 are measured:
 * per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
@@ -79,7 +79,8 @@ def main() -> None:
     zero = ServerProcess(
         [
             sys.executable,
-            str(Path(__file__).with_name("zero_engine.py")),
+            "-m",
+            "palaestra.engine.zero",
             "--port",
             str(port),
             "--reply-ids",

@@ -3,7 +3,7 @@
     .venv/bin/python bench/journal.py [--sessions 20] [--turns 16]
 
 Four gateway cores (`GatewayService`, in this process) over one zero-work engine
-(bench/zero_engine.py): without a journal (its writes replaced by no-ops, for this measurement
+(`python -m palaestra.engine.zero`): without a journal (its writes replaced by no-ops, for this measurement
 only), and with `journal_fsync` off, batch (50 ms) and always. Sessions of `--turns` chat turns
 (the history grows, each turn bridged onto the last) run interleaved session by session, so the
 machine's noise hits every variant alike. Printed: the median wall time and process CPU time per
@@ -143,7 +143,8 @@ def main() -> None:
     zero = ServerProcess(
         [
             sys.executable,
-            str(Path(__file__).with_name("zero_engine.py")),
+            "-m",
+            "palaestra.engine.zero",
             "--port",
             str(port),
             "--reply-ids",

@@ -126,12 +126,13 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
 
 
 def _finish(session: Session, answer: dict[str, Any]) -> None:
+    leaves = sorted(session.leaves(), key=lambda t: t.turn_id)  # sample i is leaves[i]'s
     session.finished, session.status, session.reward = True, answer["status"], answer["reward"]
     session.metrics = dict(answer.get("metrics") or {})
     session.sample_ids = list(answer["sample_ids"])
     session.cursors = list(answer["cursors"])
     session.sampled_tokens = int(answer["sampled_tokens"])
-    session.conversations.clear()
+    session.release(leaves)  # as a live finish does: the tokens are in the spool
 
 
 def journal_answer(session: Session) -> dict[str, Any]:

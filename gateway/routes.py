@@ -238,7 +238,7 @@ async def reward(session_id: str, request: Request) -> dict[str, Any]:
 
 @sessions.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
-    return service(request).sessions.get(session_id).trajectory()
+    return await service(request).trajectory(session_id)
 
 
 @sessions.get("/samples")

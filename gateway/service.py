@@ -584,14 +584,28 @@ class GatewayService:
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
             session.sampled_tokens = sum(s.num_sampled for s in samples)
-            for turn in session.turns:  # only bridging needed these; a finished session takes no calls
-                turn.rendered = turn.output_text = ""
-            session.conversations.clear()  # likewise the kept Responses conversations
+            session.release(leaves)  # a finished session takes no calls; its tokens are in the spool
             self.journal.finished(session_id, {**replay.journal_answer(session), "metrics": metrics})
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.sessions.closed(session)
             return self._finish_answer(session)
+
+    async def trajectory(self, session_id: str) -> dict[str, Any]:
+        """GET /sessions/{id}: a finished session's token lists are read back from its samples."""
+        session = self.sessions.get(session_id)
+        samples = None
+        if session.packed_turns is not None:
+            samples = await asyncio.to_thread(self._spooled, session.cursors)
+        return session.trajectory(samples)
+
+    def _spooled(self, cursors: list[int]) -> list[dict[str, Any]] | None:
+        """The samples at `cursors`, or None when one is no longer in the spool."""
+        try:
+            records = [self.spool.read(c - 1, 1) for c in cursors]
+        except OSError:  # a segment removed under the index
+            return None
+        return [r[0]["sample"] for r in records] if all(records) else None
 
     @staticmethod
     def _finish_answer(session: Session) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from palaestra.gateway import finished as finished_turns
 from palaestra.gateway.auth import mint_session_token
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
@@ -131,6 +132,22 @@ class Session:
     """When a call last started or ended (the idle timeout's clock; not journaled)."""
     busy: int = 0
     """Calls of this session in flight (an idle session has none)."""
+    packed_turns: str | None = None
+    """Set by `release`: the turns' summaries without token lists (gateway/finished.py)."""
+
+    def release(self, leaves: list[Turn]) -> None:
+        """Drops what only calls needed, once the session is finished and its samples (sample `i` is
+        `leaves[i]`'s) are durable: the turns' token lists (the spool has them; `trajectory` reads
+        them back), bridging's lookups, the parse memo and kept conversations."""
+        self.conversations = {}
+        packed = finished_turns.pack_turns(self.turns, leaves, self.parse_errors())
+        if packed is None:  # not from the gateway's own bridging: keep the turns, drop their texts
+            for turn in self.turns:
+                turn.rendered = turn.output_text = ""
+            return
+        self.packed_turns = packed
+        self.turns, self.by_digest = [], {}
+        self.history, self.parse_memo = HistoryDigests(), ParseMemo()
 
     def add_turn(self, turn: Turn) -> None:
         self.turns.append(turn)
@@ -154,7 +171,13 @@ class Session:
     def leaves(self) -> list[Turn]:
         return [t for t in self.turns if t.children == 0]
 
-    def trajectory(self) -> dict[str, Any]:
+    def trajectory(self, samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What GET /sessions/{id} answers; a released session's token lists come from its `samples`
+        (in `sample_ids` order; None: no longer spooled, the lists are null)."""
+        if self.packed_turns is not None:
+            turns, parse_errors = finished_turns.unpack_turns(self.packed_turns, samples)
+        else:
+            turns, parse_errors = [t.summary() for t in self.turns], self.parse_errors()
         return {
             "session_id": self.session_id,
             "env": self.env,
@@ -168,9 +191,9 @@ class Session:
             "failures": sorted(
                 k.removeprefix("failure/") for k, v in self.metrics.items() if k.startswith("failure/") and v
             ),
-            "turns": [t.summary() for t in self.turns],
+            "turns": turns,
             "forks": self.forks,
-            "parse_errors": self.parse_errors(),
+            "parse_errors": parse_errors,
             "failed_calls": self.failed_calls,
             "sample_ids": self.sample_ids,
         }

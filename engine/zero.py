@@ -1,0 +1,134 @@
+"""A zero-work engine: answers SGLang's /generate at once, with no model behind it.
+
+    python -m palaestra.engine.zero --port 31000 --reply-ids 1234 2            # every answer the same
+    python -m palaestra.engine.zero --port 31000 --alphabet 67 68 69 --stop-id 2 --reply-len 8
+
+It does no model work, so what a benchmark or a load test measures through it is the layers in front
+(router, gateway). Two kinds of answer:
+
+* `--reply-ids`: the same ids every time (bench/gateway.py: per-call overhead);
+* `--alphabet`: `derived_reply(routing key, prompt length)`, ids drawn from the alphabet by a hash of
+  the request's `X-SMG-Routing-Key` and its number of input ids, then the stop id. Every session
+  (the gateway sends its id as the routing key) and every turn of it (the prompt grows) gets its own
+  answer, and whoever knows the session id and the prompt length knows the answer: a load test can
+  check that each session recorded exactly what the engine produced for it, with no cross-talk.
+
+It serves the probes the router and the gateway need (/health, /server_info, /model_info,
+/v1/models with owned_by "sglang"). It is not a model of the engine's behaviour (no sampling, no
+streaming, no pause or weight sync): only for measuring and loading what stands in front of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+ROUTING_HEADER = "x-smg-routing-key"
+
+
+def derived_reply(key: str, prompt_len: int, alphabet: list[int], length: int, stop_id: int) -> list[int]:
+    """The answer of the alphabet mode: `length` ids chosen by sha256(key:prompt_len), then `stop_id`."""
+    digest = hashlib.sha256(f"{key}:{prompt_len}".encode()).digest()
+    while len(digest) < length:  # replies longer than one digest: extend the hash chain
+        digest += hashlib.sha256(digest).digest()
+    return [alphabet[b % len(alphabet)] for b in digest[:length]] + [stop_id]
+
+
+def make_app(
+    reply_ids: list[int] | None = None,
+    *,
+    alphabet: list[int] | None = None,
+    stop_id: int | None = None,
+    reply_len: int = 8,
+    context_length: int = 32768,
+) -> FastAPI:
+    """The engine app: fixed `reply_ids`, or `derived_reply` over `alphabet` + `stop_id`."""
+    if (reply_ids is None) == (alphabet is None):
+        raise ValueError("give exactly one of reply_ids and alphabet")
+    if alphabet is not None and (not alphabet or stop_id is None or reply_len < 1):
+        raise ValueError("the alphabet mode needs a non-empty alphabet, a stop_id and reply_len >= 1")
+    app = FastAPI()
+    count = {"n": 0}  # answer ids, for meta_info.id (one event loop: no lock needed)
+
+    def answer_ids(request: Request, prompt_len: int) -> list[int]:
+        if reply_ids is not None:
+            return reply_ids
+        assert alphabet is not None and stop_id is not None
+        return derived_reply(
+            request.headers.get(ROUTING_HEADER, ""), prompt_len, alphabet, reply_len, stop_id
+        )
+
+    @app.post("/generate")
+    async def generate(request: Request) -> JSONResponse:
+        body = await request.json()
+        prompt_len = len(body.get("input_ids") or [])
+        ids = answer_ids(request, prompt_len)
+        count["n"] += 1
+        meta: dict[str, Any] = {
+            "id": str(count["n"]),
+            "finish_reason": {"type": "stop", "matched": ids[-1]},
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": "zero",
+            "output_token_logprobs": [[-0.1, t, None] for t in ids],
+        }
+        return JSONResponse({"text": "", "output_ids": ids, "meta_info": meta})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        return {
+            "context_length": context_length,
+            "model_path": "zero",
+            "tp_size": 1,
+            "dp_size": 1,
+            "weight_version": "zero",
+            "version": "zero",
+        }
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {"model_path": "zero", "is_generation": True, "weight_version": "zero"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "zero", "object": "model", "owned_by": "sglang"}]}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--port", type=int, required=True)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--reply-ids", type=int, nargs="+", help="token ids of every answer (last = stop)")
+    mode.add_argument("--alphabet", type=int, nargs="+", help="token ids derived answers are drawn from")
+    ap.add_argument("--stop-id", type=int, help="alphabet mode: the id that ends every answer")
+    ap.add_argument("--reply-len", type=int, default=8, help="alphabet mode: ids per answer before the stop")
+    ap.add_argument("--context-length", type=int, default=32768)
+    args = ap.parse_args(argv)
+    if args.alphabet is not None and args.stop_id is None:
+        ap.error("--alphabet needs --stop-id")
+    app = make_app(
+        args.reply_ids,
+        alphabet=args.alphabet,
+        stop_id=args.stop_id,
+        reply_len=args.reply_len,
+        context_length=args.context_length,
+    )
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()
