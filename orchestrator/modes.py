@@ -32,7 +32,9 @@ class Source:
     """Groups of samples for each step; subclasses decide what overlaps with training.
 
     Task indices start at `first` (every index below it was consumed); `skip` lists consumed
-    indices above it (async mode consumes out of order; a resumed run must not redo them)."""
+    indices above it (async mode consumes out of order; a resumed run must not redo them).
+    `attempt` counts the sources before this one in the run: each fault that abandons generation
+    in flight starts a new source from the run's state, whose groups carry the new attempt."""
 
     def __init__(
         self,
@@ -42,8 +44,10 @@ class Source:
         waiter: Waiter,
         first: int = 0,
         skip: Sequence[int] = (),
+        attempt: int = 0,
     ):
         self.cfg, self.cluster, self.feed, self.waiter = cfg, cluster, feed, waiter
+        self.attempt = attempt
         self.first, self.skip = first, list(skip)
         self.per_step = cfg.env.tasks_per_step
         self.next_index = first  # sync and one-step-off consume whole steps in order
@@ -53,7 +57,7 @@ class Source:
         return list(range(first, self.next_index))
 
     def _launch(self):
-        return self.cluster.rollout.run_groups.remote(self._indices())
+        return self.cluster.rollout.run_groups.remote(self._indices(), self.attempt)
 
     def _generation_progress(self) -> str:
         import ray
@@ -151,7 +155,7 @@ class AsyncSource(Source):
         import ray
 
         ray.get(
-            self.cluster.rollout.start_stream.remote(self.first, self.skip, self._allowed()),
+            self.cluster.rollout.start_stream.remote(self.first, self.skip, self._allowed(), self.attempt),
             timeout=60,
         )
 
@@ -163,6 +167,8 @@ class AsyncSource(Source):
 
         try:
             self.waiting += ray.get(self.cluster.rollout.take_finished.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            raise  # the Waiter has it replaced
         except ray.exceptions.RayError as exc:
             raise RunFailed(f"the environment runner failed: {exc}") from None
         self.feed.poll()
