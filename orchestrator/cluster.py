@@ -315,6 +315,18 @@ class Cluster:
         self._get_all([self.rollout.info.remote()], "replacing the environment runner")
         return outcome
 
+    def sessions_lost(self) -> int:
+        """How many sessions the environment runner holds open (its ledger) that the gateway does
+        not know: those a restarted gateway lost."""
+        lost = 0
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for sid in actors.open_sessions(self._ledger()):
+                r = client.get(
+                    f"{self.gateway.url}/sessions/{sid}", headers={"Authorization": f"Bearer {self.api_key}"}
+                )
+                lost += r.status_code == 404
+        return lost
+
     def replace_trainer(self) -> None:
         """Every trainer rank anew (one rank's death leaves the others in a broken process group),
         built on the model's base weights; the run then loads its checkpoint into them."""

@@ -118,6 +118,7 @@ class Run:
         self.not_trained: dict[str, str] = {}  # the batches' dropped samples, and undone steps' ones
         self._faults_logged = 0
         self._stepping = False
+        self.deferred: Replaced | None = None  # a fault seen mid-sync, redone at the next step
 
     def _new_source(self):
         """The mode's source from the run's state (a new attempt after each fault)."""
@@ -186,6 +187,9 @@ class Run:
     # -- one step ------------------------------------------------------------------------------
     def next_batch(self, step: int) -> Batch:
         """This step's groups, as `run.mode` produces them, through the staleness bound and filters."""
+        if self.deferred is not None:
+            fault, self.deferred = self.deferred, None
+            raise fault
         self._times = {"start": time.perf_counter()}
         self.waiter.start_step(step)
         self._times["gateway_s"] = self.cluster.gateway_overhead_s()
@@ -204,7 +208,9 @@ class Run:
             try:
                 metrics.update(self.waiter.get(ref, "training")[0])
             except Replaced:  # the trainer died with the batch: it is generated again
-                self.not_trained.update(dict.fromkeys((s.sample_id for s in batch.samples), "trainer_restart"))
+                self.not_trained.update(
+                    dict.fromkeys((s.sample_id for s in batch.samples), "trainer_restart")
+                )
                 raise
             self.trained.append(
                 StepRecord(
@@ -236,7 +242,12 @@ class Run:
             self.source.after_sync(step)
             self._times["sync_s"] = 0.0
             return {"perf/drain_s": 0.0, "perf/sync_s": 0.0}
-        drain_s = self.source.before_sync(step)
+        try:
+            drain_s = self.source.before_sync(step)
+        except Replaced as fault:  # the step is trained: sync it; the next step redoes the generation
+            if fault.component == TRAINER:
+                raise
+            self.deferred, drain_s = fault, 0.0
         started = time.perf_counter()
         call = lambda: self.cluster.trainer_call("sync_weights")  # noqa: E731 (tried again after a restart)
         version, metrics = self.waiter.get(call(), "weight sync", again=call)[0]
@@ -315,7 +326,7 @@ class Run:
             action = self._restore_trainer()
         else:
             action = record.action
-        reason = "runner_died" if fault.component == RUNNER else "trainer_restart"
+        reason = {RUNNER: "runner_died", TRAINER: "trainer_restart"}.get(fault.component, "gateway_restart")
         retired = self.feed.retire(reason)
         self.source = self._new_source()
         if self._stepping and self.state.step < self.cfg.run.steps:
@@ -376,9 +387,9 @@ class Run:
             self.cfg.env.eval_tasks, EVAL_SEED, tag, self.cfg.env.concurrency
         )
         try:
-            result = self.waiter.get([ref], "generation")[0]
+            result = self.waiter.get([ref], "generation", redo=True)[0]
         except Replaced as fault:
-            if fault.component != RUNNER:
+            if fault.component == TRAINER:
                 raise
             self.recover(fault)  # a new runner (and source): the evaluation again, whole
             return self.evaluate(tag)

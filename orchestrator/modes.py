@@ -81,7 +81,10 @@ class Source:
             return len(out) == len(records)
 
         self.waiter.wait_until(
-            ready, phase, lambda: f"{len(out)}/{len(records)} groups' samples read from the gateway"
+            ready,
+            phase,
+            lambda: f"{len(out)}/{len(records)} groups' samples read from the gateway",
+            redo=True,
         )
         return [(r, out[i]) for i, r in enumerate(records)]
 
@@ -116,7 +119,9 @@ class SyncSource(Source):
     """Generate step k, then train on it: every sample is on-policy (lag 0)."""
 
     def batch(self, step: int, trainer_version: int) -> Batch:
-        records = self.waiter.get([self._launch()], "generation", progress=self._generation_progress)[0]
+        records = self.waiter.get(
+            [self._launch()], "generation", progress=self._generation_progress, redo=True
+        )[0]
         return self._select(self._claim_all(records, "reading samples"), trainer_version)
 
 
@@ -128,7 +133,7 @@ class OneStepOffSource(Source):
         self.ref = self._launch()
 
     def batch(self, step: int, trainer_version: int) -> Batch:
-        records = self.waiter.get([self.ref], "generation", progress=self._generation_progress)[0]
+        records = self.waiter.get([self.ref], "generation", progress=self._generation_progress, redo=True)[0]
         self.ref = self._launch() if step + 1 < self.cfg.run.steps else None
         return self._select(self._claim_all(records, "reading samples"), trainer_version)
 
@@ -186,6 +191,7 @@ class AsyncSource(Source):
                 self._collect,
                 "generation",
                 lambda: f"{len(merged.groups)}/{self.per_step} groups ready for this step",
+                redo=True,
             )
             self.consumed += 1
             merged.extend(self._select([self.ready.popleft()], trainer_version))

@@ -10,8 +10,10 @@ What a death costs, per box (docs/reliability-faults.md has the measured recover
 * an engine, the router, the gateway (server subprocesses of `actors.ServerHost`): restarted in
   place with the same command on the same port, so every URL the others hold stays valid (the
   gateway on the same spool directory, with the same keys). A restarted engine loads the weights
-  the others hold (`Cluster.bring_engine_up_to_date`) before the wait goes on. Episodes that were
-  talking to it fail and are counted as failed by their groups, like any failed session.
+  the others hold (`Cluster.bring_engine_up_to_date`) before the wait goes on. Episodes whose
+  calls failed meanwhile retry or end failed, counted by their groups. A gateway that comes back
+  without the sessions open at its death (no session journal) makes the run redo the generation
+  in flight (`Replaced`, raised by the next wait that may be redone).
 * the environment runner (the `RolloutWorker` actor): replaced (`Cluster.replace_rollout`), the
   sessions it left open finished on the gateway as aborted; `Replaced` tells the run to redo the
   generation it had in flight (`loop.Run.recover`).
@@ -32,12 +34,13 @@ from typing import Any, NoReturn
 
 from palaestra.orchestrator.errors import Replaced, RunFailed, root_cause
 
-__all__ = ["RUNNER", "TRAINER", "Fault", "Supervisor"]
+__all__ = ["GATEWAY", "RUNNER", "TRAINER", "Fault", "Supervisor"]
 
 log = logging.getLogger(__name__)
 
 RUNNER = "environment runner"
 TRAINER = "trainer"
+GATEWAY = "gateway"
 
 
 @dataclass
@@ -66,6 +69,14 @@ class Supervisor:
         self.cluster, self.max_restarts = cluster, max_restarts
         self.faults: list[Fault] = []
         self.restarts: Counter[str] = Counter()
+        # A fault whose loss shows only in the generation (a gateway restarted without its open
+        # sessions): raised by the next wait that may be redone (`take_pending`), never in the
+        # middle of training or a weight sync.
+        self.pending: Replaced | None = None
+
+    def take_pending(self) -> Replaced | None:
+        pending, self.pending = self.pending, None
+        return pending
 
     def _noticed(
         self, component: str, phase: str, seen: str, *, label: str = "", tail: str = "", log_file: str = ""
@@ -128,6 +139,11 @@ class Supervisor:
             action = f"restarted on the same port ({box.url})"
             if box in self.cluster.engines:
                 action += "; " + self.cluster.bring_engine_up_to_date(box)
+            if box is self.cluster.gateway:
+                lost = self.cluster.sessions_lost()
+                if lost:  # without a session journal the restarted gateway knows none of them
+                    action += f"; {lost} open sessions lost with it: their groups are generated again"
+                    self.pending = Replaced(GATEWAY, f"{lost} open sessions lost", started)
         except Exception as exc:  # noqa: BLE001 (any failure to restart ends the run, explained)
             fault.action = f"restart failed: {exc}"
             raise RunFailed(

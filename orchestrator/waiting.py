@@ -54,12 +54,15 @@ class Waiter:
         *,
         progress: Callable[[], str] | None = None,
         again: Callable[[], list] | None = None,
+        redo: bool = False,
     ) -> list:
         """The refs' results. `again` re-issues the call (new refs) when it failed because a server
-        died and was restarted meanwhile (an idempotent call: a weight sync)."""
+        died and was restarted meanwhile (an idempotent call: a weight sync). `redo`: the run may
+        abandon this wait and redo its work, so a pending fault (`Supervisor.pending`) is raised."""
         import ray
 
         pending = list(refs)
+        self._pending(redo)
         while pending:
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -71,6 +74,7 @@ class Waiter:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.poll_s, left))
             if pending:
                 self.cluster.check_alive(phase)
+                self._pending(redo)
         try:
             return ray.get(list(refs))
         except ray.exceptions.RayActorError as exc:
@@ -81,12 +85,15 @@ class Waiter:
         except ray.exceptions.RayError as exc:
             # a dead engine explains a failed call best; restarted, the call may be tried again
             if self.cluster.check_alive(phase) and again is not None:
-                return self.get(again(), phase, progress=progress)
+                return self.get(again(), phase, progress=progress, redo=redo)
             raise RunFailed(f"{self.label}, {phase}: {root_cause(exc)}") from None
 
-    def wait_until(self, ready: Callable[[], bool], phase: str, progress: Callable[[], str]) -> None:
+    def wait_until(
+        self, ready: Callable[[], bool], phase: str, progress: Callable[[], str], *, redo: bool = False
+    ) -> None:
         """Polls `ready()` until it holds, under the same deadline and liveness checks."""
         checked = time.monotonic()
+        self._pending(redo)
         while not self._ready(ready, phase):
             now = time.monotonic()
             if now >= self.deadline:
@@ -96,8 +103,14 @@ class Waiter:
                 )
             if now - checked >= self.poll_s:
                 self.cluster.check_alive(phase)
+                self._pending(redo)
                 checked = now
             time.sleep(0.1)
+
+    def _pending(self, redo: bool) -> None:
+        take = getattr(self.cluster, "take_pending", None)
+        if redo and take is not None and (fault := take()) is not None:
+            raise fault
 
     def _ready(self, ready: Callable[[], bool], phase: str) -> bool:
         """`ready()`; False while the server it asks cannot be reached (the check that follows
