@@ -7,7 +7,8 @@ step) and SIGKILLs the real OS process while step 2's episodes are in flight (th
 by watching the environment runner's groups; the kill is a real `os.kill`). Each asserts:
 
 * the run finishes every step, each step once in the final history (a trainer death redoes the
-  steps after the last checkpoint);
+  steps after the last checkpoint: the trainer test checkpoints every 2 steps of 4 and dies in
+  step 4, so step 3 is undone and redone);
 * no sample is trained twice, and none is lost: every sample the gateway spooled for the run is
   trained, or recorded as not trained with its reason (failed / aborted sessions, groups abandoned
   because of the fault, steps undone by a trainer restart);
@@ -76,15 +77,16 @@ def _pid(name: str, cluster) -> int:
     return ray.get(box.actor.pid.remote(), timeout=30)
 
 
-def run_with_a_kill(tmp_path: Path, target: str, *extra: str):
-    """A 3-step run in which `target`'s process is SIGKILLed during step 2's generation."""
+def run_with_a_kill(tmp_path: Path, target: str, *extra: str, steps: int = STEPS, after: int = 1):
+    """A `steps`-step run in which `target`'s process is SIGKILLed during the generation of the
+    step after step `after` (1-based)."""
     from palaestra.train import train
 
     killed: list[float] = []
     threads: list[threading.Thread] = []
 
     def on_step(step: int, cluster) -> None:
-        if step == 0 and not threads:  # step 1 done; the trainer is idle here (its pid answers)
+        if step + 1 == after and not threads:  # the trainer is idle here (its pid answers)
             threads.append(_kill_during_generation(cluster, _pid(target, cluster), killed))
 
     cfg = make_config(
@@ -93,7 +95,7 @@ def run_with_a_kill(tmp_path: Path, target: str, *extra: str):
         # two turns 2 s apart: every episode is in flight for a while, so the kill lands inside one
         "env.name=test_train_e2e:TwoTurnEnv",
         "env.args={pause_s: 2}",
-        f"run.steps={STEPS}",
+        f"run.steps={steps}",
         "env.eval_tasks=0",
         "run.max_restarts=1",
         *extra,
@@ -112,7 +114,7 @@ def spooled(out: Path) -> list[dict]:
     return samples
 
 
-def check_run(result, component: Callable[[str], bool], killed_at: float) -> dict:
+def check_run(result, component: Callable[[str], bool], killed_at: float, steps: int = STEPS) -> dict:
     """The assertions every fault shares; returns the fault."""
     from transformers import AutoTokenizer
 
@@ -120,9 +122,9 @@ def check_run(result, component: Callable[[str], bool], killed_at: float) -> dic
 
     out = result.output_dir
     # The run finished, each step once in the final history.
-    assert result.state.step == STEPS
-    assert [r.step for r in result.trained] == list(range(STEPS))
-    assert result.engine_versions_end == [str(STEPS)] * 2
+    assert result.state.step == steps
+    assert [r.step for r in result.trained] == list(range(steps))
+    assert result.engine_versions_end == [str(steps)] * 2
 
     # No sample trained twice; none lost.
     trained = [sid for r in result.trained for sid in r.sample_ids]
@@ -193,8 +195,14 @@ def test_a_killed_environment_runner_is_replaced_and_its_groups_redone(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_resumes_from_the_last_checkpoint(tmp_path):
-    result, killed = run_with_a_kill(tmp_path, "trainer")
-    fault = check_run(result, lambda c: c == "trainer", killed)
-    assert "resumed from step-000001" in fault["action"]
-    assert "trainer_restart" in set((result.not_trained or {}).values())
+def test_a_killed_trainer_resumes_from_the_last_checkpoint_and_redoes_the_steps_after_it(tmp_path):
+    """Checkpoints after steps 2 and 4; the trainer dies during step 4's generation, so step 3
+    (trained, not checkpointed) is undone and redone: its first samples never count as trained."""
+    steps = 4
+    result, killed = run_with_a_kill(tmp_path, "trainer", "run.checkpoint_every=2", steps=steps, after=3)
+    fault = check_run(result, lambda c: c == "trainer", killed, steps)
+    assert "resumed from step-000002" in fault["action"]
+    undone = [sid for sid, why in (result.not_trained or {}).items() if why == "trainer_restart"]
+    assert len(undone) >= 4  # step 3's batch (2 tasks x 2 samples), maybe step 4's too
+    rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 3, 4]  # step 3 logged twice
