@@ -77,7 +77,9 @@ def _pid(name: str, cluster) -> int:
     return ray.get(box.actor.pid.remote(), timeout=30)
 
 
-def run_with_a_kill(tmp_path: Path, target: str, *extra: str, steps: int = STEPS, after: int = 1):
+def run_with_a_kill(
+    tmp_path: Path, target: str, *extra: str, steps: int = STEPS, after: int = 1, mode: str = "sync"
+):
     """A `steps`-step run in which `target`'s process is SIGKILLed during the generation of the
     step after step `after` (1-based)."""
     from palaestra.train import train
@@ -91,7 +93,7 @@ def run_with_a_kill(tmp_path: Path, target: str, *extra: str, steps: int = STEPS
 
     cfg = make_config(
         tmp_path / target,
-        "sync",
+        mode,
         # two turns 2 s apart: every episode is in flight for a while, so the kill lands inside one
         "env.name=test_train_e2e:TwoTurnEnv",
         "env.args={pause_s: 2}",
@@ -192,6 +194,15 @@ def test_a_killed_environment_runner_is_replaced_and_its_groups_redone(tmp_path)
     fault = check_run(result, lambda c: c == "environment runner", killed)
     assert "replaced" in fault["action"] and "generation redone" in fault["action"]
     assert "runner_died" in set((result.not_trained or {}).values()) or "aborted" in fault["action"]
+
+
+@pytest.mark.slow
+def test_one_step_off_survives_a_killed_environment_runner(tmp_path):
+    """Generation of step k+1 overlaps step k's training: the runner dies with it in flight."""
+    opts = ("trainer.keep_old_actor=true", "run.max_staleness=1")
+    result, killed = run_with_a_kill(tmp_path, "runner", *opts, mode="one_step_off")
+    check_run(result, lambda c: c == "environment runner", killed)
+    assert all(lag <= 1 for r in result.trained for lag in r.lags)
 
 
 @pytest.mark.slow
