@@ -9,7 +9,7 @@
   given range of task indices (sync, one-step-off) or a continuous stream bounded by an admission
   limit (async). Each finished group comes back as a `batching.GroupRecord`. Every session it opens
   and finishes is noted in a ledger file, so that when its process dies the driver finishes the
-  sessions it left open as aborted (`open_sessions`).
+  sessions it left open as aborted (`ledger.py`).
 * `TrainerWorker` — one rank of the Megatron trainer (`palaestra.trainer.Trainer`); RANK,
   WORLD_SIZE and MASTER_ADDR/PORT come from the driver (gloo on CPU, nccl on GPU). Model names
   (presets) are resolved to directories here: the trainer takes directories only.
@@ -29,16 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from palaestra.orchestrator.batching import TRAINABLE, GroupRecord
+from palaestra.orchestrator.ledger import group_run_id, ledgered_client
 
-__all__ = [
-    "RolloutWorker",
-    "ServerHost",
-    "TaskSource",
-    "TrainerWorker",
-    "group_run_id",
-    "node_address",
-    "open_sessions",
-]
+__all__ = ["RolloutWorker", "ServerHost", "TaskSource", "TrainerWorker", "node_address"]
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -192,63 +185,6 @@ class ServerHost:
 # ----------------------------------------------------------------------------------------------
 # The environment runner
 # ----------------------------------------------------------------------------------------------
-def group_run_id(run_id: str, index: int, attempt: int = 0) -> str:
-    """The run id of task `index`'s group (the tail of its group id, `env/task_id/<this>`):
-    `<run_id>.<index>`, and `<run_id>.<index>.a<attempt>` for a group redone after a fault, so the
-    sample feed tells the samples of an abandoned try from those of the one that trains."""
-    return f"{run_id}.{index}" + (f".a{attempt}" if attempt else "")
-
-
-def _ledgered_client(url: str, api_key: str, ledger: str | None):
-    """The SDK's GatewayClient, noting every session it opens and finishes in `ledger` (one JSON
-    line each, flushed at once) when given: the driver reads it when this process dies."""
-    import json
-    from dataclasses import dataclass
-
-    from palaestra.sdk import GatewayClient
-
-    if ledger is None:
-        return GatewayClient(url, api_key, retries=5)
-
-    @dataclass
-    class LedgeredClient(GatewayClient):
-        def _note(self, entry: dict[str, str]) -> None:
-            with open(ledger, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry) + "\n")
-
-        async def session(self, *args, **kwargs):
-            session = await super().session(*args, **kwargs)
-            self._note({"open": session.session_id, "group": session.group_id})
-            return session
-
-        async def reward(self, session_id: str, *args, **kwargs):
-            answer = await super().reward(session_id, *args, **kwargs)
-            self._note({"done": session_id})  # not on an error: the driver may still have to abort it
-            return answer
-
-    return LedgeredClient(url, api_key, retries=5)
-
-
-def open_sessions(ledger: str | Path) -> dict[str, str]:
-    """Sessions a (dead) environment runner opened and never finished: session id -> group id."""
-    import json
-
-    path = Path(ledger)
-    if not path.exists():
-        return {}
-    opened: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:  # the last line, cut by the kill
-            continue
-        if "open" in entry:
-            opened[entry["open"]] = entry.get("group", "")
-        elif "done" in entry:
-            opened.pop(entry["done"], None)
-    return opened
-
-
 class TaskSource:
     """Task `i` of `env.tasks(seed)`, for any i: a finite task list wraps around, pass p reading
     `env.tasks(seed + p)`. Sequential reads are O(1); going back restarts the iterator."""
@@ -303,7 +239,7 @@ class RolloutWorker:
         # logprobs are only right at the temperature the rollouts were sampled at.
         self.sampling = dict(sampling)
         self.env_name, self.env_args = env_name, env_args
-        self.gateway = _ledgered_client(gateway_url, api_key, ledger)
+        self.gateway = ledgered_client(gateway_url, api_key, ledger)
         self.tasks = TaskSource(self.env, seed)
         self.seed = seed
         self.samples_per_task = samples_per_task

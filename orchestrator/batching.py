@@ -86,7 +86,7 @@ class SampleFeed:
             str, dict[str, str]
         ] = {}  # group_id -> its part of `dropped`, until claimed
         self.client = httpx.Client(timeout=60, trust_env=False, headers=self.headers)
-        self.attempt = 0  # groups of earlier attempts (`actors.group_run_id`) never train
+        self.attempt = 0  # groups of earlier attempts (`ledger.group_run_id`) never train
         self.retired: dict[int, str] = {}  # attempt -> why its unclaimed groups were abandoned
 
     def retire(self, reason: str) -> int:
@@ -160,7 +160,7 @@ class SampleFeed:
 
 
 def group_attempt(group_id: str) -> int:
-    """The attempt of a group (`actors.group_run_id`: `.../<run_id>.<index>[.a<attempt>]`)."""
+    """The attempt of a group (`ledger.group_run_id`: `.../<run_id>.<index>[.a<attempt>]`)."""
     parts = group_id.rsplit("/", 1)[-1].split(".")
     if len(parts) > 2 and parts[2].startswith("a") and parts[2][1:].isdigit():
         return int(parts[2][1:])

@@ -31,6 +31,7 @@ import httpx
 from palaestra.config import RunConfig
 from palaestra.orchestrator import actors
 from palaestra.orchestrator.errors import RunFailed, root_cause
+from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
     Placement,
     engine_threads_beside_trainer,
@@ -298,7 +299,7 @@ class Cluster:
 
         ray.kill(self.rollout)
         outcome: Counter[str] = Counter()
-        opened = actors.open_sessions(self._ledger())
+        opened = open_sessions(self._ledger())
         with httpx.Client(timeout=30, trust_env=False) as client:
             for sid in opened:
                 try:
@@ -320,7 +321,7 @@ class Cluster:
         not know: those a restarted gateway lost."""
         lost = 0
         with httpx.Client(timeout=30, trust_env=False) as client:
-            for sid in actors.open_sessions(self._ledger()):
+            for sid in open_sessions(self._ledger()):
                 r = client.get(
                     f"{self.gateway.url}/sessions/{sid}", headers={"Authorization": f"Bearer {self.api_key}"}
                 )
@@ -353,7 +354,10 @@ class Cluster:
             directory = f"{self.log_dir}/recovery-weights-v{version}"
             self._get_all(self.trainer_call("export_hf", directory), "exporting the weights")
         tr = self.cfg.trainer
-        with WeightSync([box.url], retries=tr.sync_retries, timeout_s=tr.sync_timeout_s) as sync:
+        # mode "tensor": no shared file of its own to set up; load_directory is the same in every mode
+        with WeightSync(
+            [box.url], mode="tensor", retries=tr.sync_retries, timeout_s=tr.sync_timeout_s
+        ) as sync:
             sync.load_directory(directory, version)
         return f"weight version {version} loaded from {directory}"
 

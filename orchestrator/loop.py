@@ -116,7 +116,6 @@ class Run:
         self._bar = None
         self._times: dict[str, float] = {}  # this step's clock readings (perf/*)
         self.not_trained: dict[str, str] = {}  # the batches' dropped samples, and undone steps' ones
-        self._faults_logged = 0
         self._stepping = False
         self.deferred: Replaced | None = None  # a fault seen mid-sync, redone at the next step
 
@@ -157,9 +156,8 @@ class Run:
 
     def _note_engine_weights(self) -> None:
         """Where the weights the engines now hold lie, for an engine restarted later."""
-        import ray
-
-        directory = ray.get(self.cluster.trainer[0].synced_weights_dir.remote(), timeout=60)
+        ref = self.cluster.trainer[0].synced_weights_dir.remote()
+        directory = self.waiter.get([ref], "reading where the synced weights lie")[0]
         self.cluster.engine_weights = (str(self.state.weight_version), directory)
 
     def evaluate_before(self) -> None:
@@ -291,7 +289,7 @@ class Run:
         """The step's row: into the run state, every tracker, the console line and the progress bar."""
         state, steps, done = self.state, self.cfg.run.steps, step + 1
         state.step, state.rows = done, [*state.rows, metrics]
-        metrics = {**metrics, **self._fault_counters()}
+        metrics = {**metrics, **self.supervisor.new_counters()}
         self.tracker.log(metrics, done)
         if done % self.cfg.logging.console_every == 0 or done == steps:
             _print(console_line(done, steps, metrics), self._bar)
@@ -299,19 +297,6 @@ class Run:
             reward = metrics.get("rollout/reward_mean", math.nan)
             self._bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
             self._bar.update(1)
-
-    def _fault_counters(self) -> dict[str, float]:
-        """Counters of the faults since the last row (`faults/*`, in metrics.jsonl)."""
-        new = self.supervisor.faults[self._faults_logged :]
-        self._faults_logged = len(self.supervisor.faults)
-        if not new:
-            return {}
-        out = {"faults/total": float(len(self.supervisor.faults))}
-        for fault in new:
-            kind = "engine" if fault.component.startswith("engine-") else fault.component.replace(" ", "_")
-            out[f"faults/{kind}"] = out.get(f"faults/{kind}", 0.0) + 1.0
-            out[f"faults/{kind}_recovery_s"] = fault.recovery_s
-        return out
 
     # -- after a fault -------------------------------------------------------------------------
     def recover(self, fault: Replaced) -> None:

@@ -73,6 +73,19 @@ class Supervisor:
         # sessions): raised by the next wait that may be redone (`take_pending`), never in the
         # middle of training or a weight sync.
         self.pending: Replaced | None = None
+        self._counted = 0  # faults already in a metrics row
+
+    def new_counters(self) -> dict[str, float]:
+        """`faults/*` counters of the faults since the last call (for the step's metrics row)."""
+        new, self._counted = self.faults[self._counted :], len(self.faults)
+        if not new:
+            return {}
+        out = {"faults/total": float(len(self.faults))}
+        for fault in new:
+            kind = "engine" if fault.component.startswith("engine-") else fault.component.replace(" ", "_")
+            out[f"faults/{kind}"] = out.get(f"faults/{kind}", 0.0) + 1.0
+            out[f"faults/{kind}_recovery_s"] = fault.recovery_s
+        return out
 
     def take_pending(self) -> Replaced | None:
         pending, self.pending = self.pending, None

@@ -218,8 +218,8 @@ def test_console_line_reads_as_one_line():
 # After a fault: abandoned groups, redone groups, the environment runner's session ledger
 # ----------------------------------------------------------------------------------------------
 def test_a_retired_attempt_never_trains_and_every_sample_of_it_keeps_a_reason():
-    from palaestra.orchestrator.actors import group_run_id
     from palaestra.orchestrator.batching import group_attempt
+    from palaestra.orchestrator.ledger import group_run_id
 
     first, redone = f"env/t0/{group_run_id('run1', 0)}", f"env/t0/{group_run_id('run1', 0, 1)}"
     assert (first, redone) == ("env/t0/run1.0", "env/t0/run1.0.a1")
@@ -248,7 +248,7 @@ def test_a_retired_attempt_never_trains_and_every_sample_of_it_keeps_a_reason():
 
 
 def test_the_runner_ledger_names_the_sessions_left_open(tmp_path):
-    from palaestra.orchestrator.actors import open_sessions
+    from palaestra.orchestrator.ledger import open_sessions
 
     ledger = tmp_path / "rollout-sessions-0.jsonl"
     assert open_sessions(ledger) == {}
