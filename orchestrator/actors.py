@@ -497,15 +497,8 @@ class TrainerWorker:
         driver reads it after every sync, so an engine restarted later gets exactly the weights the
         others hold, even while the trainer is busy with the next step."""
         sync = self.trainer.sync
-        if sync is None:
-            return None
-        shm = getattr(sync, "_shm", None)  # WeightSync's shared file: rewritten only inside a sync
-        if sync.mode == "shm" and shm is not None and shm.path is not None:
-            return str(shm.path.parent)
-        if sync.mode == "disk" and sync.disk_dir is not None:
-            path = Path(sync.disk_dir) / f"v{self.trainer.weight_version}"
-            return str(path) if path.is_dir() else None
-        return None
+        path = sync.pushed_directory(self.trainer.weight_version) if sync is not None else None
+        return str(path) if path is not None else None
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
