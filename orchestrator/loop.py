@@ -312,7 +312,9 @@ class Run:
         else:
             action = record.action
         reason = {RUNNER: "runner_died", TRAINER: "trainer_restart"}.get(fault.component, "gateway_restart")
-        retired = self.feed.retire(reason)
+        unused = self.source.unused()  # async: groups generated ahead, taken from the feed already
+        self.not_trained.update(dict.fromkeys(unused, reason))
+        retired = self.feed.retire(reason) + len(unused)
         self.source = self._new_source()
         if self._stepping and self.state.step < self.cfg.run.steps:
             self.source.begin(self.state.step)
@@ -433,10 +435,12 @@ class Run:
 
     def _not_trained(self) -> dict[str, str]:
         """Every sample of this launch read and not trained, with its reason (a last read first:
-        the sessions aborted after a fault are spooled late)."""
+        the sessions aborted after a fault are spooled late; groups generated ahead that no step
+        took are `unused_at_end`)."""
         with suppress(Exception):
             self.feed.poll()
-        return {**self.feed.dropped, **self.not_trained}
+        left = [*self.feed.buffer, *self.source.unused()]  # generated ahead (async), never trained
+        return {**self.feed.dropped, **dict.fromkeys(left, "unused_at_end"), **self.not_trained}
 
     def report(self, result: RunResult) -> RunResult:
         """reward_curve.png, viewer.html (a few samples of every step, the last step's with the teacher's logprobs)

@@ -114,6 +114,11 @@ class Source:
     def end(self) -> None:
         pass
 
+    def unused(self) -> list[str]:
+        """Sample ids this source took from the feed and did not hand to a step (async: groups
+        generated ahead that the run ended or a fault abandoned before they trained)."""
+        return []
+
 
 class SyncSource(Source):
     """Generate step k, then train on it: every sample is on-policy (lag 0)."""
@@ -207,6 +212,9 @@ class AsyncSource(Source):
 
         self.cluster.resume_gateway()
         ray.get(self.cluster.rollout.allow.remote(self._allowed()), timeout=60)
+
+    def unused(self) -> list[str]:
+        return [s.sample_id for _, samples in getattr(self, "ready", ()) for s in samples]
 
     def end(self) -> None:
         import ray

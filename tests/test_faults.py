@@ -197,10 +197,13 @@ def test_a_killed_environment_runner_is_replaced_and_its_groups_redone(tmp_path)
 
 
 @pytest.mark.slow
-def test_one_step_off_survives_a_killed_environment_runner(tmp_path):
-    """Generation of step k+1 overlaps step k's training: the runner dies with it in flight."""
-    opts = ("trainer.keep_old_actor=true", "run.max_staleness=1")
-    result, killed = run_with_a_kill(tmp_path, "runner", *opts, mode="one_step_off")
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_overlapping_modes_survive_a_killed_environment_runner(tmp_path, mode):
+    """Generation overlaps training (one-step-off: step k+1's while step k trains; async: a
+    continuous stream): the runner dies with it in flight, the stream or the next step's groups
+    are started again from the run's task position."""
+    opts = ("trainer.keep_old_actor=true",) if mode == "one_step_off" else ("trainer.use_tis=true",)
+    result, killed = run_with_a_kill(tmp_path, "runner", *opts, mode=mode)
     check_run(result, lambda c: c == "environment runner", killed)
     assert all(lag <= 1 for r in result.trained for lag in r.lags)
 
