@@ -343,6 +343,9 @@ class RolloutWorker:
         except asyncio.CancelledError:
             for task in pending:
                 task.cancel()
+            # Their sessions finish (as failed) before the stream counts as stopped, so the run's
+            # last read of the spool sees every sample they leave.
+            await asyncio.gather(*pending, return_exceptions=True)
             raise
 
     async def allow(self, allowed: int) -> None:

@@ -134,7 +134,11 @@ def check_run(result, component: Callable[[str], bool], killed_at: float, steps:
     samples = [s for s in spooled(out) if not s["group_id"].rsplit("/", 1)[-1].startswith("eval-")]
     assert set(trained) <= {s["sample_id"] for s in samples}
     not_trained = result.not_trained or {}
-    unaccounted = [s["sample_id"] for s in samples if s["sample_id"] not in set(trained) | set(not_trained)]
+    unaccounted = [
+        (s["sample_id"], s["group_id"], s["status"])
+        for s in samples
+        if s["sample_id"] not in set(trained) | set(not_trained)
+    ]
     assert not unaccounted, f"spooled, neither trained nor recorded with a reason: {unaccounted}"
     assert not set(trained) & set(not_trained)
     assert all(isinstance(r, str) and r for r in not_trained.values())
@@ -209,11 +213,13 @@ def test_overlapping_modes_survive_a_killed_environment_runner(tmp_path, mode):
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_resumes_from_the_last_checkpoint_and_redoes_the_steps_after_it(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_killed_trainer_resumes_from_the_last_checkpoint_and_redoes_the_steps_after_it(tmp_path, mode):
     """Checkpoints after steps 2 and 4; the trainer dies during step 4's generation, so step 3
     (trained, not checkpointed) is undone and redone: its first samples never count as trained."""
     steps = 4
-    result, killed = run_with_a_kill(tmp_path, "trainer", "run.checkpoint_every=2", steps=steps, after=3)
+    opts = ("run.checkpoint_every=2", *(["trainer.use_tis=true"] if mode == "async" else []))
+    result, killed = run_with_a_kill(tmp_path, "trainer", *opts, steps=steps, after=3, mode=mode)
     fault = check_run(result, lambda c: c == "trainer", killed, steps)
     assert "resumed from step-000002" in fault["action"]
     undone = [sid for sid, why in (result.not_trained or {}).items() if why == "trainer_restart"]
