@@ -237,23 +237,29 @@ class Run:
         """What the mode does first (one-step-off: the next batch's generation ends; async: the
         gateway drains), then the new weights onto every engine; the version is the trainer's."""
         if not batch.samples:  # nothing trained: nothing to send
-            self.source.after_sync(step)
+            self._deferring(self.source.after_sync, step)
             self._times["sync_s"] = 0.0
             return {"perf/drain_s": 0.0, "perf/sync_s": 0.0}
-        try:
-            drain_s = self.source.before_sync(step)
-        except Replaced as fault:  # the step is trained: sync it; the next step redoes the generation
-            if fault.component == TRAINER:
-                raise
-            self.deferred, drain_s = fault, 0.0
+        drain_s = self._deferring(self.source.before_sync, step) or 0.0
         started = time.perf_counter()
         call = lambda: self.cluster.trainer_call("sync_weights")  # noqa: E731 (tried again after a restart)
         version, metrics = self.waiter.get(call(), "weight sync", again=call)[0]
-        self.source.after_sync(step)
+        self._deferring(self.source.after_sync, step)
         self.state.weight_version = version
         self._note_engine_weights()
         self._times["sync_s"] = time.perf_counter() - started
         return {**metrics, "perf/drain_s": drain_s, "perf/sync_s": self._times["sync_s"]}
+
+    def _deferring(self, fn, step: int):
+        """`fn(step)`; a runner or gateway fault it raises is kept for the next step to redo (this
+        step is trained: raising now would train it twice). A trainer fault goes on up."""
+        try:
+            return fn(step)
+        except Replaced as fault:
+            if fault.component == TRAINER:
+                raise
+            self.deferred = fault
+            return None
 
     def end_step(self, step: int, batch: Batch) -> dict[str, float]:
         """The tasks the step consumed, the spool cursor, and the step's timing (`perf/*`)."""

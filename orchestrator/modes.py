@@ -208,10 +208,9 @@ class AsyncSource(Source):
         return time.perf_counter() - started
 
     def after_sync(self, step: int) -> None:
-        import ray
 
         self.cluster.resume_gateway()
-        ray.get(self.cluster.rollout.allow.remote(self._allowed()), timeout=60)
+        self.waiter.get([self.cluster.rollout.allow.remote(self._allowed())], "admitting more groups")
 
     def unused(self) -> list[str]:
         return [s.sample_id for _, samples in getattr(self, "ready", ()) for s in samples]
