@@ -7,7 +7,9 @@
 * `RolloutWorker` — the environment runner: groups of `samples_per_task` sessions per task through
   the gateway (`palaestra.sdk.runner.run_rollouts`, with the run's sampling settings), either a
   given range of task indices (sync, one-step-off) or a continuous stream bounded by an admission
-  limit (async). Each finished group comes back as a `batching.GroupRecord`.
+  limit (async). Each finished group comes back as a `batching.GroupRecord`. Every session it opens
+  and finishes is noted in a ledger file, so that when its process dies the driver finishes the
+  sessions it left open as aborted (`ledger.py`).
 * `TrainerWorker` — one rank of the Megatron trainer (`palaestra.trainer.Trainer`); RANK,
   WORLD_SIZE and MASTER_ADDR/PORT come from the driver (gloo on CPU, nccl on GPU). Model names
   (presets) are resolved to directories here: the trainer takes directories only.
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from palaestra.orchestrator.batching import TRAINABLE, GroupRecord
+from palaestra.orchestrator.ledger import group_run_id, ledgered_client
 
 __all__ = ["RolloutWorker", "ServerHost", "TaskSource", "TrainerWorker", "node_address", "score"]
 
@@ -169,6 +172,15 @@ class ServerHost:
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc is not None else None
 
+    def restart(self) -> str:
+        """The server again, with the same command on the same port (the URL every client holds
+        stays valid; the gateway keeps its spool directory and keys); returns its URL."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        self.proc.restart()
+        assert self.url is not None
+        return self.url
+
 
 # ----------------------------------------------------------------------------------------------
 # The environment runner
@@ -218,15 +230,16 @@ class RolloutWorker:
         samples_per_task: int,
         concurrency: int,
         run_id: str,
+        ledger: str | None = None,
     ):
-        from palaestra.sdk import GatewayClient, load_environment
+        from palaestra.sdk import load_environment
 
         self.env = load_environment(env_name, **env_args)
         # Every session gets these (`session.sampling`, plus its episode's seed): the trainer's
         # logprobs are only right at the temperature the rollouts were sampled at.
         self.sampling = dict(sampling)
         self.env_name, self.env_args = env_name, env_args
-        self.gateway = GatewayClient(gateway_url, api_key, retries=5)
+        self.gateway = ledgered_client(gateway_url, api_key, ledger)
         self.tasks = TaskSource(self.env, seed)
         self.seed = seed
         self.samples_per_task = samples_per_task
@@ -241,9 +254,9 @@ class RolloutWorker:
         self._allowed_changed = asyncio.Event()
 
     def info(self) -> dict[str, Any]:
-        return {"env": self.env.name, "sampling": self.sampling, "node": where()}
+        return {"env": self.env.name, "sampling": self.sampling, "node": where(), "pid": os.getpid()}
 
-    async def _group(self, index: int) -> GroupRecord:
+    async def _group(self, index: int, attempt: int) -> GroupRecord:
         from palaestra.sdk.runner import run_rollouts
 
         task = self.tasks.get(index)
@@ -255,7 +268,7 @@ class RolloutWorker:
             samples_per_task=self.samples_per_task,
             concurrency=self.samples_per_task,
             progress=False,
-            run_id=f"{self.run_id}.{index}",
+            run_id=group_run_id(self.run_id, index, attempt),
             sampling=self.sampling,
             seed=f"{self.seed}/{index}",  # group `index` samples alike in every run of this seed
         )
@@ -275,33 +288,34 @@ class RolloutWorker:
             errors=[r.error for r in summary.results if r.error][:3],
         )
 
-    async def _slotted(self, index: int) -> GroupRecord:
+    async def _slotted(self, index: int, attempt: int) -> GroupRecord:
         try:
-            return await self._group(index)
+            return await self._group(index, attempt)
         finally:
             self._in_flight.discard(index)
             self._slots.release()
 
-    async def run_groups(self, indices: Sequence[int]) -> list[GroupRecord]:
-        """The groups of these task indices (at most `concurrency` sessions at once), in order."""
+    async def run_groups(self, indices: Sequence[int], attempt: int = 0) -> list[GroupRecord]:
+        """The groups of these task indices (at most `concurrency` sessions at once), in order;
+        `attempt` tells groups redone after a fault from the first try (`group_run_id`)."""
 
         async def one(i: int) -> GroupRecord:
             await self._slots.acquire()
             self._in_flight.add(i)
-            return await self._slotted(i)
+            return await self._slotted(i, attempt)
 
         return list(await asyncio.gather(*(one(i) for i in indices)))
 
     # -- async mode: a continuous stream -------------------------------------------------------
-    async def start_stream(self, first: int, skip: Sequence[int], allowed: int) -> None:
+    async def start_stream(self, first: int, skip: Sequence[int], allowed: int, attempt: int = 0) -> None:
         """Starts groups for task indices first, first+1, ... (leaving out `skip`) while fewer than
         `allowed` groups have been started by this stream and a group slot is free."""
         if self._stream is not None:
             raise RuntimeError("the rollout stream is already running")
-        self._allowed = allowed
-        self._stream = asyncio.get_running_loop().create_task(self._run_stream(first, set(skip)))
+        self._allowed, self._started = allowed, 0
+        self._stream = asyncio.get_running_loop().create_task(self._run_stream(first, set(skip), attempt))
 
-    async def _run_stream(self, index: int, skip: set[int]) -> None:
+    async def _run_stream(self, index: int, skip: set[int], attempt: int) -> None:
         def record(task: asyncio.Task) -> None:
             if task.cancelled():
                 return
@@ -321,7 +335,7 @@ class RolloutWorker:
                 await self._slots.acquire()
                 self._started += 1
                 self._in_flight.add(index)
-                task = asyncio.get_running_loop().create_task(self._slotted(index))
+                task = asyncio.get_running_loop().create_task(self._slotted(index, attempt))
                 task.add_done_callback(record)
                 pending.add(task)
                 task.add_done_callback(pending.discard)
@@ -329,6 +343,9 @@ class RolloutWorker:
         except asyncio.CancelledError:
             for task in pending:
                 task.cancel()
+            # Their sessions finish (as failed) before the stream counts as stopped, so the run's
+            # last read of the spool sees every sample they leave.
+            await asyncio.gather(*pending, return_exceptions=True)
             raise
 
     async def allow(self, allowed: int) -> None:
@@ -496,6 +513,15 @@ class TrainerWorker:
 
     def weight_version(self) -> int:
         return self.trainer.weight_version
+
+    def synced_weights_dir(self) -> str | None:
+        """Where the weights of the last sync lie as a safetensors directory an engine can load
+        (sync_mode shm: the shared-memory file; disk: that version's directory), or None. The
+        driver reads it after every sync, so an engine restarted later gets exactly the weights the
+        others hold, even while the trainer is busy with the next step."""
+        sync = self.trainer.sync
+        path = sync.pushed_directory(self.trainer.weight_version) if sync is not None else None
+        return str(path) if path is not None else None
 
     def save(self, path: str) -> None:
         self.trainer.save(path)

@@ -11,6 +11,8 @@ and the filters into one step's `Batch`. No Ray here: every piece is testable al
 * `SampleFeed` — reads `/samples?after=CURSOR`: deduplicates by `sample_id`, drops failed/aborted
   samples and those of evaluations or of another launch (all counted), and hands out a group's
   samples once they are all read; `ack(cursor)` lets the gateway delete what a checkpoint holds.
+  After a fault the driver `retire`s the groups in flight: their samples, read already or later,
+  are recorded as not trained with the fault as the reason.
 * `sample_lag` — how many weight versions a sample is behind the trainer (its oldest sampled token).
 * `select_batch` — the staleness bound per sample (drop, or keep with the loss masked) and the
   zero-reward-variance filter per group, with every decision counted in `Batch.counts` and every
@@ -30,7 +32,16 @@ import httpx
 
 from palaestra.sample import Sample
 
-__all__ = ["DROP_REASONS", "TRAINABLE", "Batch", "GroupRecord", "SampleFeed", "sample_lag", "select_batch"]
+__all__ = [
+    "DROP_REASONS",
+    "TRAINABLE",
+    "Batch",
+    "GroupRecord",
+    "SampleFeed",
+    "group_attempt",
+    "sample_lag",
+    "select_batch",
+]
 
 TRAINABLE = ("completed", "truncated")  # session statuses whose samples train
 DROP_REASONS = ("stale", "stale_masked", "zero_variance", "failed", "aborted")
@@ -76,6 +87,22 @@ class SampleFeed:
             str, dict[str, str]
         ] = {}  # group_id -> its part of `dropped`, until claimed
         self.client = httpx.Client(timeout=60, trust_env=False, headers=self.headers)
+        self.attempt = 0  # groups of earlier attempts (`ledger.group_run_id`) never train
+        self.retired: dict[int, str] = {}  # attempt -> why its unclaimed groups were abandoned
+
+    def retire(self, reason: str) -> int:
+        """Abandons every group not claimed yet (a fault ended the try that was generating them):
+        their samples read so far, and those read later, are recorded in `dropped` with `reason`;
+        groups from now on are the next attempt's. Returns how many samples were retired now."""
+        self.retired[self.attempt] = reason
+        self.attempt += 1
+        for sid in self.buffer:
+            self.dropped[sid] = reason
+        retired = len(self.buffer)
+        self.counts[f"retired_{reason}"] += retired
+        self.buffer.clear()
+        self._unclaimed_drops.clear()  # failed / aborted ones stay in `dropped` with their status
+        return retired
 
     def close(self) -> None:
         self.client.close()
@@ -114,6 +141,12 @@ class SampleFeed:
             evaluation = data["group_id"].rsplit("/", 1)[-1].startswith("eval-")
             self.counts["eval" if evaluation else "other_run"] += 1
             return 0
+        attempt = group_attempt(data["group_id"])
+        if attempt < self.attempt and data["status"] in TRAINABLE:
+            reason = self.retired.get(attempt, "retired")
+            self.counts[f"retired_{reason}"] += 1
+            self.dropped[sid] = reason
+            return 0
         if data["status"] not in TRAINABLE:
             self.counts[f"status_{data['status']}"] += 1
             self.dropped[sid] = data["status"]
@@ -131,6 +164,14 @@ class SampleFeed:
             return None
         record.dropped.update(self._unclaimed_drops.pop(record.group_id, {}))
         return [self.buffer.pop(sid) for sid in record.sample_ids]
+
+
+def group_attempt(group_id: str) -> int:
+    """The attempt of a group (`ledger.group_run_id`: `.../<run_id>.<index>[.a<attempt>]`)."""
+    parts = group_id.rsplit("/", 1)[-1].split(".")
+    if len(parts) > 2 and parts[2].startswith("a") and parts[2][1:].isdigit():
+        return int(parts[2][1:])
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------

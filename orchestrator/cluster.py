@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import httpx
 from palaestra.config import RunConfig
 from palaestra.orchestrator import actors
 from palaestra.orchestrator.errors import RunFailed, root_cause
+from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
     Placement,
     engine_threads_beside_trainer,
@@ -112,6 +114,12 @@ class Cluster:
     placement: Placement | None = None
     placement_lines: list[str] = field(default_factory=list)  # where each box runs, printed at start
     startup_s: dict[str, float] = field(default_factory=dict)
+    log_dir: str = ""
+    # The engines' weights as (version, safetensors directory): None = their start-up weights (no
+    # sync yet), else where the trainer's last sync left them (`TrainerWorker.synced_weights_dir`;
+    # None there: none on disk). A restarted engine loads them (`bring_engine_up_to_date`).
+    engine_weights: tuple[str, str | None] | None = None
+    rollout_attempt: int = 0  # environment runners replaced so far (each has its own ledger)
 
     @property
     def servers(self) -> list[Box]:
@@ -127,6 +135,7 @@ class Cluster:
         import ray
 
         cfg = self.cfg
+        self.log_dir = log_dir
         gpus = int(ray.cluster_resources().get("GPU", 0))
         self.placement = place(cfg, gpus)
         t0 = time.perf_counter()
@@ -185,10 +194,24 @@ class Cluster:
             "starting the gateway",
         )[0]
         self.startup_s["servers"] = time.perf_counter() - t0
+        self.rollout = self._start_rollout()
+        rollout_info = self._get_all([self.rollout.info.remote()], "starting the environment")[0]
+        ranks = self._get_all(building, "building the trainer")
+        self.startup_s["all"] = time.perf_counter() - t0
+        self.placement_lines = self._describe(ranks, rollout_info, master)
+        for line in self.placement_lines:
+            log.info("%s", line)
+        return self
+
+    def _start_rollout(self) -> Any:
+        """The environment runner actor, with its own session ledger (`actors.open_sessions`)."""
+        import ray
+
+        cfg = self.cfg
         rollout = ray.remote(actors.RolloutWorker).options(
-            num_cpus=0, max_concurrency=1000, resources=services
+            num_cpus=0, max_concurrency=1000, resources=cfg.run.resources.get("services", {})
         )
-        self.rollout = rollout.remote(
+        return rollout.remote(
             cfg.env.name,
             # env.args.temperature may only repeat trainer.temperature (checkpoint.prepare_run): the
             # run's sampling settings reach the environment in `session.sampling`, not its arguments.
@@ -200,14 +223,11 @@ class Cluster:
             cfg.env.samples_per_task,
             cfg.env.concurrency,
             self.run_id,
+            self._ledger(),
         )
-        rollout_info = self._get_all([self.rollout.info.remote()], "starting the environment")[0]
-        ranks = self._get_all(building, "building the trainer")
-        self.startup_s["all"] = time.perf_counter() - t0
-        self.placement_lines = self._describe(ranks, rollout_info, master)
-        for line in self.placement_lines:
-            log.info("%s", line)
-        return self
+
+    def _ledger(self) -> str:
+        return f"{self.log_dir}/rollout-sessions-{self.rollout_attempt}.jsonl"
 
     def _describe(self, ranks: list[dict], rollout_info: dict, master: tuple[str, int]) -> list[str]:
         """Where every box runs (printed at start): node address and id, URL, resources asked."""
@@ -271,6 +291,76 @@ class Cluster:
                     f"Log: {box.log}\n--- last output of {box.name} ---\n{tail.rstrip()}"
                 )
 
+    # -- replacing what died (`supervisor.Supervisor`) ------------------------------------------
+    def replace_rollout(self) -> Counter[str]:
+        """A new environment runner for the dead one; the sessions the dead one left open (its
+        ledger) are finished on the gateway as aborted. Returns the outcome per session."""
+        import ray
+
+        ray.kill(self.rollout)
+        outcome: Counter[str] = Counter()
+        opened = open_sessions(self._ledger())
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for sid in opened:
+                try:
+                    r = client.post(
+                        f"{self.gateway.url}/sessions/{sid}/reward",
+                        json={"reward": 0.0, "status": "aborted", "metrics": {"runner_died": 1.0}},
+                        headers={"Authorization": f"Bearer {self.api_key}"},
+                    )
+                    outcome["aborted" if r.is_success else f"HTTP {r.status_code}"] += 1
+                except httpx.HTTPError as exc:
+                    outcome[type(exc).__name__] += 1
+        self.rollout_attempt += 1
+        self.rollout = self._start_rollout()
+        self._get_all([self.rollout.info.remote()], "replacing the environment runner")
+        return outcome
+
+    def sessions_lost(self) -> int:
+        """How many sessions the environment runner holds open (its ledger) that the gateway does
+        not know: those a restarted gateway lost."""
+        lost = 0
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for sid in open_sessions(self._ledger()):
+                r = client.get(
+                    f"{self.gateway.url}/sessions/{sid}", headers={"Authorization": f"Bearer {self.api_key}"}
+                )
+                lost += r.status_code == 404
+        return lost
+
+    def replace_trainer(self) -> None:
+        """Every trainer rank anew (one rank's death leaves the others in a broken process group),
+        built on the model's base weights; the run then loads its checkpoint into them."""
+        import ray
+
+        for worker in self.trainer:
+            ray.kill(worker)
+        self.trainer = self._start_trainer()
+        master = self._get_all([self.trainer[0].rendezvous_address.remote()], "trainer rendezvous")[0]
+        urls = [b.url for b in self.engines]
+        self._get_all(
+            self.trainer_call("build", self.cfg.trainer.to_dict(), self.cfg.model.student, urls, master),
+            "rebuilding the trainer",
+        )
+
+    def bring_engine_up_to_date(self, box: Box) -> str:
+        """A restarted engine gets the weights the others hold (`engine_weights`); what was done."""
+        from palaestra.trainer.weight_sync import WeightSync
+
+        version, directory = self.engine_weights or ("", None)
+        if not version:
+            return "its start-up weights are the run's (no weight sync yet)"
+        if directory is None:  # no file of the synced weights (sync_mode tensor / distributed)
+            directory = f"{self.log_dir}/recovery-weights-v{version}"
+            self._get_all(self.trainer_call("export_hf", directory), "exporting the weights")
+        tr = self.cfg.trainer
+        # mode "tensor": no shared file of its own to set up; load_directory is the same in every mode
+        with WeightSync(
+            [box.url], mode="tensor", retries=tr.sync_retries, timeout_s=tr.sync_timeout_s
+        ) as sync:
+            sync.load_directory(directory, version)
+        return f"weight version {version} loaded from {directory}"
+
     # -- the engines' weights ------------------------------------------------------------------
     def _weight_sync(self):
         from palaestra.trainer.weight_sync import WeightSync
@@ -318,8 +408,13 @@ class Cluster:
     def gateway_overhead_s(self) -> float:
         """Total gateway time outside the engine so far (its Prometheus histogram's sum)."""
         assert self.gateway is not None
-        with httpx.Client(timeout=30, trust_env=False) as client:
-            r = client.get(f"{self.gateway.url}/metrics", headers={"Authorization": f"Bearer {self.api_key}"})
+        try:
+            with httpx.Client(timeout=30, trust_env=False) as client:
+                r = client.get(
+                    f"{self.gateway.url}/metrics", headers={"Authorization": f"Bearer {self.api_key}"}
+                )
+        except httpx.HTTPError:  # the gateway is down (its supervisor restarts it): no figure now
+            return 0.0
         for line in r.text.splitlines():
             if line.startswith("palaestra_gateway_call_overhead_seconds_sum"):
                 return float(line.split()[-1])

@@ -11,17 +11,24 @@ returns (`RunResult`). `palaestra.train.train` calls these in order; read it fir
 
 The weight version is the trainer's: `sync` stores what the trainer reports after pushing its
 weights, and nothing here counts versions.
+
+Every wait goes through the run's `Supervisor` (supervisor.py): dead servers are restarted in
+place and the wait goes on; a dead environment runner or trainer raises `Replaced` out of the step,
+and `train` calls `run.recover(fault)`, which redoes the run from its state (for the trainer: from
+the last checkpoint). `RunResult.faults` and `faults.json` list every fault.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import math
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +36,10 @@ from palaestra.config import RunConfig, config_to_dict
 from palaestra.orchestrator.batching import Batch, SampleFeed
 from palaestra.orchestrator.checkpoint import RunState, checkpoint_dir, commit_checkpoint
 from palaestra.orchestrator.cluster import Cluster
-from palaestra.orchestrator.errors import RunFailed
+from palaestra.orchestrator.errors import Replaced, RunFailed
 from palaestra.orchestrator.metrics import console_line, make_tracker, rollout_metrics
 from palaestra.orchestrator.modes import SOURCES
+from palaestra.orchestrator.supervisor import RUNNER, TRAINER, Supervisor
 from palaestra.orchestrator.waiting import Waiter
 from palaestra.sample import Sample
 
@@ -77,6 +85,8 @@ class RunResult:
     reward_curve: Path | None = None
     viewer: Path | None = None
     teacher_accuracy: float | None = None  # env.eval_teacher: the teacher on the same tasks
+    faults: list[dict] | None = None  # every process death: component, time, action, recovery_s
+    not_trained: dict[str, str] | None = None  # sample_id -> why, of this launch's samples not trained
 
 
 class Run:
@@ -91,10 +101,10 @@ class Run:
         )
         assert cluster.gateway is not None and cluster.gateway.url is not None
         self.feed = SampleFeed(cluster.gateway.url, cluster.api_key, cluster.run_id, cursor=state.cursor)
-        self.waiter = Waiter(cluster, cfg.run.step_timeout_s)
-        self.source = SOURCES[cfg.run.mode](
-            cfg, cluster, self.feed, self.waiter, first=state.watermark, skip=state.consumed_above
-        )
+        self.supervisor = Supervisor(cluster, cfg.run.max_restarts)
+        self.waiter = Waiter(self.supervisor, cfg.run.step_timeout_s)
+        self.initial = copy.deepcopy(state)  # what a trainer death rolls back to without a checkpoint
+        self.source = self._new_source()
         self.engine_versions_start = cluster.engine_versions()
         self.trained: list[StepRecord] = []
         self.last_samples: list[Sample] = []
@@ -105,6 +115,22 @@ class Run:
         self.eval_after: dict[str, float] | None = None
         self._bar = None
         self._times: dict[str, float] = {}  # this step's clock readings (perf/*)
+        self.not_trained: dict[str, str] = {}  # the batches' dropped samples, and undone steps' ones
+        self._stepping = False
+        self.deferred: Replaced | None = None  # a fault seen mid-sync, redone at the next step
+
+    def _new_source(self):
+        """The mode's source from the run's state (a new attempt after each fault)."""
+        state = self.state
+        return SOURCES[self.cfg.run.mode](
+            self.cfg,
+            self.cluster,
+            self.feed,
+            self.waiter,
+            first=state.watermark,
+            skip=state.consumed_above,
+            attempt=self.feed.attempt,
+        )
 
     def __enter__(self) -> Run:
         return self
@@ -126,6 +152,13 @@ class Run:
                 f"the run state at {self.state.weight_version}"
             )
         self.waiter.get(self.cluster.trainer_call("sync_weights"), "syncing the checkpoint's weights")
+        self._note_engine_weights()
+
+    def _note_engine_weights(self) -> None:
+        """Where the weights the engines now hold lie, for an engine restarted later."""
+        ref = self.cluster.trainer[0].synced_weights_dir.remote()
+        directory = self.waiter.get([ref], "reading where the synced weights lie")[0]
+        self.cluster.engine_weights = (str(self.state.weight_version), directory)
 
     def evaluate_before(self) -> None:
         """Held-out accuracy before training: the reward curve's first point (step 0)."""
@@ -139,9 +172,11 @@ class Run:
         self._bar = _progress(self.cfg.run.steps, self.state.step)
         if self.state.step < self.cfg.run.steps:
             self.source.begin(self.state.step)
+        self._stepping = True
         try:
             yield
         finally:
+            self._stepping = False
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
@@ -150,6 +185,9 @@ class Run:
     # -- one step ------------------------------------------------------------------------------
     def next_batch(self, step: int) -> Batch:
         """This step's groups, as `run.mode` produces them, through the staleness bound and filters."""
+        if self.deferred is not None:
+            fault, self.deferred = self.deferred, None
+            raise fault
         self._times = {"start": time.perf_counter()}
         self.waiter.start_step(step)
         self._times["gateway_s"] = self.cluster.gateway_overhead_s()
@@ -162,7 +200,16 @@ class Run:
         weights. A batch the filters emptied trains nothing (the step still counts)."""
         metrics = rollout_metrics(batch)
         self._count(batch)
+        self.not_trained.update(batch.dropped)
         if batch.samples:
+            ref = self.cluster.trainer_call("train", [], rank0_args=(batch.samples,))
+            try:
+                metrics.update(self.waiter.get(ref, "training")[0])
+            except Replaced:  # the trainer died with the batch: it is generated again
+                self.not_trained.update(
+                    dict.fromkeys((s.sample_id for s in batch.samples), "trainer_restart")
+                )
+                raise
             self.trained.append(
                 StepRecord(
                     step=step,
@@ -175,8 +222,6 @@ class Run:
                     masked=batch.counts["stale_masked"],
                 )
             )
-            ref = self.cluster.trainer_call("train", [], rank0_args=(batch.samples,))
-            metrics.update(self.waiter.get(ref, "training")[0])
             if self.last_samples:  # the previous step's, now history: keep a few
                 self.earlier_samples += [
                     {**s.to_dict(), "step": self.last_step} for s in self.last_samples[:VIEWER_PER_STEP]
@@ -192,16 +237,29 @@ class Run:
         """What the mode does first (one-step-off: the next batch's generation ends; async: the
         gateway drains), then the new weights onto every engine; the version is the trainer's."""
         if not batch.samples:  # nothing trained: nothing to send
-            self.source.after_sync(step)
+            self._deferring(self.source.after_sync, step)
             self._times["sync_s"] = 0.0
             return {"perf/drain_s": 0.0, "perf/sync_s": 0.0}
-        drain_s = self.source.before_sync(step)
+        drain_s = self._deferring(self.source.before_sync, step) or 0.0
         started = time.perf_counter()
-        version, metrics = self.waiter.get(self.cluster.trainer_call("sync_weights"), "weight sync")[0]
-        self.source.after_sync(step)
+        call = lambda: self.cluster.trainer_call("sync_weights")  # noqa: E731 (tried again after a restart)
+        version, metrics = self.waiter.get(call(), "weight sync", again=call)[0]
+        self._deferring(self.source.after_sync, step)
         self.state.weight_version = version
+        self._note_engine_weights()
         self._times["sync_s"] = time.perf_counter() - started
         return {**metrics, "perf/drain_s": drain_s, "perf/sync_s": self._times["sync_s"]}
+
+    def _deferring(self, fn, step: int):
+        """`fn(step)`; a runner or gateway fault it raises is kept for the next step to redo (this
+        step is trained: raising now would train it twice). A trainer fault goes on up."""
+        try:
+            return fn(step)
+        except Replaced as fault:
+            if fault.component == TRAINER:
+                raise
+            self.deferred = fault
+            return None
 
     def end_step(self, step: int, batch: Batch) -> dict[str, float]:
         """The tasks the step consumed, the spool cursor, and the step's timing (`perf/*`)."""
@@ -237,6 +295,7 @@ class Run:
         """The step's row: into the run state, every tracker, the console line and the progress bar."""
         state, steps, done = self.state, self.cfg.run.steps, step + 1
         state.step, state.rows = done, [*state.rows, metrics]
+        metrics = {**metrics, **self.supervisor.new_counters()}
         self.tracker.log(metrics, done)
         if done % self.cfg.logging.console_every == 0 or done == steps:
             _print(console_line(done, steps, metrics), self._bar)
@@ -244,6 +303,62 @@ class Run:
             reward = metrics.get("rollout/reward_mean", math.nan)
             self._bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
             self._bar.update(1)
+
+    # -- after a fault -------------------------------------------------------------------------
+    def recover(self, fault: Replaced) -> None:
+        """Redoes the run from its state after `fault`: the generation in flight is abandoned (its
+        groups' samples are recorded as not trained, with the fault as the reason) and begun again
+        by a new source; a dead trainer is rebuilt from the last checkpoint first."""
+        record = self.supervisor.last(fault.component)
+        self.waiter.begin(f"recovering from the {fault.component}'s death")
+        with suppress(Exception):  # the old source's generation may be on the dead runner
+            self.source.end()
+        if fault.component == TRAINER:
+            action = self._restore_trainer()
+        else:
+            action = record.action
+        reason = {RUNNER: "runner_died", TRAINER: "trainer_restart"}.get(fault.component, "gateway_restart")
+        unused = self.source.unused()  # async: groups generated ahead, taken from the feed already
+        self.not_trained.update(dict.fromkeys(unused, reason))
+        retired = self.feed.retire(reason) + len(unused)
+        self.source = self._new_source()
+        if self._stepping and self.state.step < self.cfg.run.steps:
+            self.source.begin(self.state.step)
+        self.supervisor.recovered(
+            record,
+            f"{action}; generation redone from task {self.state.watermark} (attempt "
+            f"{self.feed.attempt}), {retired} samples of abandoned groups set aside",
+            fault.started,
+        )
+
+    def _restore_trainer(self) -> str:
+        """New trainer ranks; the latest checkpoint's trainer and run state (none yet: the run's
+        start); its weights onto the engines. Steps after it are undone: their samples are
+        recorded as not trained (`trainer_restart`), their groups generated again."""
+        self.cluster.replace_trainer()
+        latest = self.out / "checkpoints" / "latest"
+        ckpt = self.out / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+        if ckpt is not None:
+            self.state = RunState(**json.loads((ckpt / "state.json").read_text()))
+            self.restore(ckpt)
+        else:
+            before = [r for r in self.state.rows if r.get("train/step") == 0.0]  # evaluate_before's
+            self.state = copy.deepcopy(self.initial)
+            self.state.rows = before or self.state.rows
+            self.waiter.get(self.cluster.trainer_call("sync_weights"), "syncing the start weights")
+            self._note_engine_weights()
+        for record in [r for r in self.trained if r.step >= self.state.step]:
+            self.not_trained.update(dict.fromkeys(record.sample_ids, "trainer_restart"))
+        self.trained = [r for r in self.trained if r.step < self.state.step]
+        self.earlier_samples = [s for s in self.earlier_samples if s["step"] <= self.state.step]
+        if self.last_step > self.state.step:
+            self.last_samples, self.last_step = [], 0
+        self.counts = Counter(self.state.counts)
+        self.feed.cursor = self.state.cursor  # read again: the feed's seen-set skips them
+        with suppress(Exception):  # async mode: a sync cut short may have left it paused
+            self.cluster.resume_gateway()
+        where = ckpt.name if ckpt is not None else "the run's start"
+        return f"trainer ranks rebuilt and resumed from {where} (step {self.state.step})"
 
     def checkpoint_due(self, step: int) -> bool:
         """Checkpoint after this step? Every `run.checkpoint_every` steps, and after the last."""
@@ -265,7 +380,13 @@ class Run:
         ref = self.cluster.rollout.evaluate.remote(
             self.cfg.env.eval_tasks, EVAL_SEED, tag, self.cfg.env.concurrency
         )
-        result = self.waiter.get([ref], "generation")[0]
+        try:
+            result = self.waiter.get([ref], "generation", redo=True)[0]
+        except Replaced as fault:
+            if fault.component == TRAINER:
+                raise
+            self.recover(fault)  # a new runner (and source): the evaluation again, whole
+            return self.evaluate(tag)
         kinds = "".join(
             f", {k.removeprefix('accuracy/')} {v:.3f}" for k, v in result.items() if k.startswith("accuracy/")
         )
@@ -316,10 +437,21 @@ class Run:
             engine_versions_start=self.engine_versions_start,
             engine_versions_end=self.cluster.engine_versions(),
             trained=self.trained,
+            faults=[f.to_dict() for f in self.supervisor.faults],
+            not_trained=self._not_trained(),
             eval_before=self.eval_before,
             eval_after=self.eval_after,
             startup_s=dict(self.cluster.startup_s),
         )
+
+    def _not_trained(self) -> dict[str, str]:
+        """Every sample of this launch read and not trained, with its reason (a last read first:
+        the sessions aborted after a fault are spooled late; groups generated ahead that no step
+        took are `unused_at_end`)."""
+        with suppress(Exception):
+            self.feed.poll()
+        left = [*self.feed.buffer, *self.source.unused()]  # generated ahead (async), never trained
+        return {**self.feed.dropped, **dict.fromkeys(left, "unused_at_end"), **self.not_trained}
 
     def report(self, result: RunResult) -> RunResult:
         """reward_curve.png, viewer.html (a few samples of every step, the last step's with the teacher's logprobs)
@@ -364,7 +496,9 @@ class Run:
             engines=len(result.engine_versions_end),
             counts=self.counts,
             output_dir=self.out,
+            faults=self.supervisor.faults,
         )
+        (self.out / "faults.json").write_text(json.dumps(result.faults or [], indent=1) + "\n")
         _print(result.summary, None)
         return result
 

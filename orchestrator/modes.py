@@ -32,7 +32,9 @@ class Source:
     """Groups of samples for each step; subclasses decide what overlaps with training.
 
     Task indices start at `first` (every index below it was consumed); `skip` lists consumed
-    indices above it (async mode consumes out of order; a resumed run must not redo them)."""
+    indices above it (async mode consumes out of order; a resumed run must not redo them).
+    `attempt` counts the sources before this one in the run: each fault that abandons generation
+    in flight starts a new source from the run's state, whose groups carry the new attempt."""
 
     def __init__(
         self,
@@ -42,8 +44,10 @@ class Source:
         waiter: Waiter,
         first: int = 0,
         skip: Sequence[int] = (),
+        attempt: int = 0,
     ):
         self.cfg, self.cluster, self.feed, self.waiter = cfg, cluster, feed, waiter
+        self.attempt = attempt
         self.first, self.skip = first, list(skip)
         self.per_step = cfg.env.tasks_per_step
         self.next_index = first  # sync and one-step-off consume whole steps in order
@@ -53,7 +57,7 @@ class Source:
         return list(range(first, self.next_index))
 
     def _launch(self):
-        return self.cluster.rollout.run_groups.remote(self._indices())
+        return self.cluster.rollout.run_groups.remote(self._indices(), self.attempt)
 
     def _generation_progress(self) -> str:
         import ray
@@ -77,7 +81,10 @@ class Source:
             return len(out) == len(records)
 
         self.waiter.wait_until(
-            ready, phase, lambda: f"{len(out)}/{len(records)} groups' samples read from the gateway"
+            ready,
+            phase,
+            lambda: f"{len(out)}/{len(records)} groups' samples read from the gateway",
+            redo=True,
         )
         return [(r, out[i]) for i, r in enumerate(records)]
 
@@ -107,12 +114,19 @@ class Source:
     def end(self) -> None:
         pass
 
+    def unused(self) -> list[str]:
+        """Sample ids this source took from the feed and did not hand to a step (async: groups
+        generated ahead that the run ended or a fault abandoned before they trained)."""
+        return []
+
 
 class SyncSource(Source):
     """Generate step k, then train on it: every sample is on-policy (lag 0)."""
 
     def batch(self, step: int, trainer_version: int) -> Batch:
-        records = self.waiter.get([self._launch()], "generation", progress=self._generation_progress)[0]
+        records = self.waiter.get(
+            [self._launch()], "generation", progress=self._generation_progress, redo=True
+        )[0]
         return self._select(self._claim_all(records, "reading samples"), trainer_version)
 
 
@@ -124,7 +138,7 @@ class OneStepOffSource(Source):
         self.ref = self._launch()
 
     def batch(self, step: int, trainer_version: int) -> Batch:
-        records = self.waiter.get([self.ref], "generation", progress=self._generation_progress)[0]
+        records = self.waiter.get([self.ref], "generation", progress=self._generation_progress, redo=True)[0]
         self.ref = self._launch() if step + 1 < self.cfg.run.steps else None
         return self._select(self._claim_all(records, "reading samples"), trainer_version)
 
@@ -151,7 +165,7 @@ class AsyncSource(Source):
         import ray
 
         ray.get(
-            self.cluster.rollout.start_stream.remote(self.first, self.skip, self._allowed()),
+            self.cluster.rollout.start_stream.remote(self.first, self.skip, self._allowed(), self.attempt),
             timeout=60,
         )
 
@@ -163,6 +177,8 @@ class AsyncSource(Source):
 
         try:
             self.waiting += ray.get(self.cluster.rollout.take_finished.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            raise  # the Waiter has it replaced
         except ray.exceptions.RayError as exc:
             raise RunFailed(f"the environment runner failed: {exc}") from None
         self.feed.poll()
@@ -180,6 +196,7 @@ class AsyncSource(Source):
                 self._collect,
                 "generation",
                 lambda: f"{len(merged.groups)}/{self.per_step} groups ready for this step",
+                redo=True,
             )
             self.consumed += 1
             merged.extend(self._select([self.ready.popleft()], trainer_version))
@@ -191,10 +208,12 @@ class AsyncSource(Source):
         return time.perf_counter() - started
 
     def after_sync(self, step: int) -> None:
-        import ray
 
         self.cluster.resume_gateway()
-        ray.get(self.cluster.rollout.allow.remote(self._allowed()), timeout=60)
+        self.waiter.get([self.cluster.rollout.allow.remote(self._allowed())], "admitting more groups")
+
+    def unused(self) -> list[str]:
+        return [s.sample_id for _, samples in getattr(self, "ready", ()) for s in samples]
 
     def end(self) -> None:
         import ray

@@ -5,7 +5,7 @@
 
 `step_rows` are the per-step metric dicts the training loop logs (keys below; a row may lack any
 of them, e.g. held-out accuracy exists only on evaluation steps). The trajectory viewer (HTML) is
-`viewer.py`.
+`viewer.py`. `fault_summary` is the summary's part on process deaths (supervisor.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = [
     "STEP",
     "TEACHER_ACCURACY",
     "dropped_totals",
+    "fault_summary",
     "plot_reward_curve",
     "summary_line",
 ]
@@ -136,6 +137,18 @@ def dropped_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return {k: v for k, v in totals.items() if v}
 
 
+def fault_summary(faults: Sequence[Any]) -> str:
+    """`faults: engine-1 at 12:00:03 restarted ... (recovered in 4.1 s); trainer at ...` (each
+    fault is a `supervisor.Fault`), or "" without any."""
+    if not faults:
+        return ""
+    return "faults: " + "; ".join(
+        f"{f.component} at {f.at[11:19]} during {f.phase}: {f.action} "
+        + ("(not recovered)" if math.isnan(f.recovery_s) else f"(recovered in {f.recovery_s:.1f} s)")
+        for f in faults
+    )
+
+
 def summary_line(
     rows: Sequence[Mapping[str, Any]],
     *,
@@ -147,6 +160,7 @@ def summary_line(
     engines: int,
     counts: Mapping[str, int],
     output_dir: Path,
+    faults: Sequence[Any] = (),
 ) -> str:
     """`done: 200 steps (sync); reward 0.24 -> 0.37; held-out accuracy 0.34 -> 0.65 (200 tasks;
     teacher 0.98); weight version 200 on 2 engines; counts: ...; -> runs/demo/{...}`."""
@@ -168,5 +182,8 @@ def summary_line(
     noted = {k: v for k, v in counts.items() if v and k != "sessions_completed"}
     if noted:
         parts.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(noted.items())))
-    parts.append(f"-> {output_dir}/{{reward_curve.png, viewer.html, metrics.jsonl}}")
+    if faults:
+        parts.append(fault_summary(faults))
+    files = "reward_curve.png, viewer.html, metrics.jsonl" + (", faults.json" if faults else "")
+    parts.append(f"-> {output_dir}/{{{files}}}")
     return "; ".join(parts)

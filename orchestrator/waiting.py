@@ -1,12 +1,14 @@
-"""Every wait of a run: bounded by the step's deadline, watching the servers between polls.
+"""Every wait of a run: bounded by the step's deadline, watching the boxes between polls.
 
-    waiter = Waiter(cluster, timeout_s=cfg.run.step_timeout_s)
+    waiter = Waiter(supervisor, timeout_s=cfg.run.step_timeout_s)
     waiter.start_step(step)                                  # a new deadline, named "step k+1"
     metrics = waiter.get(cluster.trainer_call("train", ...), "training")[0]
 
-A wait that outlives the deadline raises `StepTimeout` with the phase it was in; a server that
-exits meanwhile raises `RunFailed` with its name, exit code and log tail (`Cluster.check_alive`),
-so nothing hangs silently.
+A wait that outlives the deadline raises `StepTimeout` with the phase it was in. Between polls the
+watched object (`supervisor.Supervisor`; `Cluster.check_alive` unsupervised) checks the servers: a
+server that exited is restarted there (or the run fails, naming it, its exit code and log tail), and
+the wait goes on. A call whose actor died goes to `actor_died`, which replaces the actor and raises
+`Replaced` (the run redoes the work from its state) or fails the run. So nothing hangs silently.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import httpx
+
 from palaestra.orchestrator.errors import RunFailed, StepTimeout, root_cause
 
 __all__ = ["Waiter"]
@@ -24,7 +28,8 @@ __all__ = ["Waiter"]
 class Watched(Protocol):
     """What a Waiter checks between polls (`Cluster`; tests pass a stand-in)."""
 
-    def check_alive(self, phase: str) -> None: ...
+    def check_alive(self, phase: str) -> bool | None:
+        """Raises, or repairs what died (True if it repaired anything)."""
 
 
 class Waiter:
@@ -42,10 +47,22 @@ class Waiter:
         """A new bounded piece of work (a step, an evaluation, a checkpoint) named `label`."""
         self.label, self.deadline = label, time.monotonic() + self.timeout_s
 
-    def get(self, refs: list, phase: str, *, progress: Callable[[], str] | None = None) -> list:
+    def get(
+        self,
+        refs: list,
+        phase: str,
+        *,
+        progress: Callable[[], str] | None = None,
+        again: Callable[[], list] | None = None,
+        redo: bool = False,
+    ) -> list:
+        """The refs' results. `again` re-issues the call (new refs) when it failed because a server
+        died and was restarted meanwhile (an idempotent call: a weight sync). `redo`: the run may
+        abandon this wait and redo its work, so a pending fault (`Supervisor.pending`) is raised."""
         import ray
 
         pending = list(refs)
+        self._pending(redo)
         while pending:
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -57,16 +74,27 @@ class Waiter:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.poll_s, left))
             if pending:
                 self.cluster.check_alive(phase)
+                self._pending(redo)
         try:
             return ray.get(list(refs))
+        except ray.exceptions.RayActorError as exc:
+            died = getattr(self.cluster, "actor_died", None)
+            if died is not None:
+                died(exc, phase)  # replaces it and raises Replaced, or fails the run
+            raise RunFailed(f"{self.label}, {phase}: {root_cause(exc)}") from None
         except ray.exceptions.RayError as exc:
-            self.cluster.check_alive(phase)  # a dead engine explains a failed call best
+            # a dead engine explains a failed call best; restarted, the call may be tried again
+            if self.cluster.check_alive(phase) and again is not None:
+                return self.get(again(), phase, progress=progress, redo=redo)
             raise RunFailed(f"{self.label}, {phase}: {root_cause(exc)}") from None
 
-    def wait_until(self, ready: Callable[[], bool], phase: str, progress: Callable[[], str]) -> None:
+    def wait_until(
+        self, ready: Callable[[], bool], phase: str, progress: Callable[[], str], *, redo: bool = False
+    ) -> None:
         """Polls `ready()` until it holds, under the same deadline and liveness checks."""
         checked = time.monotonic()
-        while not ready():
+        self._pending(redo)
+        while not self._ready(ready, phase):
             now = time.monotonic()
             if now >= self.deadline:
                 raise StepTimeout(
@@ -75,5 +103,27 @@ class Waiter:
                 )
             if now - checked >= self.poll_s:
                 self.cluster.check_alive(phase)
+                self._pending(redo)
                 checked = now
             time.sleep(0.1)
+
+    def _pending(self, redo: bool) -> None:
+        take = getattr(self.cluster, "take_pending", None)
+        if redo and take is not None and (fault := take()) is not None:
+            raise fault
+
+    def _ready(self, ready: Callable[[], bool], phase: str) -> bool:
+        """`ready()`; False while the server it asks cannot be reached (the check that follows
+        restarts it), the dead actor's fate to `actor_died`."""
+        import ray
+
+        try:
+            return ready()
+        except httpx.HTTPError:
+            self.cluster.check_alive(phase)
+            return False
+        except ray.exceptions.RayActorError as exc:
+            died = getattr(self.cluster, "actor_died", None)
+            if died is not None:
+                died(exc, phase)
+            raise RunFailed(f"{self.label}, {phase}: {root_cause(exc)}") from None

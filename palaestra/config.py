@@ -168,6 +168,11 @@ class RunOptions:
     step_timeout_s: float = 1800.0
     """A step that takes longer fails the run with a message instead of hanging, seconds."""
 
+    max_restarts: int = 3
+    """Times the driver restarts or replaces each component (an engine, the router, the gateway, the
+    environment runner, the trainer) after its process died; one death more fails the run, naming
+    the component and its log tail. 0 = any death fails the run (docs/reliability-faults.md)."""
+
     placement: Literal["colocated", "decoupled"] = "colocated"
     """colocated: trainer and engines time-share devices; decoupled: separate devices."""
 
@@ -346,6 +351,7 @@ def validate(cfg: RunConfig) -> None:
     )
     need(run.checkpoint_every >= 0, f"run.checkpoint_every: must be >= 0, got {run.checkpoint_every}")
     need(run.step_timeout_s > 0, f"run.step_timeout_s: must be > 0, got {run.step_timeout_s}")
+    need(run.max_restarts >= 0, f"run.max_restarts: must be >= 0, got {run.max_restarts}")
     need(
         bool(run.name) and "/" not in run.name and run.name not in (".", ".."),
         f"run.name: {run.name!r} must be a non-empty file name (no '/')",

@@ -2,7 +2,8 @@
 
 `free_port()` asks the kernel for an unused 127.0.0.1 port, `wait_http_ok()` polls a URL until it
 answers 2xx, and `ServerProcess` runs a local HTTP server as a subprocess (output to a log file,
-start-up wait, terminate-then-kill) so that the router and SGLang launchers share one lifecycle.
+start-up wait, terminate-then-kill, restart on the same port after a crash) so that the router and
+SGLang launchers share one lifecycle.
 `is_this_host()` and `address_towards()` tell the weight sync which engines share this host and
 which local address remote engines reach.
 """
@@ -129,7 +130,8 @@ class ServerProcess:
         """The exit code, or None while running (or before start)."""
         return self._proc.poll() if self._proc is not None else None
 
-    def start(self) -> ServerProcess:
+    def start(self, *, append: bool = False) -> ServerProcess:
+        """Starts the process and waits until it is ready; `append` keeps the log written so far."""
         if self._proc is not None:
             raise RuntimeError(f"{self.name} already started")
         if self.log_path is None:
@@ -138,7 +140,7 @@ class ServerProcess:
             self.log_path = Path(path)
         env = {**os.environ, **self.env} if self.env is not None else None
         began = time.monotonic()
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab" if append else "wb") as log:
             self._proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
@@ -157,6 +159,17 @@ class ServerProcess:
             raise
         self.startup_seconds = time.monotonic() - began
         return self
+
+    def restart(self) -> ServerProcess:
+        """The same command again, on the same URL (so clients' addresses stay valid), once the old
+        process is gone (stopped first if it still runs); its log continues in the same file, after
+        a marker line, so the crash's output is kept."""
+        self._terminate()
+        self._proc = None
+        if self.log_path is not None:
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n--- {self.name} restarted at {time.strftime('%H:%M:%S')} ---\n".encode())
+        return self.start(append=True)
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until the process exits (raises subprocess.TimeoutExpired after `timeout`)."""

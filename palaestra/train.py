@@ -21,8 +21,9 @@ Before the first and after the last step the student is evaluated greedily on `e
 held-out tasks; the run ends with `reward_curve.png`, `viewer.html` and one summary line in the
 output directory. Simplifications, on purpose: one trainer process group (data parallelism over
 Ray actors is not wired); in sync and one-step-off modes a step whose groups are all filtered
-makes no update (async mode fills its batch instead); an engine that dies stops the run with its
-log tail (it is not replaced).
+makes no update (async mode fills its batch instead). A process that dies mid-run (an engine, the
+router, the gateway, the environment runner, a trainer rank) is restarted or replaced and the run
+goes on (orchestrator/supervisor.py, docs/reliability-faults.md), up to run.max_restarts times each.
 
 `train` below is the whole algorithm; the mechanics live in `palaestra.orchestrator` (the cluster
 and its actors, batch selection, the modes, metrics, checkpoints, the report). See docs/training.md.
@@ -39,7 +40,7 @@ from pathlib import Path
 from palaestra.config import ConfigError, RunConfig, config_help, config_to_dict, load_config
 from palaestra.orchestrator.checkpoint import prepare_run
 from palaestra.orchestrator.cluster import Cluster, start_cluster
-from palaestra.orchestrator.errors import RunFailed
+from palaestra.orchestrator.errors import Replaced, RunFailed
 from palaestra.orchestrator.loop import Run, RunResult, eval_row
 
 __all__ = ["register", "train"]
@@ -60,24 +61,32 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, Cluster], None] | None = No
         elif cfg.env.eval_tasks:
             run.evaluate_before()
         with run.stepping():  # the mode's generation runs from here on
-            for step in range(state.step, cfg.run.steps):
-                batch = run.next_batch(step)  # the step's groups: staleness-bounded, filtered
-                metrics = run.train(step, batch)  # one optimizer step; engines keep the old weights
-                metrics |= run.sync(step, batch)  # new weights on every engine, the trainer's version
-                metrics |= run.end_step(step, batch)  # tasks consumed, spool cursor, step timing
-                if run.evaluation_due(step):
-                    metrics |= eval_row(run.evaluate(f"step{step + 1}"))
-                run.log(step, metrics)  # metrics.jsonl, TensorBoard/W&B, the console line
-                if run.checkpoint_due(step):
-                    run.checkpoint()
+            while run.state.step < cfg.run.steps:
+                step = run.state.step  # a fault's recovery may roll it back to a checkpoint
+                try:
+                    batch = run.next_batch(step)  # the step's groups: staleness-bounded, filtered
+                    metrics = run.train(step, batch)  # one optimizer step; engines keep the old weights
+                    metrics |= run.sync(step, batch)  # new weights on every engine, the trainer's version
+                    metrics |= run.end_step(step, batch)  # tasks consumed, spool cursor, step timing
+                    if run.evaluation_due(step):
+                        metrics |= eval_row(run.evaluate(f"step{step + 1}"))
+                    run.log(step, metrics)  # metrics.jsonl, TensorBoard/W&B, the console line
+                    if run.checkpoint_due(step):
+                        run.checkpoint()
+                except Replaced as fault:  # the runner or the trainer died: redo from the run's state
+                    run.recover(fault)
+                    continue
                 if on_step is not None:
                     on_step(step, cluster)
-        if cfg.env.eval_tasks:
-            run.evaluate_after()
-        result = run.result()  # the engines' versions, read before any teacher weights go on
-        if result.eval_after is not None and cfg.env.eval_teacher and cfg.model.teacher:
-            result.teacher_accuracy = run.evaluate_teacher()
-        return run.report(result)  # reward_curve.png, viewer.html, the summary line
+        try:
+            if cfg.env.eval_tasks:
+                run.evaluate_after()
+            result = run.result()  # the engines' versions, read before any teacher weights go on
+            if result.eval_after is not None and cfg.env.eval_teacher and cfg.model.teacher:
+                result.teacher_accuracy = run.evaluate_teacher()
+            return run.report(result)  # reward_curve.png, viewer.html, the summary line
+        except Replaced as fault:  # every step is trained and checkpointed: nothing to redo
+            raise RunFailed(f"{fault} after the last step; the run's last checkpoint is complete") from None
 
 
 # ----------------------------------------------------------------------------------------------

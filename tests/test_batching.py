@@ -212,3 +212,48 @@ def test_task_source_wraps_a_finite_list_and_run_state_tracks_consumed_tasks():
 def test_console_line_reads_as_one_line():
     line = console_line(3, 20, {"rollout/reward_mean": 0.25, "rollout/reward_std": 0.5, "train/loss": 1e-5})
     assert line == "step 3/20 reward 0.250±0.500 loss 1.00e-05"
+
+
+# ----------------------------------------------------------------------------------------------
+# After a fault: abandoned groups, redone groups, the environment runner's session ledger
+# ----------------------------------------------------------------------------------------------
+def test_a_retired_attempt_never_trains_and_every_sample_of_it_keeps_a_reason():
+    from palaestra.orchestrator.batching import group_attempt
+    from palaestra.orchestrator.ledger import group_run_id
+
+    first, redone = f"env/t0/{group_run_id('run1', 0)}", f"env/t0/{group_run_id('run1', 0, 1)}"
+    assert (first, redone) == ("env/t0/run1.0", "env/t0/run1.0.a1")
+    assert (group_attempt(first), group_attempt(redone), group_attempt("env/t0/eval-run1-x")) == (0, 1, 0)
+    records = [
+        _sample("a", ["0"], group_id=first).to_dict(),  # read before the fault
+        _sample("b", ["0"], group_id=first).to_dict(),  # spooled after it (its session ended late)
+        _sample("c", ["0"], group_id=first, status="aborted").to_dict(),  # aborted by the driver
+        _sample("d", ["0"], group_id=redone).to_dict(),
+    ]
+    with ThreadServer(_samples_endpoint(records[:1])) as server:
+        feed = SampleFeed(server.url, "key", run_id="run1")
+        try:
+            feed.poll()
+            assert feed.retire("runner_died") == 1 and feed.attempt == 1 and feed.buffer == {}
+        finally:
+            feed.close()
+    with ThreadServer(_samples_endpoint(records)) as server:
+        feed.client = type(feed.client)(base_url=server.url, trust_env=False)
+        feed.url = server.url
+        feed.poll()
+        feed.close()
+    assert feed.dropped == {"a": "runner_died", "b": "runner_died", "c": "aborted"}
+    assert [s.sample_id for s in feed.claim(_record(0, ["d"]))] == ["d"]
+    assert feed.counts["retired_runner_died"] == 2
+
+
+def test_the_runner_ledger_names_the_sessions_left_open(tmp_path):
+    from palaestra.orchestrator.ledger import open_sessions
+
+    ledger = tmp_path / "rollout-sessions-0.jsonl"
+    assert open_sessions(ledger) == {}
+    ledger.write_text(
+        '{"open": "s1", "group": "g1"}\n{"open": "s2", "group": "g1"}\n{"done": "s1"}\n'
+        '{"open": "s3", "group": "g2"}\n{"done": "s'  # the last line cut by the kill
+    )
+    assert open_sessions(ledger) == {"s2": "g1", "s3": "g2"}

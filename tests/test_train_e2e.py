@@ -10,7 +10,8 @@ module, everything on 127.0.0.1:
 * async (an environment that waits between its two turns, so sessions straddle weight syncs): no
   trained sample is older than `run.max_staleness`, and sessions in flight across a sync keep their
   first turn's tokens and show both versions;
-* faults: a killed engine stops the run with its name, exit code and log; a stuck step times out.
+* faults: a killed engine with `run.max_restarts=0` stops the run with its name, exit code and log
+  (tests/test_faults.py: with restarts left, every kind of box is survived); a stuck step times out.
 
 What decides what trains (`select_batch`, `sample_lag`, the sample feed, task order) is tested
 without Ray in tests/test_batching.py.
@@ -224,7 +225,7 @@ def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local
 
 
 @pytest.mark.slow
-def test_a_dead_engine_stops_the_run_with_its_name_and_log(ray_local, tmp_path):
+def test_a_dead_engine_beyond_max_restarts_stops_the_run_with_its_name_and_log(ray_local, tmp_path):
     import ray
 
     from palaestra.orchestrator.errors import RunFailed
@@ -234,7 +235,14 @@ def test_a_dead_engine_stops_the_run_with_its_name_and_log(ray_local, tmp_path):
         if step == 0:
             os.kill(ray.get(cluster.engines[1].actor.pid.remote()), signal.SIGKILL)
 
-    cfg = make_config(tmp_path / "dead", "sync", "run.steps=3", "env.eval_tasks=0", "run.checkpoint_every=0")
+    cfg = make_config(
+        tmp_path / "dead",
+        "sync",
+        "run.steps=3",
+        "env.eval_tasks=0",
+        "run.checkpoint_every=0",
+        "run.max_restarts=0",
+    )
     with pytest.raises(RunFailed, match=r"engine-1 \(http://127\.0\.0\.1:\d+\) exited with code -9") as err:
         train(cfg, on_step=kill_engine_1)
     assert "engine-1.log" in str(err.value)

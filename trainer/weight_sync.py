@@ -190,6 +190,16 @@ class WeightSync:
     def __enter__(self) -> WeightSync:
         return self
 
+    def pushed_directory(self, version: int | str) -> Path | None:
+        """A safetensors directory holding the weights pushed as `version`, if one exists: the shm
+        file (rewritten only inside the next push) or the disk mode's version directory; None in
+        the other modes. An engine restarted between syncs loads it (`load_directory`)."""
+        if self.mode == "shm" and self._shm is not None and self._shm.path is not None:
+            return self._shm.path.parent
+        if self.mode == "disk" and self.disk_dir is not None and (self.disk_dir / f"v{version}").is_dir():
+            return self.disk_dir / f"v{version}"
+        return None
+
     def __exit__(self, *_: object) -> None:
         self.close()
 

@@ -1,0 +1,196 @@
+"""Supervision of a run's boxes: every process death noticed, repaired, counted and reported.
+
+    supervisor = Supervisor(cluster, max_restarts=cfg.run.max_restarts)
+    waiter = Waiter(supervisor, cfg.run.step_timeout_s)    # every wait checks the boxes through it
+    ...
+    supervisor.faults                                       # what died, when, what was done, how long
+
+What a death costs, per box (docs/reliability-faults.md has the measured recovery times):
+
+* an engine, the router, the gateway (server subprocesses of `actors.ServerHost`): restarted in
+  place with the same command on the same port, so every URL the others hold stays valid (the
+  gateway on the same spool directory, with the same keys). A restarted engine loads the weights
+  the others hold (`Cluster.bring_engine_up_to_date`) before the wait goes on. Episodes whose
+  calls failed meanwhile retry or end failed, counted by their groups. A gateway that comes back
+  without the sessions open at its death (no session journal) makes the run redo the generation
+  in flight (`Replaced`, raised by the next wait that may be redone).
+* the environment runner (the `RolloutWorker` actor): replaced (`Cluster.replace_rollout`), the
+  sessions it left open finished on the gateway as aborted; `Replaced` tells the run to redo the
+  generation it had in flight (`loop.Run.recover`).
+* a trainer rank: `Replaced`; the run rebuilds every rank and resumes from the last checkpoint.
+
+Each death is a `Fault`; one more death of a component than `run.max_restarts` fails the run with
+a `RunFailed` naming it, what was seen and its log tail.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn
+
+from palaestra.orchestrator.errors import Replaced, RunFailed, root_cause
+
+__all__ = ["GATEWAY", "RUNNER", "TRAINER", "Fault", "Supervisor"]
+
+log = logging.getLogger(__name__)
+
+RUNNER = "environment runner"
+TRAINER = "trainer"
+GATEWAY = "gateway"
+
+
+@dataclass
+class Fault:
+    """One death and what the run did about it."""
+
+    component: str  # "engine-1", "router", "gateway", RUNNER, TRAINER
+    at: str  # UTC time the death was noticed
+    phase: str  # what the run was waiting for then
+    seen: str  # how it showed: the exit code, or Ray's error
+    action: str = ""  # what was done
+    recovery_s: float = math.nan  # from noticing it to the run going on
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        took = "not recovered" if math.isnan(self.recovery_s) else f"recovered in {self.recovery_s:.1f} s"
+        return f"{self.at} {self.component} during {self.phase}: {self.seen}; {self.action} ({took})"
+
+
+class Supervisor:
+    """The Waiter's liveness check (`check_alive`, `actor_died`), repairing what it finds."""
+
+    def __init__(self, cluster: Any, max_restarts: int):
+        self.cluster, self.max_restarts = cluster, max_restarts
+        self.faults: list[Fault] = []
+        self.restarts: Counter[str] = Counter()
+        # A fault whose loss shows only in the generation (a gateway restarted without its open
+        # sessions): raised by the next wait that may be redone (`take_pending`), never in the
+        # middle of training or a weight sync.
+        self.pending: Replaced | None = None
+        self._counted = 0  # faults already in a metrics row
+
+    def new_counters(self) -> dict[str, float]:
+        """`faults/*` counters of the faults since the last call (for the step's metrics row)."""
+        new, self._counted = self.faults[self._counted :], len(self.faults)
+        if not new:
+            return {}
+        out = {"faults/total": float(len(self.faults))}
+        for fault in new:
+            kind = "engine" if fault.component.startswith("engine-") else fault.component.replace(" ", "_")
+            out[f"faults/{kind}"] = out.get(f"faults/{kind}", 0.0) + 1.0
+            out[f"faults/{kind}_recovery_s"] = fault.recovery_s
+        return out
+
+    def take_pending(self) -> Replaced | None:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def _noticed(
+        self, component: str, phase: str, seen: str, *, label: str = "", tail: str = "", log_file: str = ""
+    ) -> Fault:
+        """Records the fault, or fails the run when the component has used up its restarts."""
+        self.restarts[component] += 1
+        fault = Fault(component, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), phase, seen)
+        self.faults.append(fault)
+        log.warning("%s %s during %s", component, seen, phase)
+        if self.restarts[component] > self.max_restarts:
+            fault.action = f"none: run.max_restarts={self.max_restarts} used up"
+            where = f" Log: {log_file}" if log_file else ""
+            block = f"\n--- last output of {component} ---\n{tail.rstrip()}" if tail else ""
+            raise RunFailed(
+                f"{label or component} {seen} during {phase}; it died {self.restarts[component]} "
+                f"time(s), more than run.max_restarts={self.max_restarts}: the run stops.{where}{block}"
+            )
+        return fault
+
+    def recovered(self, fault: Fault, action: str, started: float) -> None:
+        fault.action, fault.recovery_s = action, time.monotonic() - started
+        log.warning("%s: %s (%.1f s)", fault.component, action, fault.recovery_s)
+
+    def last(self, component: str) -> Fault:
+        return next(f for f in reversed(self.faults) if f.component == component)
+
+    # -- the servers ---------------------------------------------------------------------------
+    def check_alive(self, phase: str) -> bool:
+        """Restarts every server whose process has exited; True if it restarted any. A server's
+        host actor that died (not just its process) fails the run."""
+        import ray
+
+        boxes = self.cluster.servers
+        try:
+            codes = ray.get([b.actor.poll.remote() for b in boxes], timeout=30)
+        except ray.exceptions.RayActorError as exc:
+            raise RunFailed(f"{phase}: a server's host actor died: {root_cause(exc)}") from None
+        repaired = False
+        for box, code in zip(boxes, codes, strict=True):
+            if code is not None:
+                self._restart_server(box, code, phase)
+                repaired = True
+        return repaired
+
+    def _restart_server(self, box: Any, code: int, phase: str) -> None:
+        import ray
+
+        started = time.monotonic()
+        tail = ray.get(box.actor.log_tail.remote(1500), timeout=30)
+        fault = self._noticed(
+            box.name,
+            phase,
+            f"exited with code {code}",
+            label=f"{box.name} ({box.url})",
+            tail=tail,
+            log_file=box.log or "",
+        )
+        try:
+            ray.get(box.actor.restart.remote(), timeout=600)
+            action = f"restarted on the same port ({box.url})"
+            if box in self.cluster.engines:
+                action += "; " + self.cluster.bring_engine_up_to_date(box)
+            if box is self.cluster.gateway:
+                lost = self.cluster.sessions_lost()
+                if lost:  # without a session journal the restarted gateway knows none of them
+                    action += f"; {lost} open sessions lost with it: their groups are generated again"
+                    self.pending = Replaced(GATEWAY, f"{lost} open sessions lost", started)
+        except Exception as exc:  # noqa: BLE001 (any failure to restart ends the run, explained)
+            fault.action = f"restart failed: {exc}"
+            raise RunFailed(
+                f"{box.name} ({box.url}) exited with code {code} during {phase} and could not be "
+                f"restarted: {root_cause(exc) if isinstance(exc, ray.exceptions.RayError) else exc}. "
+                f"Log: {box.log}"
+            ) from None
+        self.recovered(fault, action, started)
+
+    # -- the actors ----------------------------------------------------------------------------
+    def actor_died(self, exc: BaseException, phase: str) -> NoReturn:
+        """A Ray call failed because its actor died: the environment runner is replaced here, a
+        trainer rank is left to the run (it needs the checkpoint); both raise `Replaced`."""
+        import ray
+
+        started = time.monotonic()
+        dead = getattr(exc, "actor_id", None)
+        cluster = self.cluster
+        trainer_ids = {w._actor_id.hex() for w in cluster.trainer}
+        runner = cluster.rollout is not None and dead == cluster.rollout._actor_id.hex()
+        if dead is None and cluster.rollout is not None:  # no id in the error: ask the runner
+            try:
+                ray.get(cluster.rollout.info.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                runner = True
+        seen = f"died ({root_cause(exc)})"
+        if runner:
+            fault = self._noticed(RUNNER, phase, seen)
+            outcome = cluster.replace_rollout()
+            fault.action = "replaced; its open sessions finished on the gateway: " + (
+                ", ".join(f"{k} {v}" for k, v in sorted(outcome.items())) or "none open"
+            )
+            raise Replaced(RUNNER, seen, started)
+        if dead is None or dead in trainer_ids:
+            self._noticed(TRAINER, phase, seen)
+            raise Replaced(TRAINER, seen, started)
+        raise RunFailed(f"{phase}: an actor died: {seen}")
