@@ -52,7 +52,9 @@ class GatewayClient:
 
     url: str
     api_key: str = "local"
-    retries: int = 3
+    retries: int = 5
+    """Retries of a failed session-API call (unreachable, 502-504), `backoff_s` doubling: 5 ride
+    out ~15 s, longer than a supervised gateway restart."""
     backoff_s: float = 0.5
     timeout_s: float = 600.0
     limit_wait_s: float = 600.0
@@ -120,11 +122,15 @@ class GatewayClient:
         task_id: str = "",
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
-        max_retries: int = 2,
+        max_retries: int = 6,
         sampling: Mapping[str, Any] | None = None,
     ) -> Session:
         """A new session on the gateway; `sampling` becomes its `Session.sampling`. Its client holds
-        the session's token, so the agent can reach this session's routes and nothing else."""
+        the session's token, so the agent can reach this session's routes and nothing else.
+
+        `max_retries` is the agent client's (openai's backoff: 0.5 s doubling, capped at 8 s): 6
+        rides out ~20 s of an unreachable gateway, longer than a supervised gateway restart
+        (docs/reliability-faults.md), after which the session continues from its journal."""
         info = await self._post(
             "/sessions", {"env": env, "task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
         )
