@@ -80,8 +80,13 @@ ERROR_TYPES = {
 
 
 def error_body(exc: GatewayError) -> dict[str, Any]:
+    """Anthropic's envelope has no `param`: its messages start with the field's path instead
+    ("max_tokens: ..."), so one is put in front of a core error's message that names none."""
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    message = exc.message
+    if exc.param and not message.startswith(exc.param):
+        message = f"{exc.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:

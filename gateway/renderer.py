@@ -36,12 +36,13 @@ def _text(content: Any, where: str) -> str | None:
                 parts.append(str(part.get("text", "")))
             elif isinstance(part, dict):
                 raise GatewayError(
-                    f"{where}: content part type {part.get('type')!r} is not supported (text only)"
+                    f"{where}: content part type {part.get('type')!r} is not supported (text only)",
+                    param="messages",
                 )
             else:
-                raise GatewayError(f"{where}: content parts must be objects")
+                raise GatewayError(f"{where}: content parts must be objects", param="messages")
         return "".join(parts)
-    raise GatewayError(f"{where}: content must be a string, a list of text parts, or null")
+    raise GatewayError(f"{where}: content must be a string, a list of text parts, or null", param="messages")
 
 
 def _arguments(value: Any) -> Any:
@@ -259,7 +260,9 @@ class ChatRenderer:
                 **kwargs,
             )
         except Exception as exc:  # a template error is the request's fault (bad roles/order/schema)
-            raise GatewayError(f"the chat template rejected these messages: {exc}") from None
+            raise GatewayError(
+                f"the chat template rejected these messages: {exc}", param="messages"
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included (through the backend when that is the same)."""

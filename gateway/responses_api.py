@@ -107,14 +107,15 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     if not isinstance(stream, bool):
         raise GatewayError("'stream' must be a boolean", param="stream")
     include = body.get("include") or []
-    if not isinstance(include, list) or any(i not in INCLUDES for i in include):
-        bad = (
-            next((i for i in include if i not in INCLUDES), include) if isinstance(include, list) else include
-        )
+    allowed = lambda i: isinstance(i, str) and i in INCLUDES  # noqa: E731 (an unhashable item is refused)
+    if not isinstance(include, list) or not all(allowed(i) for i in include):
+        bad = next((i for i in include if not allowed(i)), include) if isinstance(include, list) else include
         raise _refuse("include", f"{bad!r}; only {sorted(INCLUDES)} can be included")
     logprobs = "message.output_text.logprobs" in include
     top = _number(body, "top_logprobs", 0, 20, integer=True) or 0
-    return GenerationParams(sampling, 1, stream, False, logprobs, top, list(stops), max_tokens)
+    return GenerationParams(
+        sampling, 1, stream, False, logprobs, top, list(stops), max_tokens, "max_output_tokens"
+    )
 
 
 def _check_unhonoured(body: dict[str, Any]) -> None:

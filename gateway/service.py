@@ -118,6 +118,16 @@ class GatewayService:
         """One chat call in `dialect`: its answer body, or its event stream for `stream: true`."""
         t0 = time.perf_counter()
         session = self.sessions.open(session_id)
+        try:
+            return await self._chat(session, body, dialect, t0)
+        except GatewayError as exc:
+            if exc.param == "messages":  # the renderer's name for the conversation: say the dialect's
+                exc.param = dialect.history_field
+            raise
+
+    async def _chat(
+        self, session: Session, body: dict[str, Any], dialect: Dialect[TurnRequest], t0: float
+    ) -> dict[str, Any] | AsyncGenerator[str, None]:
         request = dialect.parse(body, session.parse_memo) if dialect.takes_memo else dialect.parse(body)
         if request.params.stream and dialect.stream is None:
             raise GatewayError("streaming is not supported on this route", param="stream")
@@ -331,10 +341,10 @@ class GatewayService:
             raise GatewayError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "
                 f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in "
-                f"the completion).",
+                f"the completion: '{params.max_tokens_field}').",
                 400,
                 code="context_length_exceeded",
-                param="max_tokens",
+                param=params.max_tokens_field,
             )
         return params.max_tokens or min(room, self.config.default_max_tokens)
 

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.guards import CUT_REASONS, REJECT_REASONS
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.options import GatewayOptions
 from palaestra.gateway.parsers import PARSE_ERROR_REASONS
@@ -190,6 +191,22 @@ class GatewayMetrics:
         self.active = Gauge(f"{p}_active_sessions", "Sessions not yet rewarded", registry=r)
         self.in_flight = Gauge(f"{p}_in_flight_calls", "Generation calls in flight", registry=r)
         self.paused = Gauge(f"{p}_paused", "1 while generation is paused", registry=r)
+        self.rejected = Counter(
+            f"{p}_rejected_requests",
+            "Requests refused before or while parsing, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        self.streams_cut = Counter(
+            f"{p}_streams_cut",
+            "Streamed answers ended before their last event, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CUT_REASONS:
+            self.streams_cut.labels(reason=reason)
         self.overhead = Histogram(
             f"{p}_call_overhead_seconds",
             "Gateway time per call outside the engine",
