@@ -29,6 +29,7 @@ calls are parsed whole and arrive at the end.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -109,7 +110,7 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 def _params(body: dict[str, Any]) -> GenerationParams:
     if body.get("max_tokens") is None:
         raise GatewayError("max_tokens: Field required", param="max_tokens")
-    max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
+    max_tokens = _number(body, "max_tokens", 1, math.inf, integer=True)  # bounded by the context (service)
     temperature, top_p = _number(body, "temperature", 0, 1), _number(body, "top_p", 0, 1)
     sampling: dict[str, Any] = {
         "temperature": 1.0 if temperature is None else temperature,  # Anthropic's default

@@ -20,6 +20,7 @@ default, as upstream) the session keeps each response's conversation for `previo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, TurnRequest
@@ -102,7 +103,8 @@ def _params(body: dict[str, Any]) -> GenerationParams:
         raise GatewayError("'stop' must be an array of up to 16 non-empty strings", param="stop")
     if stops:
         sampling["stop"] = stops
-    max_tokens = _number(body, "max_output_tokens", 1, 1 << 30, integer=True)
+    # no upper bound here: any dialect's max_tokens beyond the context is a 400 naming it (service)
+    max_tokens = _number(body, "max_output_tokens", 1, math.inf, integer=True)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise GatewayError("'stream' must be a boolean", param="stream")
