@@ -15,6 +15,8 @@ tests are about what the gateway does with its input, not about generation. Run:
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import schemathesis
@@ -28,8 +30,10 @@ from palaestra.gateway.state import GatewayConfig
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}
+EXAMPLES = int(os.environ.get("PALAESTRA_FUZZ_EXAMPLES", "120"))
+"""Examples per dialect (hypothesis); set PALAESTRA_FUZZ_EXAMPLES=5000 to fuzz longer by hand."""
 FUZZ = settings(
-    max_examples=120,
+    max_examples=EXAMPLES,
     deadline=None,
     database=None,  # nothing written into the checkout; a failure prints its seed and example
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
@@ -98,7 +102,7 @@ def check_answer(path: str, status: int, answer: bytes, body: object = None) -> 
 
 
 # -- schemathesis over /openapi.json --------------------------------------------------------------
-SCHEMATHESIS_EXAMPLES = 10
+SCHEMATHESIS_EXAMPLES = max(EXAMPLES // 12, 10)
 """Examples per operation and generation mode (positive: bodies the schema allows; negative: ones it
 does not). Generating a chat body from its schema takes ~0.25 s here, so this keeps the test well
 under a minute."""
@@ -349,5 +353,4 @@ def test_dialect_shapes_never_5xx_and_refusals_name_the_field(gateway, route):
         check_answer(f"/s/{sid}/v1/{route}", r.status_code, r.content, body)
 
     run()
-    print(route, statuses)
     assert statuses.get(400, 0) > 10, statuses
