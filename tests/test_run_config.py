@@ -159,6 +159,8 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.reasoning_parser=qwen3",
             "gateway.engine_timeout_s=30",
             "gateway.engine_retries=0",
+            "gateway.max_body_bytes=1048576",
+            "gateway.stream_send_timeout_s=5",
         ],
     ).gateway
     config = served(tuned.serve_flags())
