@@ -203,7 +203,7 @@ def _json_or_text(arguments: str) -> Any:
     text that is not JSON stays text (as `normalize_messages` keeps it)."""
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # as `renderer.normalize_messages` does
         return arguments
 
 

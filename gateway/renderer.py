@@ -49,7 +49,7 @@ def _arguments(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # too deep to parse: text, like invalid JSON
             return value
     return value
 

@@ -159,6 +159,8 @@ junk = st.recursive(
     max_leaves=6,
 )
 text = st.text(max_size=24)
+# JSON text nested past what a recursive parser survives: tool-call arguments arrive as such strings
+deep_json = st.integers(min_value=200, max_value=5000).map(lambda d: "[" * d + "]" * d)
 name = st.sampled_from(["calc", "search", ""]) | junk
 schema_obj = st.just({"type": "object", "properties": {"x": {"type": "string"}}}) | junk
 
@@ -176,7 +178,11 @@ def text_part(kinds):
 openai_content = maybe(text | st.lists(text_part(["text", "input_text", "image_url", "x"]), max_size=3))
 chat_tool_call = maybe(
     st.fixed_dictionaries(
-        {"function": maybe(st.fixed_dictionaries({"name": name}, optional={"arguments": maybe(text)}))},
+        {
+            "function": maybe(
+                st.fixed_dictionaries({"name": name}, optional={"arguments": maybe(text | deep_json)})
+            )
+        },
         optional={"id": maybe(text), "type": st.just("function") | junk},
     )
 )
@@ -250,7 +256,7 @@ responses_item = maybe(
             ),
             "name": name,
             "call_id": maybe(text),
-            "arguments": maybe(text),
+            "arguments": maybe(text | deep_json),
             "output": maybe(text),
             "summary": junk,
         },
@@ -331,10 +337,48 @@ anthropic_body = st.fixed_dictionaries(
         "stream": maybe(st.booleans()),
     },
 )
+# Well-formed conversations whose leaves are hostile (deep JSON in arguments, odd text): the mixed
+# strategies above rarely get a whole conversation past the parser to where such leaves are read.
+leaf = text | deep_json | st.sampled_from(["{}", "null", '{"a": [1, {"b": 2}]}', "\x00", "\ud7ff\ue000"])
+tool_turn = st.tuples(st.sampled_from(["calc", "search"]), leaf, leaf)
+chat_conversation = st.lists(tool_turn, min_size=1, max_size=3).map(
+    lambda turns: {
+        "messages": [{"role": "user", "content": "go"}]
+        + [
+            m
+            for i, (fn, args, result) in enumerate(turns)
+            for m in (
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": f"c{i}", "type": "function", "function": {"name": fn, "arguments": args}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": f"c{i}", "content": result},
+            )
+        ],
+        "max_tokens": 2,
+    }
+)
+responses_conversation = st.lists(tool_turn, min_size=1, max_size=3).map(
+    lambda turns: {
+        "input": [{"role": "user", "content": "go"}]
+        + [
+            item
+            for i, (fn, args, result) in enumerate(turns)
+            for item in (
+                {"type": "function_call", "call_id": f"c{i}", "name": fn, "arguments": args},
+                {"type": "function_call_output", "call_id": f"c{i}", "output": result},
+            )
+        ],
+        "max_output_tokens": 2,
+    }
+)
 DIALECTS = {
-    "chat/completions": chat_body,
+    "chat/completions": chat_body | chat_conversation,
     "completions": completion_body,
-    "responses": responses_body,
+    "responses": responses_body | responses_conversation,
     "messages": anthropic_body,
 }
 

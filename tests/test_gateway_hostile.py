@@ -227,6 +227,16 @@ def test_deep_nesting_and_invalid_utf8_are_400s_naming_the_problem(gw, proxy):
             for raw, code in cases:
                 r = await c.post(url, content=raw, headers={"content-type": "application/json"})
                 assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+            # tool-call arguments are a JSON *string*: one too deep to parse stays text (was a 500)
+            deep_args = "[" * 5000 + "]" * 5000
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep_args}}
+            history = [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ]
+            r = await c.post(url, json={"messages": history, "max_tokens": 2})
+            assert r.status_code == 200, r.text
             r = await c.post(f"{gw.url}/s/{sid}/v1/messages", content=b"[" * 100_000)
             assert r.status_code == 400 and r.json()["type"] == "error", r.text
             assert f"deeper than {MAX_JSON_DEPTH} levels" in r.json()["error"]["message"]
@@ -236,7 +246,7 @@ def test_deep_nesting_and_invalid_utf8_are_400s_naming_the_problem(gw, proxy):
         r: metric(gw.url, "palaestra_gateway_rejected_requests_total", reason=r) - before[r] for r in reasons
     }
     assert counted == {"nesting_too_deep": 3, "invalid_utf8": 1, "invalid_json": 1}
-    assert httpx.get(f"{gw.url}/sessions/{sid}", headers=KEY).json()["turns"] == []
+    assert len(httpx.get(f"{gw.url}/sessions/{sid}", headers=KEY).json()["turns"]) == 1  # the deep_args call
 
 
 def test_huge_n_and_max_tokens_are_400s_naming_the_field(gw, proxy):
