@@ -78,8 +78,11 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, send, too_large(self.max_bytes, int(length)))
+        # (a length of more digits than any limit is refused without converting it)
+        if length is not None and length.isdigit() and (len(length) > 18 or int(length) > self.max_bytes):
+            await self._refuse(
+                scope, send, too_large(self.max_bytes, int(length) if len(length) <= 18 else None)
+            )
             return
         received = 0
         limit, rejected = self.max_bytes, self.rejected
