@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 
 import httpx
+import orjson
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 
 from palaestra.gateway import anthropic_api, openai_request, responses_api
 from palaestra.gateway.app import create_app
@@ -76,8 +78,6 @@ def open_session(client: httpx.Client) -> str:
 
 def check_answer(path: str, status: int, answer: bytes, body: object = None) -> None:
     """No 5xx; a 4xx carries its dialect's error envelope; a 400 on a parsed body names the field."""
-    import orjson
-
     text = answer.decode(errors="replace")
     assert status < 500, f"{status} for {path} {body!r:.600}: {text[:600]}"
     if status < 400:
@@ -109,8 +109,6 @@ under a minute."""
 
 
 def test_schemathesis_whole_http_surface(gateway):
-    from hypothesis.errors import Unsatisfiable
-
     gw, app, client = gateway
     sid = open_session(client)
     schema = schemathesis.openapi.from_dict(app.openapi())
