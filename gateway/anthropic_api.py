@@ -47,7 +47,7 @@ from palaestra.gateway.dialect import (
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_more
-from palaestra.gateway.streaming import sse
+from palaestra.gateway.streaming import check_stops, sse
 
 FIELDS = {
     "model",
@@ -119,8 +119,11 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     if body.get("top_k") is not None:
         sampling["top_k"] = _number(body, "top_k", 1, 1 << 30, integer=True)
     stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise GatewayError("stop_sequences: must be an array of non-empty strings", param="stop_sequences")
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+        raise GatewayError(
+            "stop_sequences: must be an array of up to 16 non-empty strings", param="stop_sequences"
+        )
+    check_stops(stops, "stop_sequences")
     if stops:
         sampling["stop"] = stops
     stream = body.get("stream", False)

@@ -17,6 +17,7 @@ from palaestra.gateway.dialect import GenerationParams, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_tools
+from palaestra.gateway.streaming import check_stops
 
 _COMMON = {
     "model",
@@ -141,6 +142,7 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
         stops = [s for s in stop if s]
     else:
         raise GatewayError("'stop' must be a string or an array of up to 16 strings", param="stop")
+    check_stops(stops, "stop")
     if stops:
         sampling["stop"] = stops
     n = _number(body, "n", 1, MAX_N, integer=True) or 1

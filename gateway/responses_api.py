@@ -28,6 +28,7 @@ from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.openai_request import constraints
 from palaestra.gateway.renderer import normalize_messages, normalize_more
+from palaestra.gateway.streaming import check_stops
 
 FIELDS = {
     "model",
@@ -101,6 +102,7 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     stops = body.get("stop") or []
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops) or len(stops) > 16:
         raise GatewayError("'stop' must be an array of up to 16 non-empty strings", param="stop")
+    check_stops(stops, "stop")
     if stops:
         sampling["stop"] = stops
     # no upper bound here: any dialect's max_tokens beyond the context is a 400 naming it (service)

@@ -29,6 +29,7 @@ from palaestra.gateway import anthropic_api, openai_request, responses_api
 from palaestra.gateway.app import create_app
 from palaestra.gateway.guards import BODY_REASONS
 from palaestra.gateway.state import GatewayConfig
+from palaestra.gateway.streaming import safe_prefix
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}
@@ -396,3 +397,29 @@ def test_dialect_shapes_never_5xx_and_refusals_name_the_field(gateway, route):
 
     run()
     assert statuses.get(400, 0) > 10, statuses
+
+
+# -- the per-token stop-string check: fast, and the same answer as the plain definition ----------
+def _safe_prefix_by_definition(text: str, markers: list[str], stops: list[str]) -> str:
+    """What `streaming.safe_prefix` answers, written the obvious way (quadratic in the stop length)."""
+    cut = len(text)
+    while cut and text[cut - 1] == "\ufffd":
+        cut -= 1
+    for s in markers + stops:
+        pos = text.find(s)
+        if pos >= 0:
+            cut = min(cut, pos)
+        for k in range(len(s) - 1, 0, -1):
+            if text[:cut].endswith(s[:k]):
+                cut -= k
+                break
+    return text[:cut]
+
+
+small = st.text(alphabet="ab<\ufffd", max_size=12)
+
+
+@given(small, st.lists(small.filter(bool), max_size=3), st.lists(small.filter(bool), max_size=3))
+@settings(FUZZ, max_examples=EXAMPLES * 20)
+def test_safe_prefix_matches_its_definition(text, markers, stops):
+    assert safe_prefix(text, markers, stops) == _safe_prefix_by_definition(text, markers, stops)

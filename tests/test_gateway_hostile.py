@@ -26,6 +26,7 @@ import pytest
 from palaestra.gateway.app import create_app
 from palaestra.gateway.guards import MAX_JSON_DEPTH
 from palaestra.gateway.state import GatewayConfig
+from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.gateway_helpers import RecordingProxy, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}
@@ -276,6 +277,25 @@ def test_huge_n_and_max_tokens_are_400s_naming_the_field(gw, proxy):
     assert after - before == 5
     assert metric(gw.url, "palaestra_gateway_rejected_requests_total", reason="integer_above_max_value") >= 1
     assert all(e.headers.get("x-smg-routing-key") != sid for e in proxy[0].exchanges)
+
+
+def test_long_or_many_stop_strings_are_refused(gw):
+    """Stop strings are checked against the text on every streamed token, on the loop that serves
+    every session: their length and number are bounded (`streaming.MAX_STOP_CHARS`, 16)."""
+    base = f"{gw.url}/s/{new_session(gw)['session_id']}/v1"
+    msgs = [{"role": "user", "content": "hi"}]
+    long = "x" * (MAX_STOP_CHARS + 1)
+    for route, body, field in (
+        ("chat/completions", {"messages": msgs, "stop": [long]}, "stop"),
+        ("completions", {"prompt": "hi", "stop": long}, "stop"),
+        ("responses", {"input": "hi", "stop": [long]}, "stop"),
+        ("messages", {"messages": msgs, "max_tokens": 4, "stop_sequences": [long]}, "stop_sequences"),
+        ("messages", {"messages": msgs, "max_tokens": 4, "stop_sequences": ["a"] * 17}, "stop_sequences"),
+    ):
+        r = httpx.post(f"{base}/{route}", json=body, headers=KEY)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err.get("param") == field or err["message"].startswith(field), r.text
 
 
 def engine_aborts(engine_url: str) -> float:
