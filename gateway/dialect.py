@@ -262,5 +262,5 @@ class Dialect(Generic[R]):
     """The parser takes the session's `history.ParseMemo` as a second argument, so it converts only
     the messages a call adds to the history the previous call sent."""
     history_field: str = "messages"
-    """The body field holding the conversation: errors the shared renderer raises about the
-    rendered messages (param 'messages') name it instead (the Responses API's is 'input')."""
+    """The body field holding the conversation (Responses: 'input', completions: 'prompt'): errors the
+    shared renderer raises about it (param 'messages') name this field instead (`routes._counted`)."""

@@ -87,7 +87,7 @@ OPENAI_CHAT: Dialect[TurnRequest] = Dialect(
     takes_memo=True,
 )
 OPENAI_COMPLETIONS: Dialect[TextRequest] = Dialect(
-    "cmpl-", openai_request.parse_completion, openai_response.text_completion
+    "cmpl-", openai_request.parse_completion, openai_response.text_completion, history_field="prompt"
 )
 OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
     "resp_",
@@ -102,12 +102,15 @@ ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
 )
 
 
-async def _counted(request: Request, route: str, call) -> Any:
-    """Reads the JSON body and runs a service call on it, counting it by route and status in /metrics."""
+async def _counted(request: Request, route: str, call, history_field: str = "messages") -> Any:
+    """Reads the JSON body and runs a service call on it, counting it by route and status in /metrics.
+    Errors about the rendered conversation (param 'messages') name the dialect's `history_field`."""
     svc = service(request)
     try:
         result = await call(svc, await json_body(request))
     except GatewayError as exc:
+        if exc.param == "messages":
+            exc.param = history_field
         svc.metrics.calls.labels(route=route, status=str(exc.status)).inc()
         count_rejection(svc.metrics.rejected, exc)
         raise
@@ -126,7 +129,10 @@ async def chat_completions(session_id: str, request: Request) -> Response:
 @openai.post("/responses", openapi_extra=schemas.body(schemas.RESPONSES))
 async def responses(session_id: str, request: Request) -> Response:
     result = await _counted(
-        request, "responses", lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES)
+        request,
+        "responses",
+        lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES),
+        OPENAI_RESPONSES.history_field,
     )
     if isinstance(result, dict):
         return FastJSON(result)
@@ -137,7 +143,10 @@ async def responses(session_id: str, request: Request) -> Response:
 async def completions(session_id: str, request: Request) -> Response:
     return FastJSON(
         await _counted(
-            request, "completions", lambda svc, body: svc.completion(session_id, body, OPENAI_COMPLETIONS)
+            request,
+            "completions",
+            lambda svc, body: svc.completion(session_id, body, OPENAI_COMPLETIONS),
+            OPENAI_COMPLETIONS.history_field,
         )
     )
 

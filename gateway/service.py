@@ -82,7 +82,7 @@ class GatewayService:
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(tokenizer, context_length=context_length)
         self.engine = engine
         self.spool = spool
         self.metrics = GatewayMetrics()
@@ -118,16 +118,6 @@ class GatewayService:
         """One chat call in `dialect`: its answer body, or its event stream for `stream: true`."""
         t0 = time.perf_counter()
         session = self.sessions.open(session_id)
-        try:
-            return await self._chat(session, body, dialect, t0)
-        except GatewayError as exc:
-            if exc.param == "messages":  # the renderer's name for the conversation: say the dialect's
-                exc.param = dialect.history_field
-            raise
-
-    async def _chat(
-        self, session: Session, body: dict[str, Any], dialect: Dialect[TurnRequest], t0: float
-    ) -> dict[str, Any] | AsyncGenerator[str, None]:
         request = dialect.parse(body, session.parse_memo) if dialect.takes_memo else dialect.parse(body)
         if request.params.stream and dialect.stream is None:
             raise GatewayError("streaming is not supported on this route", param="stream")

@@ -30,7 +30,7 @@ from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.gateway_helpers import RecordingProxy, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}
-LIMIT = 256 << 10  # the gateway's max_body_bytes in these tests
+LIMIT = 1 << 20  # the gateway's max_body_bytes in these tests
 SEND_TIMEOUT_S = 2.0
 SNDBUF = 4096  # small socket buffers, so a client that reads nothing fills them within a few hundred events
 CALM = 4
@@ -277,6 +277,38 @@ def test_huge_n_and_max_tokens_are_400s_naming_the_field(gw, proxy):
     assert after - before == 5
     assert metric(gw.url, "palaestra_gateway_rejected_requests_total", reason="integer_above_max_value") >= 1
     assert all(e.headers.get("x-smg-routing-key") != sid for e in proxy[0].exchanges)
+
+
+def test_prompt_too_long_for_any_tokenization_is_refused_untokenized(gw, proxy, tiny_model_dir):
+    """Tokenizing megabytes takes seconds on the loop that serves everyone: a text longer than the
+    context x the longest vocabulary string is over the context in any tokenization, refused first."""
+    from transformers import AutoTokenizer
+
+    from palaestra.gateway.renderer import ChatRenderer
+
+    s = new_session(gw)
+    context = httpx.get(f"{s['base_url']}/models", headers=KEY).json()["data"][0]["max_model_len"]
+    bound = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir), context_length=context).max_text_chars
+    assert bound + 1000 < LIMIT, "this test needs a body under max_body_bytes that is over the bound"
+    text = "word " * (bound // 5 + 100)
+
+    async def hostile():
+        async with httpx.AsyncClient(timeout=60, headers=KEY) as c:
+            for route, body in (
+                ("chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                ("completions", {"prompt": text}),
+                ("responses", {"input": text}),
+            ):
+                r = await c.post(f"{s['base_url']}/{route}", json=body)
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+                assert err["param"] == {"chat/completions": "messages", "completions": "prompt"}.get(
+                    route, "input"
+                )
+                assert "in any tokenization" in err["message"]
+
+    beside_calm_sessions(gw, proxy, hostile)
+    assert all(e.headers.get("x-smg-routing-key") != s["session_id"] for e in proxy[0].exchanges)
 
 
 def test_long_or_many_stop_strings_are_refused(gw):
