@@ -32,11 +32,13 @@ from palaestra.gateway.errors import GatewayError
 
 log = logging.getLogger("palaestra.gateway")
 
-MAX_JSON_DEPTH = 254
-"""Deepest nesting of arrays and objects a request body may have: what orjson can write back out.
-The gateway writes parts of a body out again at the same depth (tools into the call's cache key and
-into Responses answers); orjson reads 1024 levels but writes only 254, so a deeper body would be a
-500 later. Real requests are a dozen levels deep (a tool's JSON schema)."""
+MAX_JSON_DEPTH = 250
+"""Deepest nesting of arrays and objects a request body may have: what orjson can write back out,
+with room to spare. The gateway writes parts of a body out again (tools into the call's cache key
+and into Responses answers; an Anthropic tool's schema one level deeper than it came), and orjson
+reads 1024 levels but writes only 254, so a deeper body would be a 500 later. Real requests are a
+dozen levels deep (a tool's JSON schema)."""
+_PROBE = 254 - MAX_JSON_DEPTH  # levels put around a body to test it against orjson's limit
 
 BODY_REASONS = ("body_too_large", "invalid_utf8", "invalid_json", "nesting_too_deep", "not_an_object")
 """Reasons a body is refused before any dialect reads it (also the `code` of the error)."""
@@ -112,11 +114,14 @@ class BodyLimit:
 
 
 def _too_deep(body: dict[str, Any]) -> bool:
-    """Whether orjson cannot write `body` (nesting beyond `MAX_JSON_DEPTH`). Writing it is the
-    exact test and costs a fraction of reading it (a Python walk over the containers would cost
-    several times the parse)."""
+    """Whether `body` nests deeper than `MAX_JSON_DEPTH`: orjson cannot write it inside `_PROBE`
+    more levels. Writing it costs a fraction of reading it (a Python walk over the containers
+    costs several times the parse; bench/input_guards.py)."""
+    probe: Any = body
+    for _ in range(_PROBE):
+        probe = [probe]
     try:
-        orjson.dumps(body)
+        orjson.dumps(probe)
     except TypeError:  # "Recursion limit reached"; JSONEncodeError is a TypeError too
         return True
     return False

@@ -250,6 +250,43 @@ def test_deep_nesting_and_invalid_utf8_are_400s_naming_the_problem(gw, proxy):
     assert len(httpx.get(f"{gw.url}/sessions/{sid}", headers=KEY).json()["turns"]) == 1  # the deep_args call
 
 
+def nested(levels: int) -> dict:
+    """An object `levels` deep: {"x": {"x": ... {}}}."""
+    out: dict = {}
+    for _ in range(levels - 1):
+        out = {"x": out}
+    return out
+
+
+def test_depth_limit_is_exact_and_leaves_room_for_what_the_gateway_writes(gw):
+    """A body exactly MAX_JSON_DEPTH deep is served, in every place the gateway writes it back out
+    (an Anthropic tool schema is written one level deeper than it came); one level more is a 400."""
+    s = new_session(gw)
+    msgs = [{"role": "user", "content": "hi"}]
+    # body(1) > tools(2) > tool(3) > input_schema: the schema's own depth brings the body to the limit
+    tool = {"name": "f", "input_schema": nested(MAX_JSON_DEPTH - 3)}
+    r = httpx.post(
+        f"{s['base_url']}/messages",
+        headers=KEY,
+        timeout=60,
+        json={"messages": msgs, "max_tokens": 1, "tools": [tool]},
+    )
+    assert r.status_code == 200, r.text
+    tool = {"name": "f", "input_schema": nested(MAX_JSON_DEPTH - 2)}
+    r = httpx.post(
+        f"{s['base_url']}/messages", headers=KEY, json={"messages": msgs, "max_tokens": 1, "tools": [tool]}
+    )
+    assert r.status_code == 400 and "deeper than" in r.json()["error"]["message"], r.text
+    fn = {"type": "function", "name": "f", "parameters": nested(MAX_JSON_DEPTH - 3)}
+    r = httpx.post(
+        f"{s['base_url']}/responses",
+        headers=KEY,
+        timeout=60,
+        json={"input": "hi", "max_output_tokens": 1, "tools": [fn], "store": False},
+    )
+    assert r.status_code == 200, r.text  # the answer echoes the tools back at the same depth
+
+
 def test_huge_n_and_max_tokens_are_400s_naming_the_field(gw, proxy):
     sid = new_session(gw)["session_id"]
     base = f"{gw.url}/s/{sid}/v1"
