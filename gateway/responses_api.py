@@ -181,9 +181,14 @@ def _output_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if type(content) is list and len(content) == 1 and type(content[0]) is dict:  # the usual one part
-        return content[0].get("text", "")
+        text = content[0].get("text", "")
+        if type(text) is str:
+            return text
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+        raise GatewayError("input: a content part's 'text' must be a string", param="input")
     return ""
 
 
@@ -223,9 +228,10 @@ def _convert(items: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
                 out.append(item if len(item) == 2 else {"role": role, "content": item.get("content")})
             elif turn is None:  # what `answer` sends back: one output_text part, inlined
                 content = item.get("content")
+                text = None
                 if type(content) is list and len(content) == 1 and type(content[0]) is dict:
                     text = content[0].get("text", "")
-                else:
+                if type(text) is not str:
                     text = _output_text(content)
                 turn = {"role": "assistant", "content": text}
                 out.append(turn)
