@@ -452,10 +452,13 @@ def test_client_that_never_reads_a_stream_is_cut_off(gw, proxy, engine):
 
     try:
         beside_calm_sessions(gw, proxy, hostile)
+        # ~80 KiB of events must be sampled before a send can block (uvicorn buffers 64 KiB): on a
+        # loaded machine the tiny engine can take minutes to sample that many tokens
         wait_for(
             lambda: (
                 metric(gw.url, "palaestra_gateway_streams_cut_total", reason="send_timeout") == timeouts + 1
-            )
+            ),
+            timeout_s=600,
         )
         wait_for(lambda: engine_aborts(engine.url) >= aborts + 1)
         wait_for(lambda: metric(gw.url, "palaestra_gateway_in_flight_calls") == 0)
