@@ -29,6 +29,7 @@ calls are parsed whole and arrive at the end.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -46,7 +47,7 @@ from palaestra.gateway.dialect import (
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_more
-from palaestra.gateway.streaming import sse
+from palaestra.gateway.streaming import check_stops, sse
 
 FIELDS = {
     "model",
@@ -80,8 +81,13 @@ ERROR_TYPES = {
 
 
 def error_body(exc: GatewayError) -> dict[str, Any]:
+    """Anthropic's envelope has no `param`: its messages start with the field's path instead
+    ("max_tokens: ..."), so one is put in front of a core error's message that names none."""
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    message = exc.message
+    if exc.param and not message.startswith(exc.param):
+        message = f"{exc.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
@@ -104,7 +110,7 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 def _params(body: dict[str, Any]) -> GenerationParams:
     if body.get("max_tokens") is None:
         raise GatewayError("max_tokens: Field required", param="max_tokens")
-    max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
+    max_tokens = _number(body, "max_tokens", 1, math.inf, integer=True)  # bounded by the context (service)
     temperature, top_p = _number(body, "temperature", 0, 1), _number(body, "top_p", 0, 1)
     sampling: dict[str, Any] = {
         "temperature": 1.0 if temperature is None else temperature,  # Anthropic's default
@@ -113,8 +119,11 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     if body.get("top_k") is not None:
         sampling["top_k"] = _number(body, "top_k", 1, 1 << 30, integer=True)
     stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise GatewayError("stop_sequences: must be an array of non-empty strings", param="stop_sequences")
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+        raise GatewayError(
+            "stop_sequences: must be an array of up to 16 non-empty strings", param="stop_sequences"
+        )
+    check_stops(stops, "stop_sequences")
     if stops:
         sampling["stop"] = stops
     stream = body.get("stream", False)

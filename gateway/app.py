@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from palaestra.gateway.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.guards import BodyLimit
 from palaestra.gateway.routes import admin, anthropic, openai, public, sessions
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.spool import SampleSpool
@@ -42,6 +43,8 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     from palaestra.models import resolve_model
 
     config.resolve_keys()
+    if config.max_body_bytes < 1 or config.stream_send_timeout_s <= 0:
+        raise SystemExit("palaestra gateway: --max-body-bytes and --stream-send-timeout-s must be positive")
     if tokenizer is None or config.context_length is None:
         model_dir = resolve_model(config.model)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
@@ -73,6 +76,8 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
 
     app = FastAPI(title="palaestra gateway", lifespan=lifespan)
     app.state.service = svc
+    # outermost: an oversized body is refused before routing, auth or parsing see it
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, rejected=svc.metrics.rejected)
     for router in (public, openai, anthropic, sessions, admin):
         app.include_router(router)
 

@@ -75,6 +75,8 @@ class GenerationParams:
     """Stop strings: a stream holds back text that may be the start of one."""
     max_tokens: int | None
     """None: the room left in the context, capped by the gateway's default."""
+    max_tokens_field: str = "max_tokens"
+    """The dialect's name of the field `max_tokens` came from (errors name it)."""
 
 
 @dataclass(slots=True)
@@ -201,7 +203,7 @@ def _json_or_text(arguments: str) -> Any:
     text that is not JSON stays text (as `normalize_messages` keeps it)."""
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # as `renderer.normalize_messages` does
         return arguments
 
 
@@ -259,3 +261,6 @@ class Dialect(Generic[R]):
     takes_memo: bool = False
     """The parser takes the session's `history.ParseMemo` as a second argument, so it converts only
     the messages a call adds to the history the previous call sent."""
+    history_field: str = "messages"
+    """The body field holding the conversation (Responses: 'input', completions: 'prompt'): errors the
+    shared renderer raises about it (param 'messages') name this field instead (`routes._counted`)."""

@@ -17,6 +17,7 @@ from palaestra.gateway.dialect import GenerationParams, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_tools
+from palaestra.gateway.streaming import check_stops
 
 _COMMON = {
     "model",
@@ -82,8 +83,13 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool 
     ):
         raise GatewayError(f"'{key}' must be {'an integer' if integer else 'a number'}", param=key)
     if not lo <= value <= hi:
-        raise GatewayError(f"'{key}' must be between {lo} and {hi}; got {value}", param=key)
+        code = "integer_above_max_value" if integer and value > hi else None  # OpenAI's code
+        raise GatewayError(f"'{key}' must be between {lo} and {hi}; got {value}", param=key, code=code)
     return int(value) if integer else float(value)
+
+
+MAX_N = 64
+"""Most choices one call may ask for (`n`); more is a 400 naming `n`."""
 
 
 def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> GenerationParams:
@@ -117,13 +123,16 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     if bias:
         if not isinstance(bias, dict):
             raise GatewayError("'logit_bias' must be an object {token_id: bias}", param="logit_bias")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()):
+            raise GatewayError("'logit_bias' values must be numbers", param="logit_bias")
         sampling["logit_bias"] = {str(k): float(v) for k, v in bias.items()}
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+    max_field = (
+        "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    max_tokens = body.get(max_field)
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise GatewayError("'max_tokens' must be a positive integer", param="max_tokens")
+            raise GatewayError(f"'{max_field}' must be a positive integer", param=max_field)
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -133,9 +142,10 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
         stops = [s for s in stop if s]
     else:
         raise GatewayError("'stop' must be a string or an array of up to 16 strings", param="stop")
+    check_stops(stops, "stop")
     if stops:
         sampling["stop"] = stops
-    n = _number(body, "n", 1, 64, integer=True) or 1
+    n = _number(body, "n", 1, MAX_N, integer=True) or 1
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise GatewayError("'stream' must be a boolean", param="stream")
@@ -156,7 +166,7 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     if n > 1:
         sampling["n"] = n
     return GenerationParams(
-        sampling, n, stream, bool(options.get("include_usage")), logprobs, top, stops, max_tokens
+        sampling, n, stream, bool(options.get("include_usage")), logprobs, top, stops, max_tokens, max_field
     )
 
 

@@ -73,6 +73,13 @@ class GatewayOptions:
     """Durable samples not yet delivered to or acknowledged by a reader of /samples; over it, POST
     /sessions gets 429 (the trainer is behind)."""
 
+    max_body_bytes: int = 32 << 20
+    """Largest request body, bytes (default 32 MiB); a larger one gets 413 before it is parsed."""
+
+    stream_send_timeout_s: float = 60.0
+    """A streamed answer whose client reads nothing for this long (its socket buffers full) is
+    ended and its engine request dropped, seconds."""
+
     def serve_flags(self) -> list[str]:
         """`palaestra gateway serve` arguments for these options (None = left to the gateway); the
         run adds model, URLs, keys and spool dir."""

@@ -36,19 +36,20 @@ def _text(content: Any, where: str) -> str | None:
                 parts.append(str(part.get("text", "")))
             elif isinstance(part, dict):
                 raise GatewayError(
-                    f"{where}: content part type {part.get('type')!r} is not supported (text only)"
+                    f"{where}: content part type {part.get('type')!r} is not supported (text only)",
+                    param="messages",
                 )
             else:
-                raise GatewayError(f"{where}: content parts must be objects")
+                raise GatewayError(f"{where}: content parts must be objects", param="messages")
         return "".join(parts)
-    raise GatewayError(f"{where}: content must be a string, a list of text parts, or null")
+    raise GatewayError(f"{where}: content must be a string, a list of text parts, or null", param="messages")
 
 
 def _arguments(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # too deep to parse: text, like invalid JSON
             return value
     return value
 
@@ -213,9 +214,20 @@ class ChatRenderer:
     available in the installed transformers.
     """
 
-    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        template_kwargs: dict[str, Any] | None = None,
+        context_length: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.template_kwargs = template_kwargs or {}
+        self.context_length = context_length
+        # No token of the vocabulary decodes to more characters than its own string has, so a text
+        # longer than context x the longest one cannot fit in the context: `encode` refuses it
+        # without tokenizing (tokenizing megabytes takes seconds, on the loop serving every session).
+        vocab = tokenizer.get_vocab() if context_length and hasattr(tokenizer, "get_vocab") else {}
+        self.max_text_chars = context_length * max(map(len, vocab)) if vocab else None
         template = getattr(tokenizer, "chat_template", None)
         self._compiled = None
         if isinstance(template, str):
@@ -259,7 +271,9 @@ class ChatRenderer:
                 **kwargs,
             )
         except Exception as exc:  # a template error is the request's fault (bad roles/order/schema)
-            raise GatewayError(f"the chat template rejected these messages: {exc}") from None
+            raise GatewayError(
+                f"the chat template rejected these messages: {exc}", param="messages"
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included (through the backend when that is the same)."""
@@ -268,6 +282,14 @@ class ChatRenderer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise GatewayError(
+                f"This model's maximum context length is {self.context_length} tokens. However, your "
+                f"messages are {len(text)} characters long, more than {self.context_length} tokens in any "
+                "tokenization.",
+                code="context_length_exceeded",
+                param="messages",
+            )
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)

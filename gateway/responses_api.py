@@ -20,6 +20,7 @@ default, as upstream) the session keeps each response's conversation for `previo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, TurnRequest
@@ -27,6 +28,7 @@ from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.openai_request import constraints
 from palaestra.gateway.renderer import normalize_messages, normalize_more
+from palaestra.gateway.streaming import check_stops
 
 FIELDS = {
     "model",
@@ -100,21 +102,24 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     stops = body.get("stop") or []
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops) or len(stops) > 16:
         raise GatewayError("'stop' must be an array of up to 16 non-empty strings", param="stop")
+    check_stops(stops, "stop")
     if stops:
         sampling["stop"] = stops
-    max_tokens = _number(body, "max_output_tokens", 1, 1 << 30, integer=True)
+    # no upper bound here: any dialect's max_tokens beyond the context is a 400 naming it (service)
+    max_tokens = _number(body, "max_output_tokens", 1, math.inf, integer=True)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise GatewayError("'stream' must be a boolean", param="stream")
     include = body.get("include") or []
-    if not isinstance(include, list) or any(i not in INCLUDES for i in include):
-        bad = (
-            next((i for i in include if i not in INCLUDES), include) if isinstance(include, list) else include
-        )
+    allowed = lambda i: isinstance(i, str) and i in INCLUDES  # noqa: E731 (an unhashable item is refused)
+    if not isinstance(include, list) or not all(allowed(i) for i in include):
+        bad = next((i for i in include if not allowed(i)), include) if isinstance(include, list) else include
         raise _refuse("include", f"{bad!r}; only {sorted(INCLUDES)} can be included")
     logprobs = "message.output_text.logprobs" in include
     top = _number(body, "top_logprobs", 0, 20, integer=True) or 0
-    return GenerationParams(sampling, 1, stream, False, logprobs, top, list(stops), max_tokens)
+    return GenerationParams(
+        sampling, 1, stream, False, logprobs, top, list(stops), max_tokens, "max_output_tokens"
+    )
 
 
 def _check_unhonoured(body: dict[str, Any]) -> None:
@@ -176,9 +181,14 @@ def _output_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if type(content) is list and len(content) == 1 and type(content[0]) is dict:  # the usual one part
-        return content[0].get("text", "")
+        text = content[0].get("text", "")
+        if type(text) is str:
+            return text
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+        raise GatewayError("input: a content part's 'text' must be a string", param="input")
     return ""
 
 
@@ -218,9 +228,10 @@ def _convert(items: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
                 out.append(item if len(item) == 2 else {"role": role, "content": item.get("content")})
             elif turn is None:  # what `answer` sends back: one output_text part, inlined
                 content = item.get("content")
+                text = None
                 if type(content) is list and len(content) == 1 and type(content[0]) is dict:
                     text = content[0].get("text", "")
-                else:
+                if type(text) is not str:
                     text = _output_text(content)
                 turn = {"role": "assistant", "content": text}
                 out.append(turn)

@@ -16,9 +16,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
 from palaestra.gateway import anthropic_api, openai_request, openai_response, responses_answer, responses_api
+from palaestra.gateway import openapi_schemas as schemas
 from palaestra.gateway.auth import Scope, authorize
 from palaestra.gateway.dialect import Dialect, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.guards import GuardedStream, count_rejection, read_json
 from palaestra.gateway.service import GatewayService
 from palaestra.sample import STATUSES
 
@@ -62,14 +64,14 @@ async def require_session_access(request: Request, session_id: str) -> None:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as exc:
-        raise GatewayError(f"We could not parse the JSON body of your request: {exc}", 400) from None
-    if not isinstance(body, dict):
-        raise GatewayError("The request body must be a JSON object.", 400)
-    return body
+    """The body as a JSON object (`guards.read_json`: bad UTF-8, bad JSON, too deep: a counted 400)."""
+    return read_json(await request.body(), service(request).metrics.rejected)
+
+
+def event_stream(request: Request, events: Any) -> GuardedStream:
+    """A streamed answer that a client who stops reading cannot hold open (`guards.GuardedStream`)."""
+    svc = service(request)
+    return GuardedStream(events, send_timeout_s=svc.config.stream_send_timeout_s, cut=svc.metrics.streams_cut)
 
 
 openai = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_session_access)])
@@ -82,51 +84,66 @@ OPENAI_CHAT: Dialect[TurnRequest] = Dialect(
     takes_memo=True,
 )
 OPENAI_COMPLETIONS: Dialect[TextRequest] = Dialect(
-    "cmpl-", openai_request.parse_completion, openai_response.text_completion
+    "cmpl-", openai_request.parse_completion, openai_response.text_completion, history_field="prompt"
 )
 OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
-    "resp_", responses_api.parse, responses_answer.answer, responses_answer.stream, takes_memo=True
+    "resp_",
+    responses_api.parse,
+    responses_answer.answer,
+    responses_answer.stream,
+    takes_memo=True,
+    history_field="input",
 )
 ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
     "msg_", anthropic_api.parse, anthropic_api.answer, anthropic_api.stream, takes_memo=True
 )
 
 
-async def _counted(request: Request, route: str, call) -> Any:
-    """Reads the JSON body and runs a service call on it, counting it by route and status in /metrics."""
+async def _counted(request: Request, route: str, call, history_field: str = "messages") -> Any:
+    """Reads the JSON body and runs a service call on it, counting it by route and status in /metrics.
+    Errors about the rendered conversation (param 'messages') name the dialect's `history_field`."""
     svc = service(request)
     try:
         result = await call(svc, await json_body(request))
     except GatewayError as exc:
+        if exc.param == "messages":
+            exc.param = history_field
         svc.metrics.calls.labels(route=route, status=str(exc.status)).inc()
+        count_rejection(svc.metrics.rejected, exc)
         raise
     svc.metrics.calls.labels(route=route, status="200").inc()
     return result
 
 
-@openai.post("/chat/completions")
+@openai.post("/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
 async def chat_completions(session_id: str, request: Request) -> Response:
     result = await _counted(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
     if isinstance(result, dict):
         return FastJSON(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+    return event_stream(request, result)
 
 
-@openai.post("/responses")
+@openai.post("/responses", openapi_extra=schemas.body(schemas.RESPONSES))
 async def responses(session_id: str, request: Request) -> Response:
     result = await _counted(
-        request, "responses", lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES)
+        request,
+        "responses",
+        lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES),
+        OPENAI_RESPONSES.history_field,
     )
     if isinstance(result, dict):
         return FastJSON(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+    return event_stream(request, result)
 
 
-@openai.post("/completions")
+@openai.post("/completions", openapi_extra=schemas.body(schemas.COMPLETIONS))
 async def completions(session_id: str, request: Request) -> Response:
     return FastJSON(
         await _counted(
-            request, "completions", lambda svc, body: svc.completion(session_id, body, OPENAI_COMPLETIONS)
+            request,
+            "completions",
+            lambda svc, body: svc.completion(session_id, body, OPENAI_COMPLETIONS),
+            OPENAI_COMPLETIONS.history_field,
         )
     )
 
@@ -162,17 +179,17 @@ async def _anthropic(request: Request, session_id: str, route: str, call) -> Res
         return JSONResponse(anthropic_api.error_body(exc), status_code=exc.status, headers=exc.headers)
     if isinstance(result, dict):
         return FastJSON(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+    return event_stream(request, result)
 
 
-@anthropic.post("/messages")
+@anthropic.post("/messages", openapi_extra=schemas.body(schemas.ANTHROPIC_MESSAGES))
 async def messages(session_id: str, request: Request) -> Response:
     return await _anthropic(
         request, session_id, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES)
     )
 
 
-@anthropic.post("/messages/count_tokens")
+@anthropic.post("/messages/count_tokens", openapi_extra=schemas.body(schemas.ANTHROPIC_COUNT))
 async def count_tokens(session_id: str, request: Request) -> Response:
     async def count(svc: GatewayService, body: dict[str, Any]) -> dict[str, Any]:
         return {"input_tokens": svc.count_tokens(session_id, body, anthropic_api.parse_count)}
@@ -183,7 +200,7 @@ async def count_tokens(session_id: str, request: Request) -> Response:
 sessions = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@sessions.post("/sessions")
+@sessions.post("/sessions", openapi_extra=schemas.body(schemas.SESSION, required=False))
 async def create_session(request: Request) -> dict[str, Any]:
     svc = service(request)
     body = await json_body(request)
@@ -211,7 +228,7 @@ async def create_session(request: Request) -> dict[str, Any]:
     }
 
 
-@sessions.post("/sessions/{session_id}/reward")
+@sessions.post("/sessions/{session_id}/reward", openapi_extra=schemas.body(schemas.REWARD))
 async def reward(session_id: str, request: Request) -> dict[str, Any]:
     svc = service(request)
     body = await json_body(request)

@@ -88,7 +88,7 @@ class GatewayService:
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(tokenizer, context_length=context_length)
         self.engine = engine
         self.spool = spool
         self.metrics = GatewayMetrics()
@@ -392,10 +392,10 @@ class GatewayService:
             raise GatewayError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "
                 f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in "
-                f"the completion).",
+                f"the completion: '{params.max_tokens_field}').",
                 400,
                 code="context_length_exceeded",
-                param="max_tokens",
+                param=params.max_tokens_field,
             )
         return params.max_tokens or min(room, self.config.default_max_tokens)
 

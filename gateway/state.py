@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from palaestra.gateway import finished as finished_turns
 from palaestra.gateway.auth import mint_session_token
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.guards import CUT_REASONS, REJECT_REASONS
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.options import GatewayOptions
 from palaestra.gateway.parsers import PARSE_ERROR_REASONS
@@ -239,6 +240,22 @@ class GatewayMetrics:
             ["scope", "status"],
             registry=r,
         )
+        self.rejected = Counter(
+            f"{p}_rejected_requests",
+            "Requests refused before or while parsing, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        self.streams_cut = Counter(
+            f"{p}_streams_cut",
+            "Streamed answers ended before their last event, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CUT_REASONS:
+            self.streams_cut.labels(reason=reason)
         self.overhead = Histogram(
             f"{p}_call_overhead_seconds",
             "Gateway time per call outside the engine",

@@ -165,6 +165,8 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.session_idle_timeout_s=60",
             "gateway.spool_max_bytes=1000000",
             "gateway.max_backlog_samples=100",
+            "gateway.max_body_bytes=1048576",
+            "gateway.stream_send_timeout_s=5",
         ],
     ).gateway
     config = served(tuned.serve_flags())

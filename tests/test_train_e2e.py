@@ -143,7 +143,10 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
         assert (out / name).stat().st_size > 0, name
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 2] and "rollout/reward_mean" in rows[0]
-    assert rows[2] == {"step": 2, "eval/accuracy": first.eval_after["accuracy"]}  # logged after the step
+    # logged after the step: the accuracy, and each task kind's (the tasks mix two kinds)
+    kinds = {f"eval/{k}": v for k, v in first.eval_after.items() if k.startswith("accuracy/")}
+    assert set(kinds) == {"eval/accuracy/arithmetic", "eval/accuracy/word_problem"}
+    assert rows[2] == {"step": 2, "eval/accuracy": first.eval_after["accuracy"], **kinds}
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
 

@@ -1,0 +1,202 @@
+"""The gateway's guards against hostile and malformed input, below the dialects' own field checks.
+
+* `BodyLimit`: a pure ASGI middleware that refuses a request body over `max_body_bytes` with 413
+  before anything reads it: at once when `Content-Length` says so, and, for a chunked body, as soon
+  as the bytes received pass the limit (nothing beyond the limit is kept: uvicorn pauses reading a
+  socket whose unread body passes 64 KiB, and what was read is dropped with the request).
+* `read_json`: the body -> a JSON object, refusing invalid UTF-8, invalid JSON, nesting deeper than
+  `MAX_JSON_DEPTH` and anything but an object, each with a 400 naming the problem.
+* `GuardedStream`: a streamed answer that gives up on a client that stops reading (a send that
+  waits longer than `stream_send_timeout_s`) and closes the call's event generator however the
+  stream ends, so the engine request is dropped (the engine aborts a request whose connection
+  closes) and the pause gate released.
+
+Every refusal is counted in `palaestra_gateway_rejected_requests{reason}` and every stream cut
+short in `palaestra_gateway_streams_cut{reason}` (docs/reliability-input.md lists them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable
+from typing import Any
+
+import anyio
+import orjson
+from prometheus_client import Counter
+from starlette.responses import StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from palaestra.gateway.errors import GatewayError
+
+log = logging.getLogger("palaestra.gateway")
+
+MAX_JSON_DEPTH = 250
+"""Deepest nesting of arrays and objects a request body may have: what orjson can write back out,
+with room to spare. The gateway writes parts of a body out again (tools into the call's cache key
+and into Responses answers; an Anthropic tool's schema one level deeper than it came), and orjson
+reads 1024 levels but writes only 254, so a deeper body would be a 500 later. Real requests are a
+dozen levels deep (a tool's JSON schema)."""
+_PROBE = 254 - MAX_JSON_DEPTH  # levels put around a body to test it against orjson's limit
+
+BODY_REASONS = ("body_too_large", "invalid_utf8", "invalid_json", "nesting_too_deep", "not_an_object")
+"""Reasons a body is refused before any dialect reads it (also the `code` of the error)."""
+FIELD_REASONS = ("integer_above_max_value", "context_length_exceeded", "invalid_field")
+"""Reasons a dialect refuses a field: `n` above its maximum, `max_tokens` (or its dialect's name
+for it) beyond the context, any other invalid field."""
+REJECT_REASONS = BODY_REASONS + FIELD_REASONS
+CUT_REASONS = ("client_disconnected", "send_timeout")
+"""Why a stream ended before its last event: the client closed the connection, or stopped reading."""
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.endswith("/messages") or path.endswith("/messages/count_tokens")
+
+
+def too_large(limit: int, got: int | None = None) -> GatewayError:
+    size = f" ({got} bytes)" if got is not None else ""
+    return GatewayError(
+        f"The request body{size} is larger than the gateway accepts ({limit} bytes; option max_body_bytes).",
+        413,
+        code="body_too_large",
+    )
+
+
+class BodyLimit:
+    """ASGI middleware: request bodies over `max_bytes` get 413 before they are parsed (module doc).
+
+    A `Content-Length` over the limit is answered here, in the error envelope of the route's
+    dialect; a chunked body is counted as it arrives and the read that passes the limit raises the
+    413 `GatewayError` into the route, whose handler answers it in its dialect's envelope."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, rejected: Counter):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.rejected = rejected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        # (a length of more digits than any limit is refused without converting it)
+        if length is not None and length.isdigit() and (len(length) > 18 or int(length) > self.max_bytes):
+            await self._refuse(
+                scope, send, too_large(self.max_bytes, int(length) if len(length) <= 18 else None)
+            )
+            return
+        received = 0
+        limit, rejected = self.max_bytes, self.rejected
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    rejected.labels(reason="body_too_large").inc()
+                    raise too_large(limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+    async def _refuse(self, scope: Scope, send: Send, exc: GatewayError) -> None:
+        from palaestra.gateway.anthropic_api import error_body  # the dialects import this module
+
+        self.rejected.labels(reason="body_too_large").inc()
+        body = orjson.dumps(error_body(exc) if _is_anthropic(scope.get("path", "")) else exc.body())
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        # the unread body is not drained: closing the connection is cheaper than reading it
+        headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _too_deep(body: dict[str, Any]) -> bool:
+    """Whether `body` nests deeper than `MAX_JSON_DEPTH`: orjson cannot write it inside `_PROBE`
+    more levels. Writing it costs a fraction of reading it (a Python walk over the containers
+    costs several times the parse; bench/input_guards.py)."""
+    probe: Any = body
+    for _ in range(_PROBE):
+        probe = [probe]
+    try:
+        orjson.dumps(probe)
+    except TypeError:  # "Recursion limit reached"; JSONEncodeError is a TypeError too
+        return True
+    return False
+
+
+def read_json(raw: bytes, rejected: Counter) -> dict[str, Any]:
+    """A request body -> its JSON object; anything else is a counted 400 naming the problem."""
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        text = str(exc)
+        if "UTF-8" in text:
+            reason, message = "invalid_utf8", f"The request body is not valid UTF-8: {text}"
+        elif "depth limit" in text or "recursion" in text.lower():
+            reason = "nesting_too_deep"
+            message = f"The JSON body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels."
+        else:
+            reason, message = "invalid_json", f"We could not parse the JSON body of your request: {text}"
+        rejected.labels(reason=reason).inc()
+        raise GatewayError(message, 400, code=reason) from None
+    if not isinstance(body, dict):
+        rejected.labels(reason="not_an_object").inc()
+        raise GatewayError("The request body must be a JSON object.", 400, code="not_an_object")
+    # Each level takes two bytes at least, so a shorter body cannot be too deep. (Counting its
+    # brackets first would cost about as much as writing it out.)
+    if len(raw) > 2 * MAX_JSON_DEPTH and _too_deep(body):
+        rejected.labels(reason="nesting_too_deep").inc()
+        raise GatewayError(
+            f"The JSON body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.",
+            400,
+            code="nesting_too_deep",
+        )
+    return body
+
+
+def count_rejection(rejected: Counter, exc: GatewayError) -> None:
+    """Counts a dialect's refusal of a field (a 400 after the body parsed)."""
+    if exc.status == 400 and exc.code not in BODY_REASONS:
+        reason = exc.code if exc.code in FIELD_REASONS else "invalid_field"
+        rejected.labels(reason=reason).inc()
+
+
+class GuardedStream(StreamingResponse):
+    """Server-sent events that cannot pin the gateway: a send that waits longer than
+    `send_timeout_s` (a client that stopped reading; the socket's buffers are full) ends the
+    stream, and the event generator is closed however the stream ends, which drops the engine
+    request and releases the pause gate. Ends cut short are counted by `CUT_REASONS`."""
+
+    def __init__(self, content: AsyncIterable[str], *, send_timeout_s: float, cut: Counter):
+        super().__init__(content, media_type="text/event-stream")
+        self.send_timeout_s = send_timeout_s
+        self.cut = cut
+
+    async def stream_response(self, send: Send) -> None:
+        finished = False
+        try:
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            async for chunk in self.body_iterator:
+                data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+                try:
+                    async with asyncio.timeout(self.send_timeout_s):
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                except TimeoutError:
+                    # Returning without the last body message makes uvicorn close the connection.
+                    self.cut.labels(reason="send_timeout").inc()
+                    log.warning("a client read nothing for %.0f s: its stream was ended", self.send_timeout_s)
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finished = True
+        except (asyncio.CancelledError, OSError):  # the client went away (starlette cancels the send)
+            self.cut.labels(reason="client_disconnected").inc()
+            raise
+        finally:
+            if not finished:
+                with anyio.CancelScope(shield=True):  # cleanup must run inside a cancelled scope
+                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
