@@ -31,12 +31,12 @@ Two rules a new dialect must keep:
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.guards import json_or_text
 from palaestra.gateway.parsers import ToolCall
 
 __all__ = [
@@ -201,10 +201,7 @@ def reply_message(output: TurnOutput) -> dict[str, Any]:
 def _json_or_text(arguments: str) -> Any:
     """Templates serialise arguments with `tojson`, so the internal form holds the parsed object;
     text that is not JSON stays text (as `normalize_messages` keeps it)."""
-    try:
-        return json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):  # as `renderer.normalize_messages` does
-        return arguments
+    return json_or_text(arguments)  # as `renderer.normalize_messages` does
 
 
 # -- what a stream is made of ---------------------------------------------------------------------

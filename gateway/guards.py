@@ -18,6 +18,7 @@ short in `palaestra_gateway_streams_cut{reason}` (docs/reliability-input.md list
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterable
 from typing import Any
@@ -113,7 +114,20 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _too_deep(body: dict[str, Any]) -> bool:
+def json_or_text(text: str) -> Any:
+    """Tool-call arguments as the gateway keeps them: the parsed JSON (templates serialise it with
+    `tojson`), or the text itself when it is not JSON or nests deeper than `MAX_JSON_DEPTH` (too
+    deep to parse, or to write into the session journal and the samples: orjson stops at 254)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return text
+    if len(text) > 2 * MAX_JSON_DEPTH and _too_deep(value):
+        return text
+    return value
+
+
+def _too_deep(body: Any) -> bool:
     """Whether `body` nests deeper than `MAX_JSON_DEPTH`: orjson cannot write it inside `_PROBE`
     more levels. Writing it costs a fraction of reading it (a Python walk over the containers
     costs several times the parse; bench/input_guards.py)."""

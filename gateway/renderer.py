@@ -15,10 +15,10 @@ message list is a prefix of the new one.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.guards import json_or_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _PLAIN = ("system", "user", "assistant")  # roles a {role, content: str} message keeps as it is
@@ -46,12 +46,7 @@ def _text(content: Any, where: str) -> str | None:
 
 
 def _arguments(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except (json.JSONDecodeError, RecursionError):  # too deep to parse: text, like invalid JSON
-            return value
-    return value
+    return json_or_text(value) if isinstance(value, str) else value  # not JSON, or too deep: text
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

@@ -299,3 +299,35 @@ def test_a_failed_call_survives_and_still_marks_the_session(engine, tok, tmp_pat
             c.post(f"{gw.url}/sessions/x/reward", json={"reward": 1}, headers=KEY).json()["status"]
             == "failed"
         )
+
+
+@pytest.mark.parametrize("depth", [240, 300, 900])
+def test_deep_tool_call_arguments_are_journaled_and_replayed(engine, tok, tmp_path, depth):
+    """Tool-call arguments nesting deeper than the gateway writes (orjson stops at 254 levels) are
+    kept as their text, so the turn is journaled, replayed and spooled instead of a 500; shallower
+    ones stay parsed (templates serialise them with `tojson`)."""
+    arguments = '{"x": ' + "[" * depth + "]" * depth + "}"
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with gateway(engine, tmp_path, tok) as gw, httpx.Client(timeout=60) as c:
+        open_session(c, gw, "deep")
+        first = chat(c, gw, "deep", messages, tools=tools)["choices"][0]["message"]["content"]
+    with gateway(engine, tmp_path, tok) as gw, httpx.Client(timeout=60) as c:  # replayed
+        svc = gw.server.config.app.state.service
+        assert svc.recovered["open"] == 1
+        more = [*messages, {"role": "assistant", "content": first}, {"role": "user", "content": "go"}]
+        chat(c, gw, "deep", more, tools=tools)
+        traj = c.get(f"{gw.url}/sessions/deep", headers=KEY).json()
+        assert len(traj["turns"]) == 2 and traj["forks"] == []  # bridged onto the replayed turn
+        r = c.post(f"{gw.url}/sessions/deep/reward", json={"reward": 1}, headers=KEY)
+        assert r.status_code == 200 and len(r.json()["sample_ids"]) == 1, r.text
