@@ -25,9 +25,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from palaestra.engine import zero as zero_engine  # noqa: E402
 from palaestra.engine.router import RouterProcess  # noqa: E402
 from palaestra.gateway.cli import gateway_process  # noqa: E402
-from palaestra.net import ServerProcess, free_port  # noqa: E402
 
 KEY = {"Authorization": "Bearer bench"}
 ENV = {"PALAESTRA_API_KEY": "bench", "PALAESTRA_ADMIN_KEY": "bench-admin"}
@@ -75,20 +75,7 @@ def main() -> None:
     reply = tok.encode("Sure, here it is.", add_special_tokens=False) + [
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
-    port = free_port()
-    zero = ServerProcess(
-        [
-            sys.executable,
-            "-m",
-            "palaestra.engine.zero",
-            "--port",
-            str(port),
-            "--reply-ids",
-            *map(str, reply),
-        ],
-        f"http://127.0.0.1:{port}",
-        name="zero-engine",
-    )
+    zero = zero_engine.process("--reply-ids", *map(str, reply))
     spool = Path("runs/bench-gateway-spool")
     with (
         zero,

@@ -26,12 +26,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from palaestra.engine import zero as zero_engine  # noqa: E402
 from palaestra.gateway.engine_client import EngineClient  # noqa: E402
 from palaestra.gateway.routes import OPENAI_CHAT  # noqa: E402
 from palaestra.gateway.service import GatewayService  # noqa: E402
 from palaestra.gateway.spool import SampleSpool  # noqa: E402
 from palaestra.gateway.state import GatewayConfig  # noqa: E402
-from palaestra.net import ServerProcess, free_port  # noqa: E402
 
 VARIANTS = ("none", "off", "batch", "always")
 
@@ -139,20 +139,7 @@ def main() -> None:
     reply = tok.encode("Sure, here it is.", add_special_tokens=False) + [
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
-    port = free_port()
-    zero = ServerProcess(
-        [
-            sys.executable,
-            "-m",
-            "palaestra.engine.zero",
-            "--port",
-            str(port),
-            "--reply-ids",
-            *map(str, reply),
-        ],
-        f"http://127.0.0.1:{port}",
-        name="zero-engine",
-    )
+    zero = zero_engine.process("--reply-ids", *map(str, reply))
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-journal-", dir=args.dir))
     try:

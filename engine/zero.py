@@ -31,6 +31,18 @@ from fastapi.responses import JSONResponse, Response
 ROUTING_HEADER = "x-smg-routing-key"
 
 
+def process(*flags: str) -> Any:
+    """This engine as a subprocess on a free 127.0.0.1 port (`palaestra.net.ServerProcess`, a
+    context manager that waits for /health), with `flags` (``--reply-ids ...`` or ``--alphabet ...``)."""
+    import sys
+
+    from palaestra.net import ServerProcess, free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "palaestra.engine.zero", "--port", str(port), *flags]
+    return ServerProcess(argv, f"http://127.0.0.1:{port}", name="zero-engine")
+
+
 def derived_reply(key: str, prompt_len: int, alphabet: list[int], length: int, stop_id: int) -> list[int]:
     """The answer of the alphabet mode: `length` ids chosen by sha256(key:prompt_len), then `stop_id`."""
     digest = hashlib.sha256(f"{key}:{prompt_len}".encode()).digest()

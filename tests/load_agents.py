@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +25,9 @@ from typing import Any
 
 import aiohttp
 
+from palaestra.engine import zero as zero_engine
 from palaestra.engine.zero import derived_reply
-from palaestra.net import ServerProcess, free_port
+from palaestra.net import ServerProcess
 
 REPLY_LEN = 8
 """Ids per engine answer before the stop id."""
@@ -63,10 +63,8 @@ class ZeroReplies:
 
     def engine(self) -> ServerProcess:
         """The zero-work engine answering with these replies, as a subprocess on a free port."""
-        port = free_port()
-        argv = [sys.executable, "-m", "palaestra.engine.zero", "--port", str(port), "--alphabet"]
-        argv += [*map(str, self.alphabet), "--stop-id", str(self.stop_id), "--reply-len", str(REPLY_LEN)]
-        return ServerProcess(argv, f"http://127.0.0.1:{port}", name="zero-engine")
+        flags = ["--alphabet", *map(str, self.alphabet), "--stop-id", str(self.stop_id)]
+        return zero_engine.process(*flags, "--reply-len", str(REPLY_LEN))
 
 
 @dataclass
