@@ -93,14 +93,10 @@ def resolve_backend(backend: Any) -> Any:
     ready `Backend`."""
     if not isinstance(backend, str):
         return backend
-    if ":" in backend and "://" not in backend:
-        import importlib
+    from palaestra.plugins import is_import_path, load_object
 
-        module, attr = backend.split(":", 1)
-        try:
-            return getattr(importlib.import_module(module), attr)()
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load sandbox backend {backend!r}: {exc}") from None
+    if is_import_path(backend):
+        return load_object(backend, "sandbox backend", callable_=True)()
     from palaestra.sandbox import get_backend
 
     return get_backend(backend)

@@ -47,12 +47,13 @@ arguments (a class or a factory); the result must have ``name``, ``start_marker`
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from palaestra.plugins import load_object
 
 __all__ = [
     "REASONING_PARSERS",
@@ -343,12 +344,7 @@ REASONING_PARSERS: dict[str, Callable[[], ReasoningParser]] = {
 
 
 def _plugin(path: str, kind: str, protocol: type) -> Any:
-    module_name, _, attr = path.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"cannot load {kind} parser {path!r}: {error}") from error
-    parser = factory()
+    parser = load_object(path, f"{kind} parser", callable_=True)()
     if not isinstance(parser, protocol):
         raise ValueError(
             f"{kind} parser {path!r} made {parser!r}, which lacks what {protocol.__name__} needs"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from palaestra.plugins import load_object
 from palaestra.sdk.environment import Environment
 
 BUILTIN = {
@@ -21,12 +21,5 @@ def load_environment(name: str, **kwargs: Any) -> Environment:
         raise ValueError(
             f"unknown environment {name!r}: use one of {', '.join(BUILTIN)} or 'package.module:Class'"
         )
-    module, attr = path.split(":", 1)
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load environment {path!r}: {exc}") from None
-    env = cls(**kwargs)
-    if not isinstance(env, Environment):
-        raise ValueError(f"{path} is not a palaestra.sdk.Environment")
-    return env
+    cls = load_object(path, "environment", subclass_of=Environment)
+    return cls(**kwargs)

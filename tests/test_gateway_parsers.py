@@ -273,7 +273,7 @@ def test_lookup_errors():
         get_reasoning_parser("nope")
     assert get_reasoning_parser("none") is None
     assert get_tool_parser("none").parse("x<tool_call>", "s") == ("x<tool_call>", [], [])
-    with pytest.raises(ValueError, match="cannot load"):
+    with pytest.raises(ValueError, match="tool-call parser 'no_such_module_xyz:Parser': no module named"):
         get_tool_parser("no_such_module_xyz:Parser")
     with pytest.raises(ValueError, match="no tool-call rendering"):
         render_tool_call_text("none", "f", "{}")

@@ -29,7 +29,6 @@ told (`SnapshotStore.plan`).
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 
+from palaestra.plugins import load_object
 from palaestra.sample import Sample
 
 __all__ = ["Route", "TeacherPanel", "TeacherSpec", "mix_logprobs", "snapshot_tag"]
@@ -132,14 +132,7 @@ RouteFn = Callable[[Sample, Sequence[str]], "str | Mapping[str, float]"]
 def load_route_fn(path: str) -> RouteFn:
     if ":" not in path:
         raise ValueError(f"teacher_routing must be 'env' or 'package.module:function'; got {path!r}")
-    module, attr = path.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"teacher_routing: cannot load {path!r}: {exc}") from None
-    if not callable(fn):
-        raise ValueError(f"teacher_routing: {path} is not callable")
-    return fn
+    return load_object(path, "teacher_routing", callable_=True)
 
 
 @dataclass

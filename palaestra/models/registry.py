@@ -9,7 +9,6 @@ module imports another. Adding a preset is one line here and one recipe.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,9 @@ class Preset:
 
     def load_recipe(self) -> Recipe:
         """The recipe function, imported now."""
-        module, _, attr = self.recipe.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        from palaestra.plugins import load_object
+
+        return load_object(self.recipe, "model recipe", callable_=True)
 
 
 _TINY = "palaestra.models.tiny:resolve"
