@@ -26,7 +26,9 @@ def test_bad_environment_arguments_name_the_field():
         load_environment(
             "code", source="mbpp", backend="palaestra.verifiers.testing:SubprocessBackendForTests"
         )
-    with pytest.raises(ValueError, match="sandbox backend .nowhere.module:Nothing.: no module named .nowhere."):
+    with pytest.raises(
+        ValueError, match="sandbox backend .nowhere.module:Nothing.: no module named .nowhere."
+    ):
         load_environment("swe", backend="nowhere.module:Nothing")
 
 
