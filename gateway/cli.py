@@ -54,14 +54,16 @@ SPOOL_NOTE = (
 def register(groups: argparse._SubParsersAction) -> None:
     gateway = groups.add_parser(
         "gateway",
-        help="the OpenAI-compatible gateway",
-        description="The OpenAI-compatible gateway that records exact tokens.",
+        help="the OpenAI- and Anthropic-compatible gateway",
+        description="The gateway that agents call in their own API (OpenAI Chat Completions, "
+        "completions, Responses; Anthropic Messages) and that records exact tokens.",
     )
     sub = gateway.add_subparsers(dest="gateway_cmd", metavar="COMMAND", required=True)
     p = sub.add_parser(
         "serve",
         help="serve the gateway",
-        description="Serve OpenAI routes under /s/<session>/v1 (chat/completions, completions, models), the session "
+        description="Serve the agent routes under /s/<session>/v1 (OpenAI: chat/completions, completions, "
+        "responses, models; Anthropic: messages, messages/count_tokens), the session "
         "API (/sessions, /sessions/<id>/reward, /sessions/<id>), /samples and /samples/stream for the "
         "trainer, /admin/pause and /admin/resume, /metrics and /health. Prompts are rendered to token ids "
         "with the model's chat template and sent to the engine's /generate with X-SMG-Routing-Key. "

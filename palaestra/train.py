@@ -127,10 +127,11 @@ def register(groups) -> None:
     p = groups.add_parser(
         "train",
         help="train a policy end to end on Ray (engines, router, gateway, environment, trainer)",
-        description="Run RL/OPD training: YAML config plus dotted overrides (section.field=value). "
-        "Modes: sync, one_step_off, async (run.mode). Writes runs/<name>/: config.yaml, "
-        "metrics.jsonl, tensorboard/, checkpoints/, logs/, reward_curve.png, viewer.html. "
-        "See docs/training.md.",
+        description="Run RL/OPD training: YAML config plus dotted overrides (section.field=value), "
+        "checked whole before anything starts (env.args against the environment's constructor; "
+        "model.teacher=null trains without a teacher). Modes: sync, one_step_off, async (run.mode). "
+        "Writes runs/<name>/: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, logs/, spool/ "
+        "(the gateway's samples), reward_curve.png, viewer.html. See docs/training.md.",
         epilog=config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
