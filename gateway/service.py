@@ -1,7 +1,8 @@
 """The gateway's turn core, the same for every dialect: plan -> generate -> record, then finish.
 
 `routes.py` hands each call over as its raw JSON body together with the `dialect.Dialect` its path
-speaks (OpenAI chat or completions today). Per call, `GatewayService`:
+speaks (OpenAI chat and completions, the OpenAI Responses API, Anthropic Messages: the list is in
+`dialect.py`). Per call, `GatewayService`:
 
 1. opens the session and has the dialect's parser turn the body into a `TurnRequest` (chat) or a
    `TextRequest` (a raw text prompt);
@@ -17,8 +18,8 @@ speaks (OpenAI chat or completions today). Per call, `GatewayService`:
 in the spool. Sessions, turns, failed calls and finishes are also written to the session journal
 (`journal.py`) as they happen; constructing the service replays it, so a gateway restarted on the
 same spool directory continues every open session. New sessions pass `limits.Limits` first. No
-wire format is known here: `openai_request.py` / `openai_response.py` are the
-OpenAI dialect, and `dialect.py` says what another one provides.
+wire format is known here: each dialect's parser and shaper live in its own modules, and
+`dialect.py` says what a dialect provides.
 """
 
 from __future__ import annotations

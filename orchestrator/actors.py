@@ -199,6 +199,8 @@ class TaskSource:
         self._it = iter(self.env.tasks(self.seed + epoch))
 
     def get(self, index: int) -> Any:
+        from palaestra.sdk.environment import check_task
+
         epoch, offset = divmod(index, self.length) if self.length else (0, index)
         if epoch != self._epoch or offset < self._pos - 1:
             self._start(epoch)
@@ -207,6 +209,7 @@ class TaskSource:
         while self._pos <= offset:
             try:
                 self._last = next(self._it)
+                check_task(self.env, self._last)  # the task contract, with what to change
             except StopIteration:
                 if self._pos == 0:
                     raise ValueError(f"environment {self.env.name!r}: tasks() yielded no task") from None
@@ -241,6 +244,7 @@ class RolloutWorker:
         self.env_name, self.env_args = env_name, env_args
         self.gateway = ledgered_client(gateway_url, api_key, ledger)
         self.tasks = TaskSource(self.env, seed)
+        self.tasks.get(0)  # a task without a task_id fails the start, not the first step
         self.seed = seed
         self.samples_per_task = samples_per_task
         self.group_slots = max(1, concurrency // samples_per_task)

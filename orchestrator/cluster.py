@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -55,12 +56,20 @@ def init_ray(host: str = "127.0.0.1", num_cpus: int | None = None, address: str 
     On loopback every Ray process binds 127.0.0.1: Ray resolves a `_node_ip_address` of 127.0.0.1
     to the machine's outward IP unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` ("single-node Ray",
     which Linux allows too), so that is set before Ray is imported. Also off: the dashboard, usage
-    stats. Ray's GCS, raylet, object manager and workers then listen on 127.0.0.1 only.
+    stats. Ray's GCS, raylet, object manager and workers then listen on 127.0.0.1 only. Ray's token
+    authentication stays on, chosen explicitly (RAY_AUTH_MODE=token) so that it starts silently.
     """
     address = address or os.environ.get("RAY_ADDRESS")
     if host in ("127.0.0.1", "localhost") and not address:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not address and "ray" not in sys.modules:
+        # A new local Ray turns token authentication on by itself and warns so at every start
+        # ("... Set RAY_AUTH_MODE=disabled to opt out"). Choosing it explicitly with the variable
+        # Ray documents keeps it on and says nothing; a RAY_AUTH_MODE of the user's own wins. Only
+        # before Ray is imported: it reads the mode then, and a late change leaves this process
+        # without the token its own cluster asks for. A cluster being joined keeps its own mode.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     if ray.is_initialized():

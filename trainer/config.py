@@ -219,7 +219,10 @@ class TrainerConfig:
         if self.teachers and self.teacher_mode is not None:
             raise ValueError("set either teachers (a panel) or teacher_mode (one teacher), not both")
         if self.opd_kl_coef and self.teacher_mode is None and not self.teachers:
-            raise ValueError("opd_kl_coef > 0 needs teacher_mode ('megatron' or 'sglang') or teachers")
+            raise ValueError(
+                "opd_kl_coef > 0 needs teacher_mode ('megatron' or 'sglang') or teachers; "
+                "or opd_kl_coef: 0 for no distillation"
+            )
         if self.teachers:
             self.panel()  # validates every entry, the routing path and the mixtures
         if self.opd_full_chunk_rows <= 0:
@@ -229,9 +232,12 @@ class TrainerConfig:
                 f"snapshot_host_budget_gb must be positive or null; got {self.snapshot_host_budget_gb}"
             )
         if self.teacher_mode == "megatron" and not self.teacher_model:
-            raise ValueError("teacher_mode 'megatron' needs teacher_model (a HF directory)")
+            raise ValueError(
+                "teacher_mode 'megatron' needs teacher_model (a HF directory); or teacher_mode: null "
+                "for no teacher"
+            )
         if self.teacher_mode == "sglang" and not self.teacher_urls:
-            raise ValueError("teacher_mode 'sglang' needs teacher_urls")
+            raise ValueError("teacher_mode 'sglang' needs teacher_urls; or teacher_mode: null for no teacher")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be at least 1; got {self.dp_size}")
         if not 0 <= self.sync_group_port < 65536:
