@@ -30,7 +30,7 @@ from palaestra.sdk import Environment, Task
 from palaestra.trainer.config import TrainerConfig
 from palaestra.typed_config import field_docs
 
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 YAML = """
 model:
@@ -322,7 +322,7 @@ def test_round_trip(config_file, tmp_path):
         [
             "run.mode=one_step_off",
             "trainer.megatron_optimizer.lr=3e-6",
-            "env.name=test_run_config:TaggedEnv",
+            "env.name=tests.palaestra.test_config:TaggedEnv",
             "env.args.tag='1e5'",
             "env.args.on='yes'",
         ],
@@ -470,18 +470,24 @@ def test_environment_arguments_are_checked_at_load(tmp_path):
     # MathToolEnv(max_turns, **kwargs): where **kwargs go is not in a signature, so any key passes
     # here (MathEnv's own, checked when it is built); an environment without **kwargs is exact
     assert load_config(None, ["env.name=math-tool", "env.args={max_turns: 2, difficulty: 0}"]).env.args
-    assert load_config(None, ["env.name=test_run_config:TakesAnything", "env.args.whatever=1"])
-    message = error_of(None, ["env.name=test_run_config:NeedsData", "env.args={data: x, turns: 2}"])
-    assert "env.args.turns: not an argument of environment 'test_run_config:NeedsData' " in message
+    assert load_config(None, ["env.name=tests.palaestra.test_config:TakesAnything", "env.args.whatever=1"])
+    message = error_of(
+        None, ["env.name=tests.palaestra.test_config:NeedsData", "env.args={data: x, turns: 2}"]
+    )
+    assert (
+        "env.args.turns: not an argument of environment 'tests.palaestra.test_config:NeedsData' " in message
+    )
     # A required argument; **kwargs that go nowhere accept anything; the sampling temperature is
     # the run's (taken out of env.args), never the constructor's
-    message = error_of(None, ["env.name=test_run_config:NeedsData"])
+    message = error_of(None, ["env.name=tests.palaestra.test_config:NeedsData"])
     assert (
-        "env.args.data: environment 'test_run_config:NeedsData' (test_run_config:NeedsData, which takes "
+        "env.args.data: environment 'tests.palaestra.test_config:NeedsData' (tests.palaestra.test_config:NeedsData, which takes "
         in message
     )
     assert "data, max_turns) needs it (no default); set env.args.data=..." in message
-    assert load_config(None, ["env.name=test_run_config:NeedsData", "env.args={data: x, temperature: 1.0}"])
+    assert load_config(
+        None, ["env.name=tests.palaestra.test_config:NeedsData", "env.args={data: x, temperature: 1.0}"]
+    )
     # The environment itself: a name not in the registry, a module that is not there
     assert "env.name: unknown environment 'maths': use one of math, math-tool, code, swe or" in error_of(
         None, ["env.name=maths"]

@@ -265,7 +265,7 @@ def test_seeded_runs_sample_the_same_episodes(gateway):
 # ----------------------------------------------------------------------------------------------
 # A new environment writer's path: the docs' example as a plug-in, the task contract, summaries
 # ----------------------------------------------------------------------------------------------
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "environments.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
 
 
 def docs_example() -> str:
@@ -384,7 +384,9 @@ def test_the_task_contract_is_checked_before_any_session():
     with pytest.raises(TaskError) as info:
         asyncio.run(run(DictTasks()))
     message = str(info.value)
-    assert message.startswith("environment 'dict-tasks' (test_sdk_math.DictTasks).tasks() yielded a dict")
+    assert message.startswith(
+        "environment 'dict-tasks' (tests.sdk.test_math_rollouts.DictTasks).tasks() yielded a dict"
+    )
     assert "without a 'task_id' attribute (a dict with keys ['id', 'word']: wrap it as Task(" in message
     assert "docs/environments.md" in message
     with pytest.raises(TaskError, match="whose task_id is '' .str.; a task_id must be a non-empty str"):
@@ -403,7 +405,7 @@ def test_the_training_runner_checks_the_first_task_as_it_starts():
 
     args = ({}, {"temperature": 1.0}, "http://127.0.0.1:9", "k", 0, 2, 4, "run")
     with pytest.raises(TaskError, match="environment 'dict-tasks' .*yielded a dict without a 'task_id'"):
-        RolloutWorker("test_sdk_math:DictTasks", *args)
+        RolloutWorker("tests.sdk.test_math_rollouts:DictTasks", *args)
     worker = RolloutWorker("math", {"difficulty": 0, "kinds": ["arithmetic"]}, *args[1:])
     assert worker.tasks.get(0).task_id == "arithmetic-d0-s0-0"
 
