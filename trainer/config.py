@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from palaestra.trainer.teacher_panel import TeacherPanel
+    from palaestra.trainer.opd_panel import TeacherPanel
 
 __all__ = ["TrainerConfig"]
 
@@ -251,7 +251,7 @@ class TrainerConfig:
 
     def panel(self) -> TeacherPanel | None:
         """The teacher panel: `teachers`, or the one teacher of teacher_mode named "teacher"; None without."""
-        from palaestra.trainer.teacher_panel import TeacherPanel
+        from palaestra.trainer.opd_panel import TeacherPanel
 
         teachers = self.teachers
         if not teachers and self.teacher_mode is not None:

@@ -8,7 +8,7 @@ Per response token t, with w_t = loss_mask_t · rs_keep_t:
     lp_t   = log_softmax(logits / T)[x_t]                      (differentiable)
     ℓ_t    = PPO-clip(lp_t, old_t, Â_t) · tis_t                 (tis_t = 1 without TIS)
            + β_kl · kl(lp_t, ref_t)                             (kl_mode "loss" only)
-           + β_T · D_t                  (rows of a topk or full teacher T: distill.py, docs/opd.md)
+           + β_T · D_t                  (rows of a topk or full teacher T: opd_kl.py, docs/opd.md)
     loss   = Σ_mb Σ_t w_t ℓ_t / Σ_mb n_mb                       (token_mean; seq_mean per sequence)
 
 The division by the global denominator is Megatron's own (`calculate_per_token_loss`: the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from palaestra.trainer import distill, losses
+from palaestra.trainer import losses, opd_kl
 from palaestra.trainer.config import TrainerConfig
 from palaestra.trainer.packing import MicroBatch
 
@@ -37,7 +37,7 @@ def distill_terms(
     mb: MicroBatch, rows: torch.Tensor, c: TrainerConfig
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(β_t·D_t to add to the loss, D_t detached) of the topk/full teachers' rows; None if the
-    micro-batch has none. Rows of other granularities have β_t = 0 (opd.py fills the fields)."""
+    micro-batch has none. Rows of other granularities have β_t = 0 (opd_step.py fills the fields)."""
     x = mb.extras
     if "opd_topk_ids" not in x and "opd_full_teacher" not in x:
         return None
@@ -48,14 +48,14 @@ def distill_terms(
     term = rows.new_zeros(rows.shape[0], dtype=torch.float32)
     value = torch.zeros_like(term)
     if "opd_topk_ids" in x:
-        d = distill.topk_reverse_kl(
+        d = opd_kl.topk_reverse_kl(
             rows, x["opd_topk_ids"].to(dev), x["opd_topk_teacher"].to(dev), c.temperature, group,
             x["opd_topk_valid"].to(dev),
         )  # fmt: skip
         coef = x["opd_coef_topk"].to(dev)
         term, value = term + coef * d, torch.where(coef > 0, d.detach(), value)
     if "opd_full_teacher" in x:
-        d = distill.full_reverse_kl(rows, x["opd_full_teacher"], c.temperature, c.opd_full_chunk_rows, group)
+        d = opd_kl.full_reverse_kl(rows, x["opd_full_teacher"], c.temperature, c.opd_full_chunk_rows, group)
         coef = x["opd_coef_full"].to(dev)
         term, value = term + coef * d, torch.where(coef > 0, d.detach(), value)
     return term, value

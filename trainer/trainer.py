@@ -8,7 +8,7 @@
 `Trainer.step` is the algorithm; everything it calls lives in a module of its own:
 
     schedule     pack samples into micro-batches, spread them over DP ranks   (packing.py)
-    teacher      route samples to the teacher panel, score them per teacher   (opd.py, teacher.py)
+    teacher      route samples to the teacher panel, score them per teacher   (opd_step.py, opd_panel.py)
     ref / old    logprobs of the reference and the pre-update policy           (snapshots.py)
     advantages   estimator per group, then the OPD and KL-reward terms         (advantages.py)
     train        PPO-clip loss with TIS/RS/KL, one optimizer step    (objective.py, losses.py)
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from palaestra.sample import Sample
 from palaestra.trainer import advantages as adv
-from palaestra.trainer import cpu_shim, distill, losses, objective
+from palaestra.trainer import cpu_shim, losses, objective, opd_kl
 from palaestra.trainer.config import TrainerConfig
 from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
 from palaestra.trainer.megatron_model import (
@@ -48,7 +48,7 @@ from palaestra.trainer.megatron_model import (
     transformer_config,
     unwrap,
 )
-from palaestra.trainer.opd import Distiller
+from palaestra.trainer.opd_step import Distiller
 from palaestra.trainer.packing import MicroBatch, build_micro_batch, dummy_micro_batch, schedule
 from palaestra.trainer.snapshots import SnapshotStore
 from palaestra.trainer.weight_sync import WeightSync
@@ -252,7 +252,7 @@ class Trainer:
             lp = losses.vocab_parallel_logprobs(rows, mb.targets.to(rows.device), self.config.temperature)
             out = {"logprobs": lp.detach().float().cpu()}
             if k > 0:
-                out["topk"] = distill.select_topk(rows, k, group).cpu()
+                out["topk"] = opd_kl.select_topk(rows, k, group).cpu()
             return out
 
         outs = self.forward_rows(mbs, tag, rows_fn)

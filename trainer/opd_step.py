@@ -1,7 +1,9 @@
-"""One step of on-policy distillation: route samples to teachers, score them, fill the micro-batches.
+"""The orchestration of on-policy distillation in a step: route samples to teachers, score them, fill
+the micro-batches.
 
-`Distiller` owns the teacher panel of a `Trainer` (teacher_panel.py): megatron-mode teachers live
-in the snapshot store as ``teacher/<name>``, engine teachers are `SGLangTeacher` clients. Per step:
+`Distiller` owns the teacher panel of a `Trainer` (opd_panel.py): megatron-mode teachers live
+in the snapshot store as ``teacher/<name>``, engine teachers are `SGLangTeacher` clients
+(opd_teachers.py). Per step:
 
 1. `route(samples)` picks each sample's teacher(s) and records the route in `Sample.teacher`;
 2. `score(samples, mbs, routes, topk_ids)` scores, teacher by teacher, the samples routed to it —
@@ -15,7 +17,7 @@ in the snapshot store as ``teacher/<name>``, engine teachers are `SGLangTeacher`
    ``extras["opd_coef_full"]``, ``opd_full_teacher``      (rows × vocab shard, CPU)
    ``extras["opd_route"]``            index of the row's route in `labels` (per-route metrics)
 
-objective.py turns the topk and full fields into loss terms (distill.py has the formulas).
+objective.py turns the topk and full fields into loss terms (opd_kl.py has the formulas).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from palaestra.sample import Sample
-from palaestra.trainer import distill, losses
+from palaestra.trainer import losses, opd_kl
+from palaestra.trainer.opd_panel import Route, TeacherPanel, mix_logprobs, snapshot_tag
 from palaestra.trainer.packing import MicroBatch, build_micro_batch, first_fit_decreasing
-from palaestra.trainer.teacher_panel import Route, TeacherPanel, mix_logprobs, snapshot_tag
 
 if TYPE_CHECKING:
     from palaestra.trainer.trainer import Trainer
@@ -43,7 +45,7 @@ Scores = dict[str, torch.Tensor]  # kind ("sampled", "topk", "full") -> per-row 
 
 class Distiller:
     def __init__(self, trainer: Trainer, panel: TeacherPanel):
-        from palaestra.trainer.teacher import (
+        from palaestra.trainer.opd_teachers import (
             SGLangTeacher,
             TeacherError,
             load_teacher_tensors,
@@ -108,11 +110,11 @@ class Distiller:
         def rows_fn(mb: MicroBatch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
             out = {"sampled": losses.vocab_parallel_logprobs(rows, mb.targets.to(rows.device), 1.0)}
             if want_topk:
-                out["topk"] = distill.gather_logprobs(
+                out["topk"] = opd_kl.gather_logprobs(
                     rows, mb.extras["opd_topk_ids"].to(rows.device), 1.0, group
                 )
             elif spec.granularity == "full":
-                out["full"] = distill.full_logprobs(rows, 1.0, group)
+                out["full"] = opd_kl.full_logprobs(rows, 1.0, group)
             return {k: v.detach().float().cpu() for k, v in out.items()}
 
         scored: dict[int, Scores] = {}
