@@ -217,7 +217,7 @@ def test_engine_and_megatron_teachers_agree_on_the_students_top_k(client, engine
     got = {}
     for name in ("eng", "meg"):
         t.distiller.score(samples, mbs, [Route(((name, 1.0),))] * len(samples), ids)
-        got[name] = torch.cat([mb.extras["opd_topk_teacher"] for mb in mbs])
+        got[name] = torch.cat([mb.opd_topk_teacher for mb in mbs])
     print(
         f"\nengine vs megatron top-4 teacher logprobs: max |Δ| = {(got['eng'] - got['meg']).abs().max():.2e}"
     )
