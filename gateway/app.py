@@ -17,13 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import BodyLimit
 from palaestra.gateway.routes import admin, anthropic, openai, public, sessions
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig
 
 log = logging.getLogger("palaestra.gateway")
 

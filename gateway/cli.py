@@ -1,6 +1,6 @@
 """`palaestra gateway serve`: the OpenAI-compatible, token-recording gateway.
 
-Its flags are `GatewayConfig`'s fields (gateway/state.py and, for those a run tunes,
+Its flags are `GatewayConfig`'s fields (gateway/config.py and, for those a run tunes,
 gateway/options.py), generated with their docstrings as help, so they are declared once.
 Also `gateway_process(...)`, the same command as a subprocess for tests, benchmarks and demos.
 """
@@ -12,8 +12,8 @@ import dataclasses
 import logging
 import sys
 
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.options import GatewayOptions
-from palaestra.gateway.state import GatewayConfig
 from palaestra.net import ServerProcess, free_port
 from palaestra.typed_config import add_arguments
 

@@ -19,8 +19,8 @@ from palaestra.environments.swe_agent.env import SweAgentEnv
 from palaestra.environments.swe_agent.generate import generate
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.parsers import render_tool_call_text
-from palaestra.gateway.state import GatewayConfig
 from palaestra.sdk import GatewayClient, run_rollouts
 from palaestra.sdk.runner import take_tasks
 from palaestra.verifiers.testing import SubprocessBackendForTests

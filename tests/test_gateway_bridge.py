@@ -15,9 +15,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.gateway.renderer import normalize_messages
-from palaestra.gateway.state import GatewayConfig
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 
 CALC = {

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from palaestra.engine.zero import make_app
 from palaestra.gateway.app import create_app
-from palaestra.gateway.state import GatewayConfig
+from palaestra.gateway.config import GatewayConfig
 from tests.gateway_helpers import ThreadServer
 
 AUTH = {"Authorization": "Bearer k-test"}

@@ -27,8 +27,8 @@ from hypothesis.errors import Unsatisfiable
 
 from palaestra.gateway import anthropic_api, openai_request, responses_api
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.guards import BODY_REASONS
-from palaestra.gateway.state import GatewayConfig
 from palaestra.gateway.streaming import safe_prefix
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 

@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.guards import MAX_JSON_DEPTH
-from palaestra.gateway.state import GatewayConfig
 from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.gateway_helpers import RecordingProxy, ThreadServer
 

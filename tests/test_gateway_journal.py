@@ -18,10 +18,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.replay import restore
+from palaestra.gateway.session import Session
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig, Session
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}

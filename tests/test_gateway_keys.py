@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from palaestra.gateway.app import create_app
-from palaestra.gateway.state import GatewayConfig
+from palaestra.gateway.config import GatewayConfig
 from palaestra.sdk import Environment, GatewayClient, Task, run_rollouts
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 

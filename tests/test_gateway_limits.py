@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from palaestra.gateway.app import create_app
-from palaestra.gateway.state import GatewayConfig
+from palaestra.gateway.config import GatewayConfig
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}

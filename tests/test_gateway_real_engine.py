@@ -18,8 +18,8 @@ import pytest
 
 from palaestra.gateway.app import create_app
 from palaestra.gateway.cli import gateway_process
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig
 from tests.gateway_helpers import RecordingProxy, ThreadServer
 
 KEY = {"Authorization": "Bearer k-test"}

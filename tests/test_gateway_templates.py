@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from palaestra.engine.cli import engine_process
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.gateway.renderer import ChatRenderer, normalize_messages
-from palaestra.gateway.state import GatewayConfig
 from palaestra.models import resolve_model
 from tests.gateway_helpers import RecordingProxy, ScriptedEngine, ThreadServer
 

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from palaestra.environments.math.env import MathEnv, MathToolEnv
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.parsers import render_tool_call_text
-from palaestra.gateway.state import GatewayConfig
 from palaestra.sdk import Environment, GatewayClient, Task, run_rollouts
 from palaestra.sdk.runner import take_tasks, wilson_interval
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
