@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from palaestra.sandbox.backends import BACKEND_NAMES
 from palaestra.sandbox.base import Backend
-from palaestra.verifiers.testing import SubprocessBackendForTests
 from tests.sandbox_fixtures import SANDBOX_BACKENDS
+from tests.support.doubles import SubprocessBackendForTests
 
-REAL = ("local", "docker")
+REAL = BACKEND_NAMES
 
 
 def backend_names() -> list[str]:

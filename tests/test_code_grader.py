@@ -11,8 +11,8 @@ import time
 import pytest
 
 from palaestra.verifiers.code import CodeResult, grade_code, verify_code
-from palaestra.verifiers.testing import SubprocessBackendForTests, SubprocessSandboxForTests
 from tests.sandbox_backends import backend_for, backend_names
+from tests.support.doubles import SubprocessBackendForTests, SubprocessSandboxForTests
 
 ADD = "def add(a, b):\n    return a + b\n"
 ASSERT_TESTS = "assert add(1, 2) == 3\nx = 10\nassert add(x, -4) == 6\nassert add(0, 0) == 0\n"

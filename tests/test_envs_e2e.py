@@ -23,9 +23,9 @@ from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.sdk import GatewayClient, run_rollouts
 from palaestra.sdk.runner import take_tasks
-from palaestra.verifiers.testing import SubprocessBackendForTests
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 from tests.sandbox_backends import backend_for, backend_names
+from tests.support.doubles import SubprocessBackendForTests
 
 KEY = {"Authorization": "Bearer k-env"}
 
@@ -274,7 +274,7 @@ def test_rollout_and_eval_cli_run_both_environments(tok, tmp_path, swe_data):
     import subprocess
     import sys
 
-    double = "palaestra.verifiers.testing:SubprocessBackendForTests"
+    double = "tests.support.doubles:SubprocessBackendForTests"
     with Scripted(tok, tmp_path) as s:
         for env, args in (
             ("code", {"backend": double, "max_turns": 1}),
