@@ -135,27 +135,29 @@ async def _counted(request: Request, route: str, call, history_field: str = "mes
     return result
 
 
-@openai.post("/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
-@_speaks(OPENAI_CHAT)
-async def chat_completions(session_id: str, request: Request) -> Response:
-    result = await _counted(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
+async def _answer(request: Request, route: str, call, history_field: str = "messages") -> Response:
+    """`_counted`, answered as JSON or, for a stream, as server-sent events."""
+    result = await _counted(request, route, call, history_field)
     if isinstance(result, dict):
         return FastJSON(result)
     return event_stream(request, result)
+
+
+@openai.post("/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
+@_speaks(OPENAI_CHAT)
+async def chat_completions(session_id: str, request: Request) -> Response:
+    return await _answer(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
 
 
 @openai.post("/responses", openapi_extra=schemas.body(schemas.RESPONSES))
 @_speaks(OPENAI_RESPONSES)
 async def responses(session_id: str, request: Request) -> Response:
-    result = await _counted(
+    return await _answer(
         request,
         "responses",
         lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES),
         OPENAI_RESPONSES.history_field,
     )
-    if isinstance(result, dict):
-        return FastJSON(result)
-    return event_stream(request, result)
 
 
 @openai.post("/completions", openapi_extra=schemas.body(schemas.COMPLETIONS))
@@ -192,13 +194,6 @@ async def models(session_id: str, request: Request) -> dict[str, Any]:
 # Anthropic clients send the key as `x-api-key`, which `authorize` accepts as it does a bearer token;
 # their errors (auth included) take Anthropic's envelope through `ANTHROPIC_MESSAGES.error_body`.
 anthropic = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_session_access)])
-
-
-async def _answer(request: Request, route: str, call) -> Response:
-    result = await _counted(request, route, call)
-    if isinstance(result, dict):
-        return FastJSON(result)
-    return event_stream(request, result)
 
 
 @anthropic.post("/messages", openapi_extra=schemas.body(schemas.ANTHROPIC_MESSAGES))
