@@ -23,7 +23,7 @@ from palaestra.gateway.streaming import MAX_STOP_CHARS
 __all__ = ["MAX_STOPS", "SEED_RANGE", "number", "stop_list"]
 
 MAX_STOPS = 16
-"""Most stop strings one call may set (OpenAI's limit is 4; SGLang's clients send more)."""
+"""Most stop strings one call may set, in every dialect (each is checked on every streamed token)."""
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 """A sampling seed is a signed 64-bit integer (the engines seed a torch generator with it)."""
