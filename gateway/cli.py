@@ -1,6 +1,6 @@
 """`palaestra gateway serve`: the OpenAI-compatible, token-recording gateway.
 
-Its flags are `GatewayConfig`'s fields (gateway/state.py and, for those a run tunes,
+Its flags are `GatewayConfig`'s fields (gateway/config.py and, for those a run tunes,
 gateway/options.py), generated with their docstrings as help, so they are declared once. The spool
 directory's default (`runs/spool`) is relative to where the gateway starts; `--help` says so.
 Also `gateway_process(...)`, the same command as a subprocess for tests, benchmarks and demos.
@@ -14,8 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.options import GatewayOptions
-from palaestra.gateway.state import GatewayConfig
 from palaestra.net import ServerProcess, free_port
 from palaestra.typed_config import add_arguments
 

@@ -36,6 +36,7 @@ import orjson
 
 from palaestra.gateway import bridge, parse_status, parsers, replay
 from palaestra.gateway.bridge import Plan, plan_chat
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
     Dialect,
     GenerationParams,
@@ -55,9 +56,12 @@ from palaestra.gateway.engine_client import EngineClient, Generation
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.limits import IdleReaper, Limits
+from palaestra.gateway.metrics import GatewayMetrics
+from palaestra.gateway.pause import PauseGate
 from palaestra.gateway.renderer import ChatRenderer, message_digest
+from palaestra.gateway.session import Session
+from palaestra.gateway.session_store import SessionStore
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig, GatewayMetrics, PauseGate, Session, SessionStore
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
 from palaestra.gateway.trajectory import Turn, linearize
 

@@ -6,7 +6,7 @@
 
 * `init_ray` — a local Ray bound to loopback (or the cluster in ``RAY_ADDRESS``).
 * `Cluster` — starts the engines, the router, the gateway, the rollout worker and the trainer
-  ranks as Ray actors (`actors.py`) in a placement group (`placement.py`), hands out their URLs,
+  ranks as Ray actors (`server_host.py`, `rollout_worker.py`, `trainer_worker.py`) in a placement group (`placement.py`), hands out their URLs,
   checks that they are alive, and stops them all. Nothing here assumes one machine: every URL comes
   from the actor that runs the server.
 * `start_cluster` — the models the run names (built once, with progress), Ray, the cluster; on
@@ -30,7 +30,6 @@ from typing import Any
 import httpx
 
 from palaestra.config import RunConfig
-from palaestra.orchestrator import actors
 from palaestra.orchestrator.errors import RunFailed, root_cause
 from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
@@ -40,6 +39,9 @@ from palaestra.orchestrator.placement import (
     place,
     trainer_world_size,
 )
+from palaestra.orchestrator.rollout_worker import RolloutWorker
+from palaestra.orchestrator.server_host import ServerHost
+from palaestra.orchestrator.trainer_worker import TrainerWorker
 
 __all__ = ["Box", "Cluster", "build_models", "init_ray", "start_cluster"]
 
@@ -156,7 +158,7 @@ class Cluster:
                 f"{self.placement.group.bundle_specs}) within 120 s; the cluster has "
                 f"{ray.cluster_resources()}"
             ) from None
-        server = ray.remote(actors.ServerHost)
+        server = ray.remote(ServerHost)
         flags = cfg.engines.serve_flags() if cfg.engines.backend == "embedded" else cfg.engines.sglang_flags()
         for i, opts in enumerate(self.placement.engines):
             name = f"engine-{i}"
@@ -213,11 +215,11 @@ class Cluster:
         return self
 
     def _start_rollout(self) -> Any:
-        """The environment runner actor, with its own session ledger (`actors.open_sessions`)."""
+        """The environment runner actor, with its own session ledger (`ledger.py`)."""
         import ray
 
         cfg = self.cfg
-        rollout = ray.remote(actors.RolloutWorker).options(
+        rollout = ray.remote(RolloutWorker).options(
             num_cpus=0, max_concurrency=1000, resources=cfg.run.resources.get("services", {})
         )
         return rollout.remote(
@@ -264,7 +266,7 @@ class Cluster:
         import ray
 
         world = trainer_world_size(self.cfg)
-        worker = ray.remote(actors.TrainerWorker)
+        worker = ray.remote(TrainerWorker)
         reserve = engine_threads_beside_trainer(self.cfg)
         assert self.placement is not None
         return [

@@ -121,6 +121,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from palaestra.sdk.runner import run_rollouts, take_tasks, wilson_interval
+    from palaestra.sdk.scoring import score
 
     env = _env(args)
     tasks = take_tasks(env, args.tasks, args.seed)
@@ -141,21 +142,28 @@ def _eval(args: argparse.Namespace) -> int:
             await gateway.close()
 
     summary = _run(run())
-    scored = [r for r in summary.results if r.status != "failed"]
-    correct = sum(r.metrics.get("correct", float(r.reward > 0)) for r in scored)
-    lo, hi = wilson_interval(correct, len(scored))
-    acc = correct / len(scored) if scored else float("nan")
+    scores = score(tasks, summary.results)  # as training's evaluations: overall and per task kind
+
+    def interval(key: str) -> tuple[float, tuple[float, float], int]:
+        n = int(scores["tasks" + key.removeprefix("accuracy")])
+        return scores[key], wilson_interval(scores[key] * n if n else 0.0, n), n
+
+    acc, (lo, hi), n = interval("accuracy")
     print(
-        f"accuracy {acc:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {len(scored)} tasks "
-        f"({len(summary.results) - len(scored)} failed); reward {summary.reward_mean:.3f}; "
-        f"{summary.wall_s:.1f} s"
+        f"accuracy {acc:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {n} tasks "
+        f"({int(scores['failed'])} failed); reward {summary.reward_mean:.3f}; {summary.wall_s:.1f} s"
     )
+    kinds = {key.removeprefix("accuracy/"): interval(key) for key in scores if key.startswith("accuracy/")}
+    for kind, (k_acc, (k_lo, k_hi), k_n) in kinds.items():
+        print(f"  {kind}: accuracy {k_acc:.3f} (95% CI {k_lo:.3f}-{k_hi:.3f}) on {k_n} tasks")
+    per_kind = {kind: {"accuracy": a, "ci95": list(ci), "n": k} for kind, (a, ci, k) in kinds.items()}
     _print_summary(
         summary,
         {
             "accuracy": acc,
             "ci95": [lo, hi],
-            "n": len(scored),
+            "n": n,
+            "kinds": per_kind,
             "reward_mean": summary.reward_mean,
             "metrics": summary.metrics,
         }

@@ -135,8 +135,8 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
     import argparse
 
     from palaestra.gateway import cli as gateway_cli
+    from palaestra.gateway.config import GatewayConfig
     from palaestra.gateway.options import GatewayOptions as GatewaysOwn
-    from palaestra.gateway.state import GatewayConfig
 
     assert GatewayOptions is GatewaysOwn and issubclass(GatewayConfig, GatewayOptions)
     parser = argparse.ArgumentParser()

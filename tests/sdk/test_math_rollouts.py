@@ -400,7 +400,7 @@ def test_the_training_runner_checks_the_first_task_as_it_starts():
     """`palaestra train`'s environment runner (the RolloutWorker actor, built here without Ray)
     fails its start on a task without an id, so the run stops at "starting the environment"; its
     TaskSource checks every task it reads."""
-    from palaestra.orchestrator.actors import RolloutWorker, TaskSource
+    from palaestra.orchestrator.rollout_worker import RolloutWorker, TaskSource
     from palaestra.sdk.environment import TaskError
 
     args = ({}, {"temperature": 1.0}, "http://127.0.0.1:9", "k", 0, 2, 4, "run")
