@@ -123,9 +123,7 @@ class Run:
         self.waiter = Waiter(self.supervisor, cfg.run.step_timeout_s)
         self.initial = copy.deepcopy(state)  # what a trainer death rolls back to without a checkpoint
         self.source = self._new_source()
-        self.engine_versions_start = self.waiter.call(
-            cluster.engine_versions, "reading the engines' versions"
-        )
+        self.engine_versions_start = self._engine_versions()
         self.trained: list[StepRecord] = []
         self.last_samples: list[Sample] = []
         self.last_step = 0  # the step (1-based) last_samples trained
@@ -476,15 +474,20 @@ class Run:
             start_cursor=cursor,
             state=self.state,
             engine_versions_start=self.engine_versions_start,
-            engine_versions_end=self.waiter.call(
-                self.cluster.engine_versions, "reading the engines' versions"
-            ),
+            engine_versions_end=self._engine_versions(),
             trained=self.trained,
             faults=[f.to_dict() for f in self.supervisor.faults],
             not_trained=self._not_trained(),
             eval_before=self.eval_before,
             eval_after=self.eval_after,
             startup_s=dict(self.cluster.startup_s),
+        )
+
+    def _engine_versions(self) -> list[str]:
+        from palaestra.trainer.weight_sync import WeightSyncError  # what a read raises after its retries
+
+        return self.waiter.call(
+            self.cluster.engine_versions, "reading the engines' versions", unreachable=(WeightSyncError,)
         )
 
     def _not_trained(self) -> dict[str, str]:

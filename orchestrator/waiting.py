@@ -99,16 +99,25 @@ class Waiter:
                 return self.get(again(), phase, progress=progress, redo=redo)
             raise RunFailed(f"{self.label}, {phase}: {root_cause(exc)}") from None
 
-    def call(self, fn: Callable[[], T], phase: str) -> T:
+    def call(self, fn: Callable[[], T], phase: str, *, unreachable: tuple[type[Exception], ...] = ()) -> T:
         """`fn()`, one HTTP call (or a few) of the driver's to a supervised server. While the server
         cannot be reached (a connection error, a 5xx), the servers are checked, a dead one is
         restarted, and `fn` is called again, until it answers or the deadline passes (`StepTimeout`
         naming the phase and the last error). `fn` must be safe to repeat: a read, an
-        acknowledgement, pause / resume. A 4xx answer fails the run at once, with the answer."""
+        acknowledgement, pause / resume. A 4xx answer fails the run at once, with the answer.
+
+        `unreachable`: the errors `fn` raises itself when it could not reach a server after its own
+        retries (e.g. `WeightSyncError`): `fn` is called again if the check restarted a server,
+        else the run fails with the error."""
         result: list[T] = []
 
         def ready() -> bool:
-            result.append(fn())
+            try:
+                result.append(fn())
+            except unreachable as exc:
+                if self.cluster.check_alive(phase):
+                    return False
+                raise RunFailed(f"{self.label}, {phase}: {exc}") from None
             return True
 
         self.wait_until(ready, phase, lambda: self.unreachable or "no answer")

@@ -96,3 +96,31 @@ def test_a_server_that_never_answers_ends_at_the_deadline_naming_the_phase_and_t
         StepTimeout, match=r"the run's result exceeded run.step_timeout_s=1 s during reading .*ConnectError"
     ):
         waiter.call(lambda: ack(port), "reading the versions")
+
+
+class GaveUp(Exception):
+    """What a client with retries of its own raises (as `WeightSyncError` does)."""
+
+
+def test_a_client_that_gave_up_is_called_again_only_after_a_restart():
+    port = free_port()
+    watched = RestartsTheServer(port)
+    waiter = Waiter(watched, timeout_s=30, poll_s=0.2)
+    waiter.begin("the run's result")
+
+    def read() -> dict:
+        try:
+            return ack(port)
+        except httpx.HTTPError as exc:
+            raise GaveUp(f"no answer: {exc}") from exc
+
+    try:
+        assert waiter.call(read, "reading the versions", unreachable=(GaveUp,)) == {"acked": True}
+
+        def refused() -> dict:  # the server is up (nothing to restart): the error is the answer
+            raise GaveUp("no weight_version in the answer")
+
+        with pytest.raises(RunFailed, match=r"the run's result, reading the versions: no weight_version"):
+            waiter.call(refused, "reading the versions", unreachable=(GaveUp,))
+    finally:
+        watched.close()
