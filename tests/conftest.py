@@ -10,6 +10,10 @@ import pytest
 # Sandbox backends by name, for tests/test_sandbox_*.py (new backends register in that file).
 from tests.sandbox_fixtures import loop_runner, sandbox_backend  # noqa: F401
 
+# Markers kept honest (a test that starts an engine, Ray, docker or a browser is marked) and the
+# xdist groups of `make test` (tests/support/markers.py).
+pytest_plugins = ["tests.support.markers"]
+
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -16,13 +16,14 @@ from collections.abc import Iterator
 
 from palaestra.sandbox.base import Backend
 from palaestra.verifiers.testing import SubprocessBackendForTests
-from tests.sandbox_fixtures import SANDBOX_BACKENDS
+from tests.sandbox_fixtures import SANDBOX_BACKENDS, backend_param
 
 REAL = ("local", "docker")
 
 
-def backend_names() -> list[str]:
-    return ["test-double", *(name for name in REAL if name in SANDBOX_BACKENDS)]
+def backend_names() -> list:
+    """Fixture params: the names, the docker ones marked `docker`."""
+    return ["test-double", *(backend_param(name) for name in REAL if name in SANDBOX_BACKENDS)]
 
 
 @contextlib.contextmanager

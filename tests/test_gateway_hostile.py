@@ -29,6 +29,8 @@ from palaestra.gateway.state import GatewayConfig
 from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.gateway_helpers import RecordingProxy, ThreadServer
 
+pytestmark = pytest.mark.engine  # the gateway in front of the shared engine
+
 KEY = {"Authorization": "Bearer k-test"}
 LIMIT = 1 << 20  # the gateway's max_body_bytes in these tests
 SEND_TIMEOUT_S = 2.0

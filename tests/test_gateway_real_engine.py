@@ -22,6 +22,8 @@ from palaestra.gateway.spool import SampleSpool
 from palaestra.gateway.state import GatewayConfig
 from tests.gateway_helpers import RecordingProxy, ThreadServer
 
+pytestmark = pytest.mark.engine  # the real embedded engine (all but one test)
+
 KEY = {"Authorization": "Bearer k-test"}
 
 

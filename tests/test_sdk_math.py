@@ -20,6 +20,8 @@ from palaestra.sdk import Environment, GatewayClient, Task, run_rollouts
 from palaestra.sdk.runner import take_tasks, wilson_interval
 from tests.gateway_helpers import ScriptedEngine, ThreadServer
 
+pytestmark = pytest.mark.engine  # the shared engine (most tests)
+
 KEY = {"Authorization": "Bearer k-sdk"}
 ENV = {**os.environ, "PALAESTRA_API_KEY": "k-sdk"}
 
