@@ -61,7 +61,13 @@ import pytest
 
 from tests.test_train_e2e import make_config, ray_local  # noqa: F401 (the module's Ray, below)
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.engine, pytest.mark.usefixtures("ray_local")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.ray,
+    pytest.mark.engine,
+    pytest.mark.usefixtures("ray_local"),
+    pytest.mark.timeout(1200),  # a run's first test carries the whole run (its fixture)
+]
 
 COMPONENT = {
     "engine": "engine-1",

@@ -106,15 +106,19 @@ def ray_local():
     """One local Ray for the module; the rollout actors import `test_train_e2e:TwoTurnEnv` from here."""
     from palaestra.orchestrator.cluster import init_ray
 
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [TESTS_DIR, saved] if p)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_worker_niceness")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [TESTS_DIR, saved["PYTHONPATH"]] if p)
+    # Ray starts its workers (the engines, gateway and trainer here) at nice 15: beside other tests
+    # in parallel (`make test -n 2`) or other work on the machine they would get almost no CPU.
+    os.environ["RAY_worker_niceness"] = "0"
     try:  # Ray's processes take the environment they start with; other tests get theirs back
         started = init_ray("127.0.0.1", num_cpus=8)
     finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     yield
     if started:
         import ray

@@ -71,17 +71,22 @@ def _watch_processes() -> None:
 
 
 def _watch_docker() -> None:
+    """Containers created and images built through the docker SDK (a client that only reads, e.g.
+    to measure memory, starts nothing)."""
     try:
         from docker.api.client import APIClient
     except ImportError:  # no docker SDK: nothing can start containers through it
         return
-    init = APIClient.__init__
 
-    def watched(self, *a, **kw):
-        _started.add("docker")
-        return init(self, *a, **kw)
+    def watching(method):
+        def watched(self, *a, **kw):
+            _started.add("docker")
+            return method(self, *a, **kw)
 
-    APIClient.__init__ = watched
+        return watched
+
+    APIClient.create_container = watching(APIClient.create_container)
+    APIClient.build = watching(APIClient.build)
 
 
 def _ray_running() -> set[str]:
@@ -113,11 +118,15 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 def _fixture_kinds(item: pytest.Item) -> set[str]:
+    """What the fixtures the test uses started: for each name the definition in force (a module's
+    own `engine` overrides conftest's), and the one it overrides only if it asks for it by name."""
     kinds: set[str] = set()
     info = getattr(item, "_fixtureinfo", None)
     for name in getattr(item, "fixturenames", ()):
-        for fixturedef in info.name2fixturedefs.get(name, ()) if info else ():
+        for fixturedef in reversed(info.name2fixturedefs.get(name, ()) if info else ()):
             kinds |= getattr(fixturedef, "palaestra_started", set())
+            if name not in fixturedef.argnames:
+                break
     return kinds
 
 
