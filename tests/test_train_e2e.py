@@ -7,9 +7,9 @@ module, everything on 127.0.0.1:
   0 -> 2 -> 3, metrics are finite, the report files exist; the resumed run starts at step 2,
   weight version 2 and the saved cursor, and trains the tasks an uninterrupted run would have;
 * one-step-off: every batch is exactly one weight version old (the first: zero);
-* async (an environment that waits between its two turns, so sessions straddle weight syncs): no
-  trained sample is older than `run.max_staleness`, and sessions in flight across a sync keep their
-  first turn's tokens and show both versions;
+* async (the two-turn environment's gate holds one task's sessions between their turns across the
+  first weight sync): no trained sample is older than `run.max_staleness`, and sessions in flight
+  across a sync keep their first turn's tokens and show both versions;
 * faults: a killed engine with `run.max_restarts=0` stops the run with its name, exit code and log
   (tests/test_faults.py: with restarts left, every kind of box is survived); a stuck step times out.
 
