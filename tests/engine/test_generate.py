@@ -9,6 +9,8 @@ import httpx
 import pytest
 import torch
 
+pytestmark = pytest.mark.engine  # the module's engine (all but two tests use it)
+
 PROMPT = [5, 77, 301, 12, 999, 45, 8, 1200]
 
 

@@ -223,6 +223,7 @@ def test_swe_env_scripted_agents(tok, tmp_path, backend, swe_data):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_tiny_model_runs_real_episodes(engine, tmp_path, swe_data):
     """The real embedded engine with the tiny (random-weight) model: episodes finish, nothing fails."""
     double = SubprocessBackendForTests()

@@ -27,6 +27,8 @@ from palaestra.gateway.guards import MAX_JSON_DEPTH
 from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.support.servers import RecordingProxy, ThreadServer, gateway_server
 
+pytestmark = pytest.mark.engine  # the gateway in front of the shared engine
+
 KEY = {"Authorization": "Bearer k-test"}
 LIMIT = 1 << 20  # the gateway's max_body_bytes in these tests
 SEND_TIMEOUT_S = 2.0

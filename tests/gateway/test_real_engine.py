@@ -20,6 +20,8 @@ from palaestra.gateway.cli import gateway_process
 from palaestra.gateway.spool import SampleSpool
 from tests.support.servers import RecordingProxy, ThreadServer, gateway_server
 
+pytestmark = pytest.mark.engine  # the real embedded engine (all but one test)
+
 KEY = {"Authorization": "Bearer k-test"}
 
 

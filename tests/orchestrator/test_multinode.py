@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.engine]
 
 ENGINE_NODE, TRAINER_NODE = "palaestra_test_engine_node", "palaestra_test_trainer_node"
 
@@ -39,6 +39,8 @@ def cluster():
         pytest.skip("a Ray instance is already running in this process; this test needs its own cluster")
     saved = os.environ.get("PYTHONPATH")  # the nodes' workers import this module's actor classes
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).parent), saved] if p)
+    # workers at nice 0, not Ray's 15: beside other tests in parallel they would get almost no CPU
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         # every node on loopback: the nodes are separate raylets, and nothing listens beyond 127.0.0.1
         c = Cluster(

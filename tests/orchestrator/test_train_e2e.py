@@ -7,9 +7,9 @@ module, everything on 127.0.0.1:
   0 -> 2 -> 3, metrics are finite, the report files exist; the resumed run starts at step 2,
   weight version 2 and the saved cursor, and trains the tasks an uninterrupted run would have;
 * one-step-off: every batch is exactly one weight version old (the first: zero);
-* async (an environment that waits between its two turns, so sessions straddle weight syncs): no
-  trained sample is older than `run.max_staleness`, and sessions in flight across a sync keep their
-  first turn's tokens and show both versions;
+* async (the two-turn environment's gate holds one task's sessions between their turns across the
+  first weight sync): no trained sample is older than `run.max_staleness`, and sessions in flight
+  across a sync keep their first turn's tokens and show both versions;
 * faults: a killed engine with `run.max_restarts=0` stops the run with its name, exit code and log
   (tests/orchestrator/test_faults.py: with restarts left, every kind of box is survived); a stuck step times out.
 
@@ -33,6 +33,7 @@ from palaestra.config import load_config
 from palaestra.sdk import Environment, Task
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
+pytestmark = pytest.mark.ray  # every test runs on the module's Ray
 
 
 class TwoTurnEnv(Environment):
@@ -40,12 +41,40 @@ class TwoTurnEnv(Environment):
 
     Turn 1 stops at the first "e" (finish reason `stop`, so turn 2 is bridged onto its exact tokens
     rather than forked as after `max_tokens`). The reward is the parity of the reply's length, so
-    groups have reward variance. Both calls sample as the run says (`session.sampling`)."""
+    groups have reward variance. Both calls sample as the run says (`session.sampling`).
+
+    `gate` (a directory) and `gated` (task indices) hold the sessions of those tasks between their
+    turns: after turn 1 and the pause each writes `arrived-<index>-<session>` into `gate` and waits
+    until `open-<index>` exists there (tests/orchestrator/test_faults.py kills a process while they wait, so the
+    kill lands mid-episode whatever the machine's speed). A gate never opened fails the session
+    after `gate_timeout_s`, saying so."""
 
     name = "two-turn"
 
-    def __init__(self, pause_s: float = 1.0, max_tokens: int = 8):
+    def __init__(
+        self,
+        pause_s: float = 1.0,
+        max_tokens: int = 8,
+        gate: str | None = None,
+        gated: tuple[int, ...] = (),
+        gate_timeout_s: float = 600.0,
+    ):
         self.pause_s, self.max_tokens = pause_s, max_tokens
+        self.gate, self.gated, self.gate_timeout_s = gate, {int(i) for i in gated}, gate_timeout_s
+
+    async def _wait_at_gate(self, session, task) -> None:
+        index = int(str(task.task_id).rsplit("-", 1)[1])  # task ids are count-<seed>-<index>
+        if self.gate is None or index not in self.gated:
+            return
+        gate = Path(self.gate)
+        (gate / f"arrived-{index}-{session.session_id}").touch()
+        deadline = asyncio.get_running_loop().time() + self.gate_timeout_s
+        while not (gate / f"open-{index}").exists():
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(
+                    f"TwoTurnEnv: {gate}/open-{index} never appeared ({self.gate_timeout_s} s)"
+                )
+            await asyncio.sleep(0.05)
 
     def tasks(self, seed: int):
         return (Task(task_id=f"count-{seed}-{i}") for i in itertools.count())
@@ -61,6 +90,7 @@ class TwoTurnEnv(Environment):
         )
         messages += [{"role": "assistant", "content": first.choices[0].message.content or ""}]
         await asyncio.sleep(self.pause_s)
+        await self._wait_at_gate(session, task)
         messages += [{"role": "user", "content": "two"}]
         second = await session.client.chat.completions.create(
             model=self.model, messages=messages, max_tokens=self.max_tokens, **session.sampling
@@ -76,15 +106,19 @@ def ray_local():
     """One local Ray for the module; the rollout actors import `test_train_e2e:TwoTurnEnv` from here."""
     from palaestra.orchestrator.cluster import init_ray
 
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [TESTS_DIR, saved] if p)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_worker_niceness")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [TESTS_DIR, saved["PYTHONPATH"]] if p)
+    # Ray starts its workers (the engines, gateway and trainer here) at nice 15: beside other tests
+    # in parallel (`make test -n 2`) or other work on the machine they would get almost no CPU.
+    os.environ["RAY_worker_niceness"] = "0"
     try:  # Ray's processes take the environment they start with; other tests get theirs back
         started = init_ray("127.0.0.1", num_cpus=8)
     finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     yield
     if started:
         import ray
@@ -127,6 +161,7 @@ def assert_finite(rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_local, tmp_path):
     from palaestra.sdk import load_environment
     from palaestra.sdk.runner import take_tasks
@@ -163,6 +198,7 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_two_data_parallel_trainer_ranks_learn_like_one(ray_local, tmp_path):
     """trainer.dp_size: 2 starts two trainer rank actors that split each batch; seeded runs
     generate the same rollouts, so DP = 2 must train exactly as DP = 1 (fp32 tolerance)."""
@@ -189,6 +225,7 @@ def test_two_data_parallel_trainer_ranks_learn_like_one(ray_local, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_path):
     from palaestra.train import train
 
@@ -205,38 +242,65 @@ def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local, tmp_path):
+    """Task 2's sessions answer their first turn before the first weight sync and their second
+    after it, however fast the steps run: the environment's gate holds them between their turns
+    (`TwoTurnEnv(gate=...)`) from step 1's batch (nothing synced yet: the run's hook waits there
+    until they arrived) until step 1 is over (version 1 on the engines). One group runs at a time
+    (env.concurrency = samples_per_task), so the held group is the next to finish: step 2 trains it."""
+    import time
+
     from palaestra.train import train
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+
+    def hold_task_2_across_the_first_sync(phase, step, run):
+        if (phase, step) == ("batch", 0):  # step 1's batch is read; nothing is synced yet
+            deadline = time.monotonic() + 300
+            while len(list(gate.glob("arrived-2-*"))) < 2:
+                assert time.monotonic() < deadline, "task 2's sessions never reached the gate"
+                time.sleep(0.05)
+        elif (phase, step) == ("step", 0):  # weight version 1 is on the engines
+            (gate / "open-2").touch()
 
     cfg = make_config(
         tmp_path / "async",
         "async",
         "env.name=test_train_e2e:TwoTurnEnv",
-        "env.args={pause_s: 5}",  # longer than a training step: syncs fall inside it
+        f"env.args={{pause_s: 0.2, gate: '{gate}', gated: [2]}}",
         "env.eval_tasks=0",
+        "env.concurrency=2",
         "run.steps=3",
         "run.max_staleness=2",
         "trainer.use_tis=true",
     )
-    result = train(cfg)
+    try:
+        result = train(cfg, hook=hold_task_2_across_the_first_sync)
+    finally:
+        (gate / "open-2").touch()
     lags = [lag for r in result.trained for lag in r.lags]
     assert lags and max(lags) <= 2
     assert result.engine_versions_end == ["3", "3"]
     # Sessions that were in flight across a weight sync: turn 1 at one version, turn 2 at the next.
-    assert any(len(v) == 2 for r in result.trained for v in r.versions), [r.versions for r in result.trained]
+    step2 = result.trained[1]
+    assert "count-0-2" in step2.task_ids, [r.task_ids for r in result.trained]
+    assert sum(v == ["0", "1"] for v in step2.versions) >= 2, [r.versions for r in result.trained]
     assert_finite(result.state.rows)
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_a_dead_engine_beyond_max_restarts_stops_the_run_with_its_name_and_log(ray_local, tmp_path):
     import ray
 
     from palaestra.orchestrator.errors import RunFailed
     from palaestra.train import train
 
-    def kill_engine_1(step, cluster):
-        if step == 0:
-            os.kill(ray.get(cluster.engines[1].actor.pid.remote()), signal.SIGKILL)
+    def kill_engine_1(phase, step, run):  # the run's hook: once step 1 is over
+        if (phase, step) == ("step", 0):
+            os.kill(ray.get(run.cluster.engines[1].actor.pid.remote()), signal.SIGKILL)
 
     cfg = make_config(
         tmp_path / "dead",
@@ -247,7 +311,7 @@ def test_a_dead_engine_beyond_max_restarts_stops_the_run_with_its_name_and_log(r
         "run.max_restarts=0",
     )
     with pytest.raises(RunFailed, match=r"engine-1 \(http://127\.0\.0\.1:\d+\) exited with code -9") as err:
-        train(cfg, on_step=kill_engine_1)
+        train(cfg, hook=kill_engine_1)
     assert "engine-1.log" in str(err.value)
 
 

@@ -19,6 +19,8 @@ from palaestra.sdk import Environment, GatewayClient, Task, run_rollouts
 from palaestra.sdk.runner import take_tasks, wilson_interval
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
+pytestmark = pytest.mark.engine  # the shared engine (most tests)
+
 KEY = {"Authorization": "Bearer k-sdk"}
 ENV = {**os.environ, "PALAESTRA_API_KEY": "k-sdk"}
 

@@ -54,6 +54,7 @@ def two_engines(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_distributed_broadcast_reaches_every_engine(two_engines, tiny_model_dir, tmp_path):
     ids = list(range(5, 60))
     before = [score(u, ids) for u in two_engines]
@@ -82,6 +83,7 @@ def test_distributed_broadcast_reaches_every_engine(two_engines, tiny_model_dir,
     assert r.status_code == 400 and "no weight update group" in r.json()["message"]
 
 
+@pytest.mark.engine
 def test_bad_group_requests_are_named(engine):
     post = lambda path, body: httpx.post(f"{engine.url}{path}", json=body, trust_env=False)  # noqa: E731
     r = post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
