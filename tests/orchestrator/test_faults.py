@@ -59,7 +59,7 @@ from typing import Any
 
 import pytest
 
-from tests.orchestrator.test_train_e2e import make_config, ray_local  # noqa: F401 (the module's Ray, below)
+from tests.support.runs import TWO_TURN, make_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -271,7 +271,7 @@ def run_with_kills(out: Path, name: str) -> Outcome:
     cfg = make_config(
         out / name,
         mode,
-        "env.name=test_train_e2e:TwoTurnEnv",
+        f"env.name={TWO_TURN}",
         killer.env_args(),
         f"run.steps={steps}",
         "env.eval_tasks=0",
@@ -288,7 +288,7 @@ def run_with_kills(out: Path, name: str) -> Outcome:
 
 
 @pytest.fixture(scope="module")
-def runs(ray_local, tmp_path_factory) -> Callable[[str], Outcome]:  # noqa: F811 (the imported fixture)
+def runs(ray_local, tmp_path_factory) -> Callable[[str], Outcome]:
     """`runs(name)`: the run `name` of `RUNS`, started by the first test that asks for it."""
     done: dict[str, Outcome | BaseException] = {}
 
