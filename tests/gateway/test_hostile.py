@@ -51,13 +51,6 @@ class SmallBufferServer(ThreadServer):
 
 
 @pytest.fixture(scope="module")
-def proxy(engine):
-    rec = RecordingProxy(engine.url)
-    with ThreadServer(rec.app()) as srv:
-        yield rec, srv
-
-
-@pytest.fixture(scope="module")
 def gw(proxy, tmp_path_factory):
     _, srv = proxy
     spool = tmp_path_factory.mktemp("spool")
