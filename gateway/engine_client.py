@@ -69,6 +69,7 @@ class EngineClient:
         retry_backoff_s: float = 0.5,
         incremental_stream: bool = False,
         max_connections: int = 512,
+        connect_timeout_s: float = 10.0,
     ):
         self.url = url.rstrip("/")
         self.retries = retries
@@ -76,8 +77,9 @@ class EngineClient:
         self.incremental_stream = incremental_stream
         # sock_connect, not connect: aiohttp's `connect` also counts the wait for a free pooled
         # connection, so with more calls in flight than `max_connections` queued calls failed as
-        # engine timeouts (504) after 10 s although the engine was answering (tests/gateway/test_load.py)
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
+        # engine_timeout (504) after 10 s although the engine was answering (tests/gateway/test_load.py).
+        # A connection not made in `connect_timeout_s` sent nothing, so it is retried like a refused one.
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._client: aiohttp.ClientSession | None = None
 
@@ -144,6 +146,8 @@ class EngineClient:
                 ) as r:
                     raw = await r.read()
                     status = r.status
+            except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
+                last = self._unreachable(exc)
             except TimeoutError:  # aiohttp's timeouts are TimeoutErrors (checked before ClientError)
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
@@ -232,6 +236,8 @@ class EngineClient:
                             )
                         yield fresh_ids, fresh_lps, final
                     return
+            except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
+                last = self._unreachable(exc)
             except TimeoutError:
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
