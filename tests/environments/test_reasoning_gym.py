@@ -33,7 +33,12 @@ from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server  
 # by simulating it), so for them a wrong answer must score below 1 instead.
 EXAMPLE_KEYS = ("possible_answer", "example_answer", "example_correct_answer")
 NO_REFERENCE = {"boxnet", "rush_hour"}
-COMPOSITE = {"datasets": [{"name": "chain_sum", "weight": 1, "config": {}}, {"name": "spell_backward", "weight": 1, "config": {}}]}
+COMPOSITE = {
+    "datasets": [
+        {"name": "chain_sum", "weight": 1, "config": {}},
+        {"name": "spell_backward", "weight": 1, "config": {}},
+    ]
+}
 
 
 def reference(entry) -> str | None:
