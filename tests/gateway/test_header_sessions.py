@@ -2,13 +2,22 @@
 verifiers' eval client sends them: one base URL for every rollout, the rollout's id in a header.
 Created on first sight under the environment key, then used like a session made by POST /sessions
 (its turns one trajectory, its reward posted by id, its samples in /samples); a session token
-cannot open new ones; a missing or malformed header is a 400 naming it.
+cannot open new ones; a missing or malformed header is a 400 naming it. And verifiers' own eval
+client (`verifiers.v1.clients.eval.EvalClient`, verifiers 0.4.0 as `make install` installs it) with
+its `base_url` at the gateway: its rollouts' turns land in header-bound sessions.
 
 The clients are the real openai and anthropic SDKs; the engine is a SCRIPTED ENGINE (a labelled
 TEST DOUBLE, tests/support/servers.py) answering "ok"; the gateway and the tokenizer are real.
 """
 
 from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import anthropic
 import httpx
@@ -88,3 +97,66 @@ def test_a_missing_or_malformed_header_is_a_400_naming_it(gw, headers, needle):
     with pytest.raises(openai.BadRequestError, match=needle) as err:
         client(gw, **headers).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
     assert err.value.body["param"] == "X-Session-ID"
+
+
+# verifiers' EvalClient, as a verifiers eval runs it: two chat turns of one rollout (its trace id)
+# and one Anthropic-dialect turn of another. Run outside the checkout: the repository's own
+# `verifiers/` folder (palaestra.verifiers) would shadow the library's top-level name inside it.
+EVAL_CLIENT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from verifiers.v1.clients.eval import EvalClient
+    from verifiers.v1.configs.client import EvalClientConfig
+    from verifiers.v1.dialects import AnthropicDialect, ChatDialect
+    from verifiers.v1.types import SamplingConfig
+
+    async def main(base_url, trace_id):
+        config = EvalClientConfig(
+            base_url=base_url, api_key_var="PALAESTRA_API_KEY", headers={"X-Palaestra-Env": "verifiers"}
+        )
+        client = EvalClient(config)
+        out, messages = [], [{"role": "user", "content": "hi"}]
+        for _ in range(2):
+            body = {"model": "tiny", "messages": messages, "max_tokens": 4}
+            reply = await client.get_response(ChatDialect(), body, SamplingConfig(), session_id=trace_id)
+            text = reply.raw["choices"][0]["message"]["content"]
+            out.append(text)
+            messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        reply = await client.get_response(AnthropicDialect(), body, SamplingConfig(), session_id=trace_id + "-b")
+        out.append(reply.raw["content"][0]["text"])
+        await client.close()
+        print(json.dumps(out))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.slow  # verifiers.v1 imports its whole stack: ~8 s of CPU
+def test_verifiers_eval_client_rollouts_land_in_header_bound_sessions(gw, tmp_path):
+    try:  # the distribution, not the name (which is palaestra.verifiers' folder inside the checkout)
+        assert importlib.metadata.version("verifiers") == "0.4.0"
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("verifiers is not installed: make install installs it (--no-deps: it pins openai<3)")
+    script = tmp_path / "eval_client.py"
+    script.write_text(EVAL_CLIENT)
+    trace = "9d7c0e5a41b34f0e8a2b6c1d3e4f5a6b"
+    done = subprocess.run(
+        [sys.executable, str(script), f"{gw.url}/v1", trace],
+        cwd=tmp_path,
+        env={**os.environ, "PALAESTRA_API_KEY": KEY},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["ok", "ok", "ok"]
+    session = httpx.get(f"{gw.url}/sessions/{trace}", headers=AUTH).json()
+    assert session["env"] == "verifiers" and len(session["turns"]) == 2
+    assert httpx.get(f"{gw.url}/sessions/{trace}-b", headers=AUTH).json()["env"] == "verifiers"
+    httpx.post(f"{gw.url}/sessions/{trace}/reward", headers=AUTH, json={"reward": 0.5}).raise_for_status()
+    (sample,) = [
+        s for s in httpx.get(f"{gw.url}/samples", headers=AUTH).json()["samples"] if s["session_id"] == trace
+    ]
+    assert sample["reward"] == 0.5 and sample["loss_mask"].count(1) > 0
