@@ -91,3 +91,13 @@ def test_a_mixed_rollout_through_the_gateway_is_scored_per_family(tok, tmp_path)
     scores = score(tasks, summary.results)
     assert scores["accuracy/reasoning-gym"] == 1.0 and scores["accuracy/textarena"] == 1.0
     assert (scores["tasks/textarena"], scores["tasks/reasoning-gym"]) == (1.0, 5.0)
+
+
+def test_the_example_config_loads_and_builds_its_three_families():
+    from palaestra.config import load_config
+    from palaestra.sdk.registry import load_environment
+
+    cfg = load_config("configs/mix.yaml")
+    env = load_environment(cfg.env.name, **cfg.env.args)
+    assert [name for name, _, _ in env.members] == ["math", "reasoning-gym", "textarena"]
+    assert {t.kind for t in itertools.islice(env.tasks(0), 30)} == {"math", "reasoning-gym", "textarena"}
