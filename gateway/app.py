@@ -21,6 +21,7 @@ from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import BodyLimit
+from palaestra.gateway.header_sessions import bound
 from palaestra.gateway.routes import admin, anthropic, error_body, openai, public, sessions
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.spool import SampleSpool
@@ -80,7 +81,7 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     app.add_middleware(
         BodyLimit, max_bytes=config.max_body_bytes, rejected=svc.metrics.rejected, error_body=error_body
     )
-    for router in (public, openai, anthropic, sessions, admin):
+    for router in (public, openai, anthropic, bound, sessions, admin):
         app.include_router(router)
 
     # Every error is answered in the envelope of the dialect of its route (`Dialect.error_body`).

@@ -63,7 +63,8 @@ def register(groups: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the gateway",
         description="Serve the agent routes under /s/<session>/v1 (OpenAI: chat/completions, completions, "
-        "responses, models; Anthropic: messages, messages/count_tokens), the session "
+        "responses, models; Anthropic: messages, messages/count_tokens) and the same under /v1 with the "
+        "session named by an X-Session-ID header (created on first sight under the environment key), the session "
         "API (/sessions, /sessions/<id>/reward, /sessions/<id>), /samples and /samples/stream for the "
         "trainer, /admin/pause and /admin/resume, /metrics and /health. Prompts are rendered to token ids "
         "with the model's chat template and sent to the engine's /generate with X-SMG-Routing-Key. "

@@ -213,11 +213,16 @@ async def count_tokens(session_id: str, request: Request) -> Response:
     return await _answer(request, "count_tokens", count)
 
 
+DIALECT_ROUTERS: list[APIRouter] = [openai, anthropic]
+"""The routers whose routes speak a dialect (`error_body` looks a route up in them);
+gateway/header_sessions.py adds its own."""
+
+
 def error_body(scope: AsgiScope, exc: GatewayError) -> dict[str, Any]:
     """`exc` in the error envelope of the dialect of the route `scope` asks for (OpenAI's for a
     route of no dialect). The route is matched as the router matches it, so this answers the same
     before routing (the body limit) as after."""
-    for route in (*openai.routes, *anthropic.routes):
+    for route in (route for router in DIALECT_ROUTERS for route in router.routes):
         dialect = _DIALECT_OF.get(getattr(route, "endpoint", None))
         if dialect is not None and route.matches(scope)[0] is Match.FULL:
             return dialect.error_body(exc)

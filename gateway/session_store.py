@@ -71,6 +71,10 @@ class SessionStore:
                 return
             del self._sessions[victim]
 
+    def __contains__(self, session_id: object) -> bool:
+        """Whether a session of this id is held (open, or finished and not yet evicted)."""
+        return session_id in self._sessions
+
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:

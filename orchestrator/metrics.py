@@ -57,7 +57,8 @@ NAMESPACES = ("rollout/", "train/", "opd/", "mismatch/", "perf/", "eval/")
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
     """`rollout/*` of one step's batch: reward, sizes, staleness, what was dropped and why,
-    sessions per status, the environment's own metrics (`rollout/env_*`); `perf/gen_s` is the
+    sessions per status, the environment's own metrics (`rollout/env_*`), for tasks of several kinds
+    each kind's reward and groups (`rollout/reward_mean/<kind>`, `rollout/groups/<kind>`); `perf/gen_s` is the
     wall time from the first group's start to the last one's end."""
     rewards = [r for g in batch.groups for r in g.rewards]
     samples = batch.samples
@@ -83,6 +84,12 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         m["perf/gen_s"] = max(g.finished for g in batch.groups) - min(g.started for g in batch.groups)
     for k in sorted({k for g in batch.groups for k in g.metrics}):
         m[f"rollout/env_{k}"] = statistics.fmean(g.metrics.get(k, 0.0) for g in batch.groups)
+    kinds = sorted({g.kind for g in batch.groups if g.kind is not None})
+    if len(kinds) > 1:  # tasks of several kinds (datasets, games, a mix's families): each one's reward
+        for kind in kinds:
+            of_kind = [r for g in batch.groups if g.kind == kind for r in g.rewards]
+            m[f"rollout/reward_mean/{kind}"] = statistics.fmean(of_kind) if of_kind else math.nan
+            m[f"rollout/groups/{kind}"] = float(sum(g.kind == kind for g in batch.groups))
     return m
 
 

@@ -131,6 +131,7 @@ class RolloutWorker:
             started=started,
             finished=time.time(),
             errors=[r.error for r in summary.results if r.error][:3],
+            kind=kind if isinstance(kind := getattr(task, "kind", None), str) else None,
         )
 
     async def _slotted(self, index: int, attempt: int) -> GroupRecord:

@@ -501,7 +501,20 @@ def _env_arg_problems(env: EnvOptions, origin: ArgsOrigin | None) -> list[str]:
         )
     for key in takes.missing(args):
         problems.append(f"env.args.{key}: {what} needs it (no default); set env.args.{key}=...")
+    if not problems:
+        problems += _build_problems(cls, args, what)
     return problems
+
+
+def _build_problems(cls: type, args: dict[str, Any], what: str) -> list[str]:
+    """The environment built with `args`, as the environment runner will build it: a value it
+    refuses (an unknown dataset or game, a dataset that fails to build) is reported now, with its
+    message, before anything starts. Constructors are cheap by contract (tasks come later)."""
+    try:
+        cls(**args)
+    except Exception as exc:
+        return [f"env.args: {what} could not be built with {args!r}: {type(exc).__name__}: {exc}"]
+    return []
 
 
 def _owned(path: str, options: Mapping[str, Any], owned: set[str], why: str) -> list[str]:

@@ -32,6 +32,12 @@ unchanged and reads only these attributes of it:
 `check_task` enforces this at the first task of every run (`run_rollouts`, and `palaestra train`'s
 environment runner), with an error naming the environment, the task's type and the fix.
 `tasks(seed)` must be reproducible: the same tasks in the same order for the same seed.
+
+**Several seats.** An episode is one session unless `seats(task)` says more: then the runner opens
+that many sessions of the task's group (seat i's with metadata ``{"seat": i}``) and calls
+`play(sessions, task)` instead of `rollout`, which returns one reward per seat, each posted to its
+own seat's session (a two-player game in self-play: both seats are the policy, and each seat's
+samples are trained on with its own reward). If `play` raises, every seat's session closes as failed.
 """
 
 from __future__ import annotations
@@ -120,3 +126,14 @@ class Environment(ABC):
     @abstractmethod
     async def rollout(self, session: Session, task: Any) -> float | Reward | dict[str, Any]:
         """One episode: talk to the model through `session.client`, return the reward."""
+
+    def seats(self, task: Any) -> int:
+        """Sessions one episode of `task` plays (module docstring, 'Several seats'); 1 by default."""
+        return 1
+
+    async def play(self, sessions: list[Session], task: Any) -> list[float | Reward | dict[str, Any]]:
+        """One episode over `seats(task)` sessions of one group: one reward per seat, in seat order."""
+        raise NotImplementedError(
+            f"{type(self).__qualname__}.seats() is more than 1 for task {getattr(task, 'task_id', task)!r}, "
+            "so the environment must implement play(sessions, task)"
+        )

@@ -32,11 +32,14 @@ BUILTIN = {
     "math-tool": "palaestra.environments.math.env:MathToolEnv",
     "code": "palaestra.environments.code_sandbox.env:CodeSandboxEnv",
     "swe": "palaestra.environments.swe_agent.env:SweAgentEnv",
+    "reasoning-gym": "palaestra.environments.reasoning_gym.env:ReasoningGymEnv",
+    "textarena": "palaestra.environments.textarena.env:TextArenaEnv",
+    "mix": "palaestra.environments.mix.env:MixEnv",
 }
 
 
 def builtin_names() -> str:
-    """The built-in environments' names, for help texts: ``math, math-tool, code, swe``."""
+    """The built-in environments' names, for help texts: ``math, math-tool, code, swe, ...``."""
     return ", ".join(BUILTIN)
 
 

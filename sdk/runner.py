@@ -3,8 +3,11 @@
     summary = await run_rollouts(env, GatewayClient(url, key), tasks, samples_per_task=4, concurrency=16)
     print(summary.line())
 
-Each task's K sessions share one `group_id` (`env/task_id/run`), so GRPO-style estimators normalise
-within the group. Every task is checked against the task contract (`environment.check_task`) before
+Each task's K episodes share one `group_id` (`env/task_id/run`), so GRPO-style estimators normalise
+within the group. An episode is one session, or, for an environment whose `seats(task)` is N > 1
+(self-play: every seat of a two-player game played by the policy), N sessions of the group played
+together by `env.play(sessions, task)`, each seat rewarded on its own session: a group then holds
+K x N samples, and the summary one result per seat. Every task is checked against the task contract (`environment.check_task`) before
 the first session starts. A rollout that raises closes its session as `failed` (never trained on)
 and is counted; transient gateway errors (unreachable, 429, 5xx) on session calls are retried with
 backoff. The summary gives the mean reward and the mean of each metric the environment returned.
@@ -13,6 +16,7 @@ backoff. The summary gives the mean reward and the mean of each metric the envir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import math
@@ -115,6 +119,16 @@ def episode_seed(base: int | str, index: int) -> int:
 
 async def _one(
     env: Environment, gateway: GatewayClient, task: Any, group_id: str, sampling: Mapping[str, Any]
+) -> list[RolloutResult]:
+    """One episode of `task`: one session, or `env.seats(task)` sessions of the group (`play`)."""
+    seats = env.seats(task)
+    if seats == 1:
+        return [await _single(env, gateway, task, group_id, sampling)]
+    return await _seated(env, gateway, task, group_id, sampling, seats)
+
+
+async def _single(
+    env: Environment, gateway: GatewayClient, task: Any, group_id: str, sampling: Mapping[str, Any]
 ) -> RolloutResult:
     task_id = str(task.task_id)  # checked by run_rollouts (check_task)
     try:
@@ -125,20 +139,76 @@ async def _one(
         async with session:
             reward = as_reward(await env.rollout(session, task))
             done = await session.reward(reward.value, reward.metrics)
-        return RolloutResult(
-            task_id,
-            group_id,
-            session.session_id,
-            reward.value,
-            done.get("status", "completed"),
-            reward.metrics,
-            done.get("sample_ids", []),
-            int(done.get("sampled_tokens", 0)),
-        )
+        return _finished(task_id, group_id, session.session_id, reward, done)
     except Exception as exc:  # the session was closed as failed by its context manager
         return RolloutResult(
             task_id, group_id, session.session_id, 0.0, "failed", error=f"{type(exc).__name__}: {exc}"
         )
+
+
+def _finished(
+    task_id: str, group_id: str, session_id: str, reward: Any, done: Mapping[str, Any]
+) -> RolloutResult:
+    return RolloutResult(
+        task_id,
+        group_id,
+        session_id,
+        reward.value,
+        done.get("status", "completed"),
+        reward.metrics,
+        done.get("sample_ids", []),
+        int(done.get("sampled_tokens", 0)),
+    )
+
+
+async def _seated(
+    env: Environment,
+    gateway: GatewayClient,
+    task: Any,
+    group_id: str,
+    sampling: Mapping[str, Any],
+    seats: int,
+) -> list[RolloutResult]:
+    """One episode played over `seats` sessions of one group (seat i's session has metadata
+    ``{"seat": i}``); each seat's reward is posted to its own session. If the episode raises, every
+    seat's session closes as failed."""
+    task_id = str(task.task_id)
+    sessions: list[Any] = []
+    try:
+        for seat in range(seats):
+            sessions.append(
+                await gateway.session(
+                    env=env.name,
+                    task_id=task_id,
+                    group_id=group_id,
+                    metadata={"seat": seat},
+                    sampling=sampling,
+                )
+            )
+    except Exception as exc:
+        for s in sessions:  # the seats that did open: closed, nothing trained on
+            with contextlib.suppress(Exception):
+                await s.reward(0.0, {"error": 1.0}, status="failed")
+        return [
+            RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}")
+            for _ in range(seats)
+        ]
+    try:
+        rewards = [as_reward(r) for r in await env.play(sessions, task)]
+        if len(rewards) != seats:
+            raise TypeError(f"{env.name}.play returned {len(rewards)} rewards for {seats} seats")
+        results = []
+        for session, reward in zip(sessions, rewards, strict=True):
+            done = await session.reward(reward.value, reward.metrics)
+            results.append(_finished(task_id, group_id, session.session_id, reward, done))
+        return results
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        for s in sessions:
+            if not s.finished:
+                with contextlib.suppress(Exception):
+                    await s.reward(0.0, {"error": 1.0}, status="failed")
+        return [RolloutResult(task_id, group_id, s.session_id, 0.0, "failed", error=error) for s in sessions]
 
 
 async def run_rollouts(
@@ -153,7 +223,8 @@ async def run_rollouts(
     sampling: Mapping[str, Any] | None = None,
     seed: int | str | None = None,
 ) -> RolloutSummary:
-    """Runs `samples_per_task` sessions per task, at most `concurrency` at once. Every session's
+    """Runs `samples_per_task` episodes per task (one session each, or `env.seats(task)`), at most
+    `concurrency` episodes at once. Every session's
     `session.sampling` is `sampling` (e.g. `{"temperature": 1.0}`); with `seed`, episode j (tasks in
     order, then their samples) adds its own `"seed": episode_seed(seed, j)`. A task that breaks the
     task contract raises `TaskError` before any session starts."""
@@ -171,21 +242,20 @@ async def run_rollouts(
     rewards: list[float] = []
     sampling = dict(sampling or {})
 
-    async def guarded(j: int, task: Any, group: str) -> RolloutResult:
+    async def guarded(j: int, task: Any, group: str) -> list[RolloutResult]:
         episode = sampling if seed is None else {**sampling, "seed": episode_seed(seed, j)}
         async with sem:
-            result = await _one(env, gateway, task, group, episode)
-        if result.status != "failed":
-            rewards.append(result.reward)
+            results = await _one(env, gateway, task, group, episode)
+        rewards.extend(r.reward for r in results if r.status != "failed")
         if bar is not None:
             bar.set_postfix(reward=f"{statistics.fmean(rewards):.3f}" if rewards else "-", refresh=False)
             bar.update(1)
-        return result
+        return results
 
     t0 = time.perf_counter()
     try:
-        results = await asyncio.gather(*[guarded(j, t, g) for j, (t, g) in enumerate(jobs)])
+        episodes = await asyncio.gather(*[guarded(j, t, g) for j, (t, g) in enumerate(jobs)])
     finally:
         if bar is not None:
             bar.close()
-    return RolloutSummary(list(results), time.perf_counter() - t0)
+    return RolloutSummary([r for results in episodes for r in results], time.perf_counter() - t0)

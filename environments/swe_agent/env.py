@@ -143,6 +143,8 @@ class SweAgentEnv(Environment):
             return Reward(0.0, log.metrics(resolved=0.0, submitted=float(submitted)))
         if result.reason.startswith("tests_did_not_finish"):
             log.fail("sandbox_timeout")
+        elif result.reason.startswith("test_command_failed"):  # the tests could not start: not the agent's
+            log.fail("grader_error")
         return Reward(
             result.reward,
             log.metrics(

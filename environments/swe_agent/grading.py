@@ -41,7 +41,8 @@ GRADE_LIMITS = Limits(timeout_s=120.0, cpu_s=120, memory_mb=1024, pids=128)
 class Grade:
     reward: float
     reason: str
-    """resolved, unresolved, patch_does_not_apply, tests_did_not_finish."""
+    """resolved, unresolved, patch_does_not_apply, tests_did_not_finish, or test_command_failed (the
+    test command exited reporting no test: it could not start; its exit status and last line)."""
     fail_to_pass: dict[str, TestOutcome] = field(default_factory=dict)
     pass_to_pass: dict[str, TestOutcome] = field(default_factory=dict)
 
@@ -84,6 +85,8 @@ async def grade(
     resolved = all(o.passed for o in f2p.values()) and all(o.passed for o in p2p.values())
     if resolved:
         reason = "resolved"
+    elif run.command_failed:
+        reason = f"test_command_failed: {run.command_failed}"
     elif run.exec.status != "ok" and any(o.outcome == "missing" for o in run.outcomes.values()):
         reason = f"tests_did_not_finish: {run.exec.status}"
     else:
@@ -167,6 +170,11 @@ async def validate(instance: SweInstance, backend: Backend, limits: Limits = GRA
         )
     except Exception as exc:  # a repo that is missing, a git error: the instance is unusable
         return fail(f"{type(exc).__name__}: {exc}")
+    if fixed.reason.startswith("test_command_failed"):
+        return fail(
+            f"the test command {instance.test_cmd!r} could not run the tests in the sandbox "
+            f"({fixed.reason.partition(': ')[2]}): the sandbox's Python must have what it runs"
+        )
     if fixed.reward != 1.0:
         bad = [o for o in [*fixed.fail_to_pass.values(), *fixed.pass_to_pass.values()] if not o.passed]
         detail = ", ".join(f"{o.id} {o.outcome}" for o in bad[:3])

@@ -33,7 +33,8 @@ UNPACK = (
 class TestOutcome:
     id: str
     outcome: str
-    """passed, failed, error, skipped, or missing (never reported: the run ended first)."""
+    """passed, failed, error, skipped, or missing (never reported: the run ended first, or the
+    test command could not run them: `TestRun.command_failed`)."""
     message: str = ""
     at: dict | None = None
     """Where in the test file it failed: {file, line, code}."""
@@ -50,6 +51,20 @@ class TestRun:
 
     def all_pass(self, ids: tuple[str, ...] | list[str]) -> bool:
         return all(self.outcomes[i].passed for i in ids)
+
+    @property
+    def command_failed(self) -> str | None:
+        """Why the test command ran none of the tests, when it exited non-zero reporting none of
+        them (it could not start: ``No module named pytest``, a missing file, a collection error):
+        its exit status and the last line it wrote. None when any test was reported, or the run was
+        cut (a timeout, a limit: `exec.status`)."""
+        if self.exec.status != "ok" or self.exec.exit_code == 0:
+            return None
+        if any(o.outcome != "missing" for o in self.outcomes.values()):
+            return None
+        written = [line.strip() for line in (self.exec.stdout + "\n" + self.exec.stderr).splitlines()]
+        last = next((line for line in reversed(written) if line), "no output")
+        return f"exit status {self.exec.exit_code}: {last[:300]}"
 
 
 async def upload_tree(box: Sandbox, files: Snapshot | bytes, where: str = "repo") -> ExecResult:

@@ -197,3 +197,17 @@ def test_validate_cli_prints_one_line_per_instance_and_fails_on_an_invalid_one(g
         timeout=300,
     )
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_a_test_command_that_cannot_start_is_reported_as_exactly_that(generated):
+    """Not as tests "missing": the command's exit status and what it said (the sandbox's Python
+    lacks the module it runs, as `python -m pytest` without pytest)."""
+    _, instances = generated
+    instance = replace(instances[0], test_cmd="python3 -m palaestra_no_such_test_runner -rA")
+    backend = SubprocessBackendForTests()
+    graded = asyncio.run(grade(instance, instance.patch, backend))
+    assert graded.reward == 0.0 and graded.reason.startswith("test_command_failed: exit status 1: ")
+    assert "No module named palaestra_no_such_test_runner" in graded.reason
+    result = asyncio.run(validate(instance, backend))
+    assert not result.valid and "could not run the tests in the sandbox" in result.reason
+    assert "No module named palaestra_no_such_test_runner" in result.reason

@@ -54,6 +54,12 @@ POLICY: dict[tuple[str, str], tuple[str, dict | None]] = {
     ("GET", "/s/{session_id}/v1/models"): ("session", None),
     ("POST", "/s/{session_id}/v1/messages"): ("session", CHAT),
     ("POST", "/s/{session_id}/v1/messages/count_tokens"): ("session", {"model": "tiny", "messages": CHAT["messages"]}),
+    # the same routes without the session in the path: its id is the X-Session-ID header
+    ("POST", "/v1/chat/completions"): ("session", CHAT),
+    ("POST", "/v1/completions"): ("session", {"model": "tiny", "prompt": "hi", "max_tokens": 4}),
+    ("POST", "/v1/responses"): ("session", {"model": "tiny", "input": "hi", "max_output_tokens": 4}),
+    ("GET", "/v1/models"): ("session", None),
+    ("POST", "/v1/messages"): ("session", CHAT),
 }  # fmt: skip
 
 CREDENTIALS = ("none", "wrong", "admin", "env", "own_token", "other_token")
@@ -141,6 +147,8 @@ def test_route_by_credential(gateway, route, credential, header):
         if header == "authorization"
         else {header: key}
     )
+    if path.startswith("/v1/"):  # gateway/header_sessions.py: the session named by a header
+        headers["X-Session-ID"] = target["session_id"]
     r = call(gw, method, path.replace("{session_id}", target["session_id"]), body, headers)
     if path == "/admin/pause" and r.status_code == 200:  # never leave generation paused for the next case
         httpx.post(

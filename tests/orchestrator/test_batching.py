@@ -109,6 +109,19 @@ def test_rollout_metrics_count_what_the_filters_left_out():
     assert math.isnan(rollout_metrics(Batch.empty())["rollout/reward_mean"])
 
 
+def test_rollout_metrics_give_each_kinds_reward_when_tasks_are_of_several():
+    """Tasks with a `kind` (a reasoning-gym dataset, a game, a mix's family): a reward per kind."""
+    records = [_record(0, ["a", "b"], [1.0, 0.0]), _record(1, ["c"], [1.0]), _record(2, ["d"], [0.0])]
+    for record, kind in zip(records, ["maze", "maze", "chain_sum"], strict=True):
+        record.kind = kind
+    batch = Batch([], records, [], Counter())
+    m = rollout_metrics(batch)
+    assert m["rollout/reward_mean/maze"] == 2 / 3 and m["rollout/groups/maze"] == 2.0
+    assert m["rollout/reward_mean/chain_sum"] == 0.0 and m["rollout/groups/chain_sum"] == 1.0
+    records[2].kind = "maze"  # one kind only: the overall reward says it all
+    assert not any("/maze" in k for k in rollout_metrics(batch))
+
+
 # ----------------------------------------------------------------------------------------------
 # The sample feed
 # ----------------------------------------------------------------------------------------------

@@ -467,9 +467,13 @@ def test_environment_arguments_are_checked_at_load(tmp_path):
         "env.args.levels: not an argument of environment 'math'" in message and f"(set in {path})" in message
     )
     assert "came from" not in message  # the file's own environment: nothing was overridden
-    # MathToolEnv(max_turns, **kwargs): where **kwargs go is not in a signature, so any key passes
-    # here (MathEnv's own, checked when it is built); an environment without **kwargs is exact
-    assert load_config(None, ["env.name=math-tool", "env.args={max_turns: 2, difficulty: 0}"]).env.args
+    # MathToolEnv(max_turns, **kwargs): where **kwargs go is not in a signature, so the signature
+    # passes any key; the environment is then built with them at load, so a value it refuses (the
+    # word problems have no difficulty 0) is reported now, with its own message
+    assert load_config(None, ["env.name=math-tool", "env.args={max_turns: 2, difficulty: 2}"]).env.args
+    message = error_of(None, ["env.name=math-tool", "env.args={max_turns: 2, difficulty: 0}"])
+    assert "env.args: environment 'math-tool'" in message and "could not be built with" in message
+    assert "difficulty must be 1..5 for word_problem tasks" in message
     assert load_config(None, ["env.name=tests.palaestra.test_config:TakesAnything", "env.args.whatever=1"])
     message = error_of(
         None, ["env.name=tests.palaestra.test_config:NeedsData", "env.args={data: x, turns: 2}"]
@@ -489,8 +493,9 @@ def test_environment_arguments_are_checked_at_load(tmp_path):
         None, ["env.name=tests.palaestra.test_config:NeedsData", "env.args={data: x, temperature: 1.0}"]
     )
     # The environment itself: a name not in the registry, a module that is not there
-    assert "env.name: unknown environment 'maths': use one of math, math-tool, code, swe or" in error_of(
-        None, ["env.name=maths"]
+    assert (
+        "env.name: unknown environment 'maths': use one of math, math-tool, code, swe, reasoning-gym"
+        in error_of(None, ["env.name=maths"])
     )
     message = error_of(None, ["env.name=nowhere_module:Env"])
     assert "env.name: environment 'nowhere_module:Env': no module named 'nowhere_module'" in message

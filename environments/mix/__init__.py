@@ -1,0 +1,1 @@
+"""Several environments as one (`env.name=mix`): a run that trains on a mixture of families."""

@@ -1,0 +1,1 @@
+"""TextArena's text games as one environment family (`env.name=textarena`)."""
