@@ -44,6 +44,7 @@ __all__ = [
     "RESPONSES",
     "TABLES",
     "Recorder",
+    "markdown",
     "Rule",
     "resolve",
     "screen",
@@ -228,6 +229,15 @@ TABLES: dict[str, dict[str, Rule]] = {
     "messages": MESSAGES,
 }
 """Each route's table, by the route names the metrics use."""
+
+
+def markdown(route: str) -> str:
+    """`TABLES[route]` as the Markdown table docs/gateway.md prints (field, treatment, why)."""
+    rows = ["| field | treatment | why |", "|---|---|---|"]
+    for key, rule in sorted(TABLES[route].items()):
+        noop = f" (no-op values accepted: {', '.join(repr(v) for v in rule.noop)})" if rule.noop else ""
+        rows.append(f"| `{key}` | {rule.treatment} | {rule.why.replace('|', '/')}{noop} |")
+    return "\n".join(rows)
 
 
 class Recorder:
