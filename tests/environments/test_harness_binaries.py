@@ -13,6 +13,7 @@ the tokenizer and both binaries are real. The binaries come from `make install`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 
 import pytest
 
+from palaestra.environments.harness import configure
 from palaestra.environments.harness.install import HARNESSES, binary
 from palaestra.gateway.parsers import render_tool_call_text
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
@@ -56,19 +58,17 @@ class ToolScript:
 
 @pytest.fixture
 def harness_stack(tok, tmp_path):
-    def start(tool: str, arguments: dict):
-        script = ToolScript(tok, tool, arguments)
-        engine = ScriptedEngine(script, stop_ids={script.end})
-        eng = ThreadServer(engine.app()).__enter__()
-        gw = gateway_server(eng.url, tmp_path / "spool", tok).__enter__()
-        stack.append((gw, eng))
-        return gw, engine, script
+    """start(tool, arguments) -> (gateway, engine, script): a `ToolScript` engine behind a gateway."""
+    with contextlib.ExitStack() as stack:
 
-    stack: list = []
-    yield start
-    for gw, eng in stack:
-        gw.__exit__(None, None, None)
-        eng.__exit__(None, None, None)
+        def start(tool: str, arguments: dict):
+            script = ToolScript(tok, tool, arguments)
+            engine = ScriptedEngine(script, stop_ids={script.end})
+            eng = stack.enter_context(ThreadServer(engine.app()))
+            gw = stack.enter_context(gateway_server(eng.url, tmp_path / "spool", tok))
+            return gw, engine, script
+
+        yield start
 
 
 def _installed(name: str):
@@ -119,14 +119,7 @@ def test_claude_code_tool_round_trip(harness_stack, tmp_path):
     s = new_session(gw)
     work = tmp_path / "work"
     work.mkdir()
-    env = {
-        **_offline_env(tmp_path),
-        "ANTHROPIC_BASE_URL": s["base_url"].removesuffix("/v1"),
-        "ANTHROPIC_API_KEY": s["api_key"],
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "IS_SANDBOX": "1",
-    }
+    env = {**_offline_env(tmp_path), **configure.claude_code(s["base_url"], s["api_key"])}
     cmd = [str(claude), "-p", "Run the command and tell me what it printed.", "--model", "tiny"]
     cmd += ["--allowedTools", "Bash", "--max-turns", "4"]
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
@@ -145,17 +138,9 @@ def test_codex_tool_round_trip(harness_stack, tmp_path):
     work.mkdir()
     codex_home = tmp_path / "codex"
     codex_home.mkdir()
-    env = {**_offline_env(tmp_path), "CODEX_HOME": str(codex_home), "PALAESTRA_SESSION_KEY": s["api_key"]}
-    provider = {
-        "name": "palaestra",
-        "base_url": s["base_url"],
-        "wire_api": "responses",
-        "env_key": "PALAESTRA_SESSION_KEY",
-    }
-    cmd = [str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
-    for key, value in provider.items():
-        cmd += ["-c", f"model_providers.palaestra.{key}={json.dumps(value)}"]
-    cmd += ["-c", "model_provider=palaestra", "-m", "tiny", "Run the command and tell me what it printed."]
+    extra, args = configure.codex(s["base_url"], s["api_key"], "tiny")
+    env = {**_offline_env(tmp_path), **extra, "CODEX_HOME": str(codex_home)}
+    cmd = [str(codex), *args, "Run the command and tell me what it printed."]
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
     traj = _check_round_trip(gw, engine, script, s["session_id"], done)
     # what it sends that nothing here acts on is recorded, once per call (gateway/controls.py)
