@@ -33,8 +33,10 @@ import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from palaestra.gateway.controls import MESSAGES, Recorder, screen
 from palaestra.gateway.dialect import (
     GenerationParams,
+    Reasoning,
     StreamEvent,
     StreamFailed,
     StreamFinished,
@@ -47,27 +49,17 @@ from palaestra.gateway.dialect import (
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_more
+from palaestra.gateway.sealed import seal, unseal
 from palaestra.gateway.streaming import sse
 from palaestra.gateway.validate import number, stop_list
 
-FIELDS = {
-    "model",
-    "messages",
-    "system",
-    "max_tokens",
-    "stop_sequences",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stream",
-    "tools",
-    "tool_choice",
-    "metadata",
-    "thinking",
-    "service_tier",
-    "cache_control",
-}
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"}
+COUNT_FIELDS = (
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+    "cache_control", "context_management", "mcp_servers",
+)  # fmt: skip
+"""The fields of `/messages/count_tokens` (treated as in `controls.MESSAGES`)."""
+COUNT_TABLE = {k: MESSAGES[k] for k in COUNT_FIELDS}
+BETA_HEADER = "anthropic-beta"
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {
@@ -94,10 +86,19 @@ def error_body(exc: GatewayError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise GatewayError(f"{unknown[0]}: Extra inputs are not permitted", param=unknown[0])
+def _screen(body: dict[str, Any], table: dict[str, Any], headers: dict[str, str] | None) -> Recorder:
+    """The body's top-level fields against the Messages table (`controls.screen`), plus the beta
+    flags of the `anthropic-beta` header, each recorded as `anthropic-beta=<flag>`."""
+    recorder = screen(
+        body,
+        table,
+        lambda key: GatewayError(f"{key}: Extra inputs are not permitted", param=key),
+        lambda key, why: GatewayError(f"{key}: not supported here: {why}", param=key),
+    )
+    for flag in ((headers or {}).get(BETA_HEADER) or "").split(","):
+        if flag.strip():
+            recorder.note(BETA_HEADER, flag.strip())
+    return recorder
 
 
 def _params(body: dict[str, Any]) -> GenerationParams:
@@ -155,14 +156,16 @@ def _convert(raw: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
                     out.append({"role": "assistant", "content": str(block.get("text", ""))})
                     continue
         where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise GatewayError(f"{where}.role: must be 'user' or 'assistant'", param="messages")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise GatewayError(f"{where}.role: must be 'user', 'assistant' or 'system'", param="messages")
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise GatewayError(f"{where}.content: must be a string or an array of blocks", param="messages")
         if m["role"] == "assistant":
             out.append(_assistant(blocks, where))
+        elif m["role"] == "system":  # Claude Code's system reminders; placed by `controls.resolve`
+            out.append({"role": "system", "content": _text(blocks, f"{where}.content")})
         else:
             out += _user(blocks, where)
     return out, True
@@ -175,7 +178,9 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         if kind == "text":
             msg["content"] += str(b.get("text", ""))
         elif kind == "thinking":
-            msg["reasoning_content"] = str(b.get("thinking", ""))
+            # the text as sent, or (display "omitted": empty) the reasoning sealed in the signature
+            text = str(b.get("thinking") or "")
+            msg["reasoning_content"] = text or unseal(b.get("signature")) or ""
         elif kind == "tool_use":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str):
                 raise GatewayError(f"{where}.content.{j}: tool_use needs 'id' and 'name'", param="messages")
@@ -184,7 +189,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         else:
             raise GatewayError(
                 f"{where}.content.{j}.type: {kind!r} is not supported in assistant messages "
-                "(text, thinking, tool_use)",
+                "(text, thinking, tool_use: the blocks this gateway answers with)",
                 param="messages",
             )
     return msg
@@ -206,7 +211,8 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": result})
         else:
             raise GatewayError(
-                f"{where}.content.{j}.type: {kind!r} is not supported in user messages (text, tool_result)",
+                f"{where}.content.{j}.type: {kind!r} is not supported in user messages (text, tool_result: "
+                "a text-only model cannot see images or documents)",
                 param="messages",
             )
     if text or not out:
@@ -214,34 +220,92 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
+# Anthropic-defined client tools: the client runs them, the API shows the model their schema. The
+# gateway shows the template these (its own) schemas under the tool's name.
+_BASH = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "string", "description": "The shell command to run."},
+        "restart": {"type": "boolean", "description": "Restart the shell instead of running a command."},
+    },
+}
+_EDITOR = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "string", "enum": ["view", "create", "str_replace", "insert", "undo_edit"]},
+        "path": {"type": "string", "description": "Absolute path of the file or directory."},
+        "file_text": {"type": "string", "description": "create: the whole file."},
+        "old_str": {"type": "string", "description": "str_replace: the exact text to replace."},
+        "new_str": {"type": "string", "description": "str_replace / insert: the new text."},
+        "insert_line": {"type": "integer", "description": "insert: the line after which to insert."},
+        "view_range": {"type": "array", "items": {"type": "integer"}, "description": "view: [start, end]."},
+    },
+    "required": ["command", "path"],
+}
+CLIENT_TOOLS = {
+    "bash_20241022": ("Run a shell command in a persistent bash session.", _BASH),
+    "bash_20250124": ("Run a shell command in a persistent bash session.", _BASH),
+    "text_editor_20241022": ("View, create and edit files.", _EDITOR),
+    "text_editor_20250124": ("View, create and edit files.", _EDITOR),
+    "text_editor_20250429": ("View, create and edit files.", _EDITOR),
+    "text_editor_20250728": ("View, create and edit files.", _EDITOR),
+}
+"""Anthropic-defined tool type -> (description, input schema) rendered for it."""
+SERVER_TOOL_PREFIXES = (
+    "web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset", "computer_",
+    "memory_",
+)  # fmt: skip
+"""Tool types the API runs itself (or that need screenshots): recorded, not shown to the model."""
+_TOOL_FIELDS = ("cache_control", "type", "name", "description", "input_schema", "input_examples")
+_TOOL_RECORDED = ("defer_loading", "strict", "allowed_callers", "eager_input_streaming")
+"""Tool fields nothing here acts on (tool search, strict inputs, programmatic callers): recorded."""
+
+
+def _tools(raw: Any, recorder: Recorder) -> list[dict[str, Any]] | None:
     if raw is None or raw == []:
         return None
     if not isinstance(raw, list):
         raise GatewayError("tools: must be an array", param="tools")
     out = []
     for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
-            kind = t.get("type") if isinstance(t, dict) else t
-            raise GatewayError(
-                f"tools.{i}: only custom (client) tools are supported; got {kind!r}", param="tools"
-            )
+        if not isinstance(t, dict):
+            raise GatewayError(f"tools.{i}: must be an object", param="tools")
+        kind = t.get("type", "custom")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise GatewayError(f"tools.{i}.name: must be a non-empty string", param="tools")
-        schema = t.get("input_schema")
-        if not isinstance(schema, dict):
+        if kind in CLIENT_TOOLS:
+            description, schema = CLIENT_TOOLS[kind]
+        elif isinstance(kind, str) and kind.startswith(SERVER_TOOL_PREFIXES):
+            recorder.note("tools", kind)
+            continue
+        elif kind == "custom":
+            description, schema = t.get("description") or "", t.get("input_schema")
+            if not isinstance(schema, dict):
+                raise GatewayError(
+                    f"tools.{i}.input_schema: Field required (a JSON schema object)", param="tools"
+                )
+        else:
             raise GatewayError(
-                f"tools.{i}.input_schema: Field required (a JSON schema object)", param="tools"
+                f"tools.{i}.type: {kind!r} is not a tool type of the Messages API this gateway knows "
+                "(custom tools, bash_*, text_editor_*; server tools are recorded)",
+                param="tools",
             )
-        fn = {"name": t["name"], "description": t.get("description") or "", "parameters": schema}
+        for extra in sorted(set(t) - set(_TOOL_FIELDS)):
+            if extra not in _TOOL_RECORDED:
+                raise GatewayError(f"tools.{i}.{extra}: Extra inputs are not permitted", param="tools")
+            if t[extra] not in (None, False):
+                recorder.note(f"tools.{extra}")
+        fn = {"name": t["name"], "description": description, "parameters": schema}
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
 
 
-def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None, recorder: Recorder) -> tuple[str, str | None]:
     if raw is None:
         return ("auto" if tools else "none"), None
     kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind in ("auto", "any", "tool") and raw.get("disable_parallel_tool_use"):
+        recorder.note("tool_choice.disable_parallel_tool_use")  # every call the model writes is returned
     if kind in ("auto", "none"):
         return kind, None
     if kind == "any":
@@ -255,41 +319,91 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str
     raise GatewayError("tool_choice.type: must be 'auto', 'any', 'tool' or 'none'", param="tool_choice")
 
 
-def _thinking(raw: Any) -> dict[str, Any] | None:
-    """`thinking` switches the template's thinking on or off (budget_tokens is not enforced: the
-    model's template decides how long it thinks, max_tokens bounds the whole turn)."""
+def _reasoning(body: dict[str, Any], recorder: Recorder, shaping: dict[str, Any]) -> Reasoning | None:
+    """`thinking` (enabled, adaptive: on; disabled: off) with `output_config.effort` -> the
+    request's reasoning ask (the core maps it onto the template's switch). `budget_tokens` is
+    recorded (the template decides how long the model thinks; max_tokens bounds the turn);
+    `display: "omitted"` answers thinking blocks with empty text and the reasoning sealed in the
+    signature (`sealed.py`), as upstream."""
+    raw, config = body.get("thinking"), body.get("output_config") or {}
+    if not isinstance(config, dict):
+        raise GatewayError("output_config: must be an object", param="output_config")
+    effort = config.get("effort")
+    if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
+        raise GatewayError(
+            "output_config.effort: must be 'low', 'medium', 'high', 'xhigh' or 'max'", param="output_config"
+        )
     if raw is None:
+        if effort is not None:
+            recorder.note("output_config.effort")  # effort without thinking: nothing to switch
         return None
     kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind not in ("enabled", "disabled"):
-        raise GatewayError("thinking.type: must be 'enabled' or 'disabled'", param="thinking")
-    return {"enable_thinking": kind == "enabled"}
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise GatewayError("thinking.type: must be 'enabled', 'adaptive' or 'disabled'", param="thinking")
+    if raw.get("budget_tokens") is not None:
+        recorder.note("thinking.budget_tokens")
+    display = raw.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise GatewayError("thinking.display: must be 'summarized' or 'omitted'", param="thinking")
+    if display == "omitted":
+        shaping["thinking_display"] = "omitted"
+    field = "output_config.effort" if effort is not None and kind != "disabled" else "thinking"
+    return Reasoning(kind != "disabled", effort, field)
 
 
-def parse(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnRequest:
-    """A `/messages` body -> the core's request (`memo`: the session's, see `history.py`)."""
-    _check_fields(body, FIELDS)
+def _output_format(body: dict[str, Any], recorder: Recorder) -> dict[str, str]:
+    """`output_config.format` -> constrained decoding (`openai_request.constraint`'s mapping)."""
+    config = body.get("output_config") or {}
+    for key in sorted(set(config) - {"effort", "format"}):
+        recorder.note(f"output_config.{key}")
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise GatewayError(
+            "output_config.format: must be {'type': 'json_schema', 'schema': {...}}", param="output_config"
+        )
+    return {"json_schema": json.dumps(fmt["schema"])}
+
+
+def parse(
+    body: dict[str, Any], memo: ParseMemo | None = None, headers: dict[str, str] | None = None
+) -> TurnRequest:
+    """A `/messages` body -> the core's request (`memo`: the session's, see `history.py`; `headers`:
+    the `anthropic-beta` flags)."""
+    recorder = _screen(body, MESSAGES, headers)
     params = _params(body)
-    return _request(body, params, memo)
+    params.sampling.update(_output_format(body, recorder))
+    return _request(body, params, recorder, memo)
 
 
 def parse_count(body: dict[str, Any]) -> TurnRequest:
     """A `/messages/count_tokens` body -> a request that is only rendered (never generated)."""
-    _check_fields(body, COUNT_FIELDS)
-    return _request(body, GenerationParams({}, 1, False, False, False, 0, [], None))
+    recorder = _screen(body, COUNT_TABLE, None)
+    return _request(body, GenerationParams({}, 1, False, False, False, 0, [], None), recorder)
 
 
-def _request(body: dict[str, Any], params: GenerationParams, memo: ParseMemo | None = None) -> TurnRequest:
+def _request(
+    body: dict[str, Any], params: GenerationParams, recorder: Recorder, memo: ParseMemo | None = None
+) -> TurnRequest:
     messages = _history(body.get("system"), body.get("messages"), memo)
-    tools = _tools(body.get("tools"))
-    tool_choice, named = _tool_choice(body.get("tool_choice"), tools)
+    tools = _tools(body.get("tools"), recorder)
+    tool_choice, named = _tool_choice(body.get("tool_choice"), tools, recorder)
+    shaping: dict[str, Any] = {}
+    reasoning = _reasoning(body, recorder, shaping)
     return TurnRequest(
         messages,
         tools,
         tool_choice,
         params,
         named_tool=named,
-        template_kwargs=_thinking(body.get("thinking")),
+        shaping=shaping,
+        reasoning=reasoning,
+        ignored=recorder.notes,
     )
 
 
@@ -302,16 +416,23 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def content_blocks(out: TurnOutput) -> list[dict[str, Any]]:
-    """thinking, text, tool_use: the order `_assistant` folds back into one message."""
+def content_blocks(out: TurnOutput, omit_thinking: bool = False) -> list[dict[str, Any]]:
+    """thinking, text, tool_use: the order `_assistant` folds back into one message. A thinking
+    block's signature seals its reasoning (`sealed.py`); `omit_thinking` (display "omitted") leaves
+    its text empty, as upstream."""
     blocks: list[dict[str, Any]] = []
     if out.reasoning:
-        blocks.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
+        text = "" if omit_thinking else out.reasoning
+        blocks.append({"type": "thinking", "thinking": text, "signature": seal(out.reasoning)})
     if out.content or not (out.tool_calls or out.reasoning):
         blocks.append({"type": "text", "text": out.content or ""})
     for c in out.tool_calls:
         blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)})
     return blocks
+
+
+def _omitted(request: TurnRequest) -> bool:
+    return request.shaping.get("thinking_display") == "omitted"
 
 
 def stop_reason(request: TurnRequest, out: TurnOutput) -> tuple[str, str | None]:
@@ -342,7 +463,7 @@ def answer(request: TurnRequest, result: TurnResult) -> dict[str, Any]:
         "type": "message",
         "role": "assistant",
         "model": result.model,
-        "content": content_blocks(out),
+        "content": content_blocks(out, _omitted(request)),
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": _usage(result),
@@ -401,7 +522,7 @@ async def stream(
             return
         elif isinstance(event, StreamFinished):
             out = event.result.outputs[0]
-            blocks = content_blocks(out)
+            blocks = content_blocks(out, _omitted(request))
             if opened and blocks[0]["type"] != "text":
                 blocks.insert(0, {"type": "text", "text": ""})  # the block that already went out
             for index, block in enumerate(blocks):

@@ -44,6 +44,7 @@ from palaestra.gateway.parsers import ToolCall
 __all__ = [
     "Dialect",
     "GenerationParams",
+    "Reasoning",
     "StreamEvent",
     "StreamFailed",
     "StreamFinished",
@@ -82,6 +83,19 @@ class GenerationParams:
 
 
 @dataclass(slots=True)
+class Reasoning:
+    """What a request asked of the model's reasoning, in the dialect's words (Anthropic `thinking` /
+    `output_config.effort`, Responses `reasoning.effort`, chat `reasoning_effort`); the core maps
+    it onto the chat template's switch, if it has one (`controls.resolve`)."""
+
+    on: bool
+    effort: str | None
+    """The effort level asked for ("low", "medium", "high", "none", ...), or None."""
+    field: str
+    """The field it came from: recorded under this name when the template has no switch."""
+
+
+@dataclass(slots=True)
 class TurnRequest:
     """One chat call, dialect-neutral: what the core plans, generates and records from."""
 
@@ -106,6 +120,15 @@ class TurnRequest:
     """Leading messages that are not part of a kept conversation (Responses `instructions`)."""
     store: bool = False
     """Keep this call's conversation (messages after the preamble + the reply) under its call id."""
+    reasoning: Reasoning | None = None
+    """The request's reasoning ask, fitted to the template by the core (None: nothing asked)."""
+    ignored: list[str] = field(default_factory=list)
+    """Controls the request sent that nothing here acts on (`controls.py`): recorded on the turn,
+    counted per session and in /metrics."""
+    shaping: dict[str, Any] = field(default_factory=dict)
+    """What the dialect's shaper needs from its request besides `echo` (Responses: the tool each
+    rendered name stands for, whether reasoning is sealed; Anthropic: the thinking display). The
+    core never reads it."""
 
     @property
     def tools_on(self) -> bool:
@@ -267,3 +290,8 @@ class Dialect(Generic[R]):
     """A `GatewayError` -> the body this dialect's clients expect for it (default OpenAI's envelope,
     `GatewayError.body`). The app's error handlers and the body limit answer with it, for every
     route bound to the dialect (`routes.error_body`)."""
+    name: str = ""
+    """The route's name in metrics and session records ("chat", "responses", "messages", ...)."""
+    headers: tuple[str, ...] = ()
+    """Request headers the parser reads (lower-case), passed to it as `headers={name: value}`
+    (Anthropic's `anthropic-beta` flags)."""

@@ -198,16 +198,29 @@ class EngineClient:
                         self._raise_for(r.status, await r.read())
                     ids: list[int] = []
                     lps: list[float] = []
+                    finished = False
+                    head = b""  # the answer's first bytes, for the error when it is not an event stream
                     async for line in self._lines(r.content):
+                        if len(head) < 200:
+                            head += line[:200] + b"\n"
                         if not line.startswith(b"data: "):
                             continue
                         data = line[6:].strip()
                         if data == b"[DONE]":
                             break
-                        chunk = orjson.loads(data)
-                        if "error" in chunk and "meta_info" not in chunk:
+                        try:
+                            chunk = orjson.loads(data)
+                        except orjson.JSONDecodeError:
+                            chunk = None
+                        if isinstance(chunk, dict) and "error" in chunk and "meta_info" not in chunk:
                             raise GatewayError(
                                 f"engine error mid-stream: {chunk['error']}", 502, type="engine_error"
+                            )
+                        if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
+                            raise GatewayError(
+                                f"the engine sent a stream chunk that is not SGLang's: {data[:200]!r}",
+                                502,
+                                type="engine_error",
                             )
                         new_ids = list(chunk.get("output_ids") or [])
                         new_lps = [
@@ -222,6 +235,7 @@ class EngineClient:
                         sent = len(ids)
                         final = None
                         if chunk["meta_info"].get("finish_reason") is not None:
+                            finished = True
                             final = _generation(
                                 {
                                     "output_ids": ids,
@@ -235,6 +249,15 @@ class EngineClient:
                                 }
                             )
                         yield fresh_ids, fresh_lps, final
+                    if not finished:
+                        kind = r.headers.get("content-type", "no content-type")
+                        raise GatewayError(
+                            "the engine's streaming /generate answer ended without a final chunk "
+                            f"(SGLang's event stream has one with meta_info.finish_reason); it sent {kind}: "
+                            f"{head[:200].decode(errors='replace')!r}",
+                            502,
+                            type="engine_error",
+                        )
                     return
             except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
                 last = self._unreachable(exc)

@@ -22,7 +22,9 @@ from palaestra.gateway.trajectory import Turn
 _LISTS = ("prompt_ids", "output_ids", "output_logprobs")
 
 
-def pack_turns(turns: list[Turn], leaves: list[Turn], parse_errors: dict[str, int]) -> str | None:
+def pack_turns(
+    turns: list[Turn], leaves: list[Turn], parse_errors: dict[str, int], ignored: dict[str, int]
+) -> str | None:
     """The turns' summaries without token lists (sample `i` is `leaves[i]`'s), or None when a turn's
     ids are not where its sample puts them (then the session must keep its turns whole)."""
     holder: dict[int, int] = {}  # turn id -> the first sample whose path runs through it
@@ -48,15 +50,17 @@ def pack_turns(turns: list[Turn], leaves: list[Turn], parse_errors: dict[str, in
         packed.append((summary, i, m))
     # json, not orjson: orjson's output keeps its growth buffer (>= 4 KiB however short the text,
     # measured with tracemalloc), which would cost more than the summaries themselves
-    return json.dumps({"turns": packed, "parse_errors": parse_errors}, separators=(",", ":"))
+    return json.dumps(
+        {"turns": packed, "parse_errors": parse_errors, "ignored_controls": ignored}, separators=(",", ":")
+    )
 
 
 def unpack_turns(
     packed: str, samples: list[dict[str, Any]] | None
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
+) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, int]]:
     """The turn summaries of `pack_turns` with their token lists back, from the session's samples
     (in `sample_ids` order; None: not in the spool any more, the lists stay null), and the
-    session's parse-error counts."""
+    session's parse-error and ignored-control counts."""
     data = json.loads(packed)
     turns = []
     for summary, i, m in data["turns"]:
@@ -69,4 +73,4 @@ def unpack_turns(
         summary["prompt_ids"] = sample["tokens"][:n]
         summary["output_ids"] = sample["tokens"][n : n + m]
         summary["output_logprobs"] = sample["rollout_logprobs"][r : r + m]
-    return turns, data["parse_errors"]
+    return turns, data["parse_errors"], data.get("ignored_controls", {})

@@ -312,6 +312,7 @@ class SessionJournal:
             "kind": turn.kind,
             "had_r": turn.had_reasoning,
             "parse": turn.parse,
+            "controls": turn.controls,
             "fork": turn.fork_reason,
             "fork_detail": turn.fork_detail,
             "created": turn.created,

@@ -71,6 +71,18 @@ class GatewayMetrics:
         )
         for reason in CUT_REASONS:
             self.streams_cut.labels(reason=reason)
+        self.ignored_controls = Counter(
+            f"{p}_ignored_controls",
+            "Calls that sent a control nothing here acts on (gateway/controls.py), by route and field",
+            ["route", "control"],
+            registry=r,
+        )
+        self.max_tokens_clamped = Counter(
+            f"{p}_max_tokens_clamped",
+            "Calls whose max_tokens did not fit in the context and were clamped to it, by route",
+            ["route"],
+            registry=r,
+        )
         self.overhead = Histogram(
             f"{p}_call_overhead_seconds",
             "Gateway time per call outside the engine",

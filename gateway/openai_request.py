@@ -2,8 +2,8 @@
 
 `parse_chat` reads `/chat/completions` bodies, `parse_completion` `/completions` bodies; both map
 the sampling fields to SGLang `sampling_params` (`parse_generation`) and raise OpenAI-style errors
-naming the field. Accepted fields are listed in `CHAT_FIELDS` / `COMPLETION_FIELDS`;
-docs/gateway.md says which are honoured and which are accepted and ignored. Any other top-level
+naming the field. Every field of the public API is in `controls.CHAT` / `controls.COMPLETIONS`
+(honoured, recorded or refused, and why; docs/gateway.md prints the tables); any other top-level
 key is a 400 ("Unrecognized request argument supplied: ..."), as OpenAI answers. The answers are
 shaped by `openai_response.py`; `dialect.py` describes the seam.
 """
@@ -14,73 +14,31 @@ import json
 import math
 from typing import Any
 
-from palaestra.gateway.dialect import GenerationParams, TextRequest, TurnRequest
+from palaestra.gateway.controls import CHAT, COMPLETIONS, Recorder, Rule, screen
+from palaestra.gateway.dialect import GenerationParams, Reasoning, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_tools
 from palaestra.gateway.validate import SEED_RANGE, number, stop_list
 
-_COMMON = {
-    "model",
-    "temperature",
-    "top_p",
-    "max_tokens",
-    "stop",
-    "seed",
-    "n",
-    "logprobs",
-    "top_logprobs",
-    "user",
-    "stream",
-    "stream_options",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    # SGLang / vLLM extensions many clients send through `extra_body`
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
-    "skip_special_tokens",
-    "ignore_eos",
-    # accepted, not used
-    "metadata",
-    "store",
-    "service_tier",
-    "prediction",
-    "safety_identifier",
-    "prompt_cache_key",
-}
-CHAT_FIELDS = _COMMON | {
-    "messages",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "max_completion_tokens",
-    "response_format",
-    "chat_template_kwargs",
-    "reasoning_effort",
-    "modalities",
-    "functions",
-    "function_call",
-    "separate_reasoning",
-    "verbosity",
-    "web_search_options",
-    # SGLang's constrained decoding fields, as its own OpenAI server takes them through `extra_body`
-    "regex",
-    "ebnf",
-}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
-
-
 MAX_N = 64
 """Most choices one call may ask for (`n`); more is a 400 naming `n`."""
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""Values of `reasoning_effort` (and the Responses API's `reasoning.effort`)."""
 
 
-def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> GenerationParams:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise GatewayError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+def screen_fields(body: dict[str, Any], table: dict[str, Rule]) -> Recorder:
+    """The body's top-level fields against the route's table (`controls.screen`), in OpenAI's words."""
+    return screen(
+        body,
+        table,
+        lambda key: GatewayError(f"Unrecognized request argument supplied: {key}", param=key),
+        lambda key, why: GatewayError(f"'{key}' is not supported: {why}", param=key),
+    )
+
+
+def parse_generation(body: dict[str, Any], chat: bool, recorder: Recorder | None = None) -> GenerationParams:
+    """The sampling and answer fields of a chat or completions body (already screened)."""
     sampling: dict[str, Any] = {}
     temperature = number(body, "temperature", 0, 2)
     sampling["temperature"] = 1.0 if temperature is None else temperature  # OpenAI's default
@@ -126,6 +84,8 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise GatewayError("'stream_options' must be an object", param="stream_options")
+    if options.get("include_obfuscation") and recorder is not None:
+        recorder.note("stream_options.include_obfuscation")  # nothing to obfuscate
     logprobs_raw = body.get("logprobs")
     if chat:
         logprobs = bool(logprobs_raw)
@@ -187,7 +147,8 @@ def _as_is(messages: list[Any], start: int) -> tuple[list[Any], bool]:
 
 def parse_chat(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnRequest:
     """A `/chat/completions` body -> the core's request (`memo`: the session's, see `history.py`)."""
-    params = parse_generation(body, CHAT_FIELDS, chat=True)
+    recorder = screen_fields(body, CHAT)
+    params = parse_generation(body, True, recorder)
     params.sampling.update(constraints(body, body.get("response_format"), "response_format"))
     raw = body.get("messages")
     if memo is None or not isinstance(raw, list) or not raw:
@@ -211,12 +172,27 @@ def parse_chat(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnReque
     extra = body.get("chat_template_kwargs") or None
     if extra is not None and not isinstance(extra, dict):
         raise GatewayError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    return TurnRequest(messages, tools, tool_choice, params, named_tool=named, template_kwargs=extra)
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in EFFORTS:
+        raise GatewayError(
+            f"'reasoning_effort' must be one of {', '.join(EFFORTS)}", param="reasoning_effort"
+        )
+    return TurnRequest(
+        messages,
+        tools,
+        tool_choice,
+        params,
+        named_tool=named,
+        template_kwargs=extra,
+        reasoning=None if effort is None else Reasoning(effort != "none", effort, "reasoning_effort"),
+        ignored=recorder.notes,
+    )
 
 
 def parse_completion(body: dict[str, Any]) -> TextRequest:
     """A `/completions` body -> the core's request. Streaming is served on chat only."""
-    params = parse_generation(body, COMPLETION_FIELDS, chat=False)
+    screen_fields(body, COMPLETIONS)  # the recorded ones are not kept: a text turn has no controls
+    params = parse_generation(body, False)
     if params.stream:
         raise GatewayError("streaming is supported on /chat/completions only", param="stream")
     prompt = body.get("prompt")

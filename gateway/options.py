@@ -35,6 +35,12 @@ class GatewayOptions:
     default_max_tokens: int = 4096
     """Max tokens of a call that sets none (capped by the context length)."""
 
+    max_tokens_over_context: Literal["clamp", "reject"] = "clamp"
+    """A call whose max_tokens does not fit in the context with its prompt: clamp = generate up to the
+    room left (the turn records the clamp: field, asked, granted), reject = a 400
+    context_length_exceeded naming the field (as OpenAI answers). Harnesses ask for more than a
+    small model's context (Claude Code: 32000+)."""
+
     context_length: int | None = None
     """Context length in tokens; None = the engine's /server_info."""
 

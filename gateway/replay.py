@@ -115,6 +115,7 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
         had_reasoning=t["had_r"],
         context_key=context_key if t["kind"] == "chat" else None,
         parse=t["parse"],
+        controls=t.get("controls"),  # journals written before controls were recorded have none
         fork_reason=t["fork"],
         fork_detail=t["fork_detail"],
         created=t["created"],

@@ -1,19 +1,24 @@
 """The OpenAI Responses API dialect: the shapers (`responses_api.py` is the parser).
 
 `answer` shapes the core's `TurnResult` into a `response` object: output items reasoning, message,
-function calls -- the order `responses_api.parse` folds back into one assistant message.
+tool calls -- the order `responses_api.parse` folds back into one assistant message. A call of a
+namespace's tool is a `function_call` with its `namespace`; a call of a custom tool a
+`custom_tool_call` (`input`); with `include: ["reasoning.encrypted_content"]` the reasoning item
+also carries the reasoning sealed in `encrypted_content` (`sealed.py`).
 
 Stream events, in order: `response.created`, `response.in_progress`, then per output item
 `response.output_item.added`, its content events (`response.content_part.added`,
 `response.output_text.delta`..., `response.output_text.done`, `response.content_part.done`;
 `response.reasoning_text.delta` / `.done` for reasoning; `response.function_call_arguments.delta`
-/ `.done` for calls), `response.output_item.done`, and last `response.completed` (or
+/ `.done` for calls, `response.custom_tool_call_input.delta` / `.done` for custom tool calls),
+`response.output_item.done`, and last `response.completed` (or
 `response.incomplete` when cut by `max_output_tokens`, `response.failed` when the engine failed).
 Content streams as it is sampled; reasoning and calls are parsed whole and arrive at the end.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -28,6 +33,7 @@ from palaestra.gateway.dialect import (
     TurnRequest,
     TurnResult,
 )
+from palaestra.gateway.sealed import seal
 from palaestra.gateway.streaming import sse
 
 
@@ -47,10 +53,14 @@ def _ids(call_id: str) -> str:
     return call_id.removeprefix("resp_")
 
 
-def _reasoning_item(call_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def _reasoning_item(call_id: str, text: str, sealed: bool) -> dict[str, Any]:
+    """A reasoning item; `sealed` (include reasoning.encrypted_content): with the reasoning sealed
+    in `encrypted_content`, which the parser restores when the client sends only that back."""
     item: dict[str, Any] = {"type": "reasoning", "id": f"rs_{_ids(call_id)}", "summary": []}
     item["content"] = [{"type": "reasoning_text", "text": text}]
-    return {**item, "status": status}
+    if sealed:
+        item["encrypted_content"] = seal(text)
+    return {**item, "status": "completed"}
 
 
 def _message_item(call_id: str, text: str, logprobs: Any, status: str = "completed") -> dict[str, Any]:
@@ -65,27 +75,48 @@ def _message_item(call_id: str, text: str, logprobs: Any, status: str = "complet
     }
 
 
-def _call_item(call_id: str, j: int, call: Any, arguments: str | None = None) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": f"fc_{_ids(call_id)}_{j}",
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments if arguments is None else arguments,
-        "status": "completed" if arguments is None else "in_progress",
-    }
+def _call_item(request: TurnRequest, call_id: str, j: int, call: Any) -> dict[str, Any]:
+    """A `function_call` item, or for a custom tool a `custom_tool_call` (`input`: the one string
+    argument it was rendered with); a namespace's tool is named as in its namespace."""
+    kind, name, namespace = request.shaping.get("tools", {}).get(call.name, ("function", call.name, None))
+    if kind == "custom":
+        try:
+            value = json.loads(call.arguments)
+        except (json.JSONDecodeError, RecursionError):
+            value = None
+        text = value.get("input") if isinstance(value, dict) else None
+        item = {
+            "type": "custom_tool_call",
+            "id": f"ctc_{_ids(call_id)}_{j}",
+            "call_id": call.id,
+            "name": name,
+            "input": text if isinstance(text, str) else call.arguments,
+        }
+    else:
+        item = {
+            "type": "function_call",
+            "id": f"fc_{_ids(call_id)}_{j}",
+            "call_id": call.id,
+            "name": name,
+            "arguments": call.arguments,
+        }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return {**item, "status": "completed"}
 
 
-def output_items(call_id: str, out: TurnOutput, force_message: bool = False) -> list[dict[str, Any]]:
-    """A choice's output items: reasoning, message, function calls (the order the input parser
-    folds back into one assistant message)."""
+def output_items(
+    request: TurnRequest, call_id: str, out: TurnOutput, force_message: bool = False
+) -> list[dict[str, Any]]:
+    """A choice's output items: reasoning, message, tool calls (the order the input parser folds
+    back into one assistant message)."""
     items = []
     if out.reasoning:
-        items.append(_reasoning_item(call_id, out.reasoning))
+        items.append(_reasoning_item(call_id, out.reasoning, bool(request.shaping.get("seal_reasoning"))))
     if out.content or force_message or not (out.tool_calls or out.reasoning):
         lps = _logprobs(out.logprobs) if out.logprobs is not None else []
         items.append(_message_item(call_id, out.content or "", lps))
-    items += [_call_item(call_id, j, c) for j, c in enumerate(out.tool_calls)]
+    items += [_call_item(request, call_id, j, c) for j, c in enumerate(out.tool_calls)]
     return items
 
 
@@ -130,7 +161,7 @@ def _response(
 def answer(request: TurnRequest, result: TurnResult, force_message: bool = False) -> dict[str, Any]:
     out = result.outputs[0]
     status = "incomplete" if out.finish == "length" else "completed"
-    items = output_items(result.call_id, out, force_message)
+    items = output_items(request, result.call_id, out, force_message)
     return _response(
         request, result.call_id, result.created, result.model, status, items, _usage(result, out)
     )
@@ -176,6 +207,18 @@ def _item_events(ev: _Events, index: int, item: dict[str, Any]) -> list[str]:
             ),
             ev("response.reasoning_text.delta", **where, delta=text),
             ev("response.reasoning_text.done", **where, text=text),
+            ev("response.output_item.done", output_index=index, item=item),
+        ]
+    if kind == "custom_tool_call":
+        text = item["input"]
+        return [
+            ev(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "input": "", "status": "in_progress"},
+            ),
+            ev("response.custom_tool_call_input.delta", item_id=item_id, output_index=index, delta=text),
+            ev("response.custom_tool_call_input.done", item_id=item_id, output_index=index, input=text),
             ev("response.output_item.done", output_index=index, item=item),
         ]
     args = item["arguments"]

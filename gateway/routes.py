@@ -85,9 +85,14 @@ OPENAI_CHAT: Dialect[TurnRequest] = Dialect(
     openai_response.chat_completion,
     openai_response.chat_stream,
     takes_memo=True,
+    name="chat",
 )
 OPENAI_COMPLETIONS: Dialect[TextRequest] = Dialect(
-    "cmpl-", openai_request.parse_completion, openai_response.text_completion, history_field="prompt"
+    "cmpl-",
+    openai_request.parse_completion,
+    openai_response.text_completion,
+    history_field="prompt",
+    name="completions",
 )
 OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
     "resp_",
@@ -96,6 +101,7 @@ OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
     responses_answer.stream,
     takes_memo=True,
     history_field="input",
+    name="responses",
 )
 ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
     "msg_",
@@ -104,6 +110,8 @@ ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
     anthropic_api.stream,
     takes_memo=True,
     error_body=anthropic_api.error_body,
+    name="messages",
+    headers=(anthropic_api.BETA_HEADER,),
 )
 
 _DIALECT_OF: dict[Callable[..., Any], Dialect] = {}  # endpoint -> the dialect it speaks (`_speaks`)
@@ -199,8 +207,9 @@ anthropic = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require
 @anthropic.post("/messages", openapi_extra=schemas.body(schemas.ANTHROPIC_MESSAGES))
 @_speaks(ANTHROPIC_MESSAGES)
 async def messages(session_id: str, request: Request) -> Response:
+    headers = {name: request.headers.get(name, "") for name in ANTHROPIC_MESSAGES.headers}
     return await _answer(
-        request, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES)
+        request, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES, headers)
     )
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway import bridge, parse_status, parsers, replay
+from palaestra.gateway import bridge, controls, parse_status, parsers, replay, template_caps
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
@@ -111,6 +111,7 @@ class GatewayService:
         )
         self.stop_text = self._stop_texts()
         self.render_gap = bridge.incremental_ok(self.renderer)  # None: always render in full
+        self.caps = template_caps.probe(self.renderer)  # its thinking switch, where system messages go
         self._turn_ids = 0
         self.journal = SessionJournal(
             spool.dir,
@@ -169,12 +170,44 @@ class GatewayService:
 
     # -- chat: plan -> generate -> record -> shape ---------------------------------------------
     async def chat(
-        self, session_id: str, body: dict[str, Any], dialect: Dialect[TurnRequest]
+        self,
+        session_id: str,
+        body: dict[str, Any],
+        dialect: Dialect[TurnRequest],
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any] | AsyncGenerator[str, None]:
-        """One chat call in `dialect`: its answer body, or its event stream for `stream: true`."""
+        """One chat call in `dialect` (`headers`: those the dialect reads): its answer body, or its
+        event stream for `stream: true`. A request refused before generation is counted on the
+        session (`Session.refused`) as well as answered with the 400."""
         t0 = time.perf_counter()
         session = self.sessions.open(session_id)
-        request = dialect.parse(body, session.parse_memo) if dialect.takes_memo else dialect.parse(body)
+        try:
+            request = self._parse(session, body, dialect, headers)
+            call = self._plan_chat(session, request, dialect)
+        except GatewayError as exc:
+            if exc.status == 400:
+                session.note_refusal(dialect.name, exc)
+            raise
+        if dialect.stream is not None and request.params.stream:
+            return shaped_stream(self._stream_chat(call), functools.partial(dialect.stream, request))
+        gens, engine_s = await self._generate(
+            session, call.call_id, call.plan.prompt_ids, call.sampling, request.params.top_logprobs
+        )
+        outputs = [self._chat_output(call, i, gen, engine_s) for i, gen in enumerate(gens)]
+        self.metrics.overhead.observe(max(time.perf_counter() - t0 - engine_s, 0.0))
+        return dialect.answer(request, self._result(call.call_id, len(call.plan.prompt_ids), outputs))
+
+    def _parse(
+        self,
+        session: Session,
+        body: dict[str, Any],
+        dialect: Dialect[TurnRequest],
+        headers: dict[str, str] | None,
+    ) -> TurnRequest:
+        """The dialect's parse, with the session's kept conversation put in and the request fitted to
+        the template (`controls.resolve`)."""
+        args: list[Any] = [body, session.parse_memo] if dialect.takes_memo else [body]
+        request = dialect.parse(*args, headers=headers) if dialect.headers else dialect.parse(*args)
         if request.params.stream and dialect.stream is None:
             raise GatewayError("streaming is not supported on this route", param="stream")
         if request.previous is not None:
@@ -186,17 +219,10 @@ class GatewayService:
                     param="previous_response_id",
                 )
             request.messages[request.preamble : request.preamble] = kept
-        call = self._plan_chat(session, request, dialect.call_id_prefix)
-        if dialect.stream is not None and request.params.stream:
-            return shaped_stream(self._stream_chat(call), functools.partial(dialect.stream, request))
-        gens, engine_s = await self._generate(
-            session, call.call_id, call.plan.prompt_ids, call.sampling, request.params.top_logprobs
-        )
-        outputs = [self._chat_output(call, i, gen, engine_s) for i, gen in enumerate(gens)]
-        self.metrics.overhead.observe(max(time.perf_counter() - t0 - engine_s, 0.0))
-        return dialect.answer(request, self._result(call.call_id, len(call.plan.prompt_ids), outputs))
+        controls.resolve(request, self.caps)
+        return request
 
-    def _plan_chat(self, session: Session, request: TurnRequest, id_prefix: str) -> _ChatCall:
+    def _plan_chat(self, session: Session, request: TurnRequest, dialect: Dialect[TurnRequest]) -> _ChatCall:
         digests = session.history.of(request.messages)
         context = orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
         context_key = hash(context)
@@ -213,12 +239,13 @@ class GatewayService:
             context_key,
             self.render_gap,
         )
-        max_tokens = self._max_tokens(request.params, len(plan.prompt_ids))
+        max_tokens, clamped = self._max_tokens(request.params, len(plan.prompt_ids))
         self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
+        turn_controls = self._controls(dialect.name, request.ignored, clamped)
         return _ChatCall(
             session=session,
             request=request,
-            call_id=f"{id_prefix}{secrets.token_hex(12)}",
+            call_id=f"{dialect.call_id_prefix}{secrets.token_hex(12)}",
             plan=plan,
             sampling={**request.params.sampling, "max_new_tokens": max_tokens},
             turn_extra={
@@ -228,9 +255,25 @@ class GatewayService:
                 "fork_reason": plan.fork_reason,
                 "fork_detail": plan.fork_detail,
                 "context_key": context_key,
+                "controls": turn_controls,
             },
             context=context,
         )
+
+    def _controls(
+        self, route: str, ignored: list[str], clamped: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """What a call's turns record about its controls (`Turn.controls`): the ignored ones, each
+        once, and a max_tokens clamp; each counted in /metrics."""
+        out: dict[str, Any] = {}
+        if ignored:
+            out["ignored"] = list(dict.fromkeys(ignored))
+            for name in out["ignored"]:
+                self.metrics.ignored_controls.labels(route=route, control=name.split("=", 1)[0]).inc()
+        if clamped is not None:
+            out["max_tokens"] = clamped
+            self.metrics.max_tokens_clamped.labels(route=route).inc()
+        return out or None
 
     def _chat_output(self, call: _ChatCall, choice: int, gen: Generation, latency: float) -> TurnOutput:
         """Parses one sampled choice and records it as a turn."""
@@ -323,9 +366,15 @@ class GatewayService:
                 self._record_failure(call.session, call.call_id, exc)
                 yield StreamFailed(exc)
                 return
+            if final is None:  # the engine's stream ended without a final chunk (engine_client says why)
+                exc = GatewayError(
+                    "the engine's stream ended without a final chunk", 502, type="engine_error"
+                )
+                self._record_failure(call.session, call.call_id, exc)
+                yield StreamFailed(exc)
+                return
         finally:
             self._leave(call.session)
-        assert final is not None
         output = self._chat_output(call, 0, final, 0.0)
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
         yield StreamFinished(result, text.unsent(output.content or ""))
@@ -356,7 +405,7 @@ class GatewayService:
         else:
             ids = self.renderer.encode(prompt)
             fork = "prefix_changed" if any(t.kind == "completion" for t in session.turns) else None
-        max_tokens = self._max_tokens(request.params, len(ids))
+        max_tokens, clamped = self._max_tokens(request.params, len(ids))
         call_id = f"{dialect.call_id_prefix}{secrets.token_hex(12)}"
         sampling = {**request.params.sampling, "max_new_tokens": max_tokens}
         gens, engine_s = await self._generate(session, call_id, ids, sampling, request.params.top_logprobs)
@@ -376,6 +425,7 @@ class GatewayService:
                 output_text=full,
                 fork_reason=fork,
                 fork_detail="the prompt does not extend an earlier one" if fork else "",
+                controls=self._controls(dialect.name, [], clamped) if i == 0 else None,
             )
             self.journal.turn(session, turn)
             # completions report no alternatives (top_logprobs: null), so none are decoded
@@ -383,7 +433,10 @@ class GatewayService:
         return dialect.answer(request, self._result(call_id, len(ids), outputs))
 
     # -- shared pieces --------------------------------------------------------------------------
-    def _max_tokens(self, params: GenerationParams, prompt_len: int) -> int:
+    def _max_tokens(self, params: GenerationParams, prompt_len: int) -> tuple[int, dict[str, Any] | None]:
+        """The call's max_new_tokens, and the clamp when the one asked for does not fit in the
+        context with the prompt (option max_tokens_over_context: clamp it to the room left, or
+        refuse with a 400 naming the field)."""
         room = self.context_length - prompt_len
         if room < 1:
             raise GatewayError(
@@ -394,15 +447,18 @@ class GatewayService:
                 param="messages",
             )
         if params.max_tokens is not None and params.max_tokens > room:
+            if self.config.max_tokens_over_context == "clamp":
+                return room, {"field": params.max_tokens_field, "asked": params.max_tokens, "granted": room}
             raise GatewayError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "
                 f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in "
-                f"the completion: '{params.max_tokens_field}').",
+                f"the completion: '{params.max_tokens_field}'; the gateway's option max_tokens_over_context "
+                "is 'reject').",
                 400,
                 code="context_length_exceeded",
                 param=params.max_tokens_field,
             )
-        return params.max_tokens or min(room, self.config.default_max_tokens)
+        return params.max_tokens or min(room, self.config.default_max_tokens), None
 
     async def _generate(
         self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int

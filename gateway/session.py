@@ -14,7 +14,17 @@ from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import HistoryDigests
 from palaestra.gateway.trajectory import Turn
 
-__all__ = ["Session"]
+__all__ = ["Session", "count_ignored"]
+
+
+def count_ignored(turns: list[Turn]) -> dict[str, int]:
+    """Recorded controls over `turns`, each call counted once (its first choice's turn)."""
+    counts: dict[str, int] = {}
+    for turn in turns:
+        if turn.choice == 0 and turn.controls:
+            for name in turn.controls.get("ignored", ()):
+                counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 @dataclass
@@ -33,6 +43,9 @@ class Session:
     by_digest: dict[int, list[Turn]] = field(default_factory=dict)
     forks: list[dict[str, Any]] = field(default_factory=list)
     failed_calls: list[dict[str, Any]] = field(default_factory=list)
+    refused: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Calls refused with a 400 before generating, by `route:field` (`note_refusal`): count and the
+    last message. Kept in memory only (not journaled): a restarted gateway counts afresh."""
     history: HistoryDigests = field(default_factory=HistoryDigests)
     """The last call's message digests, reused by the next call on the history it repeats."""
     parse_memo: ParseMemo = field(default_factory=ParseMemo)
@@ -60,7 +73,7 @@ class Session:
         `leaves[i]`'s) are durable: the turns' token lists (the spool has them; `trajectory` reads
         them back), bridging's lookups, the parse memo and kept conversations."""
         self.conversations = {}
-        packed = finished_turns.pack_turns(self.turns, leaves, self.parse_errors())
+        packed = finished_turns.pack_turns(self.turns, leaves, self.parse_errors(), self.ignored_controls())
         if packed is None:  # not from the gateway's own bridging: keep the turns, drop their texts
             for turn in self.turns:
                 turn.rendered = turn.output_text = ""
@@ -80,6 +93,17 @@ class Session:
                 {"turn_id": turn.turn_id, "reason": turn.fork_reason, "detail": turn.fork_detail}
             )
 
+    def note_refusal(self, route: str, exc: Any) -> None:
+        """Counts a call refused with `exc` (a `GatewayError`) under `route:field`."""
+        key = f"{route}:{exc.param or '-'}"
+        entry = self.refused.setdefault(key, {"count": 0, "last": ""})
+        entry["count"] += 1
+        entry["last"] = exc.message[:500]
+
+    def ignored_controls(self) -> dict[str, int]:
+        """The recorded controls (gateway/controls.py), counted once per call over the session's turns."""
+        return count_ignored(self.turns)
+
     def parse_errors(self) -> dict[str, int]:
         """Outputs that did not parse, counted by reason over the session's turns."""
         counts: dict[str, int] = {}
@@ -95,9 +119,10 @@ class Session:
         """What GET /sessions/{id} answers; a released session's token lists come from its `samples`
         (in `sample_ids` order; None: no longer spooled, the lists are null)."""
         if self.packed_turns is not None:
-            turns, parse_errors = finished_turns.unpack_turns(self.packed_turns, samples)
+            turns, parse_errors, ignored = finished_turns.unpack_turns(self.packed_turns, samples)
         else:
             turns, parse_errors = [t.summary() for t in self.turns], self.parse_errors()
+            ignored = self.ignored_controls()
         return {
             "session_id": self.session_id,
             "env": self.env,
@@ -114,6 +139,8 @@ class Session:
             "turns": turns,
             "forks": self.forks,
             "parse_errors": parse_errors,
+            "ignored_controls": ignored,
+            "refused": self.refused,
             "failed_calls": self.failed_calls,
             "sample_ids": self.sample_ids,
         }

@@ -51,6 +51,9 @@ class Turn:
     had_reasoning: bool = False
     context_key: int | None = None  # chat: digest of what the template reads besides the messages
     parse: dict[str, Any] | None = None  # chat: how the output was parsed (service._parse_status)
+    controls: dict[str, Any] | None = None
+    """What the call asked that was not done as asked (service._controls): "ignored" (the recorded
+    controls, gateway/controls.py) and "max_tokens" (a clamp: field, asked, granted); None: nothing."""
     fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
     fork_detail: str = ""
     children: int = 0
@@ -96,6 +99,7 @@ class Turn:
             "fork_reason": self.fork_reason,
             "fork_detail": self.fork_detail,
             "parse": self.parse,
+            "controls": self.controls,
         }
 
 

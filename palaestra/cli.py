@@ -11,6 +11,7 @@ Each command group lives next to the code it drives and registers its sub-comman
     palaestra sandbox exec|serve|build-images    sandbox/cli.py
     palaestra train                              palaestra/train.py (a run on Ray)
     palaestra swe generate|validate              environments/swe_agent/cli.py
+    palaestra harness install|path               environments/harness/install.py (Claude Code, Codex)
 
 `palaestra --help` lists them (tests/palaestra/test_docs_true.py checks this list against it).
 """
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra import train as train_cmd
     from palaestra.engine import cli as engine_cli
     from palaestra.engine import router, sglang_launcher
+    from palaestra.environments.harness import install as harness_cli
     from palaestra.environments.swe_agent import cli as swe_cli
     from palaestra.gateway import cli as gateway_cli
     from palaestra.models import cli as models_cli
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sandbox_cli.register(groups)
     train_cmd.register(groups)
     swe_cli.register(groups)
+    harness_cli.register(groups)
     return parser
 
 

@@ -112,11 +112,12 @@ def test_responses_stream_events_and_previous_response_id(stack):
     "extra, param",
     [
         ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"truncation": "auto"}, "truncation"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning"),
+        ({"include": ["reasoning.secret"]}, "include"),
+        ({"truncation": "sometimes"}, "truncation"),
+        ({"tools": [{"type": "local_shell"}]}, "tools"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
@@ -202,10 +203,10 @@ def test_anthropic_errors_and_x_api_key(stack):
     assert ok.status_code == 200 and ok.json()["type"] == "message"
     for bad, field in (
         ({k: v for k, v in body.items() if k != "max_tokens"}, "max_tokens"),
-        ({**body, "container": "x"}, "container"),
+        ({**body, "thread": {"type": "create"}}, "thread"),
         ({**body, "temperature": 1.5}, "temperature"),
         ({**body, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
-        ({**body, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools"),
+        ({**body, "tools": [{"type": "bash_19990101", "name": "bash"}]}, "tools"),
     ):
         r = httpx.post(url, json=bad, headers={"x-api-key": "k-test"})
         assert r.status_code == 400, r.text

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from palaestra.gateway import anthropic_api, openai_request, responses_api
+from palaestra.gateway import anthropic_api, controls
 from palaestra.gateway.guards import BODY_REASONS
 from palaestra.gateway.streaming import safe_prefix
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
@@ -40,12 +40,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 # Fields each dialect's parser knows: a refusal names one of them (or one the body sent).
-KNOWN = {
-    "chat": openai_request.CHAT_FIELDS,
-    "completions": openai_request.COMPLETION_FIELDS,
-    "responses": responses_api.FIELDS,
-    "messages": anthropic_api.FIELDS,
-}
+KNOWN = {route: set(table) for route, table in controls.TABLES.items()}
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,12 @@ class SmallBufferServer(ThreadServer):
 def gw(proxy, tmp_path_factory):
     _, srv = proxy
     spool = tmp_path_factory.mktemp("spool")
-    options = {"max_body_bytes": LIMIT, "stream_send_timeout_s": SEND_TIMEOUT_S}
+    # max_tokens beyond the context: the strict option (the default clamps; tests/gateway/test_controls.py)
+    options = {
+        "max_body_bytes": LIMIT,
+        "stream_send_timeout_s": SEND_TIMEOUT_S,
+        "max_tokens_over_context": "reject",
+    }
     with gateway_server(srv.url, spool, server=SmallBufferServer, **options) as server:
         yield server
 

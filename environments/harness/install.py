@@ -1,0 +1,128 @@
+"""Harness binaries, pinned and cached: `palaestra harness install NAME[@VERSION]`.
+
+Each harness is an npm package (`HARNESSES`) installed with `npm install --prefix` into
+`cache_dir()/NAME@VERSION` (`$PALAESTRA_HARNESS_CACHE`, default `~/.cache/palaestra/harnesses`).
+Once installed it runs offline: Claude Code's package carries its native binary as an optional
+dependency, Codex's its musl binary. `make install` installs the pinned versions; `binary` finds an
+installed one, or None (the tests that drive them then skip, saying which command installs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["HARNESSES", "Harness", "binary", "cache_dir", "install", "register"]
+
+
+@dataclass(frozen=True)
+class Harness:
+    name: str
+    package: str
+    version: str
+    """The pinned version (`make install` installs it; NAME@VERSION picks another)."""
+    bin: str
+    """The command the package installs under node_modules/.bin."""
+
+
+HARNESSES = {
+    "claude-code": Harness("claude-code", "@anthropic-ai/claude-code", "2.1.328", "claude"),
+    "codex": Harness("codex", "@openai/codex", "0.169.0", "codex"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PALAESTRA_HARNESS_CACHE") or Path.home() / ".cache/palaestra/harnesses")
+
+
+def _split(spec: str) -> tuple[Harness, str]:
+    name, _, version = spec.partition("@")
+    if name not in HARNESSES:
+        raise ValueError(f"unknown harness {name!r}: one of {', '.join(sorted(HARNESSES))}")
+    harness = HARNESSES[name]
+    return harness, version or harness.version
+
+
+def binary(spec: str) -> Path | None:
+    """The installed binary of `spec` (NAME or NAME@VERSION, default the pinned version), or None."""
+    harness, version = _split(spec)
+    path = cache_dir() / f"{harness.name}@{version}" / "node_modules" / ".bin" / harness.bin
+    return path if path.exists() else None
+
+
+def install(spec: str, quiet: bool = False) -> Path:
+    """Installs `spec` from npm (nothing to do when it is in the cache); returns its binary."""
+    harness, version = _split(spec)
+    found = binary(f"{harness.name}@{version}")
+    if found is not None:
+        return found
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError("npm is not on PATH: install Node.js (>= 20) to install harnesses")
+    prefix = cache_dir() / f"{harness.name}@{version}"
+    partial = prefix.with_name(prefix.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    cmd = [
+        npm,
+        "install",
+        "--no-audit",
+        "--no-fund",
+        "--prefix",
+        str(partial),
+        f"{harness.package}@{version}",
+    ]
+    done = subprocess.run(cmd, capture_output=quiet, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or "")[-2000:] if quiet else ""
+        raise RuntimeError(f"npm install {harness.package}@{version} failed ({done.returncode}) {tail}")
+    partial.rename(prefix)  # only a whole install is ever found by `binary`
+    found = binary(f"{harness.name}@{version}")
+    if found is None:
+        raise RuntimeError(f"{harness.package}@{version} installed no {harness.bin!r} command")
+    return found
+
+
+def _install(args: argparse.Namespace) -> int:
+    specs = args.harness or sorted(HARNESSES)
+    for spec in specs:
+        try:
+            path = install(spec)
+        except (ValueError, RuntimeError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{spec}: {path}")
+    return 0
+
+
+def _path(args: argparse.Namespace) -> int:
+    try:
+        path = binary(args.harness)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if path is None:
+        print(
+            f"{args.harness} is not installed: run `palaestra harness install {args.harness}`",
+            file=sys.stderr,
+        )
+        return 1
+    print(path)
+    return 0
+
+
+def register(groups: argparse._SubParsersAction) -> None:
+    group = groups.add_parser("harness", help="coding-agent harness binaries (Claude Code, Codex)")
+    cmds = group.add_subparsers(dest="cmd", metavar="SUBCOMMAND", required=True)
+    pinned = ", ".join(f"{h.name}@{h.version}" for h in HARNESSES.values())
+    p = cmds.add_parser("install", help=f"install harnesses from npm into the cache (pinned: {pinned})")
+    p.add_argument("harness", nargs="*", help="NAME or NAME@VERSION (default: every harness, pinned)")
+    p.set_defaults(func=_install)
+    p = cmds.add_parser("path", help="print an installed harness's binary (exit 1 if not installed)")
+    p.add_argument("harness", help="NAME or NAME@VERSION")
+    p.set_defaults(func=_path)

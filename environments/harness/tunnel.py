@@ -1,0 +1,84 @@
+"""The one way out of a harness sandbox: a unix socket that reaches exactly one session's routes.
+
+A harness sandbox has no network. `SessionTunnel` listens on a unix socket (bound into the sandbox,
+where a forwarder inside the sandbox's own network namespace exposes it as a loopback port for the
+harness's base URL) and forwards to the gateway only requests whose path is under that session's
+`/s/<id>/v1/`: the other sessions' routes, the session and admin API, `/metrics` and any other
+destination are refused with a 403 naming what is allowed, and counted (`refused`). The path is
+checked after normalisation (`..`, `//`, percent-escapes), so no spelling reaches another route.
+Answers, streamed ones too, are passed through as they arrive.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections import Counter
+from urllib.parse import unquote
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["SessionTunnel"]
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-authorization", "host"}
+
+
+class SessionTunnel:
+    """Forwards `/s/<session_id>/v1/...` on the unix socket `path` to `gateway_url`; refuses the rest."""
+
+    def __init__(self, gateway_url: str, session_id: str, path: str):
+        self.gateway_url = gateway_url.rstrip("/")
+        self.prefix = f"/s/{session_id}/v1/"
+        self.path = path
+        self.refused: Counter[str] = Counter()
+        """Refused requests by the path they asked for (first 200 characters)."""
+        self.forwarded = 0
+        self._runner: web.AppRunner | None = None
+        self._client: aiohttp.ClientSession | None = None
+
+    def allows(self, raw_path: str) -> bool:
+        path = unquote(raw_path.split("?", 1)[0])
+        normal = posixpath.normpath(path) + ("/" if path.endswith("/") else "")
+        return path == normal and normal.startswith(self.prefix) and "\\" not in path
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = request.raw_path
+        if not self.allows(raw):
+            self.refused[raw[:200]] += 1
+            return web.json_response(
+                {"error": {"message": f"this tunnel reaches only {self.prefix}*", "type": "forbidden"}},
+                status=403,
+            )
+        assert self._client is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        async with self._client.request(
+            request.method,
+            self.gateway_url + raw,
+            headers=headers,
+            data=await request.read(),
+            allow_redirects=False,
+        ) as upstream:
+            out = web.StreamResponse(status=upstream.status)
+            for k, v in upstream.headers.items():
+                if k.lower() not in _HOP and k.lower() != "content-length":
+                    out.headers[k] = v
+            await out.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            self.forwarded += 1
+            return out
+
+    async def start(self) -> None:
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.UnixSite(self._runner, self.path).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._client is not None:
+            await self._client.close()
