@@ -170,6 +170,7 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.max_backlog_samples=100",
             "gateway.max_body_bytes=1048576",
             "gateway.stream_send_timeout_s=5",
+            "gateway.max_tokens_over_context=reject",
         ],
     ).gateway
     config = served(tuned.serve_flags())
