@@ -4,7 +4,7 @@ goes (model calls, sandbox work, grading).
 
     .venv/bin/python bench/envs.py [--code-episodes 32] [--swe-episodes 16] [--backend local]
 
-The model is a scripted engine (a test double from tests/gateway_helpers.py that answers /generate
+The model is a scripted engine (a test double from tests/support/servers.py that answers /generate
 with the token ids of a correct agent's turns: one tool round trip, then the answer; for swe:
 read, fix, run the tests, submit), behind the real gateway. So "model" is the gateway round trip
 without model compute, and the figures say what the environments and sandboxes cost per episode.
@@ -35,7 +35,7 @@ from palaestra.gateway.state import GatewayConfig  # noqa: E402
 from palaestra.presets import resolve_model  # noqa: E402
 from palaestra.sdk import GatewayClient, run_rollouts  # noqa: E402
 from palaestra.sdk.runner import take_tasks  # noqa: E402
-from tests.gateway_helpers import ScriptedEngine, ThreadServer  # noqa: E402
+from tests.support.servers import ScriptedEngine, ThreadServer  # noqa: E402
 
 
 def call(name: str, **arguments: str) -> str:

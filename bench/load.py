@@ -5,7 +5,7 @@ and 1,000 concurrent sessions, with the ratios between them.
 
 A `palaestra gateway serve` subprocess (the `tiny` preset's tokenizer) over the zero-work engine
 (`palaestra.engine.zero`, alphabet mode), both on 127.0.0.1, so only the gateway is measured. At
-each level, that many agents (tests/load_agents.py, the same ones tests/test_load.py verifies) open
+each level, that many agents (tests/support/load_agents.py, the same ones tests/gateway/test_load.py verifies) open
 their sessions, all before the first turn, chat `--turns` turns each and reward them; each agent
 checks every answer is the one its engine produced for its session. Each level runs two such
 rounds. Printed per level, from the second round: sessions/s (sessions / the round's wall time,
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from palaestra.gateway.cli import gateway_process  # noqa: E402
-from tests.load_agents import (  # noqa: E402
+from tests.support.load_agents import (  # noqa: E402
     ZeroReplies,
     fds_needed,
     peak_rss_while,

@@ -15,7 +15,7 @@ option passes through under its own name with a `--router-` prefix (the prefixed
 (`--router-policy`, `--router-prometheus-host`, `--router-prometheus-port`, `--router-log-level`)
 are rejected so they can never silently disagree with them.
 
-What the router (0.3.2) does with a worker, measured against a stand-in (tests/test_launchers.py):
+What the router (0.3.2) does with a worker, measured against a stand-in (tests/engine/test_launchers.py):
 registration probes `GET /health`, an HTTP/2 prior-knowledge `PRI *` (gRPC detection; uvicorn
 logs "Invalid HTTP request received"), then `GET /server_info` and `GET /model_info`; after that
 `GET /health` every `--router-health-check-interval-secs`. Its own `GET /health` answers 200 at

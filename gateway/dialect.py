@@ -181,7 +181,7 @@ class TurnResult:
 def reply_message(output: TurnOutput) -> dict[str, Any]:
     """The assistant message an agent sends back for `output`, in the internal form: exactly what
     `renderer.normalize_messages` makes of it (content a string, tool-call arguments parsed from
-    JSON), built directly because it is digested on every call. tests/test_gateway_dialect.py pins
+    JSON), built directly because it is digested on every call. tests/gateway/test_dialect.py pins
     the equality for the OpenAI message."""
     msg: dict[str, Any] = {"role": "assistant", "content": output.content or ""}
     if output.tool_calls:

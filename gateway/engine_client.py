@@ -76,7 +76,7 @@ class EngineClient:
         self.incremental_stream = incremental_stream
         # sock_connect, not connect: aiohttp's `connect` also counts the wait for a free pooled
         # connection, so with more calls in flight than `max_connections` queued calls failed as
-        # engine timeouts (504) after 10 s although the engine was answering (tests/test_load.py)
+        # engine timeouts (504) after 10 s although the engine was answering (tests/gateway/test_load.py)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
         self._max_connections = max_connections
         self._client: aiohttp.ClientSession | None = None

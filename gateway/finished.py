@@ -7,7 +7,7 @@ prompt, and its logprobs sit at the same positions of the sample's `rollout_logp
 session keeps `pack_turns`'s compact JSON (each turn's summary without `prompt_ids`, `output_ids`
 and `output_logprobs`, plus which sample holds them and how many output ids it has), and
 GET /sessions/{id} puts the lists back from the spooled samples (`unpack_turns`). A finished
-session then costs a few KiB (2-3 for 3 turns) instead of tens (tests/test_load.py measures it),
+session then costs a few KiB (2-3 for 3 turns) instead of tens (tests/gateway/test_load.py measures it),
 and the gateway's memory returns to its baseline when sessions finish. Where the samples are no
 longer in the spool, the lists are answered as null.
 """

@@ -5,7 +5,7 @@ The routes read their bodies as raw JSON and each dialect's parser checks every 
 cost more than the rest of a call's routing. So FastAPI cannot derive the bodies' shapes; these
 hand-written schemas go into `/openapi.json` through each route's `openapi_extra` (`body`), and
 nothing validates a request against them. They describe what the parsers accept, so that clients
-and fuzzers (schemathesis, tests/test_gateway_fuzz.py) see real bodies; the parsers stay the
+and fuzzers (schemathesis, tests/gateway/test_fuzz.py) see real bodies; the parsers stay the
 authority, and a body the schema allows but a parser refuses gets a 400 naming the field.
 """
 

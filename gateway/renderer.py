@@ -204,7 +204,7 @@ class ChatRenderer:
     The template is compiled once, in transformers' own sandboxed jinja environment, and rendered
     directly with the normalised messages (transformers' `apply_chat_template` deep-converts every
     message on every call, which costs more than the rendering itself on long histories). The
-    result is identical to `apply_chat_template(..., tokenize=False)`; tests/test_gateway_templates.py
+    result is identical to `apply_chat_template(..., tokenize=False)`; tests/gateway/test_templates.py
     checks that on real templates. Falls back to `apply_chat_template` if that environment is not
     available in the installed transformers.
     """

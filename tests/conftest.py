@@ -1,4 +1,6 @@
-"""Shared fixtures: the `tiny` preset (built once per session) and a running embedded engine."""
+"""Fixtures every test folder shares: the `tiny` preset (built once per session), its tokenizer,
+and a running embedded engine. Each folder's conftest.py holds what only its tests share; helpers
+that are not fixtures (servers, the scripted engine, sandbox backends, docker) are in tests/support/."""
 
 from __future__ import annotations
 
@@ -6,9 +8,6 @@ import os
 
 import httpx
 import pytest
-
-# Sandbox backends by name, for tests/test_sandbox_*.py (new backends register in that file).
-from tests.sandbox_fixtures import loop_runner, sandbox_backend  # noqa: F401
 
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +19,14 @@ def tiny_model_dir():
     from palaestra.models import resolve_model
 
     return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_model_dir):
+    """The `tiny` preset's tokenizer (Qwen2.5's chat template). Tests that change it load their own."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ from palaestra.engine.router import RouterProcess
 from palaestra.gateway.cli import gateway_process
 from palaestra.net import free_port
 from palaestra.rendezvous import tcp_store
-from tests.listening import assert_loopback_only, listening, process_tree
-from tests.sandbox_fixtures import exec_server
+from tests.support.listening import assert_loopback_only, listening, process_tree
+from tests.support.sandbox import exec_server
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads sockets from Linux /proc")
 

@@ -1,0 +1,278 @@
+"""`palaestra train` end to end on Ray: 2 embedded engines + router + gateway + environment + trainer.
+
+CI-sized runs of the `tiny` preset (a few steps, tiny batches, short answers), one Ray for the
+module, everything on 127.0.0.1:
+
+* sync, then resume from its checkpoint: samples flow, every engine's `/get_weight_version` goes
+  0 -> 2 -> 3, metrics are finite, the report files exist; the resumed run starts at step 2,
+  weight version 2 and the saved cursor, and trains the tasks an uninterrupted run would have;
+* one-step-off: every batch is exactly one weight version old (the first: zero);
+* async (an environment that waits between its two turns, so sessions straddle weight syncs): no
+  trained sample is older than `run.max_staleness`, and sessions in flight across a sync keep their
+  first turn's tokens and show both versions;
+* faults: a killed engine with `run.max_restarts=0` stops the run with its name, exit code and log
+  (tests/orchestrator/test_faults.py: with restarts left, every kind of box is survived); a stuck step times out.
+
+What decides what trains (`select_batch`, `sample_lag`, the sample feed, task order) is tested
+without Ray in tests/orchestrator/test_batching.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from palaestra.config import load_config
+from palaestra.sdk import Environment, Task
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+
+class TwoTurnEnv(Environment):
+    """Two turns per session with a pause between them (loaded by the rollout actor by import path).
+
+    Turn 1 stops at the first "e" (finish reason `stop`, so turn 2 is bridged onto its exact tokens
+    rather than forked as after `max_tokens`). The reward is the parity of the reply's length, so
+    groups have reward variance. Both calls sample as the run says (`session.sampling`)."""
+
+    name = "two-turn"
+
+    def __init__(self, pause_s: float = 1.0, max_tokens: int = 8):
+        self.pause_s, self.max_tokens = pause_s, max_tokens
+
+    def tasks(self, seed: int):
+        return (Task(task_id=f"count-{seed}-{i}") for i in itertools.count())
+
+    async def rollout(self, session, task) -> float:
+        messages = [{"role": "user", "content": f"Count, task {task.task_id}: one"}]
+        first = await session.client.chat.completions.create(
+            model=self.model,
+            messages=messages,
+            max_tokens=16,
+            stop=["e"],
+            **session.sampling,
+        )
+        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""}]
+        await asyncio.sleep(self.pause_s)
+        messages += [{"role": "user", "content": "two"}]
+        second = await session.client.chat.completions.create(
+            model=self.model, messages=messages, max_tokens=self.max_tokens, **session.sampling
+        )
+        return float(len(second.choices[0].message.content or "") % 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end on Ray
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray for the module; the rollout actors import `test_train_e2e:TwoTurnEnv` from here."""
+    from palaestra.orchestrator.cluster import init_ray
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [TESTS_DIR, saved] if p)
+    try:  # Ray's processes take the environment they start with; other tests get theirs back
+        started = init_ray("127.0.0.1", num_cpus=8)
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    yield
+    if started:
+        import ray
+
+        ray.shutdown()
+
+
+def make_config(out: Path, mode: str, *extra: str):
+    return load_config(
+        None,
+        [
+            "model.student=tiny",
+            "engines.count=2",
+            "engines.engine={num_threads: 1}",
+            "router={health_check_interval_secs: 2}",
+            "env.name=math",
+            "env.args={difficulty: 1, max_tokens: 12}",
+            "env.tasks_per_step=2",
+            "env.samples_per_task=2",
+            "env.concurrency=8",
+            "env.eval_tasks=2",
+            "trainer.megatron_optimizer={lr: 1.0e-4}",
+            "trainer.max_tokens_per_microbatch=2048",
+            f"run.mode={mode}",
+            "run.steps=2",
+            "run.checkpoint_every=1",
+            "run.step_timeout_s=120",
+            f"run.output_dir={out}",
+            "logging.tensorboard_dir=null",
+            *extra,
+        ],
+    )
+
+
+def assert_finite(rows: list[dict]) -> None:
+    keys = ["train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "mismatch/logprob_abs_diff"]
+    for row in rows:
+        if "train/loss" in row:
+            assert all(math.isfinite(row[k]) for k in keys), row
+
+
+@pytest.mark.slow
+def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_local, tmp_path):
+    from palaestra.sdk import load_environment
+    from palaestra.sdk.runner import take_tasks
+    from palaestra.train import train
+
+    out = tmp_path / "sync"
+    first = train(make_config(out, "sync", "logging.tensorboard_dir=tb"))
+    assert first.engine_versions_start == ["0", "0"] and first.engine_versions_end == ["2", "2"]
+    assert [len(r.sample_ids) for r in first.trained] == [4, 4]  # 2 tasks x 2 samples per step
+    assert all(lag == 0 for r in first.trained for lag in r.lags)
+    assert_finite(first.state.rows)
+    assert first.eval_before is not None and first.eval_after is not None
+    for name in ("reward_curve.png", "viewer.html", "config.yaml"):
+        assert (out / name).stat().st_size > 0, name
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 2] and "rollout/reward_mean" in rows[0]
+    # logged after the step: the accuracy, and each task kind's (the tasks mix two kinds)
+    kinds = {f"eval/{k}": v for k, v in first.eval_after.items() if k.startswith("accuracy/")}
+    assert set(kinds) == {"eval/accuracy/arithmetic", "eval/accuracy/word_problem"}
+    assert rows[2] == {"step": 2, "eval/accuracy": first.eval_after["accuracy"], **kinds}
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
+
+    resumed = train(make_config(out, "sync", "run.steps=3", "run.resume=true"))
+    assert (resumed.start_step, resumed.start_weight_version) == (2, 2)
+    assert resumed.start_cursor == first.state.cursor > 0
+    assert resumed.engine_versions_start == ["2", "2"] and resumed.engine_versions_end == ["3", "3"]
+    assert len(resumed.trained) == 1 and resumed.trained[0].trainer_version == 2
+    expected = [t.task_id for t in take_tasks(load_environment("math", difficulty=1), 6, seed=0)]
+    trained = [tid for run in (first, resumed) for r in run.trained for tid in r.task_ids]
+    assert trained == expected  # the same data order as an uninterrupted run
+    assert resumed.eval_before is None  # evaluated before step 1 already: the curve keeps that point
+    assert resumed.state.rows[0]["eval/accuracy"] == first.eval_before["accuracy"]
+
+
+@pytest.mark.slow
+def test_two_data_parallel_trainer_ranks_learn_like_one(ray_local, tmp_path):
+    """trainer.dp_size: 2 starts two trainer rank actors that split each batch; seeded runs
+    generate the same rollouts, so DP = 2 must train exactly as DP = 1 (fp32 tolerance)."""
+    from palaestra.train import train
+
+    sft = "trainer.advantage_estimator=sft"  # every sample pulls: gradients whatever the rewards
+    one = train(make_config(tmp_path / "dp1", "sync", sft))
+    two = train(make_config(tmp_path / "dp2", "sync", sft, "trainer.dp_size=2"))
+    assert two.engine_versions_end == ["2", "2"]
+    assert_finite(two.state.rows)
+    trained = [(r.step, sorted(r.task_ids)) for r in one.trained]
+    assert [(r.step, sorted(r.task_ids)) for r in two.trained] == trained
+    rows1 = [r for r in one.state.rows if "train/loss" in r]
+    rows2 = [r for r in two.state.rows if "train/loss" in r]
+    assert len(rows1) == len(rows2) == 2
+    for a, b in zip(rows1, rows2, strict=True):
+        print(f"step {a['train/step']:.0f}: loss DP=1 {a['train/loss']:.6g} DP=2 {b['train/loss']:.6g}, "
+              f"grad norm {a['train/grad_norm']:.6g} / {b['train/grad_norm']:.6g}, "
+              f"reward {a['rollout/reward_mean']:.3f} / {b['rollout/reward_mean']:.3f}")  # fmt: skip
+        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]  # the same rollouts
+        for key in ("train/loss", "train/nll", "train/entropy", "train/loss_tokens", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert rows1[0]["train/grad_norm"] > 0  # it did learn: step 2 rolled out with updated weights
+
+
+@pytest.mark.slow
+def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_path):
+    from palaestra.train import train
+
+    out = tmp_path / "osp"
+    opd = ["model.teacher=tiny", "trainer.opd_kl_coef=0.5", "trainer.teacher_mode=megatron"]
+    result = train(make_config(out, "one_step_off", "run.steps=3", "trainer.keep_old_actor=true", *opd))
+    assert [sorted(set(r.lags)) for r in result.trained] == [[0], [1], [1]]
+    assert result.engine_versions_end == ["3", "3"]  # read before the teacher's weights went on
+    assert_finite(result.state.rows)
+    assert all(math.isfinite(r["opd/reverse_kl"]) for r in result.state.rows if "train/loss" in r)
+    # env.eval_teacher: the teacher scored on the same held-out tasks, shown in the summary
+    assert result.teacher_accuracy is not None and 0.0 <= result.teacher_accuracy <= 1.0
+    assert f"teacher {result.teacher_accuracy:.3f}" in result.summary
+
+
+@pytest.mark.slow
+def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local, tmp_path):
+    from palaestra.train import train
+
+    cfg = make_config(
+        tmp_path / "async",
+        "async",
+        "env.name=test_train_e2e:TwoTurnEnv",
+        "env.args={pause_s: 5}",  # longer than a training step: syncs fall inside it
+        "env.eval_tasks=0",
+        "run.steps=3",
+        "run.max_staleness=2",
+        "trainer.use_tis=true",
+    )
+    result = train(cfg)
+    lags = [lag for r in result.trained for lag in r.lags]
+    assert lags and max(lags) <= 2
+    assert result.engine_versions_end == ["3", "3"]
+    # Sessions that were in flight across a weight sync: turn 1 at one version, turn 2 at the next.
+    assert any(len(v) == 2 for r in result.trained for v in r.versions), [r.versions for r in result.trained]
+    assert_finite(result.state.rows)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_beyond_max_restarts_stops_the_run_with_its_name_and_log(ray_local, tmp_path):
+    import ray
+
+    from palaestra.orchestrator.errors import RunFailed
+    from palaestra.train import train
+
+    def kill_engine_1(step, cluster):
+        if step == 0:
+            os.kill(ray.get(cluster.engines[1].actor.pid.remote()), signal.SIGKILL)
+
+    cfg = make_config(
+        tmp_path / "dead",
+        "sync",
+        "run.steps=3",
+        "env.eval_tasks=0",
+        "run.checkpoint_every=0",
+        "run.max_restarts=0",
+    )
+    with pytest.raises(RunFailed, match=r"engine-1 \(http://127\.0\.0\.1:\d+\) exited with code -9") as err:
+        train(cfg, on_step=kill_engine_1)
+    assert "engine-1.log" in str(err.value)
+
+
+@pytest.mark.slow  # only for the module's Ray start-up (~4 s)
+def test_a_stuck_step_times_out_with_the_phase_it_was_in(ray_local):
+    import time
+
+    import ray
+
+    from palaestra.orchestrator.errors import StepTimeout
+    from palaestra.orchestrator.waiting import Waiter
+
+    class Alive:  # the servers' liveness check passes: only the deadline can end the wait
+        def check_alive(self, phase: str) -> None:
+            pass
+
+    @ray.remote(num_cpus=0)
+    def stuck() -> None:
+        time.sleep(600)
+
+    waiter = Waiter(Alive(), timeout_s=1.0, poll_s=0.2)
+    waiter.start_step(4)
+    ref = stuck.remote()
+    started = time.monotonic()
+    with pytest.raises(StepTimeout, match=r"step 5 exceeded run.step_timeout_s=1 s during generation"):
+        waiter.get([ref], "generation")
+    assert time.monotonic() - started < 5
+    ray.cancel(ref, force=True)

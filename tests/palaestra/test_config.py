@@ -1,0 +1,396 @@
+"""`palaestra.config` (on `palaestra.typed_config`): YAML + dotted overrides, passthrough dicts, errors that
+name the key, round trip, help; the gateway section is the gateway's own `GatewayOptions`."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+import typing
+from pathlib import Path
+
+import pytest
+
+from palaestra.config import (
+    ConfigError,
+    EngineOptions,
+    EnvOptions,
+    GatewayOptions,
+    LoggingOptions,
+    ModelOptions,
+    RunConfig,
+    RunOptions,
+    config_help,
+    config_to_dict,
+    load_config,
+    save_config,
+    to_flags,
+    validate,
+)
+from palaestra.trainer.config import TrainerConfig
+from palaestra.typed_config import field_docs
+
+YAML = """
+model:
+  student: tiny
+  teacher: tiny
+engines:
+  count: 2
+  engine: {num_threads: 1, max_running_requests: 32}
+router:
+  health_check_interval_secs: 1
+gateway:
+  pause_mode: reject
+env:
+  name: math
+  args: {difficulty: 1}
+  samples_per_task: 4
+trainer:
+  opd_kl_coef: 0.5
+  teacher_mode: megatron
+  megatron: {tensor_model_parallel_size: 1}
+  megatron_optimizer: {lr: 1e-5}
+run:
+  name: demo
+  steps: 3
+logging:
+  tensorboard_dir: null
+"""
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(YAML)
+    return path
+
+
+def error_of(path, overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_defaults_are_valid_and_complete():
+    cfg = load_config(None, [])
+    assert cfg == RunConfig()
+    validate(cfg)
+    assert cfg.output_dir.as_posix() == "runs/run"
+    assert isinstance(cfg.trainer, TrainerConfig)
+
+
+def test_yaml_and_overrides(config_file):
+    cfg = load_config(
+        config_file,
+        [
+            "trainer.megatron_optimizer.lr=2e-5",  # 2e-5 without a dot is a float (YAML 1.2), not a string
+            "run.mode=async",
+            "env.args.difficulty=2",
+            "env.args.max_tokens=128",
+            "run.name=2024",  # a str field keeps the text
+            "trainer.eps_clip_high=0.28",
+            "trainer.teacher_urls=[http://127.0.0.1:1, http://127.0.0.1:2]",
+            "logging.wandb_project=palaestra",
+        ],
+    )
+    assert cfg.model.teacher == "tiny" and cfg.trainer.teacher_model == "tiny"  # defaulted from model.teacher
+    assert cfg.trainer.megatron_optimizer["lr"] == 2e-5
+    assert cfg.trainer.megatron_optimizer["clip_grad"] == 1.0  # TrainerConfig's own defaults merged under
+    assert cfg.trainer.megatron == {"tensor_model_parallel_size": 1}
+    assert cfg.run.mode == "async" and cfg.run.name == "2024" and cfg.run.steps == 3
+    assert cfg.env.args == {"difficulty": 2, "max_tokens": 128}
+    assert cfg.trainer.eps_clip_high == 0.28
+    assert cfg.trainer.teacher_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert cfg.gateway.pause_mode == "reject"
+    assert cfg.logging.tensorboard_dir is None and cfg.logging.wandb_project == "palaestra"
+    assert cfg.output_dir.as_posix() == "runs/2024"
+
+
+def test_ints_widen_to_float_and_overrides_create_nested_dict_keys():
+    cfg = load_config(
+        None, ["trainer.kl_coef=1", "trainer.megatron.moe.router_topk=2", "run.output_dir=/tmp/x"]
+    )
+    assert cfg.trainer.kl_coef == 1.0 and isinstance(cfg.trainer.kl_coef, float)
+    assert cfg.trainer.megatron == {"moe": {"router_topk": 2}}
+    assert cfg.output_dir.as_posix() == "/tmp/x"
+
+
+def test_passthrough_dicts_become_native_flags(config_file):
+    cfg = load_config(config_file, ["engines.sglang.tp_size=2", "engines.sglang.enable_memory_saver=true"])
+    assert cfg.engines.serve_flags() == ["--num-threads", "1", "--max-running-requests", "32"]
+    assert cfg.engines.sglang_flags() == ["--sglang-tp-size", "2", "--sglang-enable-memory-saver"]
+    assert cfg.router_flags() == ["--router-health-check-interval-secs", "1"]
+    flags = cfg.gateway.serve_flags()
+    assert flags[flags.index("--pause-mode") + 1] == "reject"
+    assert "--context-length" not in flags  # None = left to the gateway
+    assert to_flags({"a_b": False, "c": None, "d": [1, 2]}, "--x-") == ["--x-d", "1", "2"]
+
+
+def test_gateway_options_are_declared_once_by_the_gateway(capsys):
+    """The run's gateway section is the gateway's own GatewayOptions, which GatewayConfig extends,
+    and `palaestra gateway serve` parses what serve_flags() writes back into the same options
+    (same names, types and defaults: its flags are generated from the fields)."""
+    import argparse
+
+    from palaestra.gateway import cli as gateway_cli
+    from palaestra.gateway.options import GatewayOptions as GatewaysOwn
+    from palaestra.gateway.state import GatewayConfig
+
+    assert GatewayOptions is GatewaysOwn and issubclass(GatewayConfig, GatewayOptions)
+    parser = argparse.ArgumentParser()
+    gateway_cli.register(parser.add_subparsers(dest="group", required=True))
+    required = ["gateway", "serve", "--model", "m", "--engine-url", "http://127.0.0.1:1"]
+
+    def served(flags: list[str]) -> GatewayConfig:
+        return gateway_cli.config_from_args(parser.parse_args([*required, *flags]))
+
+    # Defaults: the command's equal the dataclass's, field by field (GatewayConfig's own ones too).
+    assert served([]) == GatewayConfig(model="m", engine_url="http://127.0.0.1:1")
+    assert served(GatewayOptions().serve_flags()) == served([])
+    # Every tunable option set away from its default survives the trip through the command line.
+    tuned = load_config(
+        None,
+        [
+            "gateway.reasoning_policy=keep",
+            "gateway.pause_mode=reject",
+            "gateway.pause_wait_s=1.5",
+            "gateway.default_max_tokens=64",
+            "gateway.context_length=2048",
+            "gateway.tool_parser=hermes",
+            "gateway.reasoning_parser=qwen3",
+            "gateway.engine_timeout_s=30",
+            "gateway.engine_retries=0",
+            "gateway.journal_fsync=always",
+            "gateway.journal_fsync_interval_ms=10",
+            "gateway.max_open_sessions=8",
+            "gateway.session_idle_timeout_s=60",
+            "gateway.spool_max_bytes=1000000",
+            "gateway.max_backlog_samples=100",
+            "gateway.max_body_bytes=1048576",
+            "gateway.stream_send_timeout_s=5",
+        ],
+    ).gateway
+    config = served(tuned.serve_flags())
+    for f in dataclasses.fields(GatewayOptions):
+        assert getattr(tuned, f.name) != f.default, f.name
+        assert getattr(config, f.name) == getattr(tuned, f.name), f.name
+    # Each flag's help is its field's docstring (compared without whitespace: argparse rewraps it).
+    with pytest.raises(SystemExit):
+        parser.parse_args(["gateway", "serve", "--help"])
+    help_text = "".join(capsys.readouterr().out.split())
+    for name, doc in field_docs(GatewayConfig).items():
+        assert f"--{name.replace('_', '-')}" in help_text, name
+        assert doc and "".join(doc.split()) in help_text, name
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("run.mdoe=async", "run.mdoe: unknown key (did you mean 'run.mode'?)"),
+        ("trainer.advantage_estimater=grpo", "did you mean 'trainer.advantage_estimator'"),
+        ("enignes.count=3", "did you mean 'engines'"),
+        (
+            "engines.engine.num_thread=2",
+            "engines.engine.num_thread: unknown key (did you mean 'engines.engine.num_threads'?)",
+        ),
+        ("router.health_check_interval=1", "did you mean 'router.health_check_interval_secs'"),
+    ],
+)
+def test_unknown_keys_name_the_path_and_close_matches(override, expected):
+    assert expected in error_of(None, [override])
+
+
+def test_unknown_keys_in_the_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        textwrap.dedent("""
+        run: {steps: 3, chekpoint_every: 2}
+        trainer: {opd_kl_cof: 0.5}
+        """)
+    )
+    message = error_of(path, [])
+    assert "run.chekpoint_every: unknown key (did you mean 'run.checkpoint_every'?)" in message
+    assert "trainer.opd_kl_cof: unknown key (did you mean 'trainer.opd_kl_coef'" in message  # all reported
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("run.steps=abc", "run.steps: expected int, got 'abc'"),
+        ("run.steps=2.5", "run.steps: expected int, got 2.5"),
+        ("trainer.kl_coef=true", "trainer.kl_coef: expected float, got True"),
+        (
+            "run.mode=asynch",
+            "run.mode: expected 'sync' | 'one_step_off' | 'async', got 'asynch' (str) (did you mean 'async'?)",
+        ),
+        ("env.args=[1, 2]", "env.args: expected dict[str, Any]"),
+        ("model.teacher=[a]", "model.teacher: expected str | None"),
+        ("engines=3", "engines: expected a mapping"),
+        ("run.steps.x=1", "run.steps is int, not a section"),
+        ("router.health_check_interval_secs=abc", "invalid int value: 'abc'"),
+        ("run.steps", "expected key.path=value"),
+    ],
+)
+def test_type_errors_name_the_path_and_expected_type(override, expected):
+    assert expected in error_of(None, [override])
+
+
+def test_bad_yaml_is_reported_with_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("run: {steps: [1,\n")
+    assert f"{path}: not valid YAML" in error_of(path, [])
+    path.write_text("- a list\n")
+    assert "expected a mapping of sections" in error_of(path, [])
+    assert "cannot read" in error_of(tmp_path / "missing.yaml", [])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["run.mode=async", "run.max_staleness=0"], "run.max_staleness: mode 'async'"),
+        (["run.mode=one_step_off", "run.max_staleness=0"], "need max_staleness >= 1"),
+        (["env.samples_per_task=1"], "env.samples_per_task: 1, but trainer.advantage_estimator 'grpo'"),
+        (
+            [
+                "env.filter_zero_variance_groups=true",
+                "env.samples_per_task=1",
+                "trainer.opd_kl_coef=0.1",
+                "trainer.teacher_mode=megatron",
+                "model.teacher=tiny",
+            ],
+            "env.filter_zero_variance_groups",
+        ),
+        (
+            ["trainer.opd_kl_coef=0.5", "trainer.teacher_mode=sglang"],
+            "teacher_urls",  # TrainerConfig's own check
+        ),
+        (
+            ["trainer.opd_kl_coef=0.5", "trainer.teacher_mode=megatron"],
+            "model.teacher: trainer.opd_kl_coef > 0",
+        ),
+        (["model.teacher=tiny", "trainer.teacher_model=other"], "disagrees with model.teacher"),
+        (
+            ["engines.backend=sglang", "trainer.sync_mode=tensor"],
+            "trainer.sync_mode: SGLang's /update_weights",
+        ),
+        (["run.resources={gpu_box: {x: 1}}"], "run.resources: keys must be trainer, engines, services"),
+        (["run.resources={trainer: {node_a: -1}}"], "run.resources: every demand must be a number >= 0"),
+        (["trainer.dp_size=0"], "dp_size must be at least 1"),
+        (["trainer.sync_mode=disk"], "trainer.sync_dir: sync_mode 'disk' needs a directory"),
+        (["engines.count=0"], "engines.count: need at least 1"),
+        (["run.name=a/b"], "run.name"),
+        (["engines.engine.port=1"], "engines.engine.port: not accepted"),
+        (["engines.sglang.model_path=x"], "engines.sglang.model_path: not accepted"),
+        (["router.policy=round_robin"], "router.policy: not accepted"),
+    ],
+)
+def test_cross_field_validation(overrides, expected):
+    assert expected in error_of(None, overrides)
+
+
+def test_pure_opd_allows_one_sample_per_task_and_an_external_teacher():
+    cfg = load_config(
+        None,
+        [
+            "env.samples_per_task=1",
+            "trainer.opd_kl_coef=1.0",
+            "trainer.teacher_mode=sglang",
+            "trainer.teacher_urls=[http://127.0.0.1:9]",
+        ],
+    )
+    assert cfg.model.teacher is None and cfg.env.samples_per_task == 1
+
+
+def test_round_trip(config_file, tmp_path):
+    cfg = load_config(
+        config_file,
+        [
+            "run.mode=one_step_off",
+            "trainer.megatron_optimizer.lr=3e-6",
+            "env.args.tag='1e5'",
+            "env.args.on='yes'",
+        ],
+    )
+    assert cfg.env.args == {
+        "difficulty": 1,
+        "tag": "1e5",
+        "on": "yes",
+    }  # strings that look like numbers/bools
+    saved = save_config(cfg, tmp_path / "out" / "config.yaml")
+    assert saved.read_text().startswith("# palaestra run config")
+    again = load_config(saved, [])
+    assert again == cfg
+    assert config_to_dict(again) == config_to_dict(cfg)
+    assert config_to_dict(cfg)["trainer"]["megatron_optimizer"]["lr"] == 3e-6
+
+
+def _field_paths(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _field_paths(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_help_mentions_every_field_with_type_default_and_doc():
+    text = config_help()
+    paths = list(_field_paths(RunConfig))
+    assert len(paths) > 60
+    for path in paths:
+        assert f"{path}: " in text, path
+    assert "run.max_staleness: int = 1\n" in text
+    assert "run.mode: 'sync' | 'one_step_off' | 'async' = sync\n" in text
+    assert "logging.wandb_project: str | None = null\n" in text
+    # Field docstrings are read from the source with ast (Python drops them), TrainerConfig's too.
+    trainer_docs = field_docs(TrainerConfig)
+    assert trainer_docs["opd_kl_coef"] and trainer_docs["opd_kl_coef"].splitlines()[0] in text
+    for cls in (
+        RunConfig,
+        ModelOptions,
+        EngineOptions,
+        GatewayOptions,
+        EnvOptions,
+        RunOptions,
+        LoggingOptions,
+    ):
+        for name, doc in field_docs(cls).items():
+            assert doc, f"{cls.__name__}.{name} has no docstring"
+            assert doc.splitlines()[0] in text
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "gpu-sglang.yaml"])
+def test_shipped_configs_load(name):
+    """The configs in configs/ stay valid as the schema moves (the README points at them)."""
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / name)
+    assert cfg.run.steps > 0 and cfg.env.tasks_per_step > 0
+    if name == "demo.yaml":  # what make demo promises: GRPO + OPD from the warm-started teacher
+        assert (cfg.model.student, cfg.model.teacher) == ("demo-student", "demo-teacher")
+        assert cfg.trainer.opd_kl_coef > 0 and cfg.trainer.advantage_estimator == "grpo"
+        assert cfg.engines.count >= 2 and cfg.env.args["difficulty"] == 0
+
+
+def test_demo_picks_a_fresh_run_name(tmp_path, monkeypatch):
+    from palaestra.demo import _fresh_name
+
+    monkeypatch.chdir(tmp_path)
+    assert _fresh_name("demo") == "demo"
+    (tmp_path / "runs" / "demo" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "demo-2" / "checkpoints").mkdir(parents=True)
+    assert _fresh_name("demo") == "demo-3"
+
+
+def test_keep_old_actor_follows_the_mode():
+    """Only in one_step_off did the previous step's weights sample the batch: the default follows
+    run.mode, and setting it in another mode is refused with the reason."""
+    assert load_config(None, ["run.mode=one_step_off"]).trainer.keep_old_actor is True
+    assert load_config(None, ["run.mode=sync"]).trainer.keep_old_actor is False
+    assert load_config(None, ["run.mode=async"]).trainer.keep_old_actor is False
+    assert (
+        load_config(None, ["run.mode=one_step_off", "trainer.keep_old_actor=false"]).trainer.keep_old_actor
+        is False
+    )
+    with pytest.raises(ConfigError, match="the current weights sampled it"):
+        load_config(None, ["run.mode=sync", "trainer.keep_old_actor=true"])
+    with pytest.raises(ConfigError, match="use trainer.use_tis"):
+        load_config(None, ["run.mode=async", "trainer.keep_old_actor=true"])
