@@ -138,7 +138,9 @@ def make_app(engine_ref: dict[str, SimEngine], name: str) -> web.Application:
             return _bad("the body must be a JSON object", "body")
         ids = body.get("input_ids")
         if body.get("text") is not None or ids is None:
-            return _bad("the simulated engine takes one prompt as input_ids (token ids), not text", "input_ids")
+            return _bad(
+                "the simulated engine takes one prompt as input_ids (token ids), not text", "input_ids"
+            )
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return _bad("input_ids must be one list of token ids (batches are not simulated)", "input_ids")
         if body.get("stream"):
@@ -256,7 +258,15 @@ def process(count: int, *, time_scale: float = 1.0, params: dict[str, float] | N
         port = free_port()
         if port not in ports:
             ports.append(port)
-    argv = [sys.executable, "-m", "palaestra.engine.sim", "--port", *map(str, ports), "--time-scale", str(time_scale)]
+    argv = [
+        sys.executable,
+        "-m",
+        "palaestra.engine.sim",
+        "--port",
+        *map(str, ports),
+        "--time-scale",
+        str(time_scale),
+    ]
     for key, value in (params or {}).items():
         argv += ["--param", f"{key}={value}"]
     proc = ServerProcess(argv, f"http://127.0.0.1:{ports[-1]}", name="sim-engines", startup_timeout=60)
@@ -277,7 +287,10 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, float]:
 
 def params_table(params: SimParams) -> str:
     """The parameter table: name, value, source (what --print-params shows)."""
-    rows = [f"{f.name} = {getattr(params, f.name)!r}\n    {PARAM_SOURCES[f.name]}" for f in dataclasses.fields(params)]
+    rows = [
+        f"{f.name} = {getattr(params, f.name)!r}\n    {PARAM_SOURCES[f.name]}"
+        for f in dataclasses.fields(params)
+    ]
     return "Llama-3-8B (bf16) on one H100, as SGLang serves it:\n" + "\n".join(rows)
 
 
@@ -286,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--port", type=int, nargs="+", help="one engine per port")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     ap.add_argument(
-        "--time-scale", type=float, default=1.0, help="wall seconds per modelled second (default: %(default)s)"
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per modelled second (default: %(default)s)",
     )
     ap.add_argument(
         "--param",
@@ -295,7 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="override a parameter of the table (see --print-params), e.g. kv_capacity_tokens=200000",
     )
-    ap.add_argument("--print-params", action="store_true", help="print the parameter table with sources and exit")
+    ap.add_argument(
+        "--print-params", action="store_true", help="print the parameter table with sources and exit"
+    )
     args = ap.parse_args(argv)
     try:
         params = SimParams().with_overrides(**_parse_overrides(args.param))

@@ -33,7 +33,15 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["PARAM_SOURCES", "BlockCache", "SimParams", "SimRequest", "SimScheduler", "block_hashes", "reply_ids"]
+__all__ = [
+    "PARAM_SOURCES",
+    "BlockCache",
+    "SimParams",
+    "SimRequest",
+    "SimScheduler",
+    "block_hashes",
+    "reply_ids",
+]
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,7 @@ PARAM_SOURCES: dict[str, str] = {
         "prompt, so conservative for long ones (see the sensitivity row in docs/routing.md)"
     ),
     "kv_capacity_tokens": (
-        "the same SGLang run: max_total_num_tokens=557684 (bf16 KV, 79.41 GB free after loading "
-        "the weights)"
+        "the same SGLang run: max_total_num_tokens=557684 (bf16 KV, 79.41 GB free after loading the weights)"
     ),
     "chunked_prefill_tokens": "SGLang's server default chunked_prefill_size=8192 (as its logged ServerArgs show)",
     "max_running_requests": "a cap for the model (SGLang derives its own from memory); rarely binding here",
@@ -124,7 +131,9 @@ def block_hashes(ids: Sequence[int], block: int, known: Sequence[int] = ()) -> l
     return out
 
 
-def reply_ids(prompt: Sequence[int], length: int, seed: int = 0, vocab: tuple[int, int] = (1000, 30000)) -> list[int]:
+def reply_ids(
+    prompt: Sequence[int], length: int, seed: int = 0, vocab: tuple[int, int] = (1000, 30000)
+) -> list[int]:
     """The answer to `prompt`: `length` ids that depend only on the prompt and the request's
     `sampling_seed` (never on the engine that serves it)."""
     rng = random.Random(hash((seed, len(prompt), tuple(prompt[-64:]))))
@@ -367,11 +376,12 @@ class SimScheduler:
             tokens = req.context  # a retracted request re-prefills what it had generated too
             new = tokens - hit * self.p.block_tokens
             reserve = int((req.max_new_tokens - req.generated) * self.p.output_reserve_ratio)
+            self.cache.lock(req.hashes[:hit], now)  # before evicting: its own hit must stay
             if not self._free(new + reserve):
+                self.cache.unlock(req.hashes[:hit], now)
                 break  # FCFS: the head waits for memory, and so does everyone behind it
             self.waiting.popleft()
             req.locked = req.hashes[:hit]
-            self.cache.lock(req.locked, now)
             req.private = new
             self.private_tokens += new
             req.to_prefill = max(1, new)  # a full hit still computes its last token
@@ -455,7 +465,9 @@ class SimScheduler:
         self.prefilling.remove(req)
         fresh = req.hashes[len(req.locked) :]
         self.pending.difference_update(fresh)
-        self.cache.insert(req.hashes, now, locked=False)  # any block another request added meanwhile is shared
+        self.cache.insert(
+            req.hashes, now, locked=False
+        )  # any block another request added meanwhile is shared
         self.cache.lock(fresh, now)
         req.locked = list(req.hashes)
         moved = len(fresh) * self.p.block_tokens
