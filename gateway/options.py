@@ -92,8 +92,9 @@ class GatewayOptions:
     """With placement: a session moves off its worker (one prefill) when that worker's load passes
     (1 + this) x mean."""
 
-    placement_group_affinity: bool = True
-    """With placement: put the sessions of a group on one worker (their shared prompt is prefilled once)."""
+    placement_groups: Literal["together", "apart"] = "together"
+    """With placement: together = a group's sessions share a worker while it is within bounds (their
+    shared prompt is prefilled once); apart = each session is placed on its own."""
 
     placement_pools: bool = False
     """With placement: separate workers for long-context environments and the rest."""

@@ -657,7 +657,7 @@ def _routing_options(config: GatewayConfig) -> RoutingOptions:
         placement_config=PlacementConfig(
             epsilon=config.placement_epsilon,
             move_epsilon=config.placement_move_epsilon,
-            group_affinity=config.placement_group_affinity,
+            group_affinity=config.placement_groups == "together",
             pools=config.placement_pools,
             admit_fill=config.placement_admit_fill,
         ),
