@@ -14,7 +14,7 @@ after the previous answer plus its tool time, and measures, over the window afte
 * tokens/s: output tokens of the turns finished in the window per modelled second;
 * p50/p99 time per turn (send to answer, modelled seconds);
 * prefix-cache hit rate: prompt tokens the engines served from cache / prompt tokens;
-* max/mean worker load: the busiest engine's modelled busy time over the mean;
+* max/mean worker load: the engine with the most KV in use (time average) over the mean;
 * sessions moved: sessions whose turns were answered by more than one engine.
 
 Router-only policies send `X-SMG-Routing-Key: <session>` (what the gateway sends today); the
@@ -57,12 +57,11 @@ ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "manual m
 # first given, new keys go to the worker with the fewest requests in flight)
 ROUTER_ARGS = {"manual min_load": ("manual", ["--router-assignment-mode", "min_load"])}
 # ours, and the ideas it is made of, measured one at a time
-ADMIT = 0.9
 PLACEMENTS: dict[str, PlacementConfig] = {
-    "placement": PlacementConfig(admit_fill=ADMIT),
-    "placement -admission": PlacementConfig(),
-    "placement -group": PlacementConfig(admit_fill=ADMIT, group_affinity=False),
-    "placement +pools": PlacementConfig(admit_fill=ADMIT, pools=True),
+    "placement": PlacementConfig(),  # the gateway's defaults with --placement
+    "placement -group": PlacementConfig(group_affinity=False),
+    "placement +pools": PlacementConfig(pools=True),
+    "placement +admission": PlacementConfig(admit_fill=0.9),
 }
 VOCAB = (1000, 30000)
 
@@ -80,6 +79,8 @@ class TurnRecord:
     out: int
     engine: str
     modelled: float  # the engine's own modelled time for the call
+    to_engine: float = 0.0  # wall seconds from the client's send to the engine's arrival
+    from_engine: float = 0.0  # wall seconds from the engine's answer to the client's receipt
 
 
 @dataclass
@@ -114,9 +115,10 @@ class RunResult:
         return sum(t.cached for t in ts) / prompt if prompt else float("nan")
 
     def load_max_over_mean(self) -> float:
-        busy = [e["stats"]["busy_s"] for e in self.engine_stats]
-        mean = sum(busy) / len(busy)
-        return max(busy) / mean if mean else float("nan")
+        """The busiest engine's mean KV in use over the engines' mean (how unevenly work sits)."""
+        kv = [e["stats"]["kv_token_s"] / max(e["now_s"], 1e-9) for e in self.engine_stats]
+        mean = sum(kv) / len(kv)
+        return max(kv) / mean if mean else float("nan")
 
     def utilisation(self) -> float:
         busy = [e["stats"]["busy_s"] / max(e["now_s"], 1e-9) for e in self.engine_stats]
@@ -275,9 +277,16 @@ class Replay:
         )
         seed = abs(hash(s.session)) % (2**31)
         out: np.ndarray | None = None
+        for k in range(1, s.start_turn + 1):  # a session already under way: its history so far
+            prev = s.turns[k - 1]
+            prompt = np.concatenate(
+                [prompt, _ids(f"{s.session}/out{k - 1}", prev.out), _ids(f"{s.session}/{k}", s.turns[k].new)]
+            )
         try:
             for k, turn in enumerate(s.turns):
-                if k:
+                if k < s.start_turn:
+                    continue
+                if k > s.start_turn:
                     await asyncio.sleep(turn.gap_s * self.scale)
                     prompt = np.concatenate([prompt, out, _ids(f"{s.session}/{k}", turn.new)])
                 if self._stop:
@@ -307,6 +316,7 @@ class Replay:
             option=orjson.OPT_SERIALIZE_NUMPY,
         )
         for _attempt in range(4):
+            sent_wall = time.monotonic()
             async with self.http.post(f"{self.url}/generate", data=body, headers=headers) as r:
                 raw = await r.read()
                 status = r.status
@@ -322,6 +332,7 @@ class Replay:
             if route is not None:
                 route.abandoned()
             return None
+        got_wall = time.monotonic()
         answer = orjson.loads(raw)
         meta = answer["meta_info"]
         ids = np.asarray(answer["output_ids"], dtype=np.int32)
@@ -331,6 +342,7 @@ class Replay:
             TurnRecord(
                 g.env, s.session, k, sent, self.now(), len(prompt), int(meta.get("cached_tokens") or 0),
                 len(ids), meta["sim"]["engine"], float(meta["sim"]["modelled_s"]),
+                meta["sim"]["arrived_monotonic"] - sent_wall, got_wall - meta["sim"]["answered_monotonic"],
             )
         )  # fmt: skip
         return ids
@@ -432,11 +444,16 @@ def print_costs(r: RunResult, time_scale: float) -> None:
     lag_max = max(x["max"] for x in lag)
     o50, o99 = r.overhead()
     p50 = r.pct(0.5)
+    ts = r.in_window()
+    to = sorted(t.to_engine for t in ts) or [float("nan")]
+    back = sorted(t.from_engine for t in ts) or [float("nan")]
     print(
         f"  [{r.policy}] cpu (share of one core): client {r.cpu['client']:.0%}, engines {r.cpu['sims']:.0%}, "
         f"router {r.cpu['router']:.0%}; load avg {r.cpu['loadavg']:.1f}; engine timers late by "
         f"{lag_mean * 1e3:.1f} ms mean, {lag_max * 1e3:.0f} ms max (wall); unmodelled time per call "
-        f"p50 {o50 * 1e3:.1f} ms, p99 {o99 * 1e3:.0f} ms ({o50 / p50:.1%} of the p50 turn); engines busy "
+        f"p50 {o50 * 1e3:.1f} ms, p99 {o99 * 1e3:.0f} ms ({o50 / p50:.1%} of the p50 turn; to the engine p50 "
+        f"{to[len(to) // 2] * 1e3:.1f} ms p99 {to[int(0.99 * (len(to) - 1))] * 1e3:.0f} ms wall, back p50 "
+        f"{back[len(back) // 2] * 1e3:.1f} ms); engines busy "
         f"{r.utilisation():.0%}; failed calls {r.failures}"
     )
     if r.placement is not None:
@@ -451,7 +468,9 @@ def print_costs(r: RunResult, time_scale: float) -> None:
         f"  [{r.policy}] engines: prefill {sum(x['prefill_s'] for x in st) / max(1e-9, sum(x['busy_s'] for x in st)):.0%} "
         f"of busy time, {sum(x['prefilled_tokens'] for x in st)} tokens prefilled, "
         f"{sum(x['evicted_tokens'] for x in st)} evicted, {sum(x['retractions'] for x in st)} retractions, "
-        f"most waiting at once {max(x['max_waiting'] for x in st)}, most running {max(x['max_running'] for x in st)}"
+        f"most waiting at once {max(x['max_waiting'] for x in st)}, most running {max(x['max_running'] for x in st)}, "
+        f"mean decode batch {sum(x['batch_s'] for x in st) / max(1e-9, sum(x['decode_s'] for x in st)):.0f}, "
+        f"mean KV in use {sum(x['kv_token_s'] for x in st) / max(1e-9, sum(e['now_s'] for e in r.engine_stats)) / 1e3:.0f}k tokens"
     )
 
 
@@ -468,12 +487,12 @@ def main() -> int:
     ap.add_argument(
         "--duration-s", type=float, default=150.0, help="modelled seconds per run (default: %(default)s)"
     )
-    ap.add_argument("--warmup-s", type=float, default=40.0, help="modelled seconds left out of the window")
+    ap.add_argument("--warmup-s", type=float, default=50.0, help="modelled seconds left out of the window")
     ap.add_argument(
         "--time-scale",
         type=float,
         default=None,
-        help="wall seconds per modelled second (default: 1, or engines/20 above 20 engines)",
+        help="wall seconds per modelled second (default: 1, or engines/25 above 25 engines)",
     )
     ap.add_argument(
         "--policies", default=",".join((*ROUTER_POLICIES, *PLACEMENTS)), help="rows of the main table"
@@ -494,8 +513,10 @@ def main() -> int:
     ap.add_argument(
         "--param", action="append", default=[], metavar="NAME=VALUE", help="simulated-engine parameter"
     )
-    ap.add_argument("--swe-per-engine", type=float, default=4.0)
-    ap.add_argument("--harness-per-engine", type=float, default=4.0)
+    ap.add_argument("--swe-per-engine", type=float, default=16.0, help="swe sessions in flight per engine")
+    ap.add_argument(
+        "--harness-per-engine", type=float, default=12.0, help="harness sessions in flight per engine"
+    )
     ap.add_argument("--math-groups-per-engine", type=float, default=2.0)
     ap.add_argument("--step-s", type=float, default=30.0)
     args = ap.parse_args()
@@ -520,7 +541,7 @@ def main() -> int:
 
     def run_all(n: int, policies: list[str]) -> list[RunResult]:
         groups, caps, what = trace_for(n)
-        ts = args.time_scale if args.time_scale is not None else max(1.0, n / 20)
+        ts = args.time_scale if args.time_scale is not None else max(1.0, n / 25)
         print(
             f"\n== {n} simulated engines; trace {what}: {len(groups)} groups, "
             f"{sum(len(g.sessions) for g in groups)} sessions, caps {caps}; {args.duration_s:g} s modelled per "

@@ -27,7 +27,10 @@ a rollout runner's concurrency limit does.
 
 `math` groups come in bursts, `--math-groups-per-engine` groups per engine every `--step-s`
 seconds; `swe` and `harness` groups are all released at once and run `--swe-per-engine` /
-`--harness-per-engine` sessions per engine at a time (constant populations of long sessions).
+`--harness-per-engine` sessions per engine at a time (constant populations of long sessions). The
+first population of long sessions starts at a random point of its life (`start_turn`: the replay
+builds the history up to that turn without calling the engine), so a run of a few minutes sees
+the contexts of a steady state rather than a cluster that just started.
 
 `convert` turns a gateway's routing record (`--routing-trace PATH`, docs/routing.md: one line per
 engine call) into this format; `bench/routing.py --trace` replays it, `--scale K` times over.
@@ -59,6 +62,7 @@ class Turn:
 class Session:
     session: str
     turns: list[Turn]
+    start_turn: int = 0  # > 0: the session is already running when the replay starts (see generate)
 
 
 @dataclass
@@ -121,9 +125,10 @@ def generate(
     duration_s: float = 300.0,
     step_s: float = 30.0,
     math_groups_per_engine: float = 2.0,
-    swe_per_engine: float = 4.0,
-    harness_per_engine: float = 4.0,
+    swe_per_engine: float = 16.0,
+    harness_per_engine: float = 12.0,
     seed: int = 0,
+    steady: bool = True,
 ) -> tuple[list[Group], dict[str, int]]:
     """Groups for `engines` engines and about `duration_s` seconds, and the per-env caps (sessions
     in flight) to replay them with. Long-session envs get enough groups to keep their caps full."""
@@ -142,6 +147,7 @@ def generate(
     # a swe session lasts ~40 turns x (~2 s turn + ~1 s tool) ~ 120 s; harness ~10 x 2 s ~ 20-30 s
     for env, life_s, size in (("swe", 100.0, 4), ("harness", 25.0, 4)):
         n_groups = max(1, math.ceil(caps[env] / size * (duration_s / life_s + 1)))
+        initial = math.ceil(caps[env] / size)
         for j in range(n_groups):
             name = f"{env}-{j:04d}"
             if env == "swe":
@@ -152,6 +158,13 @@ def generate(
                 g = _tool_sessions(
                     rng, name, env, size, (4, 15), 9000, (200, 800), (150, 600), 300, (20, 3000), (0.2, 1.0)
                 )
+            if j < initial and steady:
+                # the first population is already under way, at a random point of its life (the
+                # groups of a step start together, so one age per group): the run starts in the
+                # steady state of long sessions instead of with every context empty
+                age = rng.random()
+                for s in g.sessions:
+                    s.start_turn = int(age * len(s.turns))
             groups.append(g)
     groups.sort(key=lambda g: (g.release_s, g.env, g.group))
     return groups, caps
@@ -178,7 +191,8 @@ def read(path: str | Path) -> tuple[list[Group], dict[str, int]]:
                     caps = {str(k): int(v) for k, v in row["caps"].items()}
                     continue
                 sessions = [
-                    Session(s["session"], [Turn(**t) for t in s["turns"]]) for s in row.pop("sessions")
+                    Session(s["session"], [Turn(**t) for t in s["turns"]], int(s.get("start_turn", 0)))
+                    for s in row.pop("sessions")
                 ]
                 groups.append(Group(**row, sessions=sessions))
             except (ValueError, KeyError, TypeError) as exc:
@@ -202,6 +216,7 @@ def scaled(groups: list[Group], times: int, lengths: float = 1.0) -> list[Group]
                 Session(
                     f"{s.session}~{k}",
                     [Turn(n(t.new), max(1, n(t.out)), t.gap_s) for t in s.turns],
+                    s.start_turn,
                 )
                 for s in g.sessions
             ]
@@ -282,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--duration-s", type=float, default=300.0)
     gen.add_argument("--step-s", type=float, default=30.0)
     gen.add_argument("--math-groups-per-engine", type=float, default=2.0)
-    gen.add_argument("--swe-per-engine", type=float, default=4.0)
-    gen.add_argument("--harness-per-engine", type=float, default=4.0)
+    gen.add_argument("--swe-per-engine", type=float, default=16.0)
+    gen.add_argument("--harness-per-engine", type=float, default=12.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--out", required=True)
     conv = sub.add_parser("convert", help="a gateway routing record (--routing-trace) as a trace")

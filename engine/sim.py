@@ -175,6 +175,10 @@ def make_app(engine_ref: dict[str, SimEngine], name: str) -> web.Application:
                 "queue_s": req.admitted - req.arrived,
                 "first_token_s": req.first_token - req.arrived,
                 "modelled_s": req.finished - req.arrived,
+                # wall clock (time.monotonic, the same on every process of the machine): how long
+                # the call took to reach the engine and to leave it, for the bench's overhead line
+                "arrived_monotonic": engine._t0 + req.arrived * engine.scale,
+                "answered_monotonic": engine._loop.time(),
                 "retractions": req.retractions,
             },
         }

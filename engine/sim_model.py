@@ -280,6 +280,8 @@ class SimStats:
     evicted_tokens: int = 0
     max_running: int = 0
     max_waiting: int = 0
+    kv_token_s: float = 0.0  # integral of the KV tokens in use over busy time (its mean: / busy_s)
+    batch_s: float = 0.0  # integral of the running batch size over decode time
 
 
 class SimScheduler:
@@ -437,6 +439,7 @@ class SimScheduler:
     def _complete(self, it: _Iteration, finished: list[SimRequest]) -> None:
         duration = it.end - it.start
         self.stats.busy_s += duration
+        self.stats.kv_token_s += duration * self.used_tokens
         if it.kind == "prefill":
             self.stats.prefill_s += duration
             for req, take in it.chunk:
@@ -446,6 +449,7 @@ class SimScheduler:
                     self._prefilled(req, it.end, finished)
         else:
             self.stats.decode_s += duration
+            self.stats.batch_s += duration * len(self.running)
             self.stats.generated_tokens += it.steps * len(self.running)
             self.private_tokens += it.steps * len(self.running)
             still: list[SimRequest] = []

@@ -192,6 +192,7 @@ class Placement:
         self.clock = clock
         self.time_scale = time_scale  # wall seconds per `clock` second (the bench's scaled clock)
         self._changed: asyncio.Event | None = None
+        self._next_expire = 0.0
         self.admitted_after_wait = 0
         self.admit_timeouts = 0
         self.admit_wait_s = 0.0
@@ -434,8 +435,9 @@ class Placement:
 
     def _expire(self, now: float) -> None:
         idle = self.config.session_idle_s
-        if not idle:
+        if not idle or now < self._next_expire:
             return
+        self._next_expire = now + min(1.0, idle)  # a scan per second at most: O(sessions)
         stale = [sid for sid, s in self.sessions.items() if now - s.last > idle]
         for sid in stale:
             self.ended(sid)

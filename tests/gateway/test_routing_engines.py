@@ -94,6 +94,8 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
             sid = new_session(ref, env="e", group_id=name)["session_id"]
             play(ref, sid, USER_TURNS)
             expected[name] = sample_tokens(ref, sid)
+    for e in engines:  # the reference's prompts are the test's: a cached copy must not hide a prefill
+        assert httpx.post(f"{e.url}/flush_cache", timeout=30).status_code == 200
 
     record = tmp_path / "routing.jsonl"
     with gateway_server(
