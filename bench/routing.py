@@ -180,7 +180,26 @@ class Placed:
         self.placement.ended(session)
 
     def snapshot(self) -> dict[str, Any] | None:
-        return self.placement.snapshot()
+        return {**self.placement.snapshot(), "health_changes": self.health_changes}
+
+    health_changes = 0
+
+    async def follow(self, http: aiohttp.ClientSession, router_url: str) -> None:
+        """Re-reads the router's worker list every 2 s, as the gateway does (gateway/routing.py)."""
+        while True:
+            await asyncio.sleep(2.0)
+            try:
+                async with http.get(router_url + "/workers") as r:
+                    workers = (await r.json())["workers"]
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+                continue
+            urls = [w["url"] for w in workers]
+            healthy = [bool(w.get("is_healthy", True)) for w in workers]
+            if healthy != [w.healthy for w in self.placement.workers] or urls != [
+                w.url for w in self.placement.workers
+            ]:
+                self.health_changes += 1
+                self.placement.set_workers(urls, healthy)
 
 
 # -- the replay -------------------------------------------------------------------------------
@@ -225,6 +244,8 @@ class Replay:
             for g in self.groups:
                 by_env[g.env].append(g)
             runners = [asyncio.create_task(self._env_runner(env, gs)) for env, gs in by_env.items()]
+            if isinstance(self.policy, Placed):
+                runners.append(asyncio.create_task(self.policy.follow(http, self.url)))
             await asyncio.sleep(self.duration * self.scale)
             self._stop = True
             for r in runners:
@@ -359,6 +380,18 @@ def _cpu_s(pid: int | None) -> float:
         return 0.0
 
 
+def _get_json(url: str) -> Any:
+    """GET with patience: an engine process that fell behind answers late, not never."""
+    for attempt in range(5):
+        try:
+            return httpx.get(url, timeout=60, trust_env=False).json()
+        except httpx.HTTPError:
+            if attempt == 4:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
 def run_policy(
     policy: str,
     groups: list[routing_trace.Group],
@@ -383,7 +416,7 @@ def run_policy(
         with RouterProcess(
             urls, policy=router_policy, router_options=router_options, log_level="warn", startup_timeout=120
         ) as router:
-            order = [w["url"] for w in httpx.get(router.url + "/workers", timeout=10).json()["workers"]]
+            order = [w["url"] for w in _get_json(router.url + "/workers")["workers"]]
             replay_holder: dict[str, Replay] = {}
             clock = lambda: replay_holder["r"].now()  # noqa: E731 - modelled seconds, for the placement layer
             chooser: RouterOnly | Placed = (
@@ -408,7 +441,7 @@ def run_policy(
                 "sims": (sum(_cpu_s(p) for p in pids["sims"]) - cpu0["sims"]) / wall,
                 "loadavg": os.getloadavg()[0],
             }
-            stats = [httpx.get(u + "/sim/stats", timeout=10).json() for u in urls]
+            stats = [_get_json(u + "/sim/stats") for u in urls]
     finally:
         for s in sims:
             s.stop()
@@ -461,7 +494,7 @@ def print_costs(r: RunResult, time_scale: float) -> None:
         print(
             f"  [{r.policy}] placement: {r.placement['moves']} moves {r.placement['moves_by_reason']}, "
             f"{a['waited']} new sessions waited for room ({a['wait_s_total']:.0f} s in all, {a['timeouts']} "
-            f"gave up waiting), load max/mean at the end {r.placement['load_max_over_mean']}"
+            f"gave up waiting), {r.placement['health_changes']} changes of the router's worker list seen"
         )
     st = [e["stats"] for e in r.engine_stats]
     print(
@@ -490,9 +523,9 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=50.0, help="modelled seconds left out of the window")
     ap.add_argument(
         "--time-scale",
-        type=float,
-        default=None,
-        help="wall seconds per modelled second (default: 1, or engines/25 above 25 engines)",
+        default="4:1,16:2,64:4",
+        help="wall seconds per modelled second: one number, or ENGINES:SCALE pairs (others: engines/16, "
+        "at least 1; default: %(default)s)",
     )
     ap.add_argument(
         "--policies", default=",".join((*ROUTER_POLICIES, *PLACEMENTS)), help="rows of the main table"
@@ -541,7 +574,7 @@ def main() -> int:
 
     def run_all(n: int, policies: list[str]) -> list[RunResult]:
         groups, caps, what = trace_for(n)
-        ts = args.time_scale if args.time_scale is not None else max(1.0, n / 25)
+        ts = _time_scale(args.time_scale, n)
         print(
             f"\n== {n} simulated engines; trace {what}: {len(groups)} groups, "
             f"{sum(len(g.sessions) for g in groups)} sessions, caps {caps}; {args.duration_s:g} s modelled per "
@@ -552,7 +585,7 @@ def main() -> int:
         for p in policies:
             r = run_policy(
                 p, groups, caps, engines=n, duration_s=args.duration_s, warmup_s=args.warmup_s,
-                time_scale=ts, sim_procs=1 if n <= 16 else 2, sim_params=params,
+                time_scale=ts, sim_procs=max(1, min(4, n // 8)), sim_params=params,
             )  # fmt: skip
             print_costs(r, ts)
             out.append(r)
@@ -587,6 +620,13 @@ def main() -> int:
                 )
     print(f"\nbench wall time {time.monotonic() - started:.0f} s")
     return 0
+
+
+def _time_scale(spec: str, engines: int) -> float:
+    if ":" not in spec:
+        return float(spec)
+    pairs = dict(item.split(":") for item in spec.split(",") if item.strip())
+    return float(pairs.get(str(engines), max(1.0, engines / 16)))
 
 
 def _load_trace(path: str) -> tuple[list[routing_trace.Group], dict[str, int]]:
