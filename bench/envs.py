@@ -30,9 +30,9 @@ from palaestra.environments.swe_agent.env import SweAgentEnv  # noqa: E402
 from palaestra.environments.swe_agent.generate import generate  # noqa: E402
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths  # noqa: E402
 from palaestra.gateway.app import create_app  # noqa: E402
+from palaestra.gateway.config import GatewayConfig  # noqa: E402
 from palaestra.gateway.parsers import render_tool_call_text  # noqa: E402
-from palaestra.gateway.state import GatewayConfig  # noqa: E402
-from palaestra.presets import resolve_model  # noqa: E402
+from palaestra.models import resolve_model  # noqa: E402
 from palaestra.sdk import GatewayClient, run_rollouts  # noqa: E402
 from palaestra.sdk.runner import take_tasks  # noqa: E402
 from tests.support.servers import ScriptedEngine, ThreadServer  # noqa: E402

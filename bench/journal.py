@@ -27,11 +27,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from palaestra.engine import zero as zero_engine  # noqa: E402
+from palaestra.gateway.config import GatewayConfig  # noqa: E402
 from palaestra.gateway.engine_client import EngineClient  # noqa: E402
 from palaestra.gateway.routes import OPENAI_CHAT  # noqa: E402
 from palaestra.gateway.service import GatewayService  # noqa: E402
 from palaestra.gateway.spool import SampleSpool  # noqa: E402
-from palaestra.gateway.state import GatewayConfig  # noqa: E402
 
 VARIANTS = ("none", "off", "batch", "always")
 

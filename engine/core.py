@@ -38,12 +38,14 @@ from palaestra.engine.sampling import RowState, log_softmax, sample
 
 log = logging.getLogger("palaestra.engine")
 
-Notify = Callable[["Sequence", int, bool], None]  # (seq, number of output tokens, finished)
+Notify = Callable[["EngineRequest", int, bool], None]  # (request, number of output tokens, finished)
 
 
 @dataclass
-class Sequence:
-    """One prompt being generated; the scheduler thread is its only writer."""
+class EngineRequest:
+    """One prompt of a /generate call, waiting or being generated: its spec, its sampling generator
+    and everything produced so far (output ids, logprobs, finish reason). The scheduler thread is
+    its only writer; the HTTP layer reads it when `notify` says it progressed."""
 
     spec: PromptSpec
     notify: Notify
@@ -102,11 +104,11 @@ class Engine:
         self.weight_version = weight_version
         self.metrics = metrics or EngineMetrics()
         self.batch = self.runner.new_batch()
-        self.running: list[Sequence] = []  # index == row in self.batch
-        self.waiting: deque[Sequence] = deque()
+        self.running: list[EngineRequest] = []  # index == row in self.batch
+        self.waiting: deque[EngineRequest] = deque()
         self.paused = False
         self.shared_weights = None  # set by a load_format "mmap" update: the file the weights live in
-        self._incoming: list[Sequence] = []
+        self._incoming: list[EngineRequest] = []
         self._controls: deque[_Control] = deque()
         self._aborts: list[tuple[str, bool, str]] = []
         self._cond = threading.Condition()
@@ -115,7 +117,7 @@ class Engine:
         self._thread.start()
 
     # -- called from any thread ---------------------------------------------------------------
-    def submit(self, specs: list[PromptSpec], notify: Notify) -> list[Sequence]:
+    def submit(self, specs: list[PromptSpec], notify: Notify) -> list[EngineRequest]:
         seqs = []
         for spec in specs:
             gen = torch.Generator()
@@ -123,7 +125,7 @@ class Engine:
                 gen.manual_seed(spec.params.sampling_seed)
             else:
                 gen.seed()
-            seq = Sequence(spec=spec, notify=notify, generator=gen)
+            seq = EngineRequest(spec=spec, notify=notify, generator=gen)
             seq.constraint = self.grammars.constraint(spec.params)  # a bad grammar is the caller's 400
             seqs.append(seq)
         with self._cond:
@@ -286,7 +288,7 @@ class Engine:
     def _abort_matching(
         self, rid: str, abort_all: bool, message: str, kind: str = "abort", status: int | None = None
     ) -> None:
-        def hit(seq: Sequence) -> bool:
+        def hit(seq: EngineRequest) -> bool:
             return abort_all or seq.rid.startswith(rid)
 
         for seq in [s for s in self.waiting if hit(s)]:
@@ -316,7 +318,7 @@ class Engine:
                         },
                     )
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seq: EngineRequest) -> None:
         spec = seq.spec
         ids = spec.input_ids
         want_input = spec.return_logprob and spec.logprob_start_len >= 0
@@ -343,7 +345,7 @@ class Engine:
             self.prefix_cache.insert(ids, kv)
             self._finish(seq, reason)
 
-    def _record_input_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+    def _record_input_logprobs(self, seq: EngineRequest, logits: torch.Tensor, start: int) -> None:
         ids = seq.spec.input_ids
         if seq.spec.logprob_start_len >= len(ids):
             return  # start == prompt length: nothing to report
@@ -386,7 +388,7 @@ class Engine:
         for seq, reason in sorted(done, key=lambda d: -(d[0].row or 0)):
             self._finish(seq, reason)
 
-    def _row_state(self, seq: Sequence) -> RowState:
+    def _row_state(self, seq: EngineRequest) -> RowState:
         blocked = [] if seq.spec.params.ignore_eos else self.eos_token_ids
         return RowState(
             seq.spec.params,
@@ -397,7 +399,7 @@ class Engine:
             seq.constraint,
         )
 
-    def _append(self, seq: Sequence, result, i: int) -> None:
+    def _append(self, seq: EngineRequest, result, i: int) -> None:
         token = result.tokens[i]
         seq.output_ids.append(token)
         if seq.constraint is not None:
@@ -419,13 +421,13 @@ class Engine:
             seq.version_spans.append([self.weight_version, n - 1, n])
         self.metrics.generation_tokens.inc()
 
-    def _progress(self, seq: Sequence) -> None:
+    def _progress(self, seq: EngineRequest) -> None:
         """Tells a streaming client about new tokens (every `stream_interval` tokens; the final chunk comes from `_finish`)."""
         n = len(seq.output_ids)
         if n % (seq.spec.params.stream_interval or 1) == 0:
             seq.notify(seq, n, False)
 
-    def _check_stop(self, seq: Sequence) -> dict[str, Any] | None:
+    def _check_stop(self, seq: EngineRequest) -> dict[str, Any] | None:
         p = seq.spec.params
         token = seq.output_ids[-1]
         n = len(seq.output_ids)
@@ -450,7 +452,7 @@ class Engine:
             return {"type": "length", "length": n}
         return None
 
-    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+    def _finish(self, seq: EngineRequest, reason: dict[str, Any]) -> None:
         seq.finish_reason = reason
         seq.finished_at = time.monotonic()
         if seq.row is not None:

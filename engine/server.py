@@ -20,7 +20,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from palaestra.engine.core import Engine, Sequence
+from palaestra.engine.core import Engine, EngineRequest
 from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, parse_generate
 from palaestra.engine.weight_group import UpdateGroups
 from palaestra.engine.weights import deserialize_named_tensors
@@ -116,7 +116,7 @@ class EngineServer:
     def _tops(self, rows, want_text: bool):
         return [None if r is None else [[v, t, self._tok_text(t, want_text)] for v, t in r] for r in rows]
 
-    def answer(self, seq: Sequence, n: int, final: bool, since: int = 0) -> dict[str, Any]:
+    def answer(self, seq: EngineRequest, n: int, final: bool, since: int = 0) -> dict[str, Any]:
         """SGLang's /generate answer for `seq` with its first `n` output tokens (from `since` if incremental)."""
         spec = seq.spec
         out = seq.output_ids[:n]
@@ -184,7 +184,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def notify(seq: Sequence, n: int, finished: bool) -> None:
+        def notify(seq: EngineRequest, n: int, finished: bool) -> None:
             if finished or req.stream:
                 loop.call_soon_threadsafe(queue.put_nowait, (seq, n, finished))
 
@@ -196,7 +196,9 @@ class EngineServer:
             return StreamingResponse(self._stream(req, seqs, queue), media_type="text/event-stream")
         return await self._collect(request, req, seqs, queue)
 
-    async def _collect(self, request: Request, req, seqs: list[Sequence], queue: asyncio.Queue) -> Response:
+    async def _collect(
+        self, request: Request, req, seqs: list[EngineRequest], queue: asyncio.Queue
+    ) -> Response:
         pending = {s.rid for s in seqs}
         while pending:
             try:
@@ -216,7 +218,7 @@ class EngineServer:
                 return _error(s.finish_reason.get("message", "aborted"), status)
         return JSONResponse(answers if req.batched else answers[0])
 
-    async def _stream(self, req, seqs: list[Sequence], queue: asyncio.Queue):
+    async def _stream(self, req, seqs: list[EngineRequest], queue: asyncio.Queue):
         pending = {s.rid for s in seqs}
         sent = {s.rid: 0 for s in seqs}
         incremental = self.config.incremental_streaming_output

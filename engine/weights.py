@@ -45,7 +45,7 @@ def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-_DTYPES: dict[str, torch.dtype] = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -57,6 +57,22 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+"""safetensors' dtype codes (the "dtype" of a header entry) and their torch dtypes: the one table
+that the reader here and the trainer's writers (`trainer/shm_sync.py`, `trainer/snapshot_tiers.py`)
+use."""
+
+_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors code of a torch dtype (``torch.bfloat16`` -> ``"BF16"``); a ValueError for a
+    dtype safetensors cannot hold."""
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype} cannot be written to safetensors (it holds {', '.join(SAFETENSORS_DTYPES)})"
+        ) from None
 
 
 def _safetensors_files(path: str | Path) -> list[Path]:
@@ -85,7 +101,7 @@ def _read_header(f, path: Path) -> tuple[int, dict[str, dict]]:
     header.pop("__metadata__", None)
     base = 8 + n
     for name, info in header.items():
-        dtype = _DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
         if dtype is None:
             raise RequestError(f"{path}: tensor {name!r} has an unsupported dtype")
         start, end = info["data_offsets"]

@@ -47,7 +47,8 @@ from palaestra.gateway.dialect import (
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_more
-from palaestra.gateway.streaming import check_stops, sse
+from palaestra.gateway.streaming import sse
+from palaestra.gateway.validate import number, stop_list
 
 FIELDS = {
     "model",
@@ -81,24 +82,16 @@ ERROR_TYPES = {
 
 
 def error_body(exc: GatewayError) -> dict[str, Any]:
-    """Anthropic's envelope has no `param`: its messages start with the field's path instead
-    ("max_tokens: ..."), so one is put in front of a core error's message that names none."""
+    """Anthropic's envelope (`ANTHROPIC_MESSAGES.error_body`). It has no `param` or `code`: its
+    messages start with the field's path instead ("max_tokens: ..."), so a core error in OpenAI's
+    words ("'max_tokens' must be ...") is put that way, and one that names no field gets it in front."""
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
     message = exc.message
-    if exc.param and not message.startswith(exc.param):
+    if exc.param and message.startswith(f"'{exc.param}' "):
+        message = f"{exc.param}: {message[len(exc.param) + 3 :]}"
+    elif exc.param and not message.startswith(exc.param):
         message = f"{exc.param}: {message}"
     return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
-        raise GatewayError(f"{key}: must be {'an integer' if integer else 'a number'}", param=key)
-    if not lo <= value <= hi:
-        raise GatewayError(f"{key}: must be between {lo} and {hi}; got {value}", param=key)
-    return int(value) if integer else float(value)
 
 
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
@@ -110,20 +103,15 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 def _params(body: dict[str, Any]) -> GenerationParams:
     if body.get("max_tokens") is None:
         raise GatewayError("max_tokens: Field required", param="max_tokens")
-    max_tokens = _number(body, "max_tokens", 1, math.inf, integer=True)  # bounded by the context (service)
-    temperature, top_p = _number(body, "temperature", 0, 1), _number(body, "top_p", 0, 1)
+    max_tokens = number(body, "max_tokens", 1, math.inf, integer=True)  # bounded by the context (service)
+    temperature, top_p = number(body, "temperature", 0, 1), number(body, "top_p", 0, 1)
     sampling: dict[str, Any] = {
         "temperature": 1.0 if temperature is None else temperature,  # Anthropic's default
         "top_p": 1.0 if top_p is None else max(top_p, 1e-6),
     }
     if body.get("top_k") is not None:
-        sampling["top_k"] = _number(body, "top_k", 1, 1 << 30, integer=True)
-    stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-        raise GatewayError(
-            "stop_sequences: must be an array of up to 16 non-empty strings", param="stop_sequences"
-        )
-    check_stops(stops, "stop_sequences")
+        sampling["top_k"] = number(body, "top_k", 1, 1 << 30, integer=True)
+    stops = stop_list(body, "stop_sequences")
     if stops:
         sampling["stop"] = stops
     stream = body.get("stream", False)

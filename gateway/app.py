@@ -17,13 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import BodyLimit
-from palaestra.gateway.routes import admin, anthropic, openai, public, sessions
+from palaestra.gateway.routes import admin, anthropic, error_body, openai, public, sessions
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig
 
 log = logging.getLogger("palaestra.gateway")
 
@@ -79,21 +79,27 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     app = FastAPI(title="palaestra gateway", lifespan=lifespan)
     app.state.service = svc
     # outermost: an oversized body is refused before routing, auth or parsing see it
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, rejected=svc.metrics.rejected)
+    app.add_middleware(
+        BodyLimit, max_bytes=config.max_body_bytes, rejected=svc.metrics.rejected, error_body=error_body
+    )
     for router in (public, openai, anthropic, sessions, admin):
         app.include_router(router)
 
+    # Every error is answered in the envelope of the dialect of its route (`Dialect.error_body`).
+    def answer(request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(error_body(request.scope, exc), status_code=exc.status, headers=exc.headers)
+
     @app.exception_handler(GatewayError)
-    async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        return exc.response()
+    async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return GatewayError(f"invalid request: {exc.errors()}", 400).response()
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, GatewayError(f"invalid request: {exc.errors()}", 400))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected gateway error")
-        return GatewayError(f"internal gateway error: {type(exc).__name__}: {exc}", 500).response()
+        return answer(request, GatewayError(f"internal gateway error: {type(exc).__name__}: {exc}", 500))
 
     return app

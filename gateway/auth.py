@@ -32,7 +32,8 @@ from fastapi import Request
 from palaestra.gateway.errors import GatewayError
 
 if TYPE_CHECKING:
-    from palaestra.gateway.state import GatewayConfig, SessionStore
+    from palaestra.gateway.config import GatewayConfig
+    from palaestra.gateway.session_store import SessionStore
 
 __all__ = ["SESSION_TOKEN_PREFIX", "Scope", "authorize", "mint_session_token", "presented_key"]
 

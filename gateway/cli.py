@@ -1,7 +1,8 @@
 """`palaestra gateway serve`: the OpenAI-compatible, token-recording gateway.
 
-Its flags are `GatewayConfig`'s fields (gateway/state.py and, for those a run tunes,
-gateway/options.py), generated with their docstrings as help, so they are declared once.
+Its flags are `GatewayConfig`'s fields (gateway/config.py and, for those a run tunes,
+gateway/options.py), generated with their docstrings as help, so they are declared once. The spool
+directory's default (`runs/spool`) is relative to where the gateway starts; `--help` says so.
 Also `gateway_process(...)`, the same command as a subprocess for tests, benchmarks and demos.
 """
 
@@ -11,9 +12,10 @@ import argparse
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.options import GatewayOptions
-from palaestra.gateway.state import GatewayConfig
 from palaestra.net import ServerProcess, free_port
 from palaestra.typed_config import add_arguments
 
@@ -33,28 +35,40 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(config)
     print(
         f"palaestra gateway: http://{config.host}:{config.port} -> engine {config.engine_url}; "
-        f"samples spooled to {config.spool_dir}",
+        f"samples and session journal in {Path(config.spool_dir).resolve()}",
         flush=True,
     )
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, access_log=False)
     return 0
 
 
+SPOOL_NOTE = (
+    "Where samples go: --spool-dir holds the durable sample spool and the session journal. Its "
+    "default, runs/spool, is relative to the directory the gateway starts in (the start line prints "
+    "the absolute path); give a restarted gateway the same directory and it continues every open "
+    "session and serves every spooled sample. `palaestra train` gives its gateway <output dir>/spool "
+    "(runs/<run.name>/spool)."
+)
+
+
 def register(groups: argparse._SubParsersAction) -> None:
     gateway = groups.add_parser(
         "gateway",
-        help="the OpenAI-compatible gateway",
-        description="The OpenAI-compatible gateway that records exact tokens.",
+        help="the OpenAI- and Anthropic-compatible gateway",
+        description="The gateway that agents call in their own API (OpenAI Chat Completions, "
+        "completions, Responses; Anthropic Messages) and that records exact tokens.",
     )
     sub = gateway.add_subparsers(dest="gateway_cmd", metavar="COMMAND", required=True)
     p = sub.add_parser(
         "serve",
         help="serve the gateway",
-        description="Serve OpenAI routes under /s/<session>/v1 (chat/completions, completions, models), the session "
+        description="Serve the agent routes under /s/<session>/v1 (OpenAI: chat/completions, completions, "
+        "responses, models; Anthropic: messages, messages/count_tokens), the session "
         "API (/sessions, /sessions/<id>/reward, /sessions/<id>), /samples and /samples/stream for the "
         "trainer, /admin/pause and /admin/resume, /metrics and /health. Prompts are rendered to token ids "
         "with the model's chat template and sent to the engine's /generate with X-SMG-Routing-Key. "
         "See docs/gateway.md.",
+        epilog=SPOOL_NOTE,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     tunable = {f.name for f in dataclasses.fields(GatewayOptions)}

@@ -25,8 +25,10 @@ Two rules a new dialect must keep:
 * **Replies come back unchanged.** The agent sends the model's reply back in its own dialect; the
   parser must turn it into the same internal message as `reply_message(output)`, because that is
   what the bridge matches against (otherwise every turn forks as `assistant_edited`).
-* **Errors are `GatewayError`.** The app answers them in OpenAI's error envelope; a dialect with
-  another envelope (Anthropic's `{"type": "error", ...}`) converts them at its routes.
+* **Errors are `GatewayError`.** The app answers each in the envelope of the dialect whose route
+  it came from, `Dialect.error_body`: OpenAI's `{"error": {...}}` by default; a dialect with another
+  envelope (Anthropic's `{"type": "error", ...}`) names its own function. Refusals before routing
+  (a body over the size limit) and authentication failures take the same envelope.
 """
 
 from __future__ import annotations
@@ -261,3 +263,7 @@ class Dialect(Generic[R]):
     history_field: str = "messages"
     """The body field holding the conversation (Responses: 'input', completions: 'prompt'): errors the
     shared renderer raises about it (param 'messages') name this field instead (`routes._counted`)."""
+    error_body: Callable[[GatewayError], dict[str, Any]] = GatewayError.body
+    """A `GatewayError` -> the body this dialect's clients expect for it (default OpenAI's envelope,
+    `GatewayError.body`). The app's error handlers and the body limit answer with it, for every
+    route bound to the dialect (`routes.error_body`)."""

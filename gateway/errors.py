@@ -1,10 +1,10 @@
-"""OpenAI-style errors: every failure the gateway reports is `{"error": {message, type, param, code}}`."""
+"""`GatewayError`: every failure the gateway reports. `body()` is OpenAI's envelope
+`{"error": {message, type, param, code}}`; a dialect with another envelope gives its own
+(`dialect.Dialect.error_body`), and the app answers each route's errors in its dialect's."""
 
 from __future__ import annotations
 
 from typing import Any
-
-from fastapi.responses import JSONResponse
 
 
 class GatewayError(Exception):
@@ -30,6 +30,3 @@ class GatewayError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

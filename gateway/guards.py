@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
 from typing import Any
 
 import anyio
@@ -44,15 +44,11 @@ _PROBE = 254 - MAX_JSON_DEPTH  # levels put around a body to test it against orj
 BODY_REASONS = ("body_too_large", "invalid_utf8", "invalid_json", "nesting_too_deep", "not_an_object")
 """Reasons a body is refused before any dialect reads it (also the `code` of the error)."""
 FIELD_REASONS = ("integer_above_max_value", "context_length_exceeded", "invalid_field")
-"""Reasons a dialect refuses a field: `n` above its maximum, `max_tokens` (or its dialect's name
-for it) beyond the context, any other invalid field."""
+"""Reasons a dialect refuses a field: an integer above its maximum (a huge `n`; `validate.number`),
+`max_tokens` (or its dialect's name for it) beyond the context, any other invalid field."""
 REJECT_REASONS = BODY_REASONS + FIELD_REASONS
 CUT_REASONS = ("client_disconnected", "send_timeout")
 """Why a stream ended before its last event: the client closed the connection, or stopped reading."""
-
-
-def _is_anthropic(path: str) -> bool:
-    return path.endswith("/messages") or path.endswith("/messages/count_tokens")
 
 
 def too_large(limit: int, got: int | None = None) -> GatewayError:
@@ -67,14 +63,22 @@ def too_large(limit: int, got: int | None = None) -> GatewayError:
 class BodyLimit:
     """ASGI middleware: request bodies over `max_bytes` get 413 before they are parsed (module doc).
 
-    A `Content-Length` over the limit is answered here, in the error envelope of the route's
-    dialect; a chunked body is counted as it arrives and the read that passes the limit raises the
-    413 `GatewayError` into the route, whose handler answers it in its dialect's envelope."""
+    A `Content-Length` over the limit is answered here, in the error envelope `error_body(scope,
+    exc)` gives (the app passes `routes.error_body`: the envelope of the route's dialect); a chunked
+    body is counted as it arrives and the read that passes the limit raises the 413 `GatewayError`
+    into the route, whose handler answers it in its dialect's envelope."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, rejected: Counter):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        rejected: Counter,
+        error_body: Callable[[Scope, GatewayError], dict[str, Any]] = lambda scope, exc: exc.body(),
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.rejected = rejected
+        self.error_body = error_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,10 +107,8 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
     async def _refuse(self, scope: Scope, send: Send, exc: GatewayError) -> None:
-        from palaestra.gateway.anthropic_api import error_body  # the dialects import this module
-
         self.rejected.labels(reason="body_too_large").inc()
-        body = orjson.dumps(error_body(exc) if _is_anthropic(scope.get("path", "")) else exc.body())
+        body = orjson.dumps(self.error_body(scope, exc))
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         # the unread body is not drained: closing the connection is cheaper than reading it
         headers.append((b"connection", b"close"))

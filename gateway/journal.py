@@ -54,7 +54,7 @@ from typing import Any, Literal
 
 import orjson
 
-from palaestra.gateway.state import Session
+from palaestra.gateway.session import Session
 from palaestra.gateway.trajectory import Turn
 
 __all__ = ["FSYNC_POLICIES", "NOT_PERSISTED", "SessionJournal"]

@@ -24,10 +24,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.journal import SessionJournal
+from palaestra.gateway.session_store import SessionStore
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig, SessionStore
 
 __all__ = ["LIMITS", "IdleReaper", "Limits"]
 

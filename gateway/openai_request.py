@@ -11,13 +11,14 @@ shaped by `openai_response.py`; `dialect.py` describes the seam.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, TextRequest, TurnRequest
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_tools
-from palaestra.gateway.streaming import check_stops
+from palaestra.gateway.validate import SEED_RANGE, number, stop_list
 
 _COMMON = {
     "model",
@@ -72,22 +73,6 @@ CHAT_FIELDS = _COMMON | {
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 
 
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (integer and not float(value).is_integer())
-    ):
-        raise GatewayError(f"'{key}' must be {'an integer' if integer else 'a number'}", param=key)
-    if not lo <= value <= hi:
-        code = "integer_above_max_value" if integer and value > hi else None  # OpenAI's code
-        raise GatewayError(f"'{key}' must be between {lo} and {hi}; got {value}", param=key, code=code)
-    return int(value) if integer else float(value)
-
-
 MAX_N = 64
 """Most choices one call may ask for (`n`); more is a 400 naming `n`."""
 
@@ -97,27 +82,25 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     if unknown:
         raise GatewayError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
     sampling: dict[str, Any] = {}
-    temperature = _number(body, "temperature", 0, 2)
+    temperature = number(body, "temperature", 0, 2)
     sampling["temperature"] = 1.0 if temperature is None else temperature  # OpenAI's default
-    top_p = _number(body, "top_p", 0, 1)
+    top_p = number(body, "top_p", 0, 1)
     sampling["top_p"] = 1.0 if top_p is None else max(top_p, 1e-6)
     if body.get("top_k") is not None:
-        sampling["top_k"] = _number(body, "top_k", -1, 1 << 30, integer=True)
+        sampling["top_k"] = number(body, "top_k", -1, 1 << 30, integer=True)
     if body.get("min_p") is not None:
-        sampling["min_p"] = _number(body, "min_p", 0, 1)
+        sampling["min_p"] = number(body, "min_p", 0, 1)
     if body.get("repetition_penalty") is not None:
-        sampling["repetition_penalty"] = _number(body, "repetition_penalty", 0.01, 2)
+        sampling["repetition_penalty"] = number(body, "repetition_penalty", 0.01, 2)
     for key in ("presence_penalty", "frequency_penalty"):
         if body.get(key) is not None:
-            sampling[key] = _number(body, key, -2, 2)
+            sampling[key] = number(body, key, -2, 2)
     if body.get("min_tokens") is not None:
-        sampling["min_new_tokens"] = _number(body, "min_tokens", 0, 1 << 30, integer=True)
+        sampling["min_new_tokens"] = number(body, "min_tokens", 0, 1 << 30, integer=True)
     if body.get("ignore_eos") is not None:
         sampling["ignore_eos"] = bool(body["ignore_eos"])
-    seed = body.get("seed")
+    seed = number(body, "seed", *SEED_RANGE, integer=True)
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise GatewayError("'seed' must be an integer", param="seed")
         sampling["sampling_seed"] = seed
     bias = body.get("logit_bias")
     if bias:
@@ -129,23 +112,12 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     max_field = (
         "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    max_tokens = body.get(max_field)
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise GatewayError(f"'{max_field}' must be a positive integer", param=max_field)
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        stops = [s for s in stop if s]
-    else:
-        raise GatewayError("'stop' must be a string or an array of up to 16 strings", param="stop")
-    check_stops(stops, "stop")
+    # no upper bound here: any dialect's max_tokens beyond the context is a 400 naming it (service)
+    max_tokens = number(body, max_field, 1, math.inf, integer=True)
+    stops = stop_list(body, "stop", one_string=True)
     if stops:
         sampling["stop"] = stops
-    n = _number(body, "n", 1, MAX_N, integer=True) or 1
+    n = number(body, "n", 1, MAX_N, integer=True) or 1
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise GatewayError("'stream' must be a boolean", param="stream")
@@ -157,11 +129,11 @@ def parse_generation(body: dict[str, Any], allowed: set[str], chat: bool) -> Gen
     logprobs_raw = body.get("logprobs")
     if chat:
         logprobs = bool(logprobs_raw)
-        top = _number(body, "top_logprobs", 0, 20, integer=True) or 0
+        top = number(body, "top_logprobs", 0, 20, integer=True) or 0
         if top and not logprobs:
             raise GatewayError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     else:  # completions: logprobs is an integer count of alternatives
-        top = _number(body, "logprobs", 0, 5, integer=True) or 0
+        top = number(body, "logprobs", 0, 5, integer=True) or 0
         logprobs = logprobs_raw is not None
     if n > 1:
         sampling["n"] = n

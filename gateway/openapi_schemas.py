@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from palaestra.gateway.streaming import MAX_STOP_CHARS
+from palaestra.gateway.validate import MAX_STOPS
 
 __all__ = [
     "ANTHROPIC_COUNT",
@@ -42,7 +43,7 @@ _OPENAI_SAMPLING = {
     **_SAMPLING,
     "max_tokens": {"type": "integer", "minimum": 1},
     "n": {"type": "integer", "minimum": 1, "maximum": 64},
-    "stop": {"oneOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": 16}]},
+    "stop": {"oneOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOPS}]},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 2},
@@ -162,7 +163,7 @@ RESPONSES: dict[str, Any] = {
         "max_output_tokens": {"type": "integer", "minimum": 1},
         "previous_response_id": _STR,
         "store": {"type": "boolean"},
-        "stop": {"type": "array", "items": {**_STOP, "minLength": 1}, "maxItems": 16},
+        "stop": {"type": "array", "items": {**_STOP, "minLength": 1}, "maxItems": MAX_STOPS},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
         "include": {"type": "array", "items": {"enum": ["message.output_text.logprobs"]}},
         "tools": {
@@ -254,7 +255,7 @@ ANTHROPIC_MESSAGES: dict[str, Any] = {
     "properties": {
         **_ANTHROPIC_CHAT,
         "max_tokens": {"type": "integer", "minimum": 1},
-        "stop_sequences": {"type": "array", "items": {**_STOP, "minLength": 1}, "maxItems": 16},
+        "stop_sequences": {"type": "array", "items": {**_STOP, "minLength": 1}, "maxItems": MAX_STOPS},
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": 1},

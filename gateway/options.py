@@ -1,6 +1,6 @@
 """`GatewayOptions`: the gateway options a training run may tune, declared once.
 
-They are the tunable part of `palaestra.gateway.state.GatewayConfig` (which adds what a deployment
+They are the tunable part of `palaestra.gateway.config.GatewayConfig` (which adds what a deployment
 sets: model, engine URL, address, keys, spool), the ``gateway:`` section of a run config
 (`palaestra.config.RunConfig.gateway`), and flags of ``palaestra gateway serve`` generated from the
 fields below, their docstrings being the help. `serve_flags()` turns them back into those flags.

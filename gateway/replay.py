@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.gateway.renderer import chain_digests, message_digest
+from palaestra.gateway.session import Session
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import Session
 from palaestra.gateway.trajectory import Turn
 from palaestra.sample import sample_id_for
 

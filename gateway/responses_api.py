@@ -28,7 +28,7 @@ from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.openai_request import constraints
 from palaestra.gateway.renderer import normalize_messages, normalize_more
-from palaestra.gateway.streaming import check_stops
+from palaestra.gateway.validate import SEED_RANGE, number, stop_list
 
 FIELDS = {
     "model",
@@ -71,22 +71,11 @@ def _refuse(field: str, why: str) -> GatewayError:
     return GatewayError(f"'{field}' is not supported: {why}", param=field)
 
 
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
-        raise GatewayError(f"'{key}' must be {'an integer' if integer else 'a number'}", param=key)
-    if not lo <= value <= hi:
-        raise GatewayError(f"'{key}' must be between {lo} and {hi}; got {value}", param=key)
-    return int(value) if integer else float(value)
-
-
 def _params(body: dict[str, Any]) -> GenerationParams:
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise GatewayError(f"Unknown parameter: '{unknown[0]}'.", param=unknown[0])
-    temperature, top_p = _number(body, "temperature", 0, 2), _number(body, "top_p", 0, 1)
+    temperature, top_p = number(body, "temperature", 0, 2), number(body, "top_p", 0, 1)
     sampling: dict[str, Any] = {
         "temperature": 1.0 if temperature is None else temperature,
         "top_p": 1.0 if top_p is None else max(top_p, 1e-6),
@@ -95,18 +84,15 @@ def _params(body: dict[str, Any]) -> GenerationParams:
         ("top_k", -1, 1 << 30, True, "top_k"),
         ("min_p", 0, 1, False, "min_p"),
         ("repetition_penalty", 0.01, 2, False, "repetition_penalty"),
-        ("seed", -(1 << 62), 1 << 62, True, "sampling_seed"),
+        ("seed", *SEED_RANGE, True, "sampling_seed"),
     ):
         if body.get(key) is not None:
-            sampling[name] = _number(body, key, lo, hi, integer)
-    stops = body.get("stop") or []
-    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops) or len(stops) > 16:
-        raise GatewayError("'stop' must be an array of up to 16 non-empty strings", param="stop")
-    check_stops(stops, "stop")
+            sampling[name] = number(body, key, lo, hi, integer=integer)
+    stops = stop_list(body, "stop")
     if stops:
         sampling["stop"] = stops
     # no upper bound here: any dialect's max_tokens beyond the context is a 400 naming it (service)
-    max_tokens = _number(body, "max_output_tokens", 1, math.inf, integer=True)
+    max_tokens = number(body, "max_output_tokens", 1, math.inf, integer=True)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise GatewayError("'stream' must be a boolean", param="stream")
@@ -116,7 +102,7 @@ def _params(body: dict[str, Any]) -> GenerationParams:
         bad = next((i for i in include if not allowed(i)), include) if isinstance(include, list) else include
         raise _refuse("include", f"{bad!r}; only {sorted(INCLUDES)} can be included")
     logprobs = "message.output_text.logprobs" in include
-    top = _number(body, "top_logprobs", 0, 20, integer=True) or 0
+    top = number(body, "top_logprobs", 0, 20, integer=True) or 0
     return GenerationParams(
         sampling, 1, stream, False, logprobs, top, list(stops), max_tokens, "max_output_tokens"
     )

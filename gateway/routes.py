@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.routing import Match
+from starlette.types import Scope as AsgiScope
 
 from palaestra.gateway import anthropic_api, openai_request, openai_response, responses_answer, responses_api
 from palaestra.gateway import openapi_schemas as schemas
@@ -95,8 +98,25 @@ OPENAI_RESPONSES: Dialect[TurnRequest] = Dialect(
     history_field="input",
 )
 ANTHROPIC_MESSAGES: Dialect[TurnRequest] = Dialect(
-    "msg_", anthropic_api.parse, anthropic_api.answer, anthropic_api.stream, takes_memo=True
+    "msg_",
+    anthropic_api.parse,
+    anthropic_api.answer,
+    anthropic_api.stream,
+    takes_memo=True,
+    error_body=anthropic_api.error_body,
 )
+
+_DIALECT_OF: dict[Callable[..., Any], Dialect] = {}  # endpoint -> the dialect it speaks (`_speaks`)
+
+
+def _speaks(dialect: Dialect) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Binds an endpoint to `dialect`: its errors are answered in the dialect's envelope."""
+
+    def bind(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+        _DIALECT_OF[endpoint] = dialect
+        return endpoint
+
+    return bind
 
 
 async def _counted(request: Request, route: str, call, history_field: str = "messages") -> Any:
@@ -115,28 +135,33 @@ async def _counted(request: Request, route: str, call, history_field: str = "mes
     return result
 
 
-@openai.post("/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
-async def chat_completions(session_id: str, request: Request) -> Response:
-    result = await _counted(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
+async def _answer(request: Request, route: str, call, history_field: str = "messages") -> Response:
+    """`_counted`, answered as JSON or, for a stream, as server-sent events."""
+    result = await _counted(request, route, call, history_field)
     if isinstance(result, dict):
         return FastJSON(result)
     return event_stream(request, result)
 
 
+@openai.post("/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
+@_speaks(OPENAI_CHAT)
+async def chat_completions(session_id: str, request: Request) -> Response:
+    return await _answer(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
+
+
 @openai.post("/responses", openapi_extra=schemas.body(schemas.RESPONSES))
+@_speaks(OPENAI_RESPONSES)
 async def responses(session_id: str, request: Request) -> Response:
-    result = await _counted(
+    return await _answer(
         request,
         "responses",
         lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES),
         OPENAI_RESPONSES.history_field,
     )
-    if isinstance(result, dict):
-        return FastJSON(result)
-    return event_stream(request, result)
 
 
 @openai.post("/completions", openapi_extra=schemas.body(schemas.COMPLETIONS))
+@_speaks(OPENAI_COMPLETIONS)
 async def completions(session_id: str, request: Request) -> Response:
     return FastJSON(
         await _counted(
@@ -166,35 +191,37 @@ async def models(session_id: str, request: Request) -> dict[str, Any]:
     }
 
 
-# Anthropic clients send the key as `x-api-key` (accepted by `authorize`) and expect Anthropic's error
-# envelope, so this router checks the key itself and converts every GatewayError.
-anthropic = APIRouter(prefix="/s/{session_id}/v1")
-
-
-async def _anthropic(request: Request, session_id: str, route: str, call) -> Response:
-    try:
-        await require_session_access(request, session_id)
-        result = await _counted(request, route, call)
-    except GatewayError as exc:
-        return JSONResponse(anthropic_api.error_body(exc), status_code=exc.status, headers=exc.headers)
-    if isinstance(result, dict):
-        return FastJSON(result)
-    return event_stream(request, result)
+# Anthropic clients send the key as `x-api-key`, which `authorize` accepts as it does a bearer token;
+# their errors (auth included) take Anthropic's envelope through `ANTHROPIC_MESSAGES.error_body`.
+anthropic = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require_session_access)])
 
 
 @anthropic.post("/messages", openapi_extra=schemas.body(schemas.ANTHROPIC_MESSAGES))
+@_speaks(ANTHROPIC_MESSAGES)
 async def messages(session_id: str, request: Request) -> Response:
-    return await _anthropic(
-        request, session_id, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES)
+    return await _answer(
+        request, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES)
     )
 
 
 @anthropic.post("/messages/count_tokens", openapi_extra=schemas.body(schemas.ANTHROPIC_COUNT))
+@_speaks(ANTHROPIC_MESSAGES)
 async def count_tokens(session_id: str, request: Request) -> Response:
     async def count(svc: GatewayService, body: dict[str, Any]) -> dict[str, Any]:
         return {"input_tokens": svc.count_tokens(session_id, body, anthropic_api.parse_count)}
 
-    return await _anthropic(request, session_id, "count_tokens", count)
+    return await _answer(request, "count_tokens", count)
+
+
+def error_body(scope: AsgiScope, exc: GatewayError) -> dict[str, Any]:
+    """`exc` in the error envelope of the dialect of the route `scope` asks for (OpenAI's for a
+    route of no dialect). The route is matched as the router matches it, so this answers the same
+    before routing (the body limit) as after."""
+    for route in (*openai.routes, *anthropic.routes):
+        dialect = _DIALECT_OF.get(getattr(route, "endpoint", None))
+        if dialect is not None and route.matches(scope)[0] is Match.FULL:
+            return dialect.error_body(exc)
+    return exc.body()
 
 
 sessions = APIRouter(dependencies=[Depends(require_api_key)])

@@ -1,7 +1,8 @@
 """The gateway's turn core, the same for every dialect: plan -> generate -> record, then finish.
 
 `routes.py` hands each call over as its raw JSON body together with the `dialect.Dialect` its path
-speaks (OpenAI chat or completions today). Per call, `GatewayService`:
+speaks (OpenAI chat and completions, the OpenAI Responses API, Anthropic Messages: the list is in
+`dialect.py`). Per call, `GatewayService`:
 
 1. opens the session and has the dialect's parser turn the body into a `TurnRequest` (chat) or a
    `TextRequest` (a raw text prompt);
@@ -17,8 +18,8 @@ speaks (OpenAI chat or completions today). Per call, `GatewayService`:
 in the spool. Sessions, turns, failed calls and finishes are also written to the session journal
 (`journal.py`) as they happen; constructing the service replays it, so a gateway restarted on the
 same spool directory continues every open session. New sessions pass `limits.Limits` first. No
-wire format is known here: `openai_request.py` / `openai_response.py` are the
-OpenAI dialect, and `dialect.py` says what another one provides.
+wire format is known here: each dialect's parser and shaper live in its own modules, and
+`dialect.py` says what a dialect provides.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import orjson
 
 from palaestra.gateway import bridge, parse_status, parsers, replay
 from palaestra.gateway.bridge import Plan, plan_chat
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
     Dialect,
     GenerationParams,
@@ -54,11 +56,14 @@ from palaestra.gateway.engine_client import EngineClient, Generation
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.limits import IdleReaper, Limits
+from palaestra.gateway.metrics import GatewayMetrics
+from palaestra.gateway.pause import PauseGate
 from palaestra.gateway.placement import PlacementConfig
 from palaestra.gateway.renderer import ChatRenderer, message_digest
 from palaestra.gateway.routing import CallRoute, EngineRouting, RoutingOptions
+from palaestra.gateway.session import Session
+from palaestra.gateway.session_store import SessionStore
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig, GatewayMetrics, PauseGate, Session, SessionStore
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
 from palaestra.gateway.trajectory import Turn, linearize
 

@@ -6,7 +6,7 @@
 
 * `init_ray` — a local Ray bound to loopback (or the cluster in ``RAY_ADDRESS``).
 * `Cluster` — starts the engines, the router, the gateway, the rollout worker and the trainer
-  ranks as Ray actors (`actors.py`) in a placement group (`placement.py`), hands out their URLs,
+  ranks as Ray actors (`server_host.py`, `rollout_worker.py`, `trainer_worker.py`) in a placement group (`placement.py`), hands out their URLs,
   checks that they are alive, and stops them all. Nothing here assumes one machine: every URL comes
   from the actor that runs the server.
 * `start_cluster` — the models the run names (built once, with progress), Ray, the cluster; on
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -29,7 +30,6 @@ from typing import Any
 import httpx
 
 from palaestra.config import RunConfig
-from palaestra.orchestrator import actors
 from palaestra.orchestrator.errors import RunFailed, root_cause
 from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
@@ -39,6 +39,9 @@ from palaestra.orchestrator.placement import (
     place,
     trainer_world_size,
 )
+from palaestra.orchestrator.rollout_worker import RolloutWorker
+from palaestra.orchestrator.server_host import ServerHost
+from palaestra.orchestrator.trainer_worker import TrainerWorker
 
 __all__ = ["Box", "Cluster", "build_models", "init_ray", "start_cluster"]
 
@@ -55,12 +58,20 @@ def init_ray(host: str = "127.0.0.1", num_cpus: int | None = None, address: str 
     On loopback every Ray process binds 127.0.0.1: Ray resolves a `_node_ip_address` of 127.0.0.1
     to the machine's outward IP unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` ("single-node Ray",
     which Linux allows too), so that is set before Ray is imported. Also off: the dashboard, usage
-    stats. Ray's GCS, raylet, object manager and workers then listen on 127.0.0.1 only.
+    stats. Ray's GCS, raylet, object manager and workers then listen on 127.0.0.1 only. Ray's token
+    authentication stays on, chosen explicitly (RAY_AUTH_MODE=token) so that it starts silently.
     """
     address = address or os.environ.get("RAY_ADDRESS")
     if host in ("127.0.0.1", "localhost") and not address:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not address and "ray" not in sys.modules:
+        # A new local Ray turns token authentication on by itself and warns so at every start
+        # ("... Set RAY_AUTH_MODE=disabled to opt out"). Choosing it explicitly with the variable
+        # Ray documents keeps it on and says nothing; a RAY_AUTH_MODE of the user's own wins. Only
+        # before Ray is imported: it reads the mode then, and a late change leaves this process
+        # without the token its own cluster asks for. A cluster being joined keeps its own mode.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     if ray.is_initialized():
@@ -147,7 +158,7 @@ class Cluster:
                 f"{self.placement.group.bundle_specs}) within 120 s; the cluster has "
                 f"{ray.cluster_resources()}"
             ) from None
-        server = ray.remote(actors.ServerHost)
+        server = ray.remote(ServerHost)
         flags = cfg.engines.serve_flags() if cfg.engines.backend == "embedded" else cfg.engines.sglang_flags()
         for i, opts in enumerate(self.placement.engines):
             name = f"engine-{i}"
@@ -204,11 +215,11 @@ class Cluster:
         return self
 
     def _start_rollout(self) -> Any:
-        """The environment runner actor, with its own session ledger (`actors.open_sessions`)."""
+        """The environment runner actor, with its own session ledger (`ledger.py`)."""
         import ray
 
         cfg = self.cfg
-        rollout = ray.remote(actors.RolloutWorker).options(
+        rollout = ray.remote(RolloutWorker).options(
             num_cpus=0, max_concurrency=1000, resources=cfg.run.resources.get("services", {})
         )
         return rollout.remote(
@@ -255,7 +266,7 @@ class Cluster:
         import ray
 
         world = trainer_world_size(self.cfg)
-        worker = ray.remote(actors.TrainerWorker)
+        worker = ray.remote(TrainerWorker)
         reserve = engine_threads_beside_trainer(self.cfg)
         assert self.placement is not None
         return [

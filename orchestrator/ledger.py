@@ -4,7 +4,7 @@
     ...                                     # the runner opens and finishes sessions through it
     open_sessions("runs/x/logs/rollout-sessions-0.jsonl")   # after it died: {session_id: group_id}
 
-The runner (`actors.RolloutWorker`) notes each session it opens and each it finishes, one JSON
+The runner (`rollout_worker.RolloutWorker`) notes each session it opens and each it finishes, one JSON
 line each, appended at once; when its process is killed the driver reads what it left open and
 finishes those sessions on the gateway as aborted (`Cluster.replace_rollout`), or asks a restarted
 gateway whether it still knows them (`Cluster.sessions_lost`). `group_run_id` names a task's group

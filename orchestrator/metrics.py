@@ -16,6 +16,11 @@ is used when `logging.tensorboard_dir` is set (`torch.utils.tensorboard`, the `t
 package); W&B when `logging.wandb_project` is set and `wandb` is installed (offline by default;
 `wandb sync` uploads later); without either the tracker is a no-op. `metrics.jsonl` in the output
 directory is always written: one JSON object per step, what `report.plot_reward_curve` plots.
+
+`make_tracker` also adds a `NoSignalWarning`: the first step that trained on no learning signal
+(``train/zero_advantage_fraction`` = 1: every group's rewards equal, so every advantage is 0 and
+the gradient too) is a warning on the driver's console saying why and what to change, once; the
+run's end says how many steps had none.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "NAMESPACES",
     "JsonlTracker",
     "MultiTracker",
+    "NoSignalWarning",
     "NoopTracker",
     "TensorBoardTracker",
     "Tracker",
@@ -149,6 +155,64 @@ class WandbTracker:
         self.run.finish()
 
 
+def no_signal_message(step: int, metrics: Mapping[str, Any]) -> str:
+    """Why step `step` taught nothing, with its numbers, and what to change (`NoSignalWarning`)."""
+    flat, groups = metrics.get("train/zero_variance_groups"), metrics.get("train/groups")
+    reward = metrics.get("train/reward_mean", metrics.get("rollout/reward_mean"))
+    if isinstance(flat, int | float) and isinstance(groups, int | float) and groups and flat == groups:
+        cause = (
+            f"all {int(groups)} groups gave every one of their samples the same reward "
+            f"(train/zero_variance_groups {int(flat)}"
+            + (f", reward mean {reward:.3g}" if isinstance(reward, int | float) else "")
+            + "), so every group-centred advantage is 0"
+        )
+    else:
+        of = (
+            f" ({int(flat)} of {int(groups)} groups had equal rewards)"
+            if isinstance(groups, int | float) and isinstance(flat, int | float)
+            else ""
+        )
+        cause = f"the advantage estimator gave 0 to every sample{of} and no teacher added a term"
+    return (
+        f"step {step}: no learning signal: {cause}; every training token's advantage is 0 "
+        "(train/zero_advantage_fraction 1.0), so the policy gradient is 0 and the rewards teach "
+        "nothing. To get a signal: more samples per task (env.samples_per_task) so a group's rewards can "
+        "differ; a task mix the model sometimes solves and sometimes fails (easier tasks if every "
+        "reward is the lowest, harder ones if every reward is the highest; or check the verifier); "
+        "a teacher (on-policy distillation: model.teacher and trainer.opd_kl_coef > 0); or another "
+        "trainer.advantage_estimator. Warned once; both metrics are in every step's row."
+    )
+
+
+class NoSignalWarning:
+    """A tracker that warns, once, when a trained step had no learning signal
+    (``train/zero_advantage_fraction`` >= 1), and at `close` how many steps had none.
+    Steps without the metric (nothing trained, or an evaluation row) are not counted."""
+
+    def __init__(self) -> None:
+        self.trained = 0
+        self.without: list[int] = []
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        fraction = metrics.get("train/zero_advantage_fraction")
+        if not isinstance(fraction, int | float) or math.isnan(fraction):
+            return
+        self.trained += 1
+        if fraction >= 1.0:
+            if not self.without:
+                log.warning("%s", no_signal_message(step, metrics))
+            self.without.append(step)
+
+    def close(self) -> None:
+        if self.without:
+            log.warning(
+                "no learning signal in %d of %d trained steps (the first: step %d; see the warning there)",
+                len(self.without),
+                self.trained,
+                self.without[0],
+            )
+
+
 class MultiTracker:
     def __init__(self, trackers: Sequence[Tracker]):
         self.trackers = list(trackers)
@@ -170,10 +234,14 @@ def make_tracker(
     config: Mapping[str, Any],
     fresh: bool = True,
 ) -> MultiTracker:
-    """metrics.jsonl always (started over when `fresh`, appended to on resume); TensorBoard and
-    W&B as `options` say and as installed (a missing package is one warning, not a failed run)."""
+    """metrics.jsonl always (started over when `fresh`, appended to on resume) and the no-signal
+    warning; TensorBoard and W&B as `options` say and as installed (a missing package is one
+    warning, not a failed run)."""
     output_dir = Path(output_dir)
-    trackers: list[Tracker] = [JsonlTracker(output_dir / "metrics.jsonl", append=not fresh)]
+    trackers: list[Tracker] = [
+        JsonlTracker(output_dir / "metrics.jsonl", append=not fresh),
+        NoSignalWarning(),
+    ]
     if options.tensorboard_dir:
         try:
             trackers.append(TensorBoardTracker(output_dir / options.tensorboard_dir))

@@ -7,7 +7,7 @@
 
 What a death costs, per box (docs/reliability-faults.md has the measured recovery times):
 
-* an engine, the router, the gateway (server subprocesses of `actors.ServerHost`): restarted in
+* an engine, the router, the gateway (server subprocesses of `server_host.ServerHost`): restarted in
   place with the same command on the same port, so every URL the others hold stays valid (the
   gateway on the same spool directory, with the same keys). A restarted engine loads the weights
   the others hold (`Cluster.bring_engine_up_to_date`) before the wait goes on. Episodes whose

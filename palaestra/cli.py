@@ -1,9 +1,18 @@
 """The `palaestra` command line.
 
 Each command group lives next to the code it drives and registers its sub-commands here:
-`palaestra engine serve` (engine/cli.py), `palaestra router serve` (engine/router.py),
-`palaestra sglang launch` (engine/sglang_launcher.py), `palaestra model build` (palaestra/models/cli.py),
-`palaestra train` (palaestra/train.py).
+
+    palaestra engine serve                       engine/cli.py (the embedded CPU engine)
+    palaestra router serve                       engine/router.py (sglang-router)
+    palaestra sglang launch                      engine/sglang_launcher.py (a real SGLang server)
+    palaestra model build                        palaestra/models/cli.py (model presets)
+    palaestra gateway serve                      gateway/cli.py
+    palaestra rollout | eval | session new|reward  sdk/cli.py (environments through a gateway)
+    palaestra sandbox exec|serve|build-images    sandbox/cli.py
+    palaestra train                              palaestra/train.py (a run on Ray)
+    palaestra swe generate|validate              environments/swe_agent/cli.py
+
+`palaestra --help` lists them (tests/palaestra/test_docs_true.py checks this list against it).
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ fields accept any key; dataclass fields only their own, and a misspelt one fails
 the closest names. `save_config` writes the resolved config next to every run and checkpoint; it
 loads back to an equal `RunConfig`.
 
+Checked when the config loads, before anything starts: `env.args` against the environment's
+constructor (unknown and missing keys named, and for each whether it came from the file or an
+override: `env.name=code` on configs/demo.yaml keeps the file's math arguments, and the override
+`env.args=null` drops them), and the teacher: `model.teacher=null` turns on-policy distillation
+off (trainer.opd_kl_coef 0, no teacher_mode), said in one log line.
+
 This file is the schema and its validation; reading YAML, overrides, type checks and help text
 are the generic machinery of `palaestra.typed_config`.
 """
@@ -19,7 +25,10 @@ are the generic machinery of `palaestra.typed_config`.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import difflib
+import logging
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +39,7 @@ from palaestra.gateway.options import GatewayOptions
 from palaestra.trainer.config import TrainerConfig
 from palaestra.typed_config import (
     ConfigError,
+    apply_override,
     build,
     dump_yaml,
     options_help,
@@ -37,6 +47,8 @@ from palaestra.typed_config import (
     to_flags,
     unknown_key,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ConfigError",
@@ -67,8 +79,10 @@ class ModelOptions:
     """The policy being trained: a preset (tiny, smollm2-135m, ...) or a HF-format directory."""
 
     teacher: str | None = None
-    """Teacher for on-policy distillation (preset or HF directory); None = no teacher. Also the
-    default of trainer.teacher_model."""
+    """Teacher for on-policy distillation (preset or HF directory); also the default of
+    trainer.teacher_model. null = no teacher: set explicitly (`model.teacher=null`), it also turns
+    distillation off (trainer.opd_kl_coef 0, trainer.teacher_mode null), so one override takes
+    the teacher out of a config that has one."""
 
 
 @dataclass
@@ -103,10 +117,13 @@ class EnvOptions:
     """The environment that produces the training data."""
 
     name: str = "math"
-    """Built-in environment (math, math-tool) or 'package.module:Class'."""
+    """A built-in environment (the names below) or 'package.module:Class' (a module in the working
+    directory or on PYTHONPATH)."""
 
     args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor (e.g. difficulty: 2, max_tokens: 256)."""
+    """Keyword arguments of the environment's constructor (e.g. difficulty: 2, max_tokens: 256),
+    checked against it when the config loads. Changing env.name keeps the file's args:
+    `env.args=null` (or {}) drops them, `env.args={k: v}` replaces them."""
 
     tasks_per_step: int = 8
     """Tasks per training step; each becomes one group of samples_per_task sessions."""
@@ -269,35 +286,92 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
 
     Each override is `dotted.key=value`, the value parsed as YAML (1e-5, true, null, [a, b],
     {k: v}). Raises ConfigError naming every unknown key (with close matches), type error and
-    violated constraint.
+    violated constraint, `env.args` keys the environment does not take among them (each said to
+    come from the file or an override).
     """
-    raw = read_mapping(RunConfig, path, overrides)
+    from_file = read_mapping(RunConfig, path)
+    raw = copy.deepcopy(from_file)
+    for item in overrides:
+        apply_override(RunConfig, raw, item)
     _resolve_teacher(raw)
     _resolve_old_actor(raw)
     cfg = build(RunConfig, raw)
-    validate(cfg)
+    overridden = read_mapping(RunConfig, None, overrides)  # the overrides alone: what they set
+    validate(cfg, env_args_from=_args_origin(path, from_file, overridden))
     return cfg
 
 
+@dataclass(frozen=True)
+class ArgsOrigin:
+    """Where a run's `env.args` keys were set, for the errors that name them (`load_config`)."""
+
+    file: str | None
+    """The config file, or None."""
+    file_env: str
+    """The environment the file names (its env.name, else the default)."""
+    overridden: frozenset[str]
+    """The env.args keys set by an override (`env.args.k=v`, or `env.args={...}`)."""
+
+    def of(self, key: str) -> str:
+        return "an override" if key in self.overridden or self.file is None else self.file
+
+
+def _args_origin(
+    path: str | Path | None, from_file: Mapping[str, Any], overridden: Mapping[str, Any]
+) -> ArgsOrigin:
+    def env_of(raw: Mapping[str, Any]) -> dict[str, Any]:
+        env = raw.get("env")
+        return env if isinstance(env, dict) else {}
+
+    args = env_of(overridden).get("args")
+    return ArgsOrigin(
+        None if path is None else str(path),
+        str(env_of(from_file).get("name", EnvOptions.name)),
+        frozenset(args) if isinstance(args, dict) else frozenset(),
+    )
+
+
 def _resolve_teacher(raw: dict[str, Any]) -> None:
-    """trainer.teacher_model defaults to model.teacher, so that one place names the teacher; OPD
-    in megatron mode without either fails here with a message that points at model.teacher."""
+    """trainer.teacher_model defaults to model.teacher, so that one place names the teacher.
+
+    `model.teacher: null`, set explicitly, is the one switch that turns the teacher off: with no
+    other teacher given (trainer.teacher_model, a teachers panel, or sglang teacher_urls), OPD goes
+    off with it (opd_kl_coef 0, teacher_mode null), said in one log line. OPD in megatron mode with
+    no teacher anywhere fails here, saying how to turn the teacher on and how to turn it off."""
     model, trainer = raw.get("model"), raw.get("trainer")
     if not isinstance(model, dict | None) or not isinstance(trainer, dict | None):
         return  # reported as type errors by build()
-    teacher = (model or {}).get("teacher")
+    model = model or {}
+    teacher = model.get("teacher")
     trainer = raw.setdefault("trainer", {}) if trainer is None else trainer
     if teacher is not None and trainer.get("teacher_model") is None:
         trainer["teacher_model"] = teacher
     opd = trainer.get("opd_kl_coef")
-    if (
-        isinstance(opd, int | float)
-        and opd > 0
-        and trainer.get("teacher_mode") == "megatron"
-        and trainer.get("teacher_model") is None
-    ):
-        message = "trainer.opd_kl_coef > 0 (on-policy distillation) needs a teacher: set model.teacher"
-        raise ConfigError([f"model.teacher: {message} to a preset or HF directory"])
+    wants_opd = isinstance(opd, int | float) and not isinstance(opd, bool) and opd > 0
+    mode = trainer.get("teacher_mode")
+    no_other_teacher = (
+        trainer.get("teacher_model") is None and mode != "sglang" and not trainer.get("teachers")
+    )
+    if "teacher" in model and teacher is None and no_other_teacher and (wants_opd or mode is not None):
+        trainer["opd_kl_coef"], trainer["teacher_mode"] = 0.0, None
+        log.info(
+            "model.teacher=null: no teacher, on-policy distillation off (trainer.opd_kl_coef %s -> 0, "
+            "trainer.teacher_mode %s -> null)",
+            opd if opd is not None else 0,
+            mode,
+        )
+    elif mode == "megatron" and trainer.get("teacher_model") is None:
+        needs = (
+            "trainer.opd_kl_coef > 0 (on-policy distillation, teacher_mode megatron)"
+            if wants_opd
+            else "trainer.teacher_mode megatron"
+        )
+        raise ConfigError(
+            [
+                f"model.teacher: {needs} needs a teacher: set model.teacher to a preset or HF "
+                "directory, or train without one: model.teacher=null (turns distillation off)"
+            ]
+        )
 
 
 def _resolve_old_actor(raw: dict[str, Any]) -> None:
@@ -311,8 +385,12 @@ def _resolve_old_actor(raw: dict[str, Any]) -> None:
         trainer["keep_old_actor"] = (run or {}).get("mode", RunOptions.mode) == "one_step_off"
 
 
-def validate(cfg: RunConfig) -> None:
-    """Cross-field constraints (types are checked while loading). Raises ConfigError listing all."""
+def validate(cfg: RunConfig, env_args_from: ArgsOrigin | None = None) -> None:
+    """Cross-field constraints (types are checked while loading), `env.args` against the
+    environment's constructor among them. Raises ConfigError listing all.
+
+    `env_args_from` says where each `env.args` key was set (the file or an override, as
+    `load_config` knows), so that an error can say which keys to drop and how."""
     problems: list[str] = []
     tr, env, run = cfg.trainer, cfg.env, cfg.run
 
@@ -380,6 +458,7 @@ def validate(cfg: RunConfig) -> None:
         tr.sync_mode != "disk" or bool(tr.sync_dir),
         "trainer.sync_dir: sync_mode 'disk' needs a directory every engine can read",
     )
+    problems += _env_arg_problems(cfg.env, env_args_from)
     problems += _owned("engines.engine", cfg.engines.engine, OWNED_ENGINE_OPTIONS, "the run sets it")
     problems += _owned("engines.sglang", cfg.engines.sglang, OWNED_SGLANG_OPTIONS, "the run sets it")
     problems += _owned("router", cfg.router, OWNED_ROUTER_OPTIONS, "the run sets it (consistent_hashing)")
@@ -388,6 +467,41 @@ def validate(cfg: RunConfig) -> None:
         problems += _check_with_parser("router", cfg.router_flags(), _router_parser(), "--router-")
     if problems:
         raise ConfigError(problems)
+
+
+def _env_arg_problems(env: EnvOptions, origin: ArgsOrigin | None) -> list[str]:
+    """`env.args` checked against the constructor of the environment `env.name` (imported, not
+    built): keys it does not take and arguments it needs, each unknown key with where it came from.
+
+    `temperature` is left out: the run takes it out of env.args (it may only repeat
+    trainer.temperature, which reaches the environment in `session.sampling`)."""
+    from palaestra.plugins import PluginError
+    from palaestra.sdk.registry import environment_arguments, environment_class
+
+    try:
+        cls = environment_class(env.name)
+    except PluginError as exc:
+        return [f"env.name: {exc}"]
+    takes = environment_arguments(cls)
+    args = {k: v for k, v in env.args.items() if k != "temperature"}
+    what = f"environment {env.name!r} ({cls.__module__}:{cls.__qualname__}, which takes {takes.signature()})"
+    unknown = takes.unknown(args)
+    problems = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, takes.accepted, n=2, cutoff=0.6)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        source = f" (set in {origin.of(key)})" if origin is not None else ""
+        problems.append(f"env.args.{key}: not an argument of {what}{hint}{source}")
+    from_file = [k for k in unknown if origin is not None and origin.of(k) == origin.file]
+    if from_file and origin is not None and origin.file_env != env.name:
+        problems.append(
+            f"env.args: {', '.join(from_file)} came from {origin.file}, whose env.name is "
+            f"{origin.file_env!r}; an override of env.name keeps the file's env.args: drop them with "
+            "the override env.args=null, or replace them with env.args={key: value, ...}"
+        )
+    for key in takes.missing(args):
+        problems.append(f"env.args.{key}: {what} needs it (no default); set env.args.{key}=...")
+    return problems
 
 
 def _owned(path: str, options: Mapping[str, Any], owned: set[str], why: str) -> list[str]:
@@ -465,4 +579,7 @@ def config_help() -> str:
         "under the backend's own option names and accept any key.",
         "",
     ]
-    return options_help(RunConfig, intro)
+    from palaestra.sdk.registry import builtin_names
+
+    notes = {"env.name": f"built-in: {builtin_names()}"}  # from the registry, never a copy of it
+    return options_help(RunConfig, intro, notes)

@@ -19,11 +19,17 @@ The loop, per step (`run.mode` decides what overlaps):
 
 Before the first and after the last step the student is evaluated greedily on `env.eval_tasks`
 held-out tasks; the run ends with `reward_curve.png`, `viewer.html` and one summary line in the
-output directory. Simplifications, on purpose: one trainer process group (data parallelism over
-Ray actors is not wired); in sync and one-step-off modes a step whose groups are all filtered
-makes no update (async mode fills its batch instead). A process that dies mid-run (an engine, the
-router, the gateway, the environment runner, a trainer rank) is restarted or replaced and the run
-goes on (orchestrator/supervisor.py, docs/reliability-faults.md), up to run.max_restarts times each.
+output directory. The trainer is `trainer.dp_size` × tensor-parallel rank actors placed by Ray
+(one process group; each batch split over the data-parallel replicas, gradients all-reduced;
+tests/test_multinode.py runs two ranks on two Ray nodes). Simplifications, on purpose: in sync and
+one-step-off modes a step whose groups are all filtered makes no update (async mode fills its
+batch instead). A process that dies mid-run (an engine, the router, the gateway, the environment
+runner, a trainer rank) is restarted or replaced and the run goes on (orchestrator/supervisor.py,
+docs/reliability-faults.md), up to run.max_restarts times each.
+
+The config is checked whole before anything starts (`palaestra.config.load_config`): every
+option's type and range, `env.args` against the environment's constructor, the teacher
+(`model.teacher=null` trains without one).
 
 `train` below is the whole algorithm; the mechanics live in `palaestra.orchestrator` (the cluster
 and its actors, batch selection, the modes, metrics, checkpoints, the report). See docs/training.md.
@@ -121,10 +127,11 @@ def register(groups) -> None:
     p = groups.add_parser(
         "train",
         help="train a policy end to end on Ray (engines, router, gateway, environment, trainer)",
-        description="Run RL/OPD training: YAML config plus dotted overrides (section.field=value). "
-        "Modes: sync, one_step_off, async (run.mode). Writes runs/<name>/: config.yaml, "
-        "metrics.jsonl, tensorboard/, checkpoints/, logs/, reward_curve.png, viewer.html. "
-        "See docs/training.md.",
+        description="Run RL/OPD training: YAML config plus dotted overrides (section.field=value), "
+        "checked whole before anything starts (env.args against the environment's constructor; "
+        "model.teacher=null trains without a teacher). Modes: sync, one_step_off, async (run.mode). "
+        "Writes runs/<name>/: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, logs/, spool/ "
+        "(the gateway's samples), reward_curve.png, viewer.html. See docs/training.md.",
         epilog=config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

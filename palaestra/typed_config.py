@@ -9,7 +9,8 @@ dict) and documented by a docstring under each field:
 - `build(cls, raw)`: the dataclass instance, with every unknown key and type error reported at
   once in a `ConfigError` that names each key path;
 - `dump_yaml(data)`: YAML that `read_mapping` reads back to equal values;
-- `options_help(cls, intro)`: every field as ``path: type = default`` with its docstring;
+- `options_help(cls, intro, notes)`: every field as ``path: type = default`` with its docstring
+  (and a note the code adds, e.g. a registry's names);
 - `add_arguments(parser, cls)`: one ``--field`` command-line option per field, its help the
   docstring; `to_flags(options)`: the other way, options as command-line flags.
 
@@ -357,9 +358,14 @@ def _show(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def options_help(cls: type, intro: Sequence[str] = ()) -> str:
-    """Every field of `cls`, nested sections included, as ``path: type = default`` with its docstring."""
+def options_help(cls: type, intro: Sequence[str] = (), notes: Mapping[str, str] | None = None) -> str:
+    """Every field of `cls`, nested sections included, as ``path: type = default`` with its docstring.
+
+    `notes` adds a line under a field's docstring by key path (e.g. ``{"env.name": "built-in:
+    math, code"}``): for what the code knows and a docstring cannot list, such as a registry's
+    names, so the help is built from the registry instead of repeating it."""
     lines = list(intro)
+    notes = dict(notes or {})
 
     def walk(cls: type, prefix: str, depth: int) -> None:
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
@@ -375,10 +381,14 @@ def options_help(cls: type, intro: Sequence[str] = ()) -> str:
             lines.append(f"{indent}{path}: {type_text(hints[f.name])} = {_show(_default(f))}")
             for line in (doc or "(undocumented)").splitlines():
                 lines.append(f"{indent}    {line}")
+            if path in notes:
+                lines.append(f"{indent}    {notes.pop(path)}")
             if depth == 0:
                 lines.append("")
 
     walk(cls, "", 0)
+    if notes:
+        raise KeyError(f"options_help: notes for no field: {sorted(notes)}")
     return "\n".join(lines).rstrip() + "\n"
 
 

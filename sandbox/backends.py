@@ -14,6 +14,7 @@ from palaestra.sandbox.base import Backend
 __all__ = ["BACKEND_NAMES", "get_backend"]
 
 BACKEND_NAMES = ("local", "docker")
+"""The backends named by a word; a third kind is named by its URL (an exec server)."""
 
 
 def get_backend(spec: str = "local", *, api_key: str | None = None, label: str | None = None) -> Backend:
@@ -31,4 +32,5 @@ def get_backend(spec: str = "local", *, api_key: str | None = None, label: str |
         from palaestra.sandbox.remote import RemoteBackend
 
         return RemoteBackend(url=spec, api_key=api_key, **kw)
-    raise ValueError(f"backend must be 'local', 'docker' or an http(s) URL of an exec server; got {spec!r}")
+    names = ", ".join(repr(name) for name in BACKEND_NAMES)
+    raise ValueError(f"backend must be {names} or an http(s) URL of an exec server; got {spec!r}")

@@ -25,13 +25,56 @@ def _gateway(args: argparse.Namespace):
     return GatewayClient(args.gateway, key, retries=args.retries)
 
 
-def _env(args: argparse.Namespace):
-    from palaestra.sdk.registry import load_environment
+EXAMPLE_ARGS = """'{"difficulty": 2}'"""
 
-    kwargs = json.loads(args.env_args) if args.env_args else {}
+
+def _env(args: argparse.Namespace):
+    """The environment `--env` names, built with `--env-args`; a bad name, module or argument exits
+    with a message saying what to change (no traceback)."""
+    from palaestra.plugins import PluginError
+    from palaestra.sdk.registry import environment_arguments, environment_class
+
+    command = f"palaestra {args.group}"
+    try:
+        kwargs = json.loads(args.env_args) if args.env_args else {}
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{command}: --env-args is not JSON ({exc}); e.g. {EXAMPLE_ARGS}") from None
     if not isinstance(kwargs, dict):
-        raise SystemExit("--env-args must be a JSON object")
-    return load_environment(args.env, **kwargs)
+        raise SystemExit(f"{command}: --env-args must be a JSON object, e.g. {EXAMPLE_ARGS}")
+    try:
+        cls = environment_class(args.env)
+    except PluginError as exc:
+        raise SystemExit(f"{command}: --env: {exc}") from None
+    takes = environment_arguments(cls)
+    problems = [f"{k!r} is not an argument" for k in takes.unknown(kwargs)]
+    problems += [f"{k!r} is required (no default)" for k in takes.missing(kwargs)]
+    if problems:
+        raise SystemExit(
+            f"{command}: --env-args: {'; '.join(problems)} of environment {args.env!r} "
+            f"({cls.__module__}:{cls.__qualname__}, which takes {takes.signature()})"
+        )
+    return cls(**kwargs)
+
+
+def _run(rollouts):
+    """`asyncio.run(rollouts)`; a task that breaks the task contract exits with its message."""
+    from palaestra.sdk.environment import TaskError
+
+    try:
+        return asyncio.run(rollouts)
+    except TaskError as exc:
+        raise SystemExit(f"palaestra: {exc}") from None
+
+
+def _print_summary(summary, json_line: dict | None) -> None:
+    """The rollouts' failures (the first five) on stderr, the environment's metrics, the JSON line."""
+    failed = [r for r in summary.results if r.status == "failed"]
+    for r in failed[:5]:
+        print(f"  failed: task {r.task_id} session {r.session_id}: {r.error}", file=sys.stderr)
+    if summary.metrics_line():
+        print(summary.metrics_line())
+    if json_line is not None:
+        print(json.dumps(json_line))
 
 
 def _rollout(args: argparse.Namespace) -> int:
@@ -56,29 +99,29 @@ def _rollout(args: argparse.Namespace) -> int:
         finally:
             await gateway.close()
 
-    summary = asyncio.run(run())
+    summary = _run(run())
     print(summary.line())
+    _print_summary(
+        summary,
+        {
+            "reward_mean": summary.reward_mean,
+            "reward_std": summary.reward_std,
+            "metrics": summary.metrics,
+            "statuses": summary.statuses,
+            "sampled_tokens": summary.sampled_tokens,
+            "wall_s": summary.wall_s,
+            "sample_ids": [s for r in summary.results for s in r.sample_ids],
+        }
+        if args.json
+        else None,
+    )
     failed = [r for r in summary.results if r.status == "failed"]
-    for r in failed[:5]:
-        print(f"  failed: task {r.task_id} session {r.session_id}: {r.error}", file=sys.stderr)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "reward_mean": summary.reward_mean,
-                    "reward_std": summary.reward_std,
-                    "statuses": summary.statuses,
-                    "sampled_tokens": summary.sampled_tokens,
-                    "wall_s": summary.wall_s,
-                    "sample_ids": [s for r in summary.results for s in r.sample_ids],
-                }
-            )
-        )
     return 1 if failed and len(failed) == len(summary.results) else 0
 
 
 def _eval(args: argparse.Namespace) -> int:
     from palaestra.sdk.runner import run_rollouts, take_tasks, wilson_interval
+    from palaestra.sdk.scoring import score
 
     env = _env(args)
     tasks = take_tasks(env, args.tasks, args.seed)
@@ -98,17 +141,35 @@ def _eval(args: argparse.Namespace) -> int:
         finally:
             await gateway.close()
 
-    summary = asyncio.run(run())
-    scored = [r for r in summary.results if r.status != "failed"]
-    correct = sum(r.metrics.get("correct", float(r.reward > 0)) for r in scored)
-    lo, hi = wilson_interval(correct, len(scored))
-    acc = correct / len(scored) if scored else float("nan")
+    summary = _run(run())
+    scores = score(tasks, summary.results)  # as training's evaluations: overall and per task kind
+
+    def interval(key: str) -> tuple[float, tuple[float, float], int]:
+        n = int(scores["tasks" + key.removeprefix("accuracy")])
+        return scores[key], wilson_interval(scores[key] * n if n else 0.0, n), n
+
+    acc, (lo, hi), n = interval("accuracy")
     print(
-        f"accuracy {acc:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {len(scored)} tasks "
-        f"({len(summary.results) - len(scored)} failed), {summary.wall_s:.1f} s"
+        f"accuracy {acc:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {n} tasks "
+        f"({int(scores['failed'])} failed); reward {summary.reward_mean:.3f}; {summary.wall_s:.1f} s"
     )
-    if args.json:
-        print(json.dumps({"accuracy": acc, "ci95": [lo, hi], "n": len(scored)}))
+    kinds = {key.removeprefix("accuracy/"): interval(key) for key in scores if key.startswith("accuracy/")}
+    for kind, (k_acc, (k_lo, k_hi), k_n) in kinds.items():
+        print(f"  {kind}: accuracy {k_acc:.3f} (95% CI {k_lo:.3f}-{k_hi:.3f}) on {k_n} tasks")
+    per_kind = {kind: {"accuracy": a, "ci95": list(ci), "n": k} for kind, (a, ci, k) in kinds.items()}
+    _print_summary(
+        summary,
+        {
+            "accuracy": acc,
+            "ci95": [lo, hi],
+            "n": n,
+            "kinds": per_kind,
+            "reward_mean": summary.reward_mean,
+            "metrics": summary.metrics,
+        }
+        if args.json
+        else None,
+    )
     return 0
 
 
@@ -155,7 +216,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _env_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--env", required=True, help="math, math-tool, or package.module:Class")
+    from palaestra.sdk.registry import builtin_names
+
+    p.add_argument(
+        "--env",
+        required=True,
+        help=f"a built-in environment ({builtin_names()}) or package.module:Class, a module in the "
+        "working directory or on PYTHONPATH",
+    )
     p.add_argument(
         "--env-args",
         default=None,
@@ -178,7 +246,8 @@ def register(groups) -> None:
         "rollout",
         help="run an environment's rollouts through a gateway",
         description="Run K sessions per task (one group each) with bounded concurrency; "
-        "prints reward mean/std, per-status counts, sampled tokens and wall time.",
+        "prints reward mean/std, per-status counts, sampled tokens, wall time and the mean of every "
+        "metric the environment returns.",
     )
     _common(p)
     _env_args(p)
@@ -198,9 +267,10 @@ def register(groups) -> None:
 
     p = groups.add_parser(
         "eval",
-        help="accuracy of an environment with a 95%% confidence interval",
-        description="One session per task; accuracy from the 'correct' metric (else reward > 0), "
-        "with a Wilson 95%% interval.",
+        help="accuracy of an environment with a 95%% confidence interval",  # help is %-formatted
+        description="One session per task; accuracy from the 'correct' metric (else reward > 0) "
+        "with a Wilson 95% interval, the mean reward and the mean of every metric the environment "
+        "returns.",  # a description is printed as written
     )
     _common(p)
     _env_args(p)

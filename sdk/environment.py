@@ -14,9 +14,24 @@ A complete environment:
                 **session.sampling)                  # the run's temperature, the episode's seed
             return float(task.data["word"] in (r.choices[0].message.content or ""))
 
-The base class owns everything else: sessions, groups, concurrency, retries, failure capture
-(`palaestra.sdk.runner`). `rollout` returns a float, or `Reward(value, metrics)`, or a dict
-`{"reward": float, "metrics": {...}}`.
+`self.model` is the model name sent to the gateway: `Environment.model`, "policy" (the gateway
+serves one policy, whatever the name). The base class owns everything else: sessions, groups,
+concurrency, retries, failure capture (`palaestra.sdk.runner`). `rollout` returns a float, or
+`Reward(value, metrics)`, or a dict `{"reward": float, "metrics": {...}}`.
+
+**The task contract.** `tasks(seed)` yields any objects; the runner hands each one to `rollout`
+unchanged and reads only these attributes of it:
+
+* `task_id` (required): a non-empty str (or an int), unique among the environment's tasks. It names
+  the task's group (`env/task_id/run`) and is recorded as every sample's `task_id`.
+* `kind` (optional): a str such as ``"arithmetic"``; held-out evaluation reports accuracy per kind
+  when the tasks have several.
+
+`Task(task_id, data)` below is a ready-made task; a frozen dataclass of your own fields (with a
+`task_id`) is as good. A dict is not a task (wrap it: ``Task(task_id=d["id"], data=d)``).
+`check_task` enforces this at the first task of every run (`run_rollouts`, and `palaestra train`'s
+environment runner), with an error naming the environment, the task's type and the fix.
+`tasks(seed)` must be reproducible: the same tasks in the same order for the same seed.
 """
 
 from __future__ import annotations
@@ -35,6 +50,38 @@ class Task:
 
     task_id: str
     data: dict[str, Any] = field(default_factory=dict)
+
+
+class TaskError(TypeError):
+    """A task that breaks the task contract (see this module's docstring); the message says what to do."""
+
+
+def check_task(env: Environment | Any, task: Any) -> str:
+    """`task`'s id as a str, or TaskError naming the environment, the task's type, what is missing
+    and how to fix it. The runner calls it on every task before its first session."""
+    name = getattr(env, "name", type(env).__name__)
+    where = f"environment {name!r} ({type(env).__module__}.{type(env).__qualname__}).tasks()"
+    kind = type(task).__qualname__
+    if not hasattr(task, "task_id"):
+        hint = (
+            f" (a dict with keys {sorted(map(str, task))[:8]}: wrap it as "
+            "Task(task_id=..., data=the_dict) from palaestra.sdk)"
+            if isinstance(task, dict)
+            else ""
+        )
+        raise TaskError(
+            f"{where} yielded a {kind} without a 'task_id' attribute{hint}. Every task needs a "
+            "task_id (a non-empty str, unique among the tasks): yield palaestra.sdk.Task(task_id=..., "
+            "data={...}) or an object of your own with a task_id field (docs/environments.md, "
+            "'The task contract')"
+        )
+    task_id = task.task_id
+    if isinstance(task_id, bool) or not isinstance(task_id, str | int) or task_id == "":
+        raise TaskError(
+            f"{where} yielded a {kind} whose task_id is {task_id!r} ({type(task_id).__name__}); "
+            "a task_id must be a non-empty str (or an int), unique among the tasks"
+        )
+    return str(task_id)
 
 
 @dataclass
@@ -61,11 +108,14 @@ class Environment(ABC):
     """Subclass with `name`, `tasks(seed)` and `async rollout(session, task)`."""
 
     name: str = "env"
-    model: str = "policy"  # the model name sent to the gateway (it serves one policy)
+    """Recorded as every sample's `env` and the first part of its group id."""
+    model: str = "policy"
+    """The model name to send to the gateway: it serves the one policy under any name."""
 
     @abstractmethod
     def tasks(self, seed: int) -> Iterable[Any]:
-        """Tasks in a reproducible order for `seed`; each has a `task_id`. May be infinite."""
+        """Tasks in a reproducible order for `seed`, each with a `task_id` (the task contract in
+        this module's docstring). May be infinite."""
 
     @abstractmethod
     async def rollout(self, session: Session, task: Any) -> float | Reward | dict[str, Any]:

@@ -4,8 +4,10 @@
     print(summary.line())
 
 Each task's K sessions share one `group_id` (`env/task_id/run`), so GRPO-style estimators normalise
-within the group. A rollout that raises closes its session as `failed` (never trained on) and is
-counted; transient gateway errors (unreachable, 429, 5xx) on session calls are retried with backoff.
+within the group. Every task is checked against the task contract (`environment.check_task`) before
+the first session starts. A rollout that raises closes its session as `failed` (never trained on)
+and is counted; transient gateway errors (unreachable, 429, 5xx) on session calls are retried with
+backoff. The summary gives the mean reward and the mean of each metric the environment returned.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from palaestra.sdk.environment import Environment, as_reward
+from palaestra.sdk.environment import Environment, as_reward, check_task
 from palaestra.sdk.session import GatewayClient
 
 
@@ -64,6 +66,15 @@ class RolloutSummary:
     def sampled_tokens(self) -> int:
         return sum(r.sampled_tokens for r in self.results)
 
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The mean of each metric the environment returned (`Reward.metrics`), over the rollouts
+        that did not fail; a rollout without a metric counts 0 for it (as the training run's
+        `rollout/env_<metric>` does)."""
+        scored = [r for r in self.results if r.status != "failed"]
+        keys = sorted({k for r in scored for k in r.metrics})
+        return {k: statistics.fmean(r.metrics.get(k, 0.0) for r in scored) for k in keys}
+
     def line(self) -> str:
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(self.statuses.items()))
         return (
@@ -71,6 +82,14 @@ class RolloutSummary:
             f"{self.reward_std:.3f}; {statuses}; {self.sampled_tokens} sampled tokens "
             f"({self.sampled_tokens / max(self.wall_s, 1e-9):.0f}/s)"
         )
+
+    def metrics_line(self) -> str:
+        """``metrics (mean over N rollouts): correct 0.500, tool_calls 1.250`` ('' without metrics)."""
+        metrics = self.metrics
+        if not metrics:
+            return ""
+        n = sum(r.status != "failed" for r in self.results)
+        return f"metrics (mean over {n} rollouts): " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -97,7 +116,7 @@ def episode_seed(base: int | str, index: int) -> int:
 async def _one(
     env: Environment, gateway: GatewayClient, task: Any, group_id: str, sampling: Mapping[str, Any]
 ) -> RolloutResult:
-    task_id = str(task.task_id)
+    task_id = str(task.task_id)  # checked by run_rollouts (check_task)
     try:
         session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id, sampling=sampling)
     except Exception as exc:  # could not even start: counted, nothing to close
@@ -136,9 +155,13 @@ async def run_rollouts(
 ) -> RolloutSummary:
     """Runs `samples_per_task` sessions per task, at most `concurrency` at once. Every session's
     `session.sampling` is `sampling` (e.g. `{"temperature": 1.0}`); with `seed`, episode j (tasks in
-    order, then their samples) adds its own `"seed": episode_seed(seed, j)`."""
+    order, then their samples) adds its own `"seed": episode_seed(seed, j)`. A task that breaks the
+    task contract raises `TaskError` before any session starts."""
     run_id = run_id or uuid.uuid4().hex[:8]
-    jobs = [(task, f"{env.name}/{task.task_id}/{run_id}") for task in tasks for _ in range(samples_per_task)]
+    checked = [(task, check_task(env, task)) for task in tasks]  # the task contract, before any session
+    jobs = [
+        (task, f"{env.name}/{task_id}/{run_id}") for task, task_id in checked for _ in range(samples_per_task)
+    ]
     sem = asyncio.Semaphore(concurrency)
     bar = None
     if progress:

@@ -2,9 +2,10 @@
 
 Owns the megatron-core model and HF ⇄ Megatron conversion (`convert`, `megatron_model`,
 `packed_attention`, `cpu_shim`), packing and the DP schedule (`packing`), advantages and losses
-(`advantages`, `losses`), weight snapshots (`snapshots`), teacher scoring (`teacher`), weight sync
-(`weight_sync`) and checkpoints (`checkpoint`). `Trainer` (in `trainer`) ties them together; see
-docs/trainer.md. Must not speak HTTP to environments (only to inference engines).
+(`estimators`: the table of estimators; `advantages`, `losses`, `objective`), weight snapshots
+(`snapshots`), on-policy distillation (`opd_step`, `opd_panel`, `opd_kl`, `opd_teachers`), weight
+sync (`weight_sync`) and checkpoints (`checkpoint`). `Trainer` (in `trainer`) ties them together;
+see docs/trainer.md. Must not speak HTTP to environments (only to inference engines).
 
     from palaestra.trainer import Trainer, TrainerConfig
     trainer = Trainer(TrainerConfig(opd_kl_coef=0.5, teacher_mode="sglang", teacher_urls=[...]),

@@ -1,6 +1,8 @@
 """Advantage estimators and the per-token terms added to them. Pure functions over tensors.
 
-Sequence-level estimators (one advantage per sample, broadcast to its response tokens):
+Sequence-level estimators (one advantage per sample, broadcast to its response tokens); each has a
+function of the step's `AdvantageContext` (`grpo_estimator`, ...) that the table of estimators in
+trainer/estimators.py names (`advantage_estimator: grpo`), the signature a user's estimator has:
 
 * `grpo`: Â_i = (r_i − mean_g) / (std_g + eps), statistics within the sample's `group_id`
   (https://arxiv.org/abs/2402.03300). Per group, never across the batch.
@@ -34,15 +36,23 @@ from collections.abc import Sequence
 
 import torch
 
+from palaestra.trainer.estimators import AdvantageContext
+
 __all__ = [
     "dr_grpo",
+    "dr_grpo_estimator",
     "grpo",
+    "grpo_estimator",
     "group_centered",
     "kl_reward_adjust",
     "opd_adjust",
     "reinforce_pp_baseline",
+    "reinforce_pp_estimator",
     "sft",
+    "sft_estimator",
     "zero",
+    "zero_estimator",
+    "zero_variance_groups",
 ]
 
 
@@ -142,6 +152,43 @@ def zero(num_samples: int) -> torch.Tensor:
     return torch.zeros(num_samples, dtype=torch.float32)
 
 
+def zero_variance_groups(
+    rewards: torch.Tensor, group_ids: Sequence[str], session_ids: Sequence[str]
+) -> tuple[int, int]:
+    """(groups whose sessions all have the same reward, groups): the groups a group-centred
+    estimator gives advantage 0 (a group of one session included: nothing to compare with)."""
+    groups, session_reward = _session_rewards(rewards, group_ids, session_ids)
+    flat = sum(1 for sessions in groups.values() if len({session_reward[s] for s in sessions}) == 1)
+    return flat, len(groups)
+
+
+# -- the built-in estimators of the table (trainer/estimators.py), written as a user's would be ----
+def grpo_estimator(ctx: AdvantageContext) -> torch.Tensor:
+    """``grpo``: (r − mean_g) / (std_g + eps) per group, sessions counted once."""
+    return grpo(ctx.rewards, ctx.group_ids, ctx.session_ids, eps=ctx.eps)
+
+
+def dr_grpo_estimator(ctx: AdvantageContext) -> torch.Tensor:
+    """``dr_grpo``: r − mean_g per group (no std division)."""
+    return dr_grpo(ctx.rewards, ctx.group_ids, ctx.session_ids)
+
+
+def reinforce_pp_estimator(ctx: AdvantageContext) -> torch.Tensor:
+    """``reinforce_pp_baseline``: r − mean_g, whitened over the batch's policy-sampled tokens."""
+    return reinforce_pp_baseline(ctx.rewards, ctx.group_ids, ctx.session_ids, ctx.sampled_tokens, eps=ctx.eps)
+
+
+def sft_estimator(ctx: AdvantageContext) -> torch.Tensor:
+    """``sft``: 1 for every sample (rewards ignored)."""
+    return sft(ctx.num_samples)
+
+
+def zero_estimator(ctx: AdvantageContext) -> torch.Tensor:
+    """``none``: 0 for every sample (rewards ignored; OPD's terms remain)."""
+    return zero(ctx.num_samples)
+
+
+# -- per-token terms -------------------------------------------------------------------------------
 def opd_adjust(
     advantages: torch.Tensor, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, coef: float
 ) -> torch.Tensor:

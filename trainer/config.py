@@ -14,8 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from palaestra.trainer.estimators import ESTIMATORS, load_estimator
+
 if TYPE_CHECKING:
-    from palaestra.trainer.teacher_panel import TeacherPanel
+    from palaestra.trainer.opd_panel import TeacherPanel
 
 __all__ = ["TrainerConfig"]
 
@@ -70,11 +72,14 @@ class TrainerConfig:
     pack micro-batches, then give them to ranks by Karmarkar-Karp (1.058 on the same batch; see
     bench/trainer.py)."""
 
-    advantage_estimator: Literal["grpo", "dr_grpo", "reinforce_pp_baseline", "sft", "none"] = "grpo"
-    """grpo: (r − mean_g)/(std_g + eps); dr_grpo: r − mean_g; reinforce_pp_baseline: r − mean_g,
-    whitened over the batch's loss tokens. Groups by `Sample.group_id`, sessions counted once.
-    sft: 1 for every sample (rewards ignored), i.e. supervised fine-tuning on the given responses.
-    none: 0 (rewards ignored): with opd_kl_coef > 0, pure on-policy distillation."""
+    advantage_estimator: str = "grpo"
+    """How rewards become one advantage per sample: a name from the table (trainer/estimators.py)
+    or ``package.module:function``, your own ``estimator(ctx: AdvantageContext) -> Tensor[N]``
+    (docs/trainer.md). grpo: (r − mean_g)/(std_g + eps); dr_grpo: r − mean_g;
+    reinforce_pp_baseline: r − mean_g, whitened over the batch's loss tokens. Groups by
+    `Sample.group_id`, sessions counted once. sft: 1 for every sample (rewards ignored), i.e.
+    supervised fine-tuning on the given responses. none: 0 (rewards ignored): with opd_kl_coef > 0,
+    pure on-policy distillation."""
 
     advantage_eps: float = 1e-6
     """eps in the std divisions of grpo and reinforce_pp_baseline."""
@@ -216,10 +221,15 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.megatron_optimizer = {**DEFAULT_OPTIMIZER, **self.megatron_optimizer}
+        if self.advantage_estimator not in ESTIMATORS:  # a table name needs no import
+            load_estimator(self.advantage_estimator)  # an import path is imported now; errors say why
         if self.teachers and self.teacher_mode is not None:
             raise ValueError("set either teachers (a panel) or teacher_mode (one teacher), not both")
         if self.opd_kl_coef and self.teacher_mode is None and not self.teachers:
-            raise ValueError("opd_kl_coef > 0 needs teacher_mode ('megatron' or 'sglang') or teachers")
+            raise ValueError(
+                "opd_kl_coef > 0 needs teacher_mode ('megatron' or 'sglang') or teachers; "
+                "or opd_kl_coef: 0 for no distillation"
+            )
         if self.teachers:
             self.panel()  # validates every entry, the routing path and the mixtures
         if self.opd_full_chunk_rows <= 0:
@@ -229,9 +239,12 @@ class TrainerConfig:
                 f"snapshot_host_budget_gb must be positive or null; got {self.snapshot_host_budget_gb}"
             )
         if self.teacher_mode == "megatron" and not self.teacher_model:
-            raise ValueError("teacher_mode 'megatron' needs teacher_model (a HF directory)")
+            raise ValueError(
+                "teacher_mode 'megatron' needs teacher_model (a HF directory); or teacher_mode: null "
+                "for no teacher"
+            )
         if self.teacher_mode == "sglang" and not self.teacher_urls:
-            raise ValueError("teacher_mode 'sglang' needs teacher_urls")
+            raise ValueError("teacher_mode 'sglang' needs teacher_urls; or teacher_mode: null for no teacher")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be at least 1; got {self.dp_size}")
         if not 0 <= self.sync_group_port < 65536:
@@ -251,7 +264,7 @@ class TrainerConfig:
 
     def panel(self) -> TeacherPanel | None:
         """The teacher panel: `teachers`, or the one teacher of teacher_mode named "teacher"; None without."""
-        from palaestra.trainer.teacher_panel import TeacherPanel
+        from palaestra.trainer.opd_panel import TeacherPanel
 
         teachers = self.teachers
         if not teachers and self.teacher_mode is not None:

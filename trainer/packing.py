@@ -22,7 +22,9 @@ logprobs, training): the same sample always sits in the same pack at the same of
 logprobs that feed the importance ratio are computed the same way twice.
 
 `MicroBatch` is the typed batch: packed inputs plus one row per *response* token (where it is
-predicted in the pack, its id, its loss mask and rollout logprob), with shapes checked.
+predicted in the pack, its id, its loss mask and rollout logprob), and the per-row inputs of the
+objective that a step fills in (logprobs, advantages, weights, the OPD teachers' targets), every
+one a named field with its shape checked by `MicroBatch.check()`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -165,8 +167,10 @@ class MicroBatch:
     order): `label_positions` (position in the pack whose logits predict the token), `targets`,
     `loss_mask` (1.0 = sampled by the policy), `rollout_logprobs`, `seq_index` (0..n-1, which
     packed sample), and `response_offsets` (n+1 boundaries of each sample's rows).
-    `sample_indices` are the samples' positions in the step's list. The logprob fields filled
-    during a step (`old_logprobs`, `ref_logprobs`, `teacher_logprobs`, `advantages`) have R rows.
+    `sample_indices` are the samples' positions in the step's list.
+
+    The fields after `dummy` are filled during a step, each by one phase (None until then or
+    when the config does not use it); all have R rows.
     """
 
     sample_indices: list[int]
@@ -179,12 +183,62 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor
     seq_index: torch.Tensor
     response_offsets: list[int]
+    dummy: bool = False
+    """A rank with no real work runs one of these (one row, loss mask 0) so collectives still match."""
+
+    # -- logprobs of the sampled tokens: Trainer.step --------------------------------------------
     old_logprobs: torch.Tensor | None = None
+    """log π_old(x_t), the PPO ratio's denominator (the pre-update or `old_actor` weights), [R]."""
+
     ref_logprobs: torch.Tensor | None = None
+    """log π_ref(x_t) of the `ref` snapshot (kl_coef > 0), [R]."""
+
     teacher_logprobs: torch.Tensor | None = None
+    """log π_teacher(x_t) of the row's route, temperature 1 (OPD: opd_step.py), [R]."""
+
+    # -- the objective's per-token inputs: objective.token_inputs -------------------------------
     advantages: torch.Tensor | None = None
-    dummy: bool = False  # a rank with no real work runs one of these so collectives still match
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Â_t: the estimator's advantage of the row's sample, plus the sampled-granularity OPD and
+    the KL-reward terms, [R] float32."""
+
+    loss_weight: torch.Tensor | None = None
+    """w_t = loss_mask · rs_keep: what the row's loss counts for (0 = context or RS-masked), [R]."""
+
+    tis_weight: torch.Tensor | None = None
+    """clip(exp(old − roll), tis_clip_low, tis_clip_high), the row's TIS factor (use_tis), [R]."""
+
+    tis_clipped: torch.Tensor | None = None
+    """1.0 where the TIS weight was clipped (strictly outside the bounds), else 0.0 (use_tis), [R]."""
+
+    # -- on-policy distillation: opd_step.Distiller.score ---------------------------------------
+    opd_coef_sampled: torch.Tensor | None = None
+    """β of the row's route where its granularity is `sampled` (enters Â_t), else 0, [R] float32."""
+
+    opd_coef_topk: torch.Tensor | None = None
+    """β of the row's route where its granularity is `topk` (a loss term), else 0, [R] float32."""
+
+    opd_coef_full: torch.Tensor | None = None
+    """β of the row's route where its granularity is `full` (a loss term), else 0, [R] float32."""
+
+    opd_route: torch.Tensor | None = None
+    """Index of the row's route in `Distiller.labels` (per-route metrics), [R] int64."""
+
+    opd_topk_ids: torch.Tensor | None = None
+    """The student's k most likely vocabulary ids per row, chosen by the pre-update policy, [R, k]
+    int64 (rows that are not `topk` hold zeros)."""
+
+    opd_topk_teacher: torch.Tensor | None = None
+    """The teacher's logprobs of `opd_topk_ids`, [R, k] float32."""
+
+    opd_topk_valid: torch.Tensor | None = None
+    """Which of the k ids count (a route with a smaller k pads the rest), [R, k] bool."""
+
+    opd_full_teacher: torch.Tensor | None = None
+    """The teacher's log_softmax over this rank's vocabulary shard, [R, V/tp] float32 (on the CPU)."""
+
+    opd_rkl: torch.Tensor | None = None
+    """Each row's reverse-KL estimate, left by the training pass for per-route metrics: k1
+    (old − teacher) on sampled rows, D_t on topk/full rows; detached, [R] float32."""
 
     @property
     def num_tokens(self) -> int:
@@ -213,10 +267,29 @@ class MicroBatch:
         for name in ("label_positions", "loss_mask", "rollout_logprobs", "seq_index"):
             if getattr(self, name).shape != (r,):
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({r},)")
-        for name in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages"):
+        for name in _ROW_FIELDS:
             value = getattr(self, name)
             if value is not None and value.shape != (r,):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({r},)")
+        if self.opd_route is not None and self.opd_route.dtype != torch.long:
+            raise ValueError(f"opd_route has dtype {self.opd_route.dtype}, expected torch.int64")
+        ids = self.opd_topk_ids
+        if ids is not None and (ids.dim() != 2 or ids.shape[0] != r or ids.dtype != torch.long):
+            raise ValueError(
+                f"opd_topk_ids has shape {tuple(ids.shape)} {ids.dtype}, expected ({r}, k) int64"
+            )
+        for name in ("opd_topk_teacher", "opd_topk_valid"):
+            value = getattr(self, name)
+            if value is not None and (ids is None or value.shape != ids.shape):
+                want = "no opd_topk_ids" if ids is None else f"opd_topk_ids {tuple(ids.shape)}"
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, with {want}")
+        if self.opd_topk_valid is not None and self.opd_topk_valid.dtype != torch.bool:
+            raise ValueError(f"opd_topk_valid has dtype {self.opd_topk_valid.dtype}, expected torch.bool")
+        full = self.opd_full_teacher
+        if full is not None and (full.dim() != 2 or full.shape[0] != r):
+            raise ValueError(
+                f"opd_full_teacher has shape {tuple(full.shape)}, expected ({r}, vocabulary shard)"
+            )
 
     def packed_seq_params(self, device: torch.device | str | None = None):
         """Megatron's THD description of this pack."""
@@ -238,6 +311,13 @@ class MicroBatch:
         """Splits an R-row tensor into one tensor per packed sample (response order)."""
         o = self.response_offsets
         return [rows[o[i] : o[i + 1]] for i in range(len(self.sample_indices))]
+
+
+# The step's per-row fields of `MicroBatch`: one value per response row, shape (R,).
+_ROW_FIELDS = (
+    "old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages", "loss_weight", "tis_weight",
+    "tis_clipped", "opd_coef_sampled", "opd_coef_topk", "opd_coef_full", "opd_route", "opd_rkl",
+)  # fmt: skip
 
 
 def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> MicroBatch:

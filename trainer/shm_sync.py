@@ -44,28 +44,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SharedWeightsFile", "default_shm_root", "safetensors_dtype"]
+from palaestra.engine.weights import safetensors_dtype
 
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """The safetensors name of a torch dtype (raises for one safetensors cannot hold)."""
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be written to safetensors") from None
+__all__ = ["SharedWeightsFile", "default_shm_root"]
 
 
 def default_shm_root() -> Path:

@@ -26,21 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DeviceStaging", "Layout", "read_spill", "spill_path", "write_spill"]
+from palaestra.engine.weights import safetensors_dtype
 
-# safetensors dtype codes (https://github.com/huggingface/safetensors, "Format" in its README)
-_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+__all__ = ["DeviceStaging", "Layout", "read_spill", "spill_path", "write_spill"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -87,11 +75,9 @@ def write_spill(path: Path, flat: dict[torch.dtype, torch.Tensor], tag: str) -> 
     header: dict[str, object] = {"__metadata__": {"format": "palaestra-snapshot", "tag": tag}}
     offset = 0
     for dtype, t in flat.items():
-        if dtype not in _CODES:
-            raise TypeError(f"snapshot spill: dtype {dtype} has no safetensors code")
         n = t.numel() * t.element_size()
         header[_dtype_name(dtype)] = {
-            "dtype": _CODES[dtype],
+            "dtype": safetensors_dtype(dtype),
             "shape": [t.numel()],
             "data_offsets": [offset, offset + n],
         }

@@ -8,9 +8,10 @@
 `Trainer.step` is the algorithm; everything it calls lives in a module of its own:
 
     schedule     pack samples into micro-batches, spread them over DP ranks   (packing.py)
-    teacher      route samples to the teacher panel, score them per teacher   (opd.py, teacher.py)
+    teacher      route samples to the teacher panel, score them per teacher   (opd_step.py, opd_panel.py)
     ref / old    logprobs of the reference and the pre-update policy           (snapshots.py)
-    advantages   estimator per group, then the OPD and KL-reward terms         (advantages.py)
+    advantages   estimator per sample (a name or an import path), per-token terms (estimators.py,
+                 OPD, KL-reward, RS, TIS                           advantages.py, objective.py)
     train        PPO-clip loss with TIS/RS/KL, one optimizer step    (objective.py, losses.py)
     sync         new weights to every engine as weight_version                 (weight_sync.py)
 
@@ -38,9 +39,10 @@ import torch.distributed as dist
 
 from palaestra.sample import Sample
 from palaestra.trainer import advantages as adv
-from palaestra.trainer import cpu_shim, distill, losses, objective
+from palaestra.trainer import cpu_shim, losses, objective, opd_kl
 from palaestra.trainer.config import TrainerConfig
 from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
+from palaestra.trainer.estimators import AdvantageContext, estimate, load_estimator
 from palaestra.trainer.megatron_model import (
     build_model,
     init_parallel,
@@ -48,7 +50,7 @@ from palaestra.trainer.megatron_model import (
     transformer_config,
     unwrap,
 )
-from palaestra.trainer.opd import Distiller
+from palaestra.trainer.opd_step import Distiller
 from palaestra.trainer.packing import MicroBatch, build_micro_batch, dummy_micro_batch, schedule
 from palaestra.trainer.snapshots import SnapshotStore
 from palaestra.trainer.weight_sync import WeightSync
@@ -88,6 +90,7 @@ class Trainer:
 
         self.config = config
         self.model_dir = _model_directory(model_dir, "model_dir")
+        self.estimator = load_estimator(config.advantage_estimator)
         panel = config.panel() if config.opd_enabled else None
         for name, spec in (panel.specs if panel is not None else {}).items():  # fail before building
             if spec.mode == "megatron":
@@ -175,7 +178,7 @@ class Trainer:
         t_score = time.perf_counter()
         if self.config.kl_coef > 0:
             self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
-        self._advantages(samples, mbs)
+        signal_metrics = self._advantages(samples, mbs)
         if self.config.keep_old_actor:
             self.snapshots.save("old_actor")  # the next step's "old" = these pre-update weights
         t_update = time.perf_counter()
@@ -183,6 +186,7 @@ class Trainer:
         # prefetch its first teacher from disk while this step trains.
         self.snapshots.plan([old_policy, *teachers, *ref, "actor"])
         metrics = self._train(mbs)
+        metrics.update(signal_metrics)
         metrics.update(opd_metrics)
         metrics.update(self.snapshots.stats())
         if self.distiller is not None:
@@ -252,7 +256,7 @@ class Trainer:
             lp = losses.vocab_parallel_logprobs(rows, mb.targets.to(rows.device), self.config.temperature)
             out = {"logprobs": lp.detach().float().cpu()}
             if k > 0:
-                out["topk"] = distill.select_topk(rows, k, group).cpu()
+                out["topk"] = opd_kl.select_topk(rows, k, group).cpu()
             return out
 
         outs = self.forward_rows(mbs, tag, rows_fn)
@@ -269,58 +273,16 @@ class Trainer:
             return None
         return self.distiller.viewer_logprobs(samples)
 
-    def _advantages(self, samples: list[Sample], mbs: list[MicroBatch]) -> None:
-        """Sequence-level estimator over all samples, then per-token OPD / KL-reward terms, TIS, RS."""
-        c = self.config
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        groups, sessions = [s.group_id for s in samples], [s.session_id for s in samples]
-        if c.advantage_estimator == "grpo":
-            per_sample = adv.grpo(rewards, groups, sessions, eps=c.advantage_eps)
-        elif c.advantage_estimator == "dr_grpo":
-            per_sample = adv.dr_grpo(rewards, groups, sessions)
-        elif c.advantage_estimator == "reinforce_pp_baseline":
-            counts = torch.tensor([s.num_sampled for s in samples], dtype=torch.float32)
-            per_sample = adv.reinforce_pp_baseline(rewards, groups, sessions, counts, eps=c.advantage_eps)
-        elif c.advantage_estimator == "sft":
-            per_sample = adv.sft(len(samples))
-        elif c.advantage_estimator == "none":
-            per_sample = adv.zero(len(samples))
-        else:
-            raise ValueError(f"unknown advantage_estimator {c.advantage_estimator!r}")
+    def _advantages(self, samples: list[Sample], mbs: list[MicroBatch]) -> dict[str, float]:
+        """The estimator's advantage per sample (`advantage_estimator`: a name in the table of
+        estimators.py or a user's import path), then each micro-batch's per-token inputs
+        (`objective.token_inputs`: OPD and KL-reward terms, RS masks, TIS weights)."""
+        ctx = AdvantageContext.of(samples, self.config.advantage_eps)
+        per_sample = estimate(self.estimator, ctx, self.config.advantage_estimator)
         for mb in mbs:
-            assert mb.old_logprobs is not None
-            lengths = torch.tensor(
-                [b - a for a, b in zip(mb.response_offsets[:-1], mb.response_offsets[1:], strict=True)]
-            )
-            a = (
-                per_sample[mb.sample_indices].repeat_interleave(lengths)
-                if mb.sample_indices
-                else mb.old_logprobs * 0
-            )
-            if "opd_coef_sampled" in mb.extras:  # sampled-granularity teachers: the advantage term
-                a = adv.opd_adjust(a, mb.old_logprobs, mb.teacher_logprobs, mb.extras["opd_coef_sampled"])
-            if c.kl_coef > 0 and c.kl_mode == "reward":
-                kl = losses.kl_estimate(mb.old_logprobs, mb.ref_logprobs, c.kl_estimator)
-                a = adv.kl_reward_adjust(a, kl, c.kl_coef)
-            mb.advantages = a
-            keep = torch.ones_like(mb.loss_mask)
-            if c.rs_mode is not None:
-                keep = losses.rs_keep_mask(
-                    mb.old_logprobs,
-                    mb.rollout_logprobs,
-                    mb.loss_mask,
-                    mb.seq_index,
-                    c.rs_low,
-                    c.rs_high,
-                    c.rs_mode,
-                )
-            mb.extras["weight"] = mb.loss_mask * keep
-            if c.use_tis:
-                w, clipped = losses.tis_weights(
-                    mb.old_logprobs, mb.rollout_logprobs, c.tis_clip_low, c.tis_clip_high
-                )
-                mb.extras["tis"], mb.extras["tis_clipped"] = w, clipped.float()
-            mb.check()
+            objective.token_inputs(mb, per_sample, self.config)
+        flat, groups = adv.zero_variance_groups(ctx.rewards, ctx.group_ids, ctx.session_ids)
+        return {"train/groups": float(groups), "train/zero_variance_groups": float(flat)}
 
     # -- forward passes through Megatron's schedule --------------------------------------------
     def _wire_megatron_schedule(self) -> None:

@@ -6,7 +6,8 @@ block; hidden tests grade the answer in a fresh sandbox (`palaestra.verifiers.co
 
 Reward: 1 when every hidden test passes, or the fraction passed with ``partial_credit``. Tasks come
 from the seeded generator (`tasks.py`, levels 0-3) or HumanEval (``source="humaneval"``). What went
-wrong in an episode is in its metrics (``failure/*``, see `environments/episode.py`).
+wrong in an episode is in its metrics (``failure/*``); the turns are `environments/episode.py`'s
+`ToolLoop`, this module is the tool, the prompt and the grading.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import openai
-
 from palaestra.environments.code_sandbox.tasks import LEVELS, CodeTask, iter_generated, load_humaneval
-from palaestra.environments.code_sandbox.tools import RUN_PYTHON_TOOL, ToolCallError, extract_code, run_python
-from palaestra.environments.episode import EpisodeLog, looks_like_a_tool_call, resolve_backend, sampling
+from palaestra.environments.code_sandbox.tools import RUN_PYTHON_TOOL, extract_code, run_python
+from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult, resolve_backend
 from palaestra.sandbox.base import Limits, Sandbox, SandboxError
 from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session
@@ -52,8 +51,7 @@ class CodeSandboxEnv(Environment):
             raise ValueError(f"source must be 'generated' or 'humaneval'; got {source!r}")
         if source == "generated" and difficulty not in LEVELS:
             raise ValueError(f"difficulty must be one of {LEVELS}; got {difficulty!r}")
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be at least 1; got {max_turns}")
+        self.loop = ToolLoop([RUN_PYTHON_TOOL], max_turns, max_tokens, temperature)
         self.source, self.difficulty, self.backend = source, difficulty, resolve_backend(backend)
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
         self.partial_credit, self.tool_timeout_s, self.grade_timeout_s = (
@@ -70,71 +68,33 @@ class CodeSandboxEnv(Environment):
 
     async def rollout(self, session: Session, task: CodeTask) -> Reward:
         log = EpisodeLog()
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": task.prompt},
-        ]
-        box: Sandbox | None = None
-        answer = None
+        box: Sandbox | None = None  # made at the first run_python call; a failed one is replaced
+
+        async def run_tool(name: str, args: dict[str, Any]) -> ToolResult:
+            nonlocal box
+            try:
+                async with log.timed("sandbox"):
+                    if box is None:
+                        box = await self.backend.create("python", self.limits)
+                    text, result = await run_python(box, args["code"], self.tool_timeout_s)
+            except SandboxError as exc:  # the next call gets a fresh sandbox
+                if box is not None:
+                    await box.close()
+                box = None
+                return ToolResult(f"error: the sandbox failed: {exc}", failure="sandbox_error")
+            return ToolResult(text, failure="sandbox_timeout" if result.status == "timeout" else None)
+
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.prompt}]
         try:
-            for _ in range(self.max_turns):
-                try:
-                    async with log.timed("model"):
-                        reply = await session.client.chat.completions.create(
-                            model=self.model,
-                            messages=messages,
-                            tools=[RUN_PYTHON_TOOL],
-                            max_tokens=self.max_tokens,
-                            **sampling(session, temperature=self.temperature),
-                        )
-                except openai.BadRequestError as exc:
-                    if getattr(exc, "code", None) != "context_length_exceeded":
-                        raise
-                    log.fail("context_exceeded")
-                    break
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
-                    if looks_like_a_tool_call(message.content):
-                        log.fail("tool_call_parse")  # no call id to answer: say it as the user
-                        messages.append(
-                            {"role": "user", "content": "error: that tool call could not be parsed"}
-                        )
-                        continue
-                    answer = extract_code(message.content)
-                    break
-                for call in message.tool_calls:
-                    log.count("tool_calls")
-                    if call.function.name != "run_python":
-                        log.fail("tool_call_parse")
-                        text = f"error: unknown tool {call.function.name!r}; the tool is run_python"
-                    else:
-                        try:
-                            if box is None:
-                                async with log.timed("sandbox"):
-                                    box = await self.backend.create("python", self.limits)
-                            async with log.timed("sandbox"):
-                                text, result = await run_python(
-                                    box, call.function.arguments, self.tool_timeout_s
-                                )
-                            if result.status == "timeout":
-                                log.fail("sandbox_timeout")
-                        except ToolCallError as exc:
-                            log.fail("tool_call_parse")
-                            text = str(exc)
-                        except SandboxError as exc:  # the next call gets a fresh sandbox
-                            log.fail("sandbox_error")
-                            text = f"error: the sandbox failed: {exc}"
-                            if box is not None:
-                                await box.close()
-                            box = None
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+            episode = await self.loop.run(session, messages, run_tool, model=self.model, log=log)
         finally:
             if box is not None:
                 await box.close()
+        answer = extract_code(episode.answer)
+        turns = float(episode.turns)
         if answer is None:
             log.fail("no_answer")
-            return Reward(0.0, log.metrics(correct=0.0, tests_passed=0.0, turns=_turns(messages)))
+            return Reward(0.0, log.metrics(correct=0.0, tests_passed=0.0, turns=turns))
         try:
             async with log.timed("grade"):
                 result = await grade_code(
@@ -147,7 +107,7 @@ class CodeSandboxEnv(Environment):
                 )
         except SandboxError:
             log.fail("grader_error")
-            return Reward(0.0, log.metrics(correct=0.0, tests_passed=0.0, turns=_turns(messages)))
+            return Reward(0.0, log.metrics(correct=0.0, tests_passed=0.0, turns=turns))
         if result.reason in ("grader error",):
             log.fail("grader_error")
         return Reward(
@@ -155,10 +115,6 @@ class CodeSandboxEnv(Environment):
             log.metrics(
                 correct=float(result.reason == "passed"),
                 tests_passed=result.passed / result.total if result.total else 0.0,
-                turns=_turns(messages),
+                turns=turns,
             ),
         )
-
-
-def _turns(messages: list[dict[str, Any]]) -> float:
-    return float(sum(m["role"] == "assistant" for m in messages))

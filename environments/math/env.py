@@ -3,7 +3,10 @@
 Two variants:
 * `MathEnv` ("math"): one turn, the answer goes in `\\boxed{}`;
 * `MathToolEnv` ("math-tool"): the model may call a `calculator` tool (OpenAI tools) for up to
-  `max_turns` turns; the environment evaluates each call safely (`calculator.py`, no eval).
+  `max_turns` turns; the environment evaluates each call safely (`calculator.py`, no eval). The
+  turns are `environments/episode.py`'s `ToolLoop`: a malformed call is answered with the error and
+  counted (``failure/tool_call_parse``), and a conversation that outgrows the context is graded as
+  it stands (``failure/context_exceeded``).
 
 Tasks come from the seeded generator (`tasks.py`) or, with `data=PATH`, from a GSM8K-format JSONL.
 Sampling settings (temperature, the episode's seed) are the run's: every call passes
@@ -13,8 +16,10 @@ Sampling settings (temperature, the episode's seed) are the run's: every call pa
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from palaestra.environments.math.calculator import CALCULATOR_TOOL, run_calculator_tool
+from palaestra.environments.episode import EpisodeLog, ToolLoop
+from palaestra.environments.math.calculator import CALCULATOR_TOOL, calculate
 from palaestra.environments.math.tasks import (
     KINDS,
     MathTask,
@@ -72,31 +77,17 @@ class MathToolEnv(MathEnv):
     def __init__(self, max_turns: int = 4, **kwargs):
         super().__init__(**kwargs)
         self.max_turns = max_turns
+        self.loop = ToolLoop([CALCULATOR_TOOL], max_turns, self.max_tokens)
 
     async def rollout(self, session: Session, task: MathTask) -> Reward:
+        log = EpisodeLog()
+
+        async def calculator(name: str, args: dict[str, Any]) -> str:
+            return calculate(args["expression"])
+
         messages = [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": task.question}]
-        calls = 0
-        for _ in range(self.max_turns):
-            reply = await session.client.chat.completions.create(
-                model=self.model,
-                messages=messages,
-                tools=[CALCULATOR_TOOL],
-                max_tokens=self.max_tokens,
-                **session.sampling,
-            )
-            message = reply.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
-                break
-            for call in message.tool_calls:
-                calls += 1
-                messages.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": call.id,
-                        "content": run_calculator_tool(call.function.arguments),
-                    }
-                )
-        final = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"), "")
-        result = await averify_math(final, task.answer)
-        return Reward(result.reward, {"correct": float(result.correct), "tool_calls": float(calls)})
+        episode = await self.loop.run(session, messages, calculator, model=self.model, log=log)
+        if episode.answer is None:
+            log.fail("no_answer")
+        result = await averify_math(episode.last_reply, task.answer)  # graded as it stands
+        return Reward(result.reward, log.metrics(correct=float(result.correct)))

@@ -1,7 +1,9 @@
 """The swe_agent environment: fix a bug in a repository with the tools ``bash``, ``read_file``,
 ``str_replace``, ``write_file`` and ``submit`` (OpenAI tools), inside a sandbox that holds the
 repository; graded by applying the agent's diff to a fresh copy in a fresh sandbox and running
-FAIL_TO_PASS and PASS_TO_PASS (`grading.py`). Reward 1 only if both pass.
+FAIL_TO_PASS and PASS_TO_PASS (`grading.py`). Reward 1 only if both pass. The turns are
+`environments/episode.py`'s `ToolLoop`: a reply without a tool call is answered with a nudge to use
+the tools, and only ``submit`` (or ``max_turns``) ends the episode.
 
     palaestra rollout --env swe --env-args '{"data": "swe.jsonl", "backend": "local"}' --tasks 4
 
@@ -19,14 +21,12 @@ import random
 from pathlib import Path
 from typing import Any
 
-import openai
-
-from palaestra.environments.episode import EpisodeLog, looks_like_a_tool_call, resolve_backend, sampling
+from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult, resolve_backend
 from palaestra.environments.swe_agent.grading import grade, validate
 from palaestra.environments.swe_agent.instance import SweInstance, load_jsonl
 from palaestra.environments.swe_agent.snapshot import agent_copy_tar, diff_snapshots, unpack_tar
 from palaestra.environments.swe_agent.testrun import upload_tree
-from palaestra.environments.swe_agent.tools import TOOLS, ToolCallError, call_tool, download_repo
+from palaestra.environments.swe_agent.tools import TOOLS, call_tool, download_repo
 from palaestra.sandbox.base import Limits, Sandbox, SandboxError
 from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session
@@ -36,6 +36,8 @@ SYSTEM = (
     "directory. Use the tools to read the code, reproduce the problem, edit files and run the tests "
     "(python3 -m unittest). Change the library, not the tests. When you are done, call submit."
 )
+UNPARSED_CALL = "error: your tool call could not be parsed; write it in the tool-call format"
+KEEP_GOING = "Use the tools to work on the repository; call submit when you are done."
 GENERATOR_VERSION = "v1"
 
 
@@ -55,8 +57,7 @@ class SweAgentEnv(Environment):
     ):
         """`data` a SWE-bench-style JSONL (default: the generated set); `backend` a sandbox spec or
         a `Backend`; `max_turns` model calls per episode."""
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be at least 1; got {max_turns}")
+        self.loop = ToolLoop(TOOLS, max_turns, max_tokens, temperature, UNPARSED_CALL, KEEP_GOING)
         self.data, self.backend = data, resolve_backend(backend)
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
         self.tool_timeout_s = tool_timeout_s
@@ -109,6 +110,15 @@ class SweAgentEnv(Environment):
             {"role": "user", "content": task.problem_statement},
         ]
         submitted = False
+
+        async def run_tool(name: str, args: dict[str, Any]) -> ToolResult:
+            nonlocal submitted
+            async with log.timed("sandbox"):
+                text, result = await call_tool(box, name, args, self.tool_timeout_s)
+            submitted = submitted or name == "submit"
+            timed_out = result is not None and result.status == "timeout"
+            return ToolResult(text, "sandbox_timeout" if timed_out else None, ends_episode=name == "submit")
+
         async with log.timed("sandbox"):
             box: Sandbox = await self.backend.create("python", self.limits)
         try:
@@ -116,47 +126,7 @@ class SweAgentEnv(Environment):
                 unpacked = await upload_tree(box, await asyncio.to_thread(agent_copy_tar, base))
             if not unpacked.ok:
                 raise SandboxError(f"could not unpack the repository: {unpacked.stderr[-300:]}")
-            for _ in range(self.max_turns):
-                try:
-                    async with log.timed("model"):
-                        reply = await session.client.chat.completions.create(
-                            model=self.model,
-                            messages=messages,
-                            tools=TOOLS,
-                            max_tokens=self.max_tokens,
-                            **sampling(session, temperature=self.temperature),
-                        )
-                except openai.BadRequestError as exc:
-                    if getattr(exc, "code", None) != "context_length_exceeded":
-                        raise
-                    log.fail("context_exceeded")
-                    break
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
-                    if looks_like_a_tool_call(message.content):
-                        log.fail("tool_call_parse")
-                        error = "error: your tool call could not be parsed; write it in the tool-call format"
-                    else:
-                        error = "Use the tools to work on the repository; call submit when you are done."
-                    messages.append({"role": "user", "content": error})
-                    continue
-                for call in message.tool_calls:
-                    log.count("tool_calls")
-                    try:
-                        async with log.timed("sandbox"):
-                            text, result = await call_tool(
-                                box, call.function.name, call.function.arguments, self.tool_timeout_s
-                            )
-                        if result is not None and result.status == "timeout":
-                            log.fail("sandbox_timeout")
-                    except ToolCallError as exc:
-                        log.fail("tool_call_parse")
-                        text = str(exc)
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
-                    submitted = submitted or call.function.name == "submit"
-                if submitted:
-                    break
+            await self.loop.run(session, messages, run_tool, model=self.model, log=log)
             async with log.timed("sandbox"):
                 agent_tree = unpack_tar(await download_repo(box))
         except SandboxError:

@@ -1,7 +1,8 @@
 """The swe_agent's tools (OpenAI tools format) and what they do in the episode's sandbox, where the
-repository is unpacked under ``repo/``. Every tool answers with text; a malformed call (bad JSON,
-missing argument, unknown tool, a path outside the repository) answers with an error text that
-starts with "error:" and the episode goes on.
+repository is unpacked under ``repo/``. Every tool answers with text. The tool loop
+(`palaestra.environments.episode.ToolLoop`) checks the tool's name and arguments before
+`call_tool` runs; a path outside the repository is a `ToolCallError` here. Either way the model gets
+an error text that starts with "error:" and the episode goes on.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from palaestra.environments.code_sandbox.tools import ToolCallError, format_exec, parse_arguments
+from palaestra.environments.episode import ToolCallError, format_exec
 from palaestra.sandbox.base import ExecResult, Sandbox
 
 
@@ -66,17 +67,17 @@ def repo_path(path: str) -> str:
 
 
 async def call_tool(
-    box: Sandbox, name: str, arguments: str, timeout_s: float
+    box: Sandbox, name: str, args: dict[str, Any], timeout_s: float
 ) -> tuple[str, ExecResult | None]:
-    """Runs one tool call; returns the text for the model and the command's result (bash only)."""
+    """Runs one call of a tool in `TOOLS` with its checked arguments (`episode.check_arguments`);
+    returns the text for the model and the command's result (bash only)."""
     if name not in TOOL_NAMES:
         raise ToolCallError(f"error: unknown tool {name!r}; the tools are {', '.join(sorted(TOOL_NAMES))}")
     if name == "bash":
-        command = parse_arguments(arguments, ("command",))["command"]
-        result = await box.exec(f"cd repo && {command}", timeout=timeout_s)
+        result = await box.exec(f"cd repo && {args['command']}", timeout=timeout_s)
         return format_exec(result), result
     if name == "read_file":
-        path = repo_path(parse_arguments(arguments, ("path",))["path"])
+        path = repo_path(args["path"])
         try:
             text = (await box.download(path)).decode(errors="replace")
         except FileNotFoundError:
@@ -85,11 +86,9 @@ async def call_tool(
         shown = "\n".join(f"{i:4d}  {line}" for i, line in enumerate(lines[:400], 1))
         return shown + ("\n[... truncated]" if len(lines) > 400 else ""), None
     if name == "write_file":
-        args = parse_arguments(arguments, ("path", "content"))
         await box.upload(repo_path(args["path"]), args["content"])
         return f"wrote {args['path']}", None
     if name == "str_replace":
-        args = parse_arguments(arguments, ("path", "old_str", "new_str"))
         path = repo_path(args["path"])
         try:
             text = (await box.download(path)).decode()
@@ -123,4 +122,4 @@ async def download_repo(box: Sandbox) -> bytes:
     return await box.download("_agent_repo.tgz")
 
 
-__all__ = ["TOOLS", "ToolCallError", "call_tool", "download_repo", "repo_path"]
+__all__ = ["TOOLS", "call_tool", "download_repo", "repo_path"]

@@ -12,20 +12,16 @@ from palaestra.sdk.registry import load_environment
 def test_config_loads_and_builds_its_environment(path, name):
     cfg = load_config(path)
     assert cfg.env.name == name
-    args = {**cfg.env.args, "backend": "palaestra.verifiers.testing:SubprocessBackendForTests"}
+    args = {**cfg.env.args, "backend": "tests.support.doubles:SubprocessBackendForTests"}
     env = load_environment(cfg.env.name, **args)
     assert env.name == name and env.temperature == cfg.trainer.temperature
 
 
 def test_bad_environment_arguments_name_the_field():
     with pytest.raises(ValueError, match="difficulty must be one of"):
-        load_environment(
-            "code", difficulty=9, backend="palaestra.verifiers.testing:SubprocessBackendForTests"
-        )
+        load_environment("code", difficulty=9, backend="tests.support.doubles:SubprocessBackendForTests")
     with pytest.raises(ValueError, match="source must be"):
-        load_environment(
-            "code", source="mbpp", backend="palaestra.verifiers.testing:SubprocessBackendForTests"
-        )
+        load_environment("code", source="mbpp", backend="tests.support.doubles:SubprocessBackendForTests")
     with pytest.raises(
         ValueError, match="sandbox backend .nowhere.module:Nothing.: no module named .nowhere."
     ):

@@ -20,7 +20,7 @@ from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.sdk import GatewayClient, run_rollouts
 from palaestra.sdk.runner import take_tasks
-from palaestra.verifiers.testing import SubprocessBackendForTests
+from tests.support.doubles import SubprocessBackendForTests
 from tests.support.sandbox_backends import backend_for, backend_names
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
@@ -256,7 +256,7 @@ def test_rollout_and_eval_cli_run_both_environments(tok, tmp_path, swe_data):
     import subprocess
     import sys
 
-    double = "palaestra.verifiers.testing:SubprocessBackendForTests"
+    double = "tests.support.doubles:SubprocessBackendForTests"
     with Scripted(tok, tmp_path) as s:
         for env, args in (
             ("code", {"backend": double, "max_turns": 1}),

@@ -25,9 +25,9 @@ from palaestra.environments.swe_agent.snapshot import (
     read_directory,
     write_directory,
 )
-from palaestra.verifiers.testing import SubprocessBackendForTests
+from tests.support.doubles import SubprocessBackendForTests
 
-BACKEND = "palaestra.verifiers.testing:SubprocessBackendForTests"
+BACKEND = "tests.support.doubles:SubprocessBackendForTests"
 
 
 def test_diff_round_trips_and_git_accepts_it(tmp_path):

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.gateway.renderer import normalize_messages
-from palaestra.gateway.state import GatewayConfig
 from tests.support.servers import ScriptedEngine, TextScript, ThreadServer, gateway_server
 from tests.support.sessions import CALC, new_session, reward, samples, trajectory
 

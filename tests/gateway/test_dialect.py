@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from palaestra.gateway import openai_request, openai_response
+from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
     Dialect,
     GenerationParams,
@@ -36,8 +37,8 @@ from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.parsers import ToolCall
 from palaestra.gateway.renderer import message_digest, normalize_messages
 from palaestra.gateway.service import GatewayService
+from palaestra.gateway.session import Session
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import GatewayConfig, Session
 from palaestra.gateway.streaming import HeldBackText, safe_prefix, sse
 from tests.support.servers import ScriptedEngine, ThreadServer
 

@@ -18,8 +18,8 @@ import pytest
 
 from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.replay import restore
+from palaestra.gateway.session import Session
 from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.state import Session
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
 KEY = {"Authorization": "Bearer k-test"}

@@ -13,10 +13,10 @@ from collections import Counter
 
 from fastapi import FastAPI
 
-from palaestra.orchestrator.actors import TaskSource
 from palaestra.orchestrator.batching import Batch, GroupRecord, SampleFeed, sample_lag, select_batch
 from palaestra.orchestrator.checkpoint import RunState
 from palaestra.orchestrator.metrics import console_line, rollout_metrics
+from palaestra.orchestrator.rollout_worker import TaskSource
 from palaestra.sample import Sample
 from palaestra.sdk import Environment, Task
 from tests.support.servers import ThreadServer

@@ -26,8 +26,11 @@ from palaestra.config import (
     to_flags,
     validate,
 )
+from palaestra.sdk import Environment, Task
 from palaestra.trainer.config import TrainerConfig
 from palaestra.typed_config import field_docs
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 YAML = """
 model:
@@ -132,8 +135,8 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
     import argparse
 
     from palaestra.gateway import cli as gateway_cli
+    from palaestra.gateway.config import GatewayConfig
     from palaestra.gateway.options import GatewayOptions as GatewaysOwn
-    from palaestra.gateway.state import GatewayConfig
 
     assert GatewayOptions is GatewaysOwn and issubclass(GatewayConfig, GatewayOptions)
     parser = argparse.ArgumentParser()
@@ -307,12 +310,26 @@ def test_pure_opd_allows_one_sample_per_task_and_an_external_teacher():
     assert cfg.model.teacher is None and cfg.env.samples_per_task == 1
 
 
+class TaggedEnv(Environment):
+    """Takes string arguments that YAML would read as a number and a bool if unquoted."""
+
+    def __init__(self, difficulty: int = 1, tag: str = "", on: str = ""):
+        self.difficulty, self.tag, self.on = difficulty, tag, on
+
+    def tasks(self, seed):
+        return [Task("t")]
+
+    async def rollout(self, session, task):
+        return 0.0
+
+
 def test_round_trip(config_file, tmp_path):
     cfg = load_config(
         config_file,
         [
             "run.mode=one_step_off",
             "trainer.megatron_optimizer.lr=3e-6",
+            "env.name=tests.palaestra.test_config:TaggedEnv",
             "env.args.tag='1e5'",
             "env.args.on='yes'",
         ],
@@ -401,3 +418,132 @@ def test_keep_old_actor_follows_the_mode():
         load_config(None, ["run.mode=sync", "trainer.keep_old_actor=true"])
     with pytest.raises(ConfigError, match="use trainer.use_tis"):
         load_config(None, ["run.mode=async", "trainer.keep_old_actor=true"])
+
+
+# ----------------------------------------------------------------------------------------------
+# env.args against the environment's constructor; the teacher's one switch
+# ----------------------------------------------------------------------------------------------
+class NeedsData(Environment):
+    def __init__(self, data: str, max_turns: int = 4):
+        self.data, self.max_turns = data, max_turns
+
+    def tasks(self, seed):
+        return [Task("t")]
+
+    async def rollout(self, session, task):
+        return 0.0
+
+
+class TakesAnything(NeedsData):
+    def __init__(self, **options):  # stores them: no base constructor sees them
+        self.options = options
+
+
+def test_another_environment_on_a_file_names_the_file_s_arguments_and_how_to_drop_them():
+    """configs/demo.yaml's math arguments stay when env.name is overridden: the error says which
+    keys came from the file, and env.args=null drops them (env.args={...} replaces them)."""
+    message = error_of(DEMO, ["env.name=code"])
+    assert "env.args.kinds: not an argument of environment 'code' " in message
+    assert (
+        "(palaestra.environments.code_sandbox.env:CodeSandboxEnv, which takes source, difficulty" in message
+    )
+    assert f"(set in {DEMO})" in message
+    assert (
+        f"env.args: kinds came from {DEMO}, whose env.name is 'math'; an override of env.name keeps the "
+        "file's env.args: drop them with the override env.args=null" in message
+    )
+    assert "env.args.difficulty" not in message and "env.args.max_tokens" not in message  # code takes both
+    assert load_config(DEMO, ["env.name=code", "env.args=null"]).env.args == {}
+    assert load_config(DEMO, ["env.name=code", "env.args={}"]).env.args == {}
+    assert load_config(DEMO, ["env.name=code", "env.args={difficulty: 1}"]).env.args == {"difficulty": 1}
+    assert load_config(DEMO, ["env.name=math-tool", "env.args.max_turns=2"]).env.args["max_turns"] == 2
+
+
+def test_environment_arguments_are_checked_at_load(tmp_path):
+    message = error_of(None, ["env.args.difficultyy=2"])
+    assert message.endswith(
+        "env.args.difficultyy: not an argument of environment 'math' (palaestra.environments.math.env:"
+        "MathEnv, which takes difficulty, data, max_tokens, kinds) (did you mean 'difficulty'?) "
+        "(set in an override)"
+    )
+    assert "came from" not in message  # nothing from a file
+    path = tmp_path / "run.yaml"
+    path.write_text("env: {name: math, args: {levels: 3}}\n")
+    message = error_of(path, [])
+    assert (
+        "env.args.levels: not an argument of environment 'math'" in message and f"(set in {path})" in message
+    )
+    assert "came from" not in message  # the file's own environment: nothing was overridden
+    # MathToolEnv(max_turns, **kwargs): where **kwargs go is not in a signature, so any key passes
+    # here (MathEnv's own, checked when it is built); an environment without **kwargs is exact
+    assert load_config(None, ["env.name=math-tool", "env.args={max_turns: 2, difficulty: 0}"]).env.args
+    assert load_config(None, ["env.name=tests.palaestra.test_config:TakesAnything", "env.args.whatever=1"])
+    message = error_of(
+        None, ["env.name=tests.palaestra.test_config:NeedsData", "env.args={data: x, turns: 2}"]
+    )
+    assert (
+        "env.args.turns: not an argument of environment 'tests.palaestra.test_config:NeedsData' " in message
+    )
+    # A required argument; **kwargs that go nowhere accept anything; the sampling temperature is
+    # the run's (taken out of env.args), never the constructor's
+    message = error_of(None, ["env.name=tests.palaestra.test_config:NeedsData"])
+    assert (
+        "env.args.data: environment 'tests.palaestra.test_config:NeedsData' (tests.palaestra.test_config:NeedsData, which takes "
+        in message
+    )
+    assert "data, max_turns) needs it (no default); set env.args.data=..." in message
+    assert load_config(
+        None, ["env.name=tests.palaestra.test_config:NeedsData", "env.args={data: x, temperature: 1.0}"]
+    )
+    # The environment itself: a name not in the registry, a module that is not there
+    assert "env.name: unknown environment 'maths': use one of math, math-tool, code, swe or" in error_of(
+        None, ["env.name=maths"]
+    )
+    message = error_of(None, ["env.name=nowhere_module:Env"])
+    assert "env.name: environment 'nowhere_module:Env': no module named 'nowhere_module'" in message
+
+
+def test_model_teacher_null_is_the_one_switch_that_turns_the_teacher_off(caplog):
+    """configs/demo.yaml distils from its teacher (opd_kl_coef 1.0, teacher_mode megatron): one
+    override takes it out, said in one line; the run then trains with GRPO alone."""
+    with caplog.at_level("INFO", logger="palaestra.config"):
+        cfg = load_config(DEMO, ["model.teacher=null"])
+    assert cfg.model.teacher is None and cfg.trainer.teacher_model is None
+    assert cfg.trainer.opd_kl_coef == 0.0 and cfg.trainer.teacher_mode is None
+    assert not cfg.trainer.opd_enabled and cfg.trainer.advantage_estimator == "grpo"
+    lines = [r.getMessage() for r in caplog.records if r.name == "palaestra.config"]
+    assert lines == [
+        "model.teacher=null: no teacher, on-policy distillation off (trainer.opd_kl_coef 1.0 -> 0, "
+        "trainer.teacher_mode megatron -> null)"
+    ]
+    # The resolved config loads back as it is, saying nothing (the switch is already applied).
+    caplog.clear()
+    with caplog.at_level("INFO", logger="palaestra.config"):
+        again = load_config(
+            DEMO, ["model.teacher=null", "trainer.opd_kl_coef=0", "trainer.teacher_mode=null"]
+        )
+    assert again == cfg and not [r for r in caplog.records if r.name == "palaestra.config"]
+    # Another teacher stays: an sglang one, or a trainer.teacher_model of its own
+    kept = load_config(
+        DEMO,
+        ["model.teacher=null", "trainer.teacher_mode=sglang", "trainer.teacher_urls=[http://127.0.0.1:9]"],
+    )
+    assert kept.trainer.opd_kl_coef == 1.0 and kept.trainer.teacher_mode == "sglang"
+    kept = load_config(DEMO, ["model.teacher=null", "trainer.teacher_model=/models/teacher"])
+    assert kept.trainer.opd_kl_coef == 1.0 and kept.trainer.teacher_model == "/models/teacher"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (  # OPD, megatron mode, no teacher: how to add one, and how to go without
+            ["trainer.opd_kl_coef=0.5", "trainer.teacher_mode=megatron"],
+            "set model.teacher to a preset or HF directory, or train without one: model.teacher=null",
+        ),
+        (["trainer.teacher_mode=megatron"], "model.teacher: trainer.teacher_mode megatron needs a teacher"),
+        (["trainer.opd_kl_coef=0.5"], "or opd_kl_coef: 0 for no distillation"),
+        (["trainer.teacher_mode=sglang"], "needs teacher_urls; or teacher_mode: null for no teacher"),
+    ],
+)
+def test_teacher_errors_say_how_to_turn_it_off_too(overrides, expected):
+    assert expected in error_of(None, overrides)

@@ -99,7 +99,7 @@ def test_every_loader_uses_it(plugin_dir):
     from palaestra.environments.episode import resolve_backend
     from palaestra.gateway.parsers import get_tool_parser
     from palaestra.models.registry import Preset
-    from palaestra.trainer.teacher_panel import load_route_fn
+    from palaestra.trainer.opd_panel import load_route_fn
 
     for call in (
         lambda: load_environment("myplugins.nope:X"),

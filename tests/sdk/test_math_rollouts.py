@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -259,3 +260,160 @@ def test_seeded_runs_sample_the_same_episodes(gateway):
     assert first != other
     assert asyncio.run(run(7, temperature=0.0)) == asyncio.run(run(8, temperature=0.0))  # greedy
     assert len({episode_seed(7, j) for j in range(8)}) == 8 and episode_seed(7, 0) == episode_seed("7", 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# A new environment writer's path: the docs' example as a plug-in, the task contract, summaries
+# ----------------------------------------------------------------------------------------------
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
+
+
+def docs_example() -> str:
+    """The first Python listing under docs/environments.md's "## A whole environment"."""
+    section = DOCS.read_text().split("## A whole environment", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def cli_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`palaestra ...` started in `cwd`, with nothing of it on PYTHONPATH (as a user runs it)."""
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "-m", "palaestra.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+def test_the_docs_example_runs_as_a_plug_in_from_the_working_directory(gateway, tmp_path):
+    """`--env unscramble:Unscramble` from the directory holding unscramble.py (the docs' listing,
+    verbatim): rollout and eval load it as train does, and both summaries give the mean reward and
+    the environment's own metrics."""
+    (tmp_path / "unscramble.py").write_text(docs_example())
+    common = ["--env", "unscramble:Unscramble", "--gateway", gateway.url, "--quiet", "--json"]
+    r = cli_in(
+        tmp_path,
+        "rollout",
+        *common,
+        "--tasks",
+        "2",
+        "--samples-per-task",
+        "2",
+        "--env-args",
+        '{"max_tokens": 6}',
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "4 rollouts" in lines[0] and "reward" in lines[0]
+    assert (
+        lines[1].startswith("metrics (mean over 4 rollouts): answer_chars ") and "correct 0.000" in lines[1]
+    )
+    summary = json.loads(lines[-1])
+    assert set(summary["metrics"]) == {"answer_chars", "correct"} and summary["reward_mean"] == 0.0
+    samples = [s for s in all_samples(gateway) if s["sample_id"] in set(summary["sample_ids"])]
+    assert len(samples) == 4 and {s["env"] for s in samples} == {"unscramble"}
+
+    r = cli_in(tmp_path, "eval", *common, "--tasks", "3", "--env-args", '{"max_tokens": 6}')
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("accuracy 0.000 (95% CI 0.000-") and "; reward 0.000;" in lines[0]
+    assert lines[1].startswith("metrics (mean over 3 rollouts): ")
+    result = json.loads(lines[-1])
+    assert result["n"] == 3 and set(result["metrics"]) == {"answer_chars", "correct"}
+
+
+def test_a_plug_in_that_is_not_there_says_where_it_looked(tmp_path):
+    for command in ("rollout", "eval"):
+        r = cli_in(tmp_path, command, "--env", "wordgames.scramble:Env", "--gateway", "http://127.0.0.1:9")
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert (
+            f"palaestra {command}: --env: environment 'wordgames.scramble:Env': no module named 'wordgames'"
+            in r.stderr
+        )
+        assert str(tmp_path) in r.stderr and "PYTHONPATH" in r.stderr
+    (tmp_path / "wordgames").mkdir()
+    (tmp_path / "wordgames" / "__init__.py").write_text("")
+    (tmp_path / "wordgames" / "scramble.py").write_text(docs_example())
+    r = cli_in(tmp_path, "rollout", "--env", "wordgames.scramble:Env", "--gateway", "http://127.0.0.1:9")
+    assert "'wordgames.scramble' has no attribute 'Env' (it has: " in r.stderr and "Unscramble" in r.stderr
+    r = cli_in(
+        tmp_path,
+        "rollout",
+        "--env",
+        "wordgames.scramble:Unscramble",
+        "--env-args",
+        '{"max_tokenz": 4}',
+        "--gateway",
+        "http://127.0.0.1:9",
+    )
+    assert "--env-args: 'max_tokenz' is not an argument of environment" in r.stderr, r.stderr
+    assert "which takes max_tokens)" in r.stderr and "Traceback" not in r.stderr
+
+
+class DictTasks(Environment):
+    """Yields dicts: the mistake the task contract's error is for."""
+
+    name = "dict-tasks"
+
+    def tasks(self, seed):
+        return [{"id": 1, "word": "planet"}]
+
+    async def rollout(self, session, task):
+        raise AssertionError("never reached: the contract is checked before any session")
+
+
+class NoIdTasks(DictTasks):
+    name = "no-id"
+
+    def tasks(self, seed):
+        return [Task(task_id="")]
+
+
+def test_the_task_contract_is_checked_before_any_session():
+    from palaestra.sdk.environment import TaskError, check_task
+
+    async def run(env):
+        gw = GatewayClient("http://127.0.0.1:9", "k", retries=0)  # nothing listens: a session would fail
+        try:
+            return await run_rollouts(env, gw, env.tasks(0), progress=False)
+        finally:
+            await gw.close()
+
+    with pytest.raises(TaskError) as info:
+        asyncio.run(run(DictTasks()))
+    message = str(info.value)
+    assert message.startswith(
+        "environment 'dict-tasks' (tests.sdk.test_math_rollouts.DictTasks).tasks() yielded a dict"
+    )
+    assert "without a 'task_id' attribute (a dict with keys ['id', 'word']: wrap it as Task(" in message
+    assert "docs/environments.md" in message
+    with pytest.raises(TaskError, match="whose task_id is '' .str.; a task_id must be a non-empty str"):
+        asyncio.run(run(NoIdTasks()))
+    assert (
+        check_task(DictTasks(), Task(task_id="a")) == "a" and check_task(DictTasks(), Task(task_id=7)) == "7"
+    )
+
+
+def test_the_training_runner_checks_the_first_task_as_it_starts():
+    """`palaestra train`'s environment runner (the RolloutWorker actor, built here without Ray)
+    fails its start on a task without an id, so the run stops at "starting the environment"; its
+    TaskSource checks every task it reads."""
+    from palaestra.orchestrator.rollout_worker import RolloutWorker, TaskSource
+    from palaestra.sdk.environment import TaskError
+
+    args = ({}, {"temperature": 1.0}, "http://127.0.0.1:9", "k", 0, 2, 4, "run")
+    with pytest.raises(TaskError, match="environment 'dict-tasks' .*yielded a dict without a 'task_id'"):
+        RolloutWorker("tests.sdk.test_math_rollouts:DictTasks", *args)
+    worker = RolloutWorker("math", {"difficulty": 0, "kinds": ["arithmetic"]}, *args[1:])
+    assert worker.tasks.get(0).task_id == "arithmetic-d0-s0-0"
+
+    class SecondIsBad(DictTasks):
+        def tasks(self, seed):
+            return [Task(task_id="ok"), {"id": 2}]
+
+    source = TaskSource(SecondIsBad(), seed=0)
+    assert source.get(0).task_id == "ok"
+    with pytest.raises(TaskError, match="yielded a dict"):
+        source.get(1)

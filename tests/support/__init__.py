@@ -1,0 +1,1 @@
+"""Helpers the test suite shares (test doubles, fixtures); never imported by the product."""

@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from palaestra.sandbox.backends import BACKEND_NAMES
 from palaestra.sandbox.base import Backend
-from palaestra.verifiers.testing import SubprocessBackendForTests
+from tests.support.doubles import SubprocessBackendForTests
 from tests.support.sandbox import SANDBOX_BACKENDS
 
-REAL = ("local", "docker")
+REAL = BACKEND_NAMES
 
 
 def backend_names() -> list[str]:

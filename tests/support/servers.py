@@ -32,7 +32,7 @@ INSECURE = {"api_key": None, "admin_key": None, "insecure_local": True}  # no ke
 
 def gateway_config(engine_url: str, spool_dir: Any, **options: Any) -> Any:
     """The gateway's config under test: the `tiny` preset and the test keys, `options` on top."""
-    from palaestra.gateway.state import GatewayConfig
+    from palaestra.gateway.config import GatewayConfig
 
     defaults = {"model": "tiny", "api_key": ENV_KEY, "admin_key": ADMIN_KEY}
     return GatewayConfig(**{**defaults, **options, "engine_url": engine_url, "spool_dir": str(spool_dir)})

@@ -18,8 +18,8 @@ import torch
 from palaestra.net import free_port
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer.opd_teachers import SGLangTeacher, TeacherError, check_same_tokenizer
 from palaestra.trainer.packing import build_micro_batch
-from palaestra.trainer.teacher import SGLangTeacher, TeacherError, check_same_tokenizer
 from palaestra.trainer.weight_sync import WeightSyncError
 
 
@@ -200,7 +200,7 @@ def test_teacher_modes_agree_and_opd_is_zero_for_a_teacher_equal_to_the_student(
 def test_engine_and_megatron_teachers_agree_on_the_students_top_k(client, engine, tiny_model_dir):
     """A topk teacher on an engine (asked with `token_ids_logprob`) and the same weights as a
     megatron teacher give the same logprobs for the student's top-k ids."""
-    from palaestra.trainer.teacher_panel import Route
+    from palaestra.trainer.opd_panel import Route
 
     reset_engine(client, tiny_model_dir)
     samples = rollouts(client, 4, 1.0, seed=7)
@@ -217,7 +217,7 @@ def test_engine_and_megatron_teachers_agree_on_the_students_top_k(client, engine
     got = {}
     for name in ("eng", "meg"):
         t.distiller.score(samples, mbs, [Route(((name, 1.0),))] * len(samples), ids)
-        got[name] = torch.cat([mb.extras["opd_topk_teacher"] for mb in mbs])
+        got[name] = torch.cat([mb.opd_topk_teacher for mb in mbs])
     print(
         f"\nengine vs megatron top-4 teacher logprobs: max |Δ| = {(got['eng'] - got['meg']).abs().max():.2e}"
     )
@@ -228,7 +228,7 @@ def _altered_tokenizer_dir(src, dst):
     """A copy of the tiny tokenizer with the ids of two tokens of PROBE_TEXT swapped."""
     from transformers import AutoTokenizer
 
-    from palaestra.trainer.teacher import PROBE_TEXT
+    from palaestra.trainer.opd_teachers import PROBE_TEXT
 
     shutil.copytree(src, dst)
     ids = AutoTokenizer.from_pretrained(str(src)).encode(PROBE_TEXT, add_special_tokens=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from palaestra.sample import Sample
 from palaestra.trainer.convert import HFArchitecture
 from palaestra.trainer.packing import (
+    MicroBatch,
     balanced_fill,
     build_micro_batch,
     first_fit_decreasing,
@@ -139,3 +141,38 @@ def test_micro_batch_shape_checks():
         mb.check()
     with pytest.raises(ValueError, match="prompt_len must be >= 1"):
         build_micro_batch([sample([1, 2, 3], 0)], [0])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("loss_weight", torch.ones(3), r"loss_weight has shape \(3,\), expected \(2,\)"),
+        ("tis_weight", torch.ones(2, 1), r"tis_weight has shape \(2, 1\), expected \(2,\)"),
+        ("opd_coef_topk", torch.ones(1), r"opd_coef_topk has shape \(1,\), expected \(2,\)"),
+        ("opd_route", torch.zeros(2), r"opd_route has dtype torch.float32, expected torch.int64"),
+        ("opd_topk_ids", torch.zeros(3, 4, dtype=torch.long), r"opd_topk_ids has shape \(3, 4\)"),
+        ("opd_topk_teacher", torch.zeros(2, 4), r"opd_topk_teacher has shape \(2, 4\), with no opd_topk_ids"),
+        ("opd_full_teacher", torch.zeros(2), r"opd_full_teacher has shape \(2,\), expected \(2, vocabulary"),
+    ],
+)
+def test_the_step_fields_of_a_micro_batch_are_shape_checked(field, value, message):
+    mb = build_micro_batch([sample([1, 2, 3], 1)], [0])
+    setattr(mb, field, value)
+    with pytest.raises(ValueError, match=message):
+        mb.check()
+
+
+def test_topk_fields_must_agree_and_every_step_field_is_documented():
+    from palaestra.typed_config import field_docs
+
+    mb = build_micro_batch([sample([1, 2, 3], 1)], [0])
+    mb.opd_topk_ids, mb.opd_topk_teacher = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4)
+    mb.opd_topk_valid = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"opd_topk_valid has shape \(2, 3\), with opd_topk_ids \(2, 4\)"):
+        mb.check()
+    mb.opd_topk_valid = torch.ones(2, 4, dtype=torch.bool)
+    mb.check()
+    docs = field_docs(MicroBatch)
+    names = [f.name for f in dataclasses.fields(MicroBatch)]
+    step_fields = names[names.index("dummy") :]
+    assert [n for n in step_fields if not docs.get(n)] == []

@@ -14,9 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from palaestra.engine.protocol import RequestError
 from palaestra.engine.weights import (
+    SAFETENSORS_DTYPES,
     SharedSafetensors,
     deserialize_named_tensors,
     load_safetensors_into,
+    safetensors_dtype,
     serialize_named_tensors,
 )
 from palaestra.trainer.shm_sync import SharedWeightsFile
@@ -59,6 +61,22 @@ def test_shared_file_is_plain_safetensors_with_dtypes_kept_and_rewritten_in_plac
     orphan.mkdir()
     with SharedWeightsFile(tmp_path):
         assert not orphan.exists()
+
+
+def test_every_safetensors_dtype_written_by_the_shared_file_is_read_back_by_the_engine(tmp_path):
+    """One dtype table (engine/weights.py) for the engine's reader and the trainer's writers."""
+    named = [
+        (f"t.{code}", torch.arange(6).reshape(2, 3).to(dtype)) for code, dtype in SAFETENSORS_DTYPES.items()
+    ]
+    with SharedWeightsFile(tmp_path) as shm:
+        directory = shm.write(named)
+        params = {name: torch.zeros_like(t) for name, t in named}
+        assert load_safetensors_into(directory, params) == len(named)
+        for name, t in named:
+            assert params[name].dtype == t.dtype and torch.equal(params[name], t), name
+    assert all(safetensors_dtype(dtype) == code for code, dtype in SAFETENSORS_DTYPES.items())
+    with pytest.raises(ValueError, match="complex64 cannot be written to safetensors .it holds F64, F32"):
+        safetensors_dtype(torch.complex64)
 
 
 def test_engine_shares_the_file_and_sees_the_next_write_without_a_copy(tmp_path):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from palaestra.verifiers.code import CodeResult, grade_code, verify_code
-from palaestra.verifiers.testing import SubprocessBackendForTests, SubprocessSandboxForTests
+from tests.support.doubles import SubprocessBackendForTests, SubprocessSandboxForTests
 from tests.support.sandbox_backends import backend_for, backend_names
 
 ADD = "def add(a, b):\n    return a + b\n"

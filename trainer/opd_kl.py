@@ -1,4 +1,4 @@
-"""Distillation terms over more than the sampled token: top-k and full-vocabulary reverse KL.
+"""The maths of on-policy distillation beyond the sampled token: top-k and full-vocabulary reverse KL.
 
 On-policy distillation (https://thinkingmachines.ai/blog/on-policy-distillation/) minimises the
 reverse KL(πθ ‖ π_T) on the student's own samples. Per response position t, with student logits
@@ -19,7 +19,8 @@ z (at the rollout temperature T: z = logits / T) and teacher logprobs log q (tem
   (`full_reverse_kl`). Rows are processed `chunk_rows` at a time and the backward recomputes
   p from the logits, so the extra memory is O(chunk_rows · V) whatever the sequence length.
 
-Both are added to the loss as β·D_t per loss token (objective.py), differentiable through z.
+Both are added to the loss as β·D_t per loss token (objective.py), differentiable through z. Pure
+functions over tensors: which rows get which teacher is `opd_step.py`'s business.
 
 Tensor parallelism: Megatron shards logits by vocabulary ([R, V/tp] per rank). Every function
 takes the TP process group (None = no TP) and all-reduces what crosses shards: row maxima and

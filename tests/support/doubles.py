@@ -1,11 +1,13 @@
-"""TEST DOUBLES for the sandbox interface. Not for training runs.
+"""TEST DOUBLES for the sandbox interface, for the test suite only (never imported by the product).
 
 `SubprocessSandboxForTests` implements ``palaestra.sandbox.base.Sandbox`` by running commands as
 plain subprocesses of this machine in a temporary directory, and `SubprocessBackendForTests` hands
 them out. It is NOT isolation: the program can read and write your files, use the network, and
 start processes that outlive it. It exists so that the verifiers and environments can be
 unit-tested quickly on any machine; real runs and the end-to-end tests use a backend from
-``palaestra.sandbox`` (local bubblewrap, docker, remote).
+``palaestra.sandbox`` (local bubblewrap, docker, remote). An environment takes it by import path,
+``backend="tests.support.doubles:SubprocessBackendForTests"``, from the repository root (the
+working directory is on the import path of `palaestra.plugins.load_object`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
-"""One step of on-policy distillation: route samples to teachers, score them, fill the micro-batches.
+"""The orchestration of on-policy distillation in a step: route samples to teachers, score them, fill
+the micro-batches.
 
-`Distiller` owns the teacher panel of a `Trainer` (teacher_panel.py): megatron-mode teachers live
-in the snapshot store as ``teacher/<name>``, engine teachers are `SGLangTeacher` clients. Per step:
+`Distiller` owns the teacher panel of a `Trainer` (opd_panel.py): megatron-mode teachers live
+in the snapshot store as ``teacher/<name>``, engine teachers are `SGLangTeacher` clients
+(opd_teachers.py). Per step:
 
 1. `route(samples)` picks each sample's teacher(s) and records the route in `Sample.teacher`;
 2. `score(samples, mbs, routes, topk_ids)` scores, teacher by teacher, the samples routed to it —
    a megatron teacher in one forward pass over micro-batches of just its samples (its weights
    switched in once), an engine teacher over HTTP — then mixes the answers of mixture routes and
-   writes per-row tensors into the step's micro-batches:
+   fills the OPD fields of the step's micro-batches (`MicroBatch`, packing.py, documents each):
 
-   ``mb.teacher_logprobs``            teacher logprob of every sampled token (all routes; metrics)
-   ``extras["opd_coef_sampled"]``     β on rows of `sampled` routes (advantage term), else 0
-   ``extras["opd_coef_topk"]``, ``opd_topk_ids``, ``opd_topk_teacher``, ``opd_topk_valid``
-   ``extras["opd_coef_full"]``, ``opd_full_teacher``      (rows × vocab shard, CPU)
-   ``extras["opd_route"]``            index of the row's route in `labels` (per-route metrics)
+   ``teacher_logprobs``               teacher logprob of every sampled token (all routes; metrics)
+   ``opd_coef_sampled``               β on rows of `sampled` routes (advantage term), else 0
+   ``opd_coef_topk``, ``opd_topk_ids``, ``opd_topk_teacher``, ``opd_topk_valid``
+   ``opd_coef_full``, ``opd_full_teacher``                 (rows × vocab shard, CPU)
+   ``opd_route``                      index of the row's route in `labels` (per-route metrics)
 
-objective.py turns the topk and full fields into loss terms (distill.py has the formulas).
+objective.py turns the topk and full fields into loss terms (opd_kl.py has the formulas).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from palaestra.sample import Sample
-from palaestra.trainer import distill, losses
+from palaestra.trainer import losses, opd_kl
+from palaestra.trainer.opd_panel import Route, TeacherPanel, mix_logprobs, snapshot_tag
 from palaestra.trainer.packing import MicroBatch, build_micro_batch, first_fit_decreasing
-from palaestra.trainer.teacher_panel import Route, TeacherPanel, mix_logprobs, snapshot_tag
 
 if TYPE_CHECKING:
     from palaestra.trainer.trainer import Trainer
@@ -43,7 +45,7 @@ Scores = dict[str, torch.Tensor]  # kind ("sampled", "topk", "full") -> per-row 
 
 class Distiller:
     def __init__(self, trainer: Trainer, panel: TeacherPanel):
-        from palaestra.trainer.teacher import (
+        from palaestra.trainer.opd_teachers import (
             SGLangTeacher,
             TeacherError,
             load_teacher_tensors,
@@ -103,16 +105,14 @@ class Distiller:
         want_topk = spec.granularity == "topk" and all(i in topk_ids for i in idx)
         if want_topk:
             for mb in mbs:
-                mb.extras["opd_topk_ids"] = torch.cat([topk_ids[i] for i in mb.sample_indices])
+                mb.opd_topk_ids = torch.cat([topk_ids[i] for i in mb.sample_indices])
 
         def rows_fn(mb: MicroBatch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
             out = {"sampled": losses.vocab_parallel_logprobs(rows, mb.targets.to(rows.device), 1.0)}
             if want_topk:
-                out["topk"] = distill.gather_logprobs(
-                    rows, mb.extras["opd_topk_ids"].to(rows.device), 1.0, group
-                )
+                out["topk"] = opd_kl.gather_logprobs(rows, mb.opd_topk_ids.to(rows.device), 1.0, group)
             elif spec.granularity == "full":
-                out["full"] = distill.full_logprobs(rows, 1.0, group)
+                out["full"] = opd_kl.full_logprobs(rows, 1.0, group)
             return {k: v.detach().float().cpu() for k, v in out.items()}
 
         scored: dict[int, Scores] = {}
@@ -194,16 +194,16 @@ class Distiller:
 
     def route_metrics(self, mbs: Sequence[MicroBatch]) -> dict[str, float]:
         """opd/<route>/reverse_kl over the step's policy-sampled tokens (all DP ranks), from the
-        per-row estimates the training pass left in ``extras["opd_rkl"]`` (objective.py)."""
+        per-row estimates the training pass left in `MicroBatch.opd_rkl` (objective.py)."""
         from megatron.core import parallel_state
 
         n = len(self.labels)
         sums = torch.zeros(2, max(n, 1))
         for mb in mbs:
-            if mb.dummy or "opd_rkl" not in mb.extras:
+            if mb.dummy or mb.opd_rkl is None:
                 continue
-            sums[0].index_add_(0, mb.extras["opd_route"], mb.extras["opd_rkl"] * mb.loss_mask)
-            sums[1].index_add_(0, mb.extras["opd_route"], mb.loss_mask)
+            sums[0].index_add_(0, mb.opd_route, mb.opd_rkl * mb.loss_mask)
+            sums[1].index_add_(0, mb.opd_route, mb.loss_mask)
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         return {
             f"opd/{label}/reverse_kl": float(sums[0, j] / sums[1, j])
@@ -236,9 +236,8 @@ class Distiller:
             if r.label not in self.labels:  # a route not made by route() (a caller's own)
                 self.labels.append(r.label)
             route_index.append(torch.full((size,), self.labels.index(r.label), dtype=torch.long))
-        for kind, parts in coef.items():
-            mb.extras[f"opd_coef_{kind}"] = torch.cat(parts)
-        mb.extras["opd_route"] = torch.cat(route_index)
+        mb.opd_coef_sampled, mb.opd_coef_topk, mb.opd_coef_full = (torch.cat(coef[k]) for k in coef)
+        mb.opd_route = torch.cat(route_index)
         if any("topk" in t for t in per):
             k = max(t["topk"].shape[-1] for t in per if "topk" in t)
             ids = torch.zeros(r_rows, k, dtype=torch.long)
@@ -249,7 +248,7 @@ class Distiller:
                     a, kk = mb.response_offsets[j], t["topk"].shape[-1]
                     rows = slice(a, a + t["topk"].shape[0])
                     ids[rows, :kk], lp[rows, :kk], valid[rows, :kk] = t["topk_ids"], t["topk"], True
-            mb.extras.update(opd_topk_ids=ids, opd_topk_teacher=lp, opd_topk_valid=valid)
+            mb.opd_topk_ids, mb.opd_topk_teacher, mb.opd_topk_valid = ids, lp, valid
         if any("full" in t for t in per):
             width = next(t["full"].shape[-1] for t in per if "full" in t)
             full = torch.zeros(r_rows, width)
@@ -257,5 +256,5 @@ class Distiller:
                 if "full" in t:
                     a = mb.response_offsets[j]
                     full[a : a + t["full"].shape[0]] = t["full"]
-            mb.extras["opd_full_teacher"] = full
+            mb.opd_full_teacher = full
         mb.check()

@@ -1,4 +1,4 @@
-"""Teacher logprobs for on-policy distillation (OPD), in one of two modes.
+"""Where a teacher's logprobs come from (on-policy distillation), in one of two modes.
 
 * megatron: the teacher is a checkpoint of the *same architecture* as the student. It is read
   from disk once into the `teacher` weight snapshot (`load_teacher_tensors`); the trainer scores

@@ -9,7 +9,7 @@ import torch
 
 from palaestra.sample import Sample
 from palaestra.trainer import TrainerConfig
-from palaestra.trainer.teacher_panel import Route, TeacherPanel, mix_logprobs
+from palaestra.trainer.opd_panel import Route, TeacherPanel, mix_logprobs
 
 
 def _sample(env: str, i: int = 0) -> Sample:

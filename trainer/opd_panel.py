@@ -1,4 +1,4 @@
-"""The teacher panel: named teachers, and which one(s) score each sample.
+"""The teacher panel of on-policy distillation: named teachers, and which one(s) score each sample.
 
     trainer:
       opd_kl_coef: 0.5                        # default β of every teacher

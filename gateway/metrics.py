@@ -1,0 +1,79 @@
+"""`GatewayMetrics`: the gateway's Prometheus metrics (`GET /metrics`), on a registry of its own.
+Every labelled counter is created with each of its label values, so a scrape shows zeros, not
+absences (the reasons come from the modules that refuse, fork or cut)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from palaestra.gateway.guards import CUT_REASONS, REJECT_REASONS
+from palaestra.gateway.parsers import PARSE_ERROR_REASONS
+from palaestra.gateway.trajectory import FORK_REASONS
+
+__all__ = ["GatewayMetrics"]
+
+
+class GatewayMetrics:
+    """Counters, gauges and the overhead histogram, all prefixed ``palaestra_gateway_``."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "palaestra_gateway"
+        self.calls = Counter(f"{p}_calls", "OpenAI calls answered", ["route", "status"], registry=r)
+        self.turns = Counter(f"{p}_turns", "Turns recorded (one per sampled choice)", ["kind"], registry=r)
+        self.forks = Counter(
+            f"{p}_forks", "Turns that started a new sample, by reason", ["reason"], registry=r
+        )
+        for reason in FORK_REASONS:
+            self.forks.labels(reason=reason)
+        self.bridged = Counter(
+            f"{p}_bridged_turns", "Turns built on the previous turn's exact tokens", registry=r
+        )
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens sent to engines", registry=r)
+        self.completion_tokens = Counter(f"{p}_completion_tokens", "Tokens sampled", registry=r)
+        self.engine_errors = Counter(f"{p}_engine_errors", "Failed engine calls", ["code"], registry=r)
+        self.parse_errors = Counter(
+            f"{p}_parse_errors",
+            "Outputs that did not parse (returned as content), by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in PARSE_ERROR_REASONS:
+            self.parse_errors.labels(reason=reason)
+        self.sessions_created = Counter(f"{p}_sessions_created", "Sessions created", registry=r)
+        self.sessions_finished = Counter(
+            f"{p}_sessions_finished", "Sessions finished", ["status"], registry=r
+        )
+        self.samples = Counter(f"{p}_samples_spooled", "Samples made durable", registry=r)
+        self.active = Gauge(f"{p}_active_sessions", "Sessions not yet rewarded", registry=r)
+        self.in_flight = Gauge(f"{p}_in_flight_calls", "Generation calls in flight", registry=r)
+        self.paused = Gauge(f"{p}_paused", "1 while generation is paused", registry=r)
+        self.auth_refused = Counter(
+            f"{p}_auth_refused",
+            "Calls refused for their credential, by what the route needs (admin, environment, session) "
+            "and status (401 missing/unknown, 403 out of scope)",
+            ["scope", "status"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            f"{p}_rejected_requests",
+            "Requests refused before or while parsing, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        self.streams_cut = Counter(
+            f"{p}_streams_cut",
+            "Streamed answers ended before their last event, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CUT_REASONS:
+            self.streams_cut.labels(reason=reason)
+        self.overhead = Histogram(
+            f"{p}_call_overhead_seconds",
+            "Gateway time per call outside the engine",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+            registry=r,
+        )
