@@ -645,4 +645,8 @@ def _load_trace(path: str) -> tuple[list[routing_trace.Group], dict[str, int]]:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so the engines and the router are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())
