@@ -20,7 +20,7 @@ from palaestra.engine.router import RouterProcess
 from tests.support.servers import ADMIN_KEY, gateway_server
 from tests.support.sessions import AUTH, new_session, reward, samples
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 USER_TURNS = ["Count with me: one", "two", "three", "four"]
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
