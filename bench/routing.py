@@ -459,6 +459,15 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b and b == b else float("nan")
 
 
+def row(r: RunResult) -> str:
+    """One policy's numbers, without ratios (they need the whole table)."""
+    return (
+        f"tokens/s {r.tokens_per_s():.0f}, p50 turn {_fmt(r.pct(0.5))} s, p99 turn {_fmt(r.pct(0.99))} s, "
+        f"hit rate {_fmt(r.hit_rate(), 3)}, load max/mean {_fmt(r.load_max_over_mean())}, "
+        f"moved {r.moved_sessions()} of {r.sessions()} sessions"
+    )
+
+
 def print_table(results: list[RunResult]) -> None:
     router_only = [r for r in results if r.policy in ROUTER_POLICIES] or results
     best = max(router_only, key=lambda r: r.tokens_per_s())
@@ -592,6 +601,7 @@ def main() -> int:
                 time_scale=ts, sim_procs=max(1, min(4, n // 8)), sim_params=params,
             )  # fmt: skip
             print_costs(r, ts)
+            print(f"  [{r.policy}] {row(r)}", flush=True)  # the row now: a run stopped later keeps it
             out.append(r)
         return out
 
