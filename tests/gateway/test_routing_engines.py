@@ -22,7 +22,12 @@ from tests.support.sessions import AUTH, new_session, reward, samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-USER_TURNS = ["Count with me: one", "two", "three", "four"]
+# each session its own conversation: a session moved to a worker must not find its prompt cached
+# there by another session that said the same (greedy decoding answers alike)
+USER_TURNS = {
+    "removed": ["Count with me: one", "two", "three", "four"],
+    "dead": ["Spell with me: a", "b", "c", "d"],
+}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
@@ -92,7 +97,7 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
         expected = {}
         for name in ("removed", "dead"):
             sid = new_session(ref, env="e", group_id=name)["session_id"]
-            play(ref, sid, USER_TURNS)
+            play(ref, sid, USER_TURNS[name])
             expected[name] = sample_tokens(ref, sid)
     for e in engines:  # the reference's prompts are the test's: a cached copy must not hide a prefill
         assert httpx.post(f"{e.url}/flush_cache", timeout=30).status_code == 200
@@ -107,7 +112,7 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
 
         # 1. removed: the router drops the session's worker; the next turn goes elsewhere
         s1 = new_session(gw, env="e", group_id="removed")["session_id"]
-        m1 = play(gw, s1, USER_TURNS[:2])
+        m1 = play(gw, s1, USER_TURNS["removed"][:2])
         before = [r for r in records(record) if r["session"] == s1]
         assert len({r["worker"] for r in before}) == 1
         gone = worker_url[before[-1]["worker"]]
@@ -119,7 +124,7 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
             ),
             "the gateway to read the router's new worker list",
         )
-        play(gw, s1, USER_TURNS[2:], m1)
+        play(gw, s1, USER_TURNS["removed"][2:], m1)
         after = [r for r in records(record) if r["session"] == s1][2:]
         snap = httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()
         urls_now = {w["index"]: w["url"] for w in snap["placement"]["workers"]}
@@ -129,13 +134,13 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
 
         # 2. dead: the session's engine is killed; its next turn is re-placed without an error
         s2 = new_session(gw, env="e", group_id="dead")["session_id"]
-        m2 = play(gw, s2, USER_TURNS[:2])
+        m2 = play(gw, s2, USER_TURNS["dead"][:2])
         first = [r for r in records(record) if r["session"] == s2]
         dead_url = urls_now[first[-1]["worker"]]
         victim = next(e for e in engines if e.url == dead_url)
         victim._proc.kill()  # SIGKILL, as a crashed engine
         victim._proc.wait()
-        play(gw, s2, USER_TURNS[2:3], m2)  # the router either refuses the target or has dropped it
+        play(gw, s2, USER_TURNS["dead"][2:3], m2)  # the router either refuses the target or has dropped it
         wait_for(
             lambda: any(
                 not w["healthy"] or w["url"] != dead_url
@@ -143,7 +148,7 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
             ),
             "the router's health check to mark the dead worker",
         )
-        play(gw, s2, USER_TURNS[3:], m2)
+        play(gw, s2, USER_TURNS["dead"][3:], m2)
         later = [r for r in records(record) if r["session"] == s2][2:]
         assert later[0]["cached_tokens"] < first[-1]["prompt_tokens"]  # a prefill on a live engine
         snap = httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()["placement"]
