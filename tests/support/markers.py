@@ -162,3 +162,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if hasattr(config, "workerinput"):  # an xdist worker: its order is the scheduler's queue
         rank = {g: i for i, g in enumerate(GROUPS)}
         items.sort(key=lambda item: rank.get(group(item), len(GROUPS)))  # stable: modules keep their order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In an xdist worker under `--dist loadgroup`, xdist keeps a group together by appending
+    `@group` to each test's node id. pytest 9.2 made `nodeid` read a field xdist 3.8 does not set:
+    the suffix vanished, every group was spread over both workers (two train runs at once on two
+    cores) and nothing said so. If the suffix is missing, stop before any test runs."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup") or not session.items:
+        return
+    if "@" not in session.items[0].nodeid:
+        import xdist
+
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} drops the xdist_group "
+            f"suffix from node ids ({session.items[0].nodeid!r}), so `--dist loadgroup` would not keep "
+            "groups on one worker: install the versions pyproject.toml pins (`make install`)"
+        )
