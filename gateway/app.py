@@ -67,10 +67,12 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         reaper = asyncio.create_task(svc.reaper.run())
+        await svc.routing.start()  # with placement: the router's worker list, then kept fresh
         yield
         reaper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reaper
+        await svc.routing.close()
         await engine.close()
         svc.close()
         spool.close()

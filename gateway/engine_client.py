@@ -1,7 +1,9 @@
 """The gateway's only way to an inference engine: SGLang's native `/generate`, token ids in and out.
 
 `--engine-url` is sglang-router (or one engine); every call carries `X-SMG-Routing-Key: <session>`
-so consistent hashing keeps a session on one worker and its prefix cache. A call is retried only
+so consistent hashing keeps a session on one worker and its prefix cache, or, given a
+`routing.CallRoute`, that route's headers (the placement layer's `X-SMG-Target-Worker` too; a 503
+from the router then re-places the call before the retry). A call is retried only
 when no token can have been committed: the connection failed, or the engine answered 5xx / 503
 before streaming anything. Errors become OpenAI-style 503 (unreachable) / 504 (timeout) /
 400 (the engine refused the input) for the agent.
@@ -16,12 +18,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
 from palaestra.gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from palaestra.gateway.routing import CallRoute
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 
@@ -37,6 +42,15 @@ class Generation:
     weight_version: str
     cached_tokens: int = 0
     weight_versions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _refused_target(status: int, raw: bytes) -> bool:
+    """sglang-router's answers when the X-SMG-Target-Worker it was given cannot take the call and
+    nothing was generated: 503 `no_available_workers` (no such healthy worker) or 500
+    `call_upstream_request_error` (the worker died before the router's health check noticed)."""
+    return (status == 503 and b"no_available_workers" in raw) or (
+        status == 500 and b"call_upstream_request_error" in raw
+    )
 
 
 def _generation(answer: dict[str, Any]) -> Generation:
@@ -93,8 +107,9 @@ class EngineClient:
         return self._client
 
     @staticmethod
-    def _headers(session_id: str) -> dict[str, str]:
-        return {ROUTING_HEADER: session_id, "content-type": "application/json"}
+    def _headers(session_id: str, route: CallRoute | None) -> dict[str, str]:
+        routing = route.headers() if route is not None else {ROUTING_HEADER: session_id}
+        return {**routing, "content-type": "application/json"}
 
     async def close(self) -> None:
         if self._client is not None:
@@ -134,7 +149,12 @@ class EngineClient:
         )
 
     async def generate(
-        self, session_id: str, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int = 0
+        self,
+        session_id: str,
+        input_ids: list[int],
+        sampling: dict[str, Any],
+        top_logprobs: int = 0,
+        route: CallRoute | None = None,
     ) -> list[Generation]:
         """Non-streaming; returns one Generation per sample (`n` in sampling)."""
         body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, stream=False))
@@ -142,7 +162,7 @@ class EngineClient:
         for attempt in range(self.retries + 1):
             try:
                 async with self._session().post(
-                    f"{self.url}/generate", data=body, headers=self._headers(session_id)
+                    f"{self.url}/generate", data=body, headers=self._headers(session_id, route)
                 ) as r:
                     raw = await r.read()
                     status = r.status
@@ -164,6 +184,8 @@ class EngineClient:
                     if exc.status != 503:
                         raise
                     last = exc
+                    if route is not None and _refused_target(status, raw) and await route.retry():
+                        continue  # the router refused the target: the next attempt goes elsewhere
             if attempt < self.retries:
                 await asyncio.sleep(self.retry_backoff_s * (2**attempt))
         assert last is not None
@@ -183,7 +205,12 @@ class EngineClient:
             yield buffer
 
     async def stream(
-        self, session_id: str, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int = 0
+        self,
+        session_id: str,
+        input_ids: list[int],
+        sampling: dict[str, Any],
+        top_logprobs: int = 0,
+        route: CallRoute | None = None,
     ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:
         """Streams (new ids, their logprobs, final Generation or None) for one sample."""
         body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, stream=True))
@@ -192,10 +219,14 @@ class EngineClient:
             sent = 0
             try:
                 async with self._session().post(
-                    f"{self.url}/generate", data=body, headers=self._headers(session_id)
+                    f"{self.url}/generate", data=body, headers=self._headers(session_id, route)
                 ) as r:
                     if r.status != 200:
-                        self._raise_for(r.status, await r.read())
+                        raw = await r.read()
+                        if route is not None and _refused_target(r.status, raw) and await route.retry():
+                            last = self._unreachable(RuntimeError(raw.decode(errors="replace")))
+                            continue  # refused target, nothing streamed: the next attempt goes elsewhere
+                        self._raise_for(r.status, raw)
                     ids: list[int] = []
                     lps: list[float] = []
                     finished = False

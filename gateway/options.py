@@ -86,6 +86,34 @@ class GatewayOptions:
     """A streamed answer whose client reads nothing for this long (its socket buffers full) is
     ended and its engine request dropped, seconds."""
 
+    placement: bool = False
+    """Workload-aware placement (docs/routing.md): choose each engine call's worker
+    (X-SMG-Target-Worker) from the session's env, group, turns and context and each worker's load;
+    off = the router's consistent_hashing on the session id alone (today's behaviour)."""
+
+    placement_epsilon: float = 0.25
+    """With placement: a group's sessions share a worker while it stays within (1 + this) x mean load."""
+
+    placement_move_epsilon: float = 1.0
+    """With placement: a session moves off its worker (one prefill) when that worker's load passes
+    (1 + this) x mean."""
+
+    placement_groups: Literal["together", "apart"] = "together"
+    """With placement: together = a group's sessions share a worker while it is within bounds (their
+    shared prompt is prefilled once); apart = each session is placed on its own."""
+
+    placement_pools: bool = False
+    """With placement: separate workers for long-context environments and the rest."""
+
+    placement_admit_fill: float = 0.0
+    """With placement: a new session's first call waits while placing it would fill every worker's
+    KV cache (its /server_info max_total_num_tokens) past this fraction, each session counted at its
+    environment's mean context; 0 = never wait."""
+
+    routing_trace: str | None = None
+    """Append one JSON line per engine call (session, env, group, turn, prompt / cached / output
+    tokens, engine seconds) to this file: the traffic bench/routing.py --trace replays."""
+
     def serve_flags(self) -> list[str]:
         """`palaestra gateway serve` arguments for these options (None = left to the gateway); the
         run adds model, URLs, keys and spool dir."""

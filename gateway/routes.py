@@ -362,6 +362,13 @@ async def pause(request: Request, wait: bool = False, timeout_s: float = 600.0) 
     return {"paused": True, "in_flight": svc.gate.in_flight, "drained": drained}
 
 
+@admin.get("/routing")
+async def routing(request: Request) -> dict[str, Any]:
+    """Per-environment engine traffic and, with placement on, each worker's sessions, load and
+    cache hits, and the moves made (docs/routing.md)."""
+    return service(request).routing.snapshot()
+
+
 @admin.post("/resume")
 async def resume(request: Request) -> dict[str, Any]:
     svc = service(request)

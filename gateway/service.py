@@ -58,7 +58,9 @@ from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.limits import IdleReaper, Limits
 from palaestra.gateway.metrics import GatewayMetrics
 from palaestra.gateway.pause import PauseGate
+from palaestra.gateway.placement import PlacementConfig
 from palaestra.gateway.renderer import ChatRenderer, message_digest
+from palaestra.gateway.routing import CallRoute, EngineRouting, RoutingOptions
 from palaestra.gateway.session import Session
 from palaestra.gateway.session_store import SessionStore
 from palaestra.gateway.spool import SampleSpool
@@ -120,6 +122,7 @@ class GatewayService:
             segment_bytes=config.journal_segment_bytes,
         )
         self.limits = Limits(config, self.sessions, spool, self.journal, self.metrics.registry)
+        self.routing = EngineRouting(_routing_options(config), config.engine_url, self.metrics.registry)
         self.reaper = IdleReaper(self.limits, self.finish)
         self.recovered = self._recover()
 
@@ -342,6 +345,7 @@ class GatewayService:
         """The call as events: started, safe text deltas, then finished (recorded) or failed."""
         created = int(time.time())
         params = call.request.params
+        await self._admit(call.session, call.plan.prompt_ids, call.sampling)
         await self._enter(call.session)
         try:
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
@@ -350,9 +354,10 @@ class GatewayService:
             ids: list[int] = []
             final: Generation | None = None
             parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
+            route = self._route(call.session, call.plan.prompt_ids, call.sampling)
             try:
                 async for new_ids, new_lps, fin in self.engine.stream(
-                    call.session.session_id, call.plan.prompt_ids, call.sampling, params.top_logprobs
+                    call.session.session_id, call.plan.prompt_ids, call.sampling, params.top_logprobs, route
                 ):
                     ids += new_ids
                     final = fin
@@ -363,10 +368,15 @@ class GatewayService:
                         lps = self._token_logprobs(new_ids, new_lps, None, 0) if params.logprobs else None
                         yield TextDelta(delta, lps)
             except GatewayError as exc:
+                route.failed()
                 self._record_failure(call.session, call.call_id, exc)
                 yield StreamFailed(exc)
                 return
+            except BaseException:  # the client went away mid-stream
+                route.failed()
+                raise
             if final is None:  # the engine's stream ended without a final chunk (engine_client says why)
+                route.failed()
                 exc = GatewayError(
                     "the engine's stream ended without a final chunk", 502, type="engine_error"
                 )
@@ -375,6 +385,7 @@ class GatewayService:
                 return
         finally:
             self._leave(call.session)
+        route.done(final.cached_tokens, len(final.output_ids))
         output = self._chat_output(call, 0, final, 0.0)
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
         yield StreamFinished(result, text.unsent(output.content or ""))
@@ -464,17 +475,37 @@ class GatewayService:
         self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
     ) -> tuple[list[Generation], float]:
         """One non-streaming engine call behind the pause gate; a failure is recorded on the session."""
+        await self._admit(session, ids, sampling)
         await self._enter(session)
         try:
             t0 = time.perf_counter()
+            route = self._route(session, ids, sampling)
             try:
-                gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs)
+                gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs, route)
             except GatewayError as exc:
+                route.failed()
                 self._record_failure(session, call_id, exc)
                 raise
+            except BaseException:
+                route.failed()
+                raise
+            route.done(gens[0].cached_tokens if gens else 0, sum(len(g.output_ids) for g in gens))
             return gens, time.perf_counter() - t0
         finally:
             self._leave(session)
+
+    async def _admit(self, session: Session, ids: list[int], sampling: dict[str, Any]) -> None:
+        """With placement's admission on, a new session's first call may wait for room (before the
+        pause gate, so a weight sync never waits for it)."""
+        await self.routing.admit(
+            session.session_id, session.env, session.group_id, ids, int(sampling.get("max_new_tokens") or 0)
+        )
+
+    def _route(self, session: Session, ids: list[int], sampling: dict[str, Any]) -> CallRoute:
+        """The routing of one engine call (routing.py: the session's routing key, or placement)."""
+        return self.routing.route(
+            session.session_id, session.env, session.group_id, ids, int(sampling.get("max_new_tokens") or 0)
+        )
 
     async def _enter(self, session: Session) -> None:
         """Through the pause gate. The session's calls in flight are counted from before the gate, so
@@ -650,6 +681,7 @@ class GatewayService:
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()
             self.sessions.closed(session)
+            self.routing.ended(session_id)
             return self._finish_answer(session)
 
     async def trajectory(self, session_id: str) -> dict[str, Any]:
@@ -679,3 +711,17 @@ class GatewayService:
             "sampled_tokens": session.sampled_tokens,
             "durable": True,
         }
+
+
+def _routing_options(config: GatewayConfig) -> RoutingOptions:
+    return RoutingOptions(
+        placement=config.placement,
+        placement_config=PlacementConfig(
+            epsilon=config.placement_epsilon,
+            move_epsilon=config.placement_move_epsilon,
+            group_affinity=config.placement_groups == "together",
+            pools=config.placement_pools,
+            admit_fill=config.placement_admit_fill,
+        ),
+        routing_trace=config.routing_trace,
+    )

@@ -48,6 +48,7 @@ POLICY: dict[tuple[str, str], tuple[str, dict | None]] = {
     ("POST", "/samples/ack"): ("env", {"cursor": 0}),
     ("POST", "/admin/pause"): ("admin", None),
     ("POST", "/admin/resume"): ("admin", None),
+    ("GET", "/admin/routing"): ("admin", None),
     ("POST", "/s/{session_id}/v1/chat/completions"): ("session", CHAT),
     ("POST", "/s/{session_id}/v1/completions"): ("session", {"model": "tiny", "prompt": "hi", "max_tokens": 4}),
     ("POST", "/s/{session_id}/v1/responses"): ("session", {"model": "tiny", "input": "hi", "max_output_tokens": 4}),

@@ -171,6 +171,13 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.max_body_bytes=1048576",
             "gateway.stream_send_timeout_s=5",
             "gateway.max_tokens_over_context=reject",
+            "gateway.placement=true",
+            "gateway.placement_epsilon=0.5",
+            "gateway.placement_move_epsilon=2.0",
+            "gateway.placement_groups=apart",
+            "gateway.placement_pools=true",
+            "gateway.placement_admit_fill=0.8",
+            "gateway.routing_trace=runs/routing.jsonl",
         ],
     ).gateway
     config = served(tuned.serve_flags())

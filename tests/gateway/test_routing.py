@@ -1,0 +1,229 @@
+"""Routing with placement off (the default): today's header only, per-env traffic counted, the record.
+
+The engine is `ScriptedEngine`, a TEST DOUBLE that records the headers of every /generate call;
+placement itself is tested against the real router and real engines in test_routing_engines.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from palaestra.gateway.routing import EngineRouting, RoutingOptions
+from tests.support.servers import ADMIN_KEY, ScriptedEngine, TextScript, ThreadServer, gateway_server
+from tests.support.sessions import AUTH, new_session, reward, samples
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def chat(gw, sid: str, messages: list[dict]) -> dict:
+    r = httpx.post(
+        f"{gw.url}/s/{sid}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 8},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture
+def routed(tok, tmp_path):
+    script = TextScript(tok)
+    engine = ScriptedEngine(script, stop_ids={script.end})
+    record = tmp_path / "routing.jsonl"
+    with ThreadServer(engine.app()) as eng:
+        with gateway_server(eng.url, tmp_path / "spool", tok, routing_trace=str(record)) as gw:
+            yield gw, engine, record
+
+
+def test_placement_off_sends_the_session_routing_key_only(routed):
+    gw, engine, record = routed
+    sessions = [new_session(gw, env="math", group_id="g1")["session_id"] for _ in range(2)]
+    for sid in sessions:
+        msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+        answer = chat(gw, sid, msgs)
+        msgs += [answer["choices"][0]["message"], {"role": "user", "content": "And 3 + 3?"}]
+        chat(gw, sid, msgs)
+    assert len(engine.exchanges) == 4
+    for ex, sid in zip(engine.exchanges, [sessions[0]] * 2 + [sessions[1]] * 2, strict=True):
+        assert ex.headers["x-smg-routing-key"] == sid
+        assert "x-smg-target-worker" not in ex.headers
+
+    snap = httpx.get(f"{gw.url}/admin/routing", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    assert snap["mode"] == "routing_key" and "placement" not in snap
+    prompts = [len(ex.body["input_ids"]) for ex in engine.exchanges]
+    assert snap["traffic"]["math"]["calls"] == 4
+    assert snap["traffic"]["math"]["prompt_tokens"] == sum(prompts)
+    metrics = httpx.get(f"{gw.url}/metrics", headers=AUTH).text
+    assert 'palaestra_gateway_routing_calls_total{env="math"} 4.0' in metrics
+    assert 'palaestra_gateway_routing_sessions_total{env="math"} 2.0' in metrics
+
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [(r["session"], r["turn"]) for r in rows] == [
+        (sessions[0], 0),
+        (sessions[0], 1),
+        (sessions[1], 0),
+        (sessions[1], 1),
+    ]
+    assert [r["prompt_tokens"] for r in rows] == prompts
+    assert all(r["env"] == "math" and r["group"] == "g1" and r["worker"] is None for r in rows)
+    # the two sessions of the group start from the same prompt: the record says how much they share
+    assert rows[2]["shared_group"] == rows[2]["prompt_tokens"] == rows[0]["prompt_tokens"]
+
+
+def test_the_record_converts_to_a_replayable_trace(routed):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import routing_trace
+
+    gw, engine, record = routed
+    for g in ("ga", "gb"):
+        for _ in range(3):
+            sid = new_session(gw, env="math", group_id=g)["session_id"]
+            msgs = [{"role": "user", "content": f"task {g}"}]
+            answer = chat(gw, sid, msgs)
+            msgs += [answer["choices"][0]["message"], {"role": "user", "content": "go on"}]
+            chat(gw, sid, msgs)
+            reward(gw, sid)
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    groups, caps = routing_trace.convert_record(rows)
+    assert sorted(g.group for g in groups) == ["ga", "gb"]
+    assert all(len(g.sessions) == 3 for g in groups) and all(
+        len(s.turns) == 2 for g in groups for s in g.sessions
+    )
+    by_session = {r["session"]: r for r in rows if r["turn"] == 0}
+    for g in groups:
+        assert (
+            g.env_prefix + g.group_prefix + g.sessions[0].turns[0].new
+            == by_session[g.sessions[0].session]["prompt_tokens"]
+        )
+        # every later turn adds exactly what the gateway sent beyond the previous prompt and answer
+        for s in g.sessions:
+            calls = [r for r in rows if r["session"] == s.session]
+            assert (
+                s.turns[1].new
+                == calls[1]["prompt_tokens"] - calls[0]["prompt_tokens"] - calls[0]["output_tokens"]
+            )
+    assert caps["math"] >= 1
+
+
+def test_the_router_worker_list_unknown_keeps_the_routing_key(tmp_path):
+    """Placement on against something that is not an sglang-router: it says so and routes as today."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    async def check() -> None:
+        routing = EngineRouting(RoutingOptions(placement=True), "http://127.0.0.1:9", CollectorRegistry())
+        await routing.refresh_workers()
+        call = routing.route("s1", "e", None, [1, 2, 3], 4)
+        assert call.headers() == {"X-SMG-Routing-Key": "s1"}
+        assert "failed" in (routing.snapshot()["workers_error"] or "")
+        await routing.close()
+
+    asyncio.run(check())
+
+
+class ListedRouter:
+    """TEST DOUBLE of sglang-router around the scripted engine: `GET /workers` lists `urls` (every
+    call reaches the scripted engine whatever worker its header names), and the next `refuse` calls
+    are answered 503 `no_available_workers`, as the router answers a target it does not hold
+    (their headers go to `refused`). The placement decisions themselves are test_placement.py's;
+    this checks what the gateway sends around them."""
+
+    def __init__(self, engine: ScriptedEngine, urls: list[str]) -> None:
+        from fastapi import Request
+        from fastapi.responses import JSONResponse
+
+        self.urls = list(urls)
+        self.refuse = 0
+        self.refused: list[dict[str, str]] = []
+        self.app = engine.app()
+
+        @self.app.get("/workers")
+        async def workers() -> dict:
+            return {
+                "workers": [{"url": u, "id": f"w{i}", "is_healthy": True} for i, u in enumerate(self.urls)]
+            }
+
+        @self.app.middleware("http")
+        async def refuse(request: Request, call_next):
+            if request.url.path == "/generate" and self.refuse > 0:
+                self.refuse -= 1
+                self.refused.append({k.lower(): v for k, v in request.headers.items()})
+                return JSONResponse({"error": {"code": "no_available_workers"}}, status_code=503)
+            return await call_next(request)
+
+
+def play_sessions(gw, n: int = 3, turns: int = 3, between=None) -> list[str]:
+    """n sessions of one group, `turns` turns each, interleaved; `between(k)` runs before turn k."""
+    sids = [new_session(gw, env="math", group_id="g")["session_id"] for _ in range(n)]
+    msgs: dict[str, list[dict]] = {sid: [] for sid in sids}
+    for k in range(turns):
+        if between is not None:
+            between(k)
+        for i, sid in enumerate(sids):
+            msgs[sid].append({"role": "user", "content": f"session {i} turn {k}: what is {k} + {i}?"})
+            msgs[sid].append(chat(gw, sid, msgs[sid])["choices"][0]["message"])
+    for sid in sids:
+        reward(gw, sid)
+    return sids
+
+
+def placed_run(tok, spool, placement: bool) -> dict:
+    """Three sessions through a gateway over `ListedRouter`; with placement, the first session's
+    worker is removed from the router before turn 1 and the router refuses a target at turn 2."""
+    script = TextScript(tok)
+    engine = ScriptedEngine(script, stop_ids={script.end})
+    router = ListedRouter(engine, [f"http://10.0.0.{i}:30000" for i in range(3)])
+    with ThreadServer(router.app) as eng, gateway_server(eng.url, spool, tok, placement=placement) as gw:
+
+        def admin() -> dict:
+            return httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()
+
+        def disturb(k: int) -> None:
+            if not placement or k == 0:
+                return
+            if k == 1:  # the first session's worker is removed from the router
+                first = engine.exchanges[0].headers["x-smg-target-worker"]
+                router.urls.remove(admin()["placement"]["workers"][int(first)]["url"])
+                deadline = time.monotonic() + 60
+                while len(admin()["placement"]["workers"]) != 2:
+                    assert time.monotonic() < deadline, "the gateway never read the router's new worker list"
+                    time.sleep(0.1)
+            if k == 2:  # the router refuses the next target: the call is re-placed, not failed
+                router.refuse = 1
+
+        assert admin()["mode"] == ("placement" if placement else "routing_key")
+        sids = play_sessions(gw, between=disturb)
+        got = [s for s in samples(gw)["samples"] if s["session_id"] in sids]
+        return {
+            "bodies": [ex.body for ex in engine.exchanges],
+            "headers": [ex.headers for ex in engine.exchanges],
+            "keys": [sids.index(ex.headers["x-smg-routing-key"]) for ex in engine.exchanges],
+            "samples": sorted((sids.index(s["session_id"]), s["tokens"], s["loss_mask"]) for s in got),
+            "refused": router.refused,
+            "snap": admin(),
+        }
+
+
+def test_placement_never_changes_what_the_engine_is_sent_or_the_samples(tok, tmp_path):
+    """Same sessions with placement off and on, a worker removed and a target refused on the way:
+    every /generate body and every sample is the same; only the routing headers differ."""
+    off = placed_run(tok, tmp_path / "off", placement=False)
+    on = placed_run(tok, tmp_path / "on", placement=True)
+    assert on["bodies"] == off["bodies"] and len(on["bodies"]) == 9
+    assert on["samples"] == off["samples"] and len(on["samples"]) == 3
+    assert all("x-smg-target-worker" not in h for h in off["headers"])
+    assert all("x-smg-target-worker" in h for h in on["headers"])
+    assert on["keys"] == off["keys"] == [0, 1, 2] * 3  # the routing key is today's in both: the session id
+    assert len(on["refused"]) == 1  # refused once, then answered on a re-placed target
+    moves = on["snap"]["placement"]["moves_by_reason"]
+    assert moves.get("worker_gone", 0) >= 2, moves  # the removed worker's sessions, and the refused call
+    assert on["snap"]["placement"]["refusals"] == 1
