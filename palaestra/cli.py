@@ -10,6 +10,7 @@ Each command group lives next to the code it drives and registers its sub-comman
     palaestra rollout | eval | session new|reward  sdk/cli.py (environments through a gateway)
     palaestra sandbox exec|serve|build-images    sandbox/cli.py
     palaestra train                              palaestra/train.py (a run on Ray)
+    palaestra export                             trainer/export.py (PEFT adapter, merged HF model)
     palaestra swe generate|validate              environments/swe_agent/cli.py
 
 `palaestra --help` lists them (tests/palaestra/test_docs_true.py checks this list against it).
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra.models import cli as models_cli
     from palaestra.sandbox import cli as sandbox_cli
     from palaestra.sdk import cli as sdk_cli
+    from palaestra.trainer import export as export_cmd
 
     parser = argparse.ArgumentParser(
         prog="palaestra",
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sdk_cli.register(groups)
     sandbox_cli.register(groups)
     train_cmd.register(groups)
+    export_cmd.register(groups)
     swe_cli.register(groups)
     return parser
 
