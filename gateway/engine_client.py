@@ -1,7 +1,8 @@
 """The gateway's only way to an inference engine: SGLang's native `/generate`, token ids in and out.
 
 `--engine-url` is sglang-router (or one engine); every call carries `X-SMG-Routing-Key: <session>`
-so consistent hashing keeps a session on one worker and its prefix cache. A call is retried only
+so consistent hashing keeps a session on one worker and its prefix cache, and, when the policy is a
+LoRA adapter (`lora_adapter`), ``lora_path: <adapter>`` (SGLang's field). A call is retried only
 when no token can have been committed: the connection failed, or the engine answered 5xx / 503
 before streaming anything. Errors become OpenAI-style 503 (unreachable) / 504 (timeout) /
 400 (the engine refused the input) for the agent.
@@ -69,8 +70,10 @@ class EngineClient:
         retry_backoff_s: float = 0.5,
         incremental_stream: bool = False,
         max_connections: int = 512,
+        lora_adapter: str | None = None,
     ):
         self.url = url.rstrip("/")
+        self.lora_adapter = lora_adapter
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self.incremental_stream = incremental_stream
@@ -98,11 +101,12 @@ class EngineClient:
         if self._client is not None:
             await self._client.close()
 
-    @staticmethod
     def _body(
-        input_ids: list[int], sampling: dict[str, Any], top_logprobs: int, stream: bool
+        self, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int, stream: bool
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        if self.lora_adapter is not None:
+            body["lora_path"] = self.lora_adapter
         if top_logprobs:
             body["top_logprobs_num"] = top_logprobs
         if stream:
