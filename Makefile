@@ -21,11 +21,18 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install
-	$(PY) -m pytest -q
+# Tests run in TEST_WORKERS processes; tests/support/markers.py groups them (one Ray test at a time,
+# one other slow test at a time, a module's tests together). TEST_WORKERS=0: in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+UNIT_TIER := not slow and not ray and not docker and not browser
 
+test: install
+	$(PY) -m pytest -q $(XDIST) --durations=25
+
+# The unit tier: no slow test, no Ray, docker or browser (the embedded `tiny` engine is in).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "$(UNIT_TIER)"
 
 # Warm-starts a teacher and a student (cached), then trains the student with GRPO + OPD through
 # engines, router, gateway and the Megatron trainer on Ray: ~10 min on 2 CPU cores.

@@ -12,10 +12,15 @@ returns (`RunResult`). `palaestra.train.train` calls these in order; read it fir
 The weight version is the trainer's: `sync` stores what the trainer reports after pushing its
 weights, and nothing here counts versions.
 
-Every wait goes through the run's `Supervisor` (supervisor.py): dead servers are restarted in
-place and the wait goes on; a dead environment runner or trainer raises `Replaced` out of the step,
-and `train` calls `run.recover(fault)`, which redoes the run from its state (for the trainer: from
-the last checkpoint). `RunResult.faults` and `faults.json` list every fault.
+Every wait, and every HTTP call of the driver's to a server (the gateway's cursor, its
+acknowledgement and admin, the engines' versions: `Waiter.call`), goes through the run's
+`Supervisor` (supervisor.py): dead servers are restarted in place and the wait or call goes on; a
+dead environment runner or trainer raises `Replaced` out of the step, and `train` calls
+`run.recover(fault)`, which redoes the run from its state (for the trainer: from the last
+checkpoint). `RunResult.faults` and `faults.json` list every fault.
+
+`Run(..., hook=fn)` calls `fn(phase, step, run)` in the driver's thread at each of `PHASES`, so a
+test can kill a process at a defined moment of a step, however fast the step runs.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +48,7 @@ from palaestra.orchestrator.supervisor import RUNNER, TRAINER, Supervisor
 from palaestra.orchestrator.waiting import Waiter
 from palaestra.sample import Sample
 
-__all__ = ["EVAL_SEED", "Run", "RunResult", "StepRecord"]
+__all__ = ["EVAL_SEED", "PHASES", "Hook", "Run", "RunResult", "StepRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,17 @@ log = logging.getLogger(__name__)
 EVAL_SEED = 1_000_003
 VIEWER_PER_STEP = 8
 """Samples of each earlier step the trajectory viewer shows (all of the last step's, up to 64)."""
+
+PHASES = ("batch", "checkpoint", "checkpoint_saved", "step")
+"""Where `Run.at` calls the run's hook, with the step (0-based) the phase belongs to:
+
+* ``batch``: the step's batch is read (generation done, in sync mode), nothing of it trained yet;
+* ``checkpoint``: a checkpoint is due after the step, the trainer has not saved yet;
+* ``checkpoint_saved``: the checkpoint is whole (`latest` moved), the gateway's spool not yet told;
+* ``step``: the step is over (logged, checkpointed if due)."""
+
+Hook = Callable[[str, int, "Run"], None]
+"""`hook(phase, step, run)`: called in the driver's thread at each of `PHASES`; the run waits for it."""
 
 
 @dataclass
@@ -92,8 +108,10 @@ class RunResult:
 class Run:
     """The driver's side of one run: it waits on the boxes, never computes what they compute."""
 
-    def __init__(self, cfg: RunConfig, cluster: Cluster, state: RunState, *, fresh: bool):
-        self.cfg, self.cluster, self.state = cfg, cluster, state
+    def __init__(
+        self, cfg: RunConfig, cluster: Cluster, state: RunState, *, fresh: bool, hook: Hook | None = None
+    ):
+        self.cfg, self.cluster, self.state, self.hook = cfg, cluster, state, hook
         self.out = cfg.output_dir
         self.start = (state.step, state.weight_version, state.cursor)
         self.tracker = make_tracker(
@@ -108,7 +126,7 @@ class Run:
         if fresh and cfg.trainer.lora.enabled:  # the gateway names the adapter in every call
             self.waiter.get(cluster.trainer_call("sync_weights"), "serving the start adapter (B = 0)")
             self._note_engine_weights()
-        self.engine_versions_start = cluster.engine_versions()
+        self.engine_versions_start = self._engine_versions()
         self.trained: list[StepRecord] = []
         self.last_samples: list[Sample] = []
         self.last_step = 0  # the step (1-based) last_samples trained
@@ -141,6 +159,12 @@ class Run:
     def __exit__(self, *exc) -> None:
         self.feed.close()
         self.tracker.close()
+
+    def at(self, phase: str, step: int) -> None:
+        """The run's hook at `phase` (one of `PHASES`) of `step`, if it has one."""
+        assert phase in PHASES, phase
+        if self.hook is not None:
+            self.hook(phase, step, self)
 
     # -- before the first step -----------------------------------------------------------------
     def restore(self, ckpt: Path) -> None:
@@ -196,6 +220,7 @@ class Run:
         self._times["gateway_s"] = self.cluster.gateway_overhead_s()
         batch = self.source.batch(step, self.state.weight_version)
         self._times["batch"] = time.perf_counter()
+        self.at("batch", step)
         return batch
 
     def train(self, step: int, batch: Batch) -> dict[str, float]:
@@ -276,7 +301,8 @@ class Run:
             "perf/step_wall_s": wall,
             "perf/wait_s": t["batch"] - t["start"],
             "perf/trainer_idle_s": max(0.0, wall - t["train_s"] - t["sync_s"]),
-            "perf/gateway_s": self.cluster.gateway_overhead_s() - t["gateway_s"],
+            # a gateway restarted during the step starts its histogram at 0: no negative figure
+            "perf/gateway_s": max(0.0, self.cluster.gateway_overhead_s() - t["gateway_s"]),
             "perf/samples_per_s": len(batch.samples) / wall,
         }
 
@@ -311,7 +337,15 @@ class Run:
     def recover(self, fault: Replaced) -> None:
         """Redoes the run from its state after `fault`: the generation in flight is abandoned (its
         groups' samples are recorded as not trained, with the fault as the reason) and begun again
-        by a new source; a dead trainer is rebuilt from the last checkpoint first."""
+        by a new source; a dead trainer is rebuilt from the last checkpoint first. A death during
+        the recovery is recovered from in turn (each counts against `run.max_restarts`)."""
+        while True:
+            try:
+                return self._recover(fault)
+            except Replaced as again:
+                fault = again
+
+    def _recover(self, fault: Replaced) -> None:
         record = self.supervisor.last(fault.component)
         self.waiter.begin(f"recovering from the {fault.component}'s death")
         with suppress(Exception):  # the old source's generation may be on the dead runner
@@ -358,8 +392,8 @@ class Run:
             self.last_samples, self.last_step = [], 0
         self.counts = Counter(self.state.counts)
         self.feed.cursor = self.state.cursor  # read again: the feed's seen-set skips them
-        with suppress(Exception):  # async mode: a sync cut short may have left it paused
-            self.cluster.resume_gateway()
+        # async mode: a sync cut short may have left it paused (resuming an unpaused one is a no-op)
+        self.waiter.call(self.cluster.resume_gateway, "resuming the gateway")
         where = ckpt.name if ckpt is not None else "the run's start"
         return f"trainer ranks rebuilt and resumed from {where} (step {self.state.step})"
 
@@ -369,12 +403,16 @@ class Run:
         return bool(every and done % every == 0) or done == self.cfg.run.steps
 
     def checkpoint(self) -> None:
-        """The trainer's state, then the run's; `latest` moves once both are written."""
-        ckpt = checkpoint_dir(self.cfg, self.state)
+        """The trainer's state, then the run's; `latest` moves once both are written; then the
+        gateway's spool is told it may delete what the checkpoint holds."""
+        ckpt, step = checkpoint_dir(self.cfg, self.state), self.state.step - 1
+        self.at("checkpoint", step)
         self.waiter.begin(f"checkpoint {ckpt.name}")
         self.waiter.get(self.cluster.trainer_call("save", str(ckpt / "trainer")), "saving the trainer")
         commit_checkpoint(self.cfg, self.state, ckpt)
-        self.feed.ack(self.state.cursor)  # a resume reads after it: the spool may delete up to here
+        self.at("checkpoint_saved", step)
+        cursor = self.state.cursor  # a resume reads after it: the spool may delete up to here
+        self.waiter.call(lambda: self.feed.ack(cursor), "acknowledging the checkpoint to the gateway's spool")
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict[str, float]:
@@ -434,6 +472,7 @@ class Run:
     # -- the end -------------------------------------------------------------------------------
     def result(self) -> RunResult:
         """What the run did (the engines' versions are read now)."""
+        self.waiter.begin("the run's result")
         step, version, cursor = self.start
         return RunResult(
             output_dir=self.out,
@@ -442,7 +481,7 @@ class Run:
             start_cursor=cursor,
             state=self.state,
             engine_versions_start=self.engine_versions_start,
-            engine_versions_end=self.cluster.engine_versions(),
+            engine_versions_end=self._engine_versions(),
             trained=self.trained,
             faults=[f.to_dict() for f in self.supervisor.faults],
             not_trained=self._not_trained(),
@@ -451,12 +490,21 @@ class Run:
             startup_s=dict(self.cluster.startup_s),
         )
 
+    def _engine_versions(self) -> list[str]:
+        from palaestra.trainer.weight_sync import WeightSyncError  # what a read raises after its retries
+
+        return self.waiter.call(
+            self.cluster.engine_versions, "reading the engines' versions", unreachable=(WeightSyncError,)
+        )
+
     def _not_trained(self) -> dict[str, str]:
         """Every sample of this launch read and not trained, with its reason (a last read first:
         the sessions aborted after a fault are spooled late; groups generated ahead that no step
         took are `unused_at_end`)."""
-        with suppress(Exception):
-            self.feed.poll()
+        try:
+            self.waiter.call(self.feed.poll, "reading the last samples")
+        except RunFailed as exc:  # the run is trained and checkpointed: report what was read
+            log.warning("the samples spooled last are not accounted for: %s", exc)
         left = [*self.feed.buffer, *self.source.unused()]  # generated ahead (async), never trained
         return {**self.feed.dropped, **dict.fromkeys(left, "unused_at_end"), **self.not_trained}
 
@@ -506,6 +554,8 @@ class Run:
             faults=self.supervisor.faults,
         )
         (self.out / "faults.json").write_text(json.dumps(result.faults or [], indent=1) + "\n")
+        if late := self.supervisor.new_counters():  # faults after the last step's row (its checkpoint)
+            self.tracker.log(late, self.state.step)
         _print(result.summary, None)
         return result
 

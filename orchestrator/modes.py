@@ -162,11 +162,9 @@ class AsyncSource(Source):
         self.ready: deque = deque()  # (record, samples), in order of completion
         self.waiting: list = []  # finished records whose samples are not all read yet
         self.consumed = 0
-        import ray
-
-        ray.get(
-            self.cluster.rollout.start_stream.remote(self.first, self.skip, self._allowed(), self.attempt),
-            timeout=60,
+        self.waiter.get(
+            [self.cluster.rollout.start_stream.remote(self.first, self.skip, self._allowed(), self.attempt)],
+            "starting the rollout stream",
         )
 
     def _allowed(self) -> int:
@@ -204,12 +202,15 @@ class AsyncSource(Source):
 
     def before_sync(self, step: int) -> float:
         started = time.perf_counter()
-        self.cluster.pause_gateway(timeout_s=max(1.0, self.waiter.deadline - time.monotonic()))
+        # pausing twice is pausing (a gateway restarted meanwhile comes back unpaused: paused again)
+        self.waiter.call(
+            lambda: self.cluster.pause_gateway(timeout_s=max(1.0, self.waiter.deadline - time.monotonic())),
+            "pausing the gateway for the weight sync",
+        )
         return time.perf_counter() - started
 
     def after_sync(self, step: int) -> None:
-
-        self.cluster.resume_gateway()
+        self.waiter.call(self.cluster.resume_gateway, "resuming the gateway")
         self.waiter.get([self.cluster.rollout.allow.remote(self._allowed())], "admitting more groups")
 
     def unused(self) -> list[str]:

@@ -21,7 +21,7 @@ Before the first and after the last step the student is evaluated greedily on `e
 held-out tasks; the run ends with `reward_curve.png`, `viewer.html` and one summary line in the
 output directory. The trainer is `trainer.dp_size` × tensor-parallel rank actors placed by Ray
 (one process group; each batch split over the data-parallel replicas, gradients all-reduced;
-tests/test_multinode.py runs two ranks on two Ray nodes). Simplifications, on purpose: in sync and
+tests/orchestrator/test_multinode.py runs two ranks on two Ray nodes). Simplifications, on purpose: in sync and
 one-step-off modes a step whose groups are all filtered makes no update (async mode fills its
 batch instead). A process that dies mid-run (an engine, the router, the gateway, the environment
 runner, a trainer rank) is restarted or replaced and the run goes on (orchestrator/supervisor.py,
@@ -40,27 +40,27 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from palaestra.config import ConfigError, RunConfig, config_help, config_to_dict, load_config
 from palaestra.orchestrator.checkpoint import prepare_run
-from palaestra.orchestrator.cluster import Cluster, start_cluster
+from palaestra.orchestrator.cluster import start_cluster
 from palaestra.orchestrator.errors import Replaced, RunFailed
-from palaestra.orchestrator.loop import Run, RunResult, eval_row
+from palaestra.orchestrator.loop import Hook, Run, RunResult, eval_row
 
 __all__ = ["register", "train"]
 
 
-def train(cfg: RunConfig, *, on_step: Callable[[int, Cluster], None] | None = None) -> RunResult:
+def train(cfg: RunConfig, *, hook: Hook | None = None) -> RunResult:
     """Runs `cfg` to the end; raises RunFailed (with the failing box and its log) if it cannot.
 
-    `on_step(step, cluster)`, if given, is called after every step (tests use it to inject faults).
+    `hook(phase, step, run)`, if given, is called at named phases of every step (`loop.PHASES`:
+    the batch read, before and after a checkpoint, the step's end); tests kill processes there.
     """
     state, checkpoint = prepare_run(cfg)  # fresh, or the latest checkpoint's state
     with (
         start_cluster(cfg, weight_version=state.weight_version, output_dir=cfg.output_dir) as cluster,
-        Run(cfg, cluster, state, fresh=checkpoint is None) as run,
+        Run(cfg, cluster, state, fresh=checkpoint is None, hook=hook) as run,
     ):
         if checkpoint is not None:
             run.restore(checkpoint)  # the trainer's weights, optimizer, RNG; then onto the engines
@@ -82,8 +82,7 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, Cluster], None] | None = No
                 except Replaced as fault:  # the runner or the trainer died: redo from the run's state
                     run.recover(fault)
                     continue
-                if on_step is not None:
-                    on_step(step, cluster)
+                run.at("step", step)  # the step is over (a test's hook may kill a process here)
         try:
             if cfg.env.eval_tasks:
                 run.evaluate_after()

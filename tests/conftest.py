@@ -9,6 +9,10 @@ import os
 import httpx
 import pytest
 
+# Markers kept honest (a test that starts an engine, Ray, docker or a browser is marked) and the
+# xdist groups of `make test` (tests/support/markers.py).
+pytest_plugins = ["tests.support.markers"]
+
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -49,6 +49,7 @@ def test_listening_sockets_are_read_from_proc():
 
 
 @pytest.mark.slow  # four servers start (engine, router, gateway, exec server)
+@pytest.mark.engine
 def test_engine_router_gateway_and_exec_server_listen_on_loopback_only(tiny_model_dir, tmp_path):
     key = secrets.token_hex(8)
     keys = {**os.environ, "PALAESTRA_API_KEY": key, "PALAESTRA_ADMIN_KEY": key + "-admin"}
@@ -181,6 +182,7 @@ RAY_DRIVER = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_ray_of_a_one_machine_run_listens_on_loopback_only():
     """`init_ray("127.0.0.1")` as `palaestra train` calls it: GCS, raylet, object manager, agents and
     an actor's worker (all children of the driver) listen on loopback only."""

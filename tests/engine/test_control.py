@@ -11,6 +11,8 @@ from safetensors.torch import save_file
 
 from palaestra.engine.weights import serialize_named_tensors
 
+pytestmark = pytest.mark.engine  # every test talks to the module's engine
+
 PROMPT = [5, 77, 301, 12, 999, 45, 8, 1200]
 LONG = {"max_new_tokens": 3000, "ignore_eos": True}
 

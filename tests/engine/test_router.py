@@ -8,6 +8,8 @@ import pytest
 from palaestra.engine.cli import engine_process
 from palaestra.engine.router import RouterProcess
 
+pytestmark = pytest.mark.engine  # two embedded engines behind the router
+
 COUNTER = "palaestra_engine_http_generate_requests_total"
 
 

@@ -18,11 +18,11 @@ from palaestra.environments.swe_agent.env import SweAgentEnv
 from palaestra.environments.swe_agent.generate import generate
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.parsers import render_tool_call_text
-from palaestra.sdk import GatewayClient, run_rollouts
 from palaestra.sdk.runner import take_tasks
 from tests.support.doubles import SubprocessBackendForTests
 from tests.support.sandbox_backends import backend_for, backend_names
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
+from tests.support.sessions import rollouts
 
 KEY = {"Authorization": "Bearer k-env"}
 
@@ -54,14 +54,7 @@ class Scripted:
     def play(self, env, task, replies):
         self.replies, self.start = replies, len(self.engine.exchanges)
 
-        async def run():
-            client = GatewayClient(self.gw.url, "k-env")
-            try:
-                return await run_rollouts(env, client, [task], progress=False)
-            finally:
-                await client.close()
-
-        result = asyncio.run(run()).results[0]
+        result = rollouts(self.gw.url, "k-env", env, [task]).results[0]
         assert result.status == "completed", result.error
         session = httpx.get(f"{self.gw.url}/sessions/{result.session_id}", headers=KEY).json()
         samples = [
@@ -223,6 +216,7 @@ def test_swe_env_scripted_agents(tok, tmp_path, backend, swe_data):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_tiny_model_runs_real_episodes(engine, tmp_path, swe_data):
     """The real embedded engine with the tiny (random-weight) model: episodes finish, nothing fails."""
     double = SubprocessBackendForTests()
@@ -231,18 +225,8 @@ def test_tiny_model_runs_real_episodes(engine, tmp_path, swe_data):
         SweAgentEnv(data=str(swe_data), backend=double, max_turns=2, max_tokens=32),
     ]
     with gateway_server(engine.url, tmp_path, api_key="k-env") as gw:
-
-        async def run(env):
-            client = GatewayClient(gw.url, "k-env")
-            try:
-                return await run_rollouts(
-                    env, client, take_tasks(env, 2, seed=0), concurrency=2, progress=False
-                )
-            finally:
-                await client.close()
-
         for env in envs:
-            summary = asyncio.run(run(env))
+            summary = rollouts(gw.url, "k-env", env, take_tasks(env, 2, seed=0), concurrency=2)
             assert summary.statuses.get("failed", 0) == 0, [r.error for r in summary.results]
             for result in summary.results:
                 assert "time/model_s" in result.metrics and result.metrics["time/model_s"] > 0

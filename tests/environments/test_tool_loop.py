@@ -1,13 +1,12 @@
 """The tool loop every tool environment runs (`environments/episode.py`'s `ToolLoop`), through the
 real gateway: the math-tool environment's malformed calls are answered with the error and counted,
 and a conversation that outgrows the context ends the episode, graded as it stands. The model is a
-SCRIPTED ENGINE (a labelled TEST DOUBLE from tests/gateway_helpers.py that answers /generate with
+SCRIPTED ENGINE (a labelled TEST DOUBLE from tests/support/servers.py that answers /generate with
 the token ids of texts the test chose); the gateway, its tool-call parser and the openai client
 are real."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -16,9 +15,9 @@ from palaestra.environments.episode import ToolCallError, ToolLoop, check_argume
 from palaestra.environments.math.calculator import CALCULATOR_TOOL
 from palaestra.environments.math.env import MathToolEnv
 from palaestra.gateway.parsers import render_tool_call_text
-from palaestra.sdk import GatewayClient, run_rollouts
 from palaestra.sdk.runner import take_tasks
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
+from tests.support.sessions import rollouts
 
 
 def calc(expression):
@@ -35,15 +34,7 @@ def play(tok, tmp_path, env, task, replies, context_length=None):
     with ThreadServer(engine.app()) as eng:
         spool = tmp_path / f"spool-{context_length}"
         with gateway_server(eng.url, spool, tok, api_key="k", context_length=context_length) as gw:
-
-            async def run():
-                client = GatewayClient(gw.url, "k")
-                try:
-                    return await run_rollouts(env, client, [task], progress=False)
-                finally:
-                    await client.close()
-
-            result = asyncio.run(run()).results[0]
+            result = rollouts(gw.url, "k", env, [task]).results[0]
     assert result.status == "completed", result.error
     return result, engine
 

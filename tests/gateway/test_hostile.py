@@ -27,6 +27,8 @@ from palaestra.gateway.guards import MAX_JSON_DEPTH
 from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.support.servers import RecordingProxy, ThreadServer, gateway_server
 
+pytestmark = pytest.mark.engine  # the gateway in front of the shared engine
+
 KEY = {"Authorization": "Bearer k-test"}
 LIMIT = 1 << 20  # the gateway's max_body_bytes in these tests
 SEND_TIMEOUT_S = 2.0
@@ -46,13 +48,6 @@ class SmallBufferServer(ThreadServer):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
         sock.bind(("127.0.0.1", self.port))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-
-
-@pytest.fixture(scope="module")
-def proxy(engine):
-    rec = RecordingProxy(engine.url)
-    with ThreadServer(rec.app()) as srv:
-        yield rec, srv
 
 
 @pytest.fixture(scope="module")

@@ -264,6 +264,7 @@ def test_sigkill_during_a_burst_of_turns_tears_nothing_that_was_answered(scripte
 STOPS = ["e", "a", "o", "i", " "]
 
 
+@pytest.mark.engine
 def test_sigkill_with_the_real_engine_the_sample_is_what_the_engine_sampled(engine, tmp_path):
     rec = RecordingProxy(engine.url)
     spool, port = str(tmp_path / "spool"), free_port()

@@ -92,6 +92,7 @@ def test_fast_renderer_matches_apply_chat_template(family):
                 )
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("thinking", [True, False])
 def test_real_engine_multi_turn(family, thinking, tmp_path):
     name, _, tok = family

@@ -6,7 +6,7 @@ Responses API), as OpenAI's API answers them: before one validator, only chat's 
 (`integer_above_max_value`) and the Responses API gave none. Anthropic's envelope has no code, and
 its messages start with the field ("temperature: must be ..."). Checked with the real `openai` and
 `anthropic` SDKs against the real gateway; the engine is a SCRIPTED ENGINE (a labelled TEST DOUBLE
-from tests/gateway_helpers.py) that answers /generate with fixed token ids."""
+from tests/support/servers.py) that answers /generate with fixed token ids."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def test_two_kinds_are_scored_apart_and_failures_left_out():
 def test_eval_cli_reports_each_kinds_accuracy_as_training_does(tiny_model_dir, tmp_path):
     """`palaestra eval` on tasks of three kinds prints (and puts in --json) each kind's accuracy
     with its interval, from the same scoring as training. The model is a SCRIPTED ENGINE (a
-    labelled TEST DOUBLE from tests/gateway_helpers.py) that answers the arithmetic tasks right and
+    labelled TEST DOUBLE from tests/support/servers.py) that answers the arithmetic tasks right and
     the others wrong; the gateway and the CLI are real."""
     import json
     import os

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.engine]
 
 ENGINE_NODE, TRAINER_NODE = "palaestra_test_engine_node", "palaestra_test_trainer_node"
 
@@ -37,8 +37,12 @@ def cluster():
 
     if ray.is_initialized():
         pytest.skip("a Ray instance is already running in this process; this test needs its own cluster")
-    saved = os.environ.get("PYTHONPATH")  # the nodes' workers import this module's actor classes
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).parent), saved] if p)
+    saved = os.environ.get("PYTHONPATH")  # the nodes' workers import tests.orchestrator.test_multinode
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(Path(__file__).resolve().parents[2]), saved] if p
+    )
+    # workers at nice 0, not Ray's 15: beside other tests in parallel they would get almost no CPU
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         # every node on loopback: the nodes are separate raylets, and nothing listens beyond 127.0.0.1
         c = Cluster(
@@ -163,9 +167,8 @@ def test_palaestra_train_across_nodes_with_two_data_parallel_ranks(cluster, tmp_
     the engine node and one trainer rank on each trainer node, weights reach both engines."""
     import logging
 
-    from test_train_e2e import make_config
-
     from palaestra.train import train
+    from tests.support.runs import make_config
 
     resources = f"run.resources={{trainer: {{{TRAINER_NODE}: 1}}, engines: {{{ENGINE_NODE}: 1}}}}"
     cfg = make_config(tmp_path / "run", "sync", f"run.ray_address={cluster.address}", "run.placement=decoupled",

@@ -7,9 +7,9 @@ module, everything on 127.0.0.1:
   0 -> 2 -> 3, metrics are finite, the report files exist; the resumed run starts at step 2,
   weight version 2 and the saved cursor, and trains the tasks an uninterrupted run would have;
 * one-step-off: every batch is exactly one weight version old (the first: zero);
-* async (an environment that waits between its two turns, so sessions straddle weight syncs): no
-  trained sample is older than `run.max_staleness`, and sessions in flight across a sync keep their
-  first turn's tokens and show both versions;
+* async (the two-turn environment's gate holds one task's sessions between their turns across the
+  first weight sync): no trained sample is older than `run.max_staleness`, and sessions in flight
+  across a sync keep their first turn's tokens and show both versions;
 * faults: a killed engine with `run.max_restarts=0` stops the run with its name, exit code and log
   (tests/orchestrator/test_faults.py: with restarts left, every kind of box is survived); a stuck step times out.
 
@@ -19,106 +19,21 @@ without Ray in tests/orchestrator/test_batching.py.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import math
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
-from palaestra.config import load_config
-from palaestra.sdk import Environment, Task
+from tests.support.runs import TWO_TURN, make_config
 
-TESTS_DIR = str(Path(__file__).resolve().parent)
-
-
-class TwoTurnEnv(Environment):
-    """Two turns per session with a pause between them (loaded by the rollout actor by import path).
-
-    Turn 1 stops at the first "e" (finish reason `stop`, so turn 2 is bridged onto its exact tokens
-    rather than forked as after `max_tokens`). The reward is the parity of the reply's length, so
-    groups have reward variance. Both calls sample as the run says (`session.sampling`)."""
-
-    name = "two-turn"
-
-    def __init__(self, pause_s: float = 1.0, max_tokens: int = 8):
-        self.pause_s, self.max_tokens = pause_s, max_tokens
-
-    def tasks(self, seed: int):
-        return (Task(task_id=f"count-{seed}-{i}") for i in itertools.count())
-
-    async def rollout(self, session, task) -> float:
-        messages = [{"role": "user", "content": f"Count, task {task.task_id}: one"}]
-        first = await session.client.chat.completions.create(
-            model=self.model,
-            messages=messages,
-            max_tokens=16,
-            stop=["e"],
-            **session.sampling,
-        )
-        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""}]
-        await asyncio.sleep(self.pause_s)
-        messages += [{"role": "user", "content": "two"}]
-        second = await session.client.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=self.max_tokens, **session.sampling
-        )
-        return float(len(second.choices[0].message.content or "") % 2)
+pytestmark = pytest.mark.ray  # every test runs on the module's Ray
 
 
 # ----------------------------------------------------------------------------------------------
 # End to end on Ray
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray for the module; the rollout actors import `test_train_e2e:TwoTurnEnv` from here."""
-    from palaestra.orchestrator.cluster import init_ray
-
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [TESTS_DIR, saved] if p)
-    try:  # Ray's processes take the environment they start with; other tests get theirs back
-        started = init_ray("127.0.0.1", num_cpus=8)
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    yield
-    if started:
-        import ray
-
-        ray.shutdown()
-
-
-def make_config(out: Path, mode: str, *extra: str):
-    return load_config(
-        None,
-        [
-            "model.student=tiny",
-            "engines.count=2",
-            "engines.engine={num_threads: 1}",
-            "router={health_check_interval_secs: 2}",
-            "env.name=math",
-            "env.args={difficulty: 1, max_tokens: 12}",
-            "env.tasks_per_step=2",
-            "env.samples_per_task=2",
-            "env.concurrency=8",
-            "env.eval_tasks=2",
-            "trainer.megatron_optimizer={lr: 1.0e-4}",
-            "trainer.max_tokens_per_microbatch=2048",
-            f"run.mode={mode}",
-            "run.steps=2",
-            "run.checkpoint_every=1",
-            "run.step_timeout_s=120",
-            f"run.output_dir={out}",
-            "logging.tensorboard_dir=null",
-            *extra,
-        ],
-    )
-
-
 def assert_finite(rows: list[dict]) -> None:
     keys = ["train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "mismatch/logprob_abs_diff"]
     for row in rows:
@@ -127,6 +42,7 @@ def assert_finite(rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_local, tmp_path):
     from palaestra.sdk import load_environment
     from palaestra.sdk.runner import take_tasks
@@ -163,6 +79,7 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_two_data_parallel_trainer_ranks_learn_like_one(ray_local, tmp_path):
     """trainer.dp_size: 2 starts two trainer rank actors that split each batch; seeded runs
     generate the same rollouts, so DP = 2 must train exactly as DP = 1 (fp32 tolerance)."""
@@ -189,6 +106,7 @@ def test_two_data_parallel_trainer_ranks_learn_like_one(ray_local, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_path):
     from palaestra.train import train
 
@@ -205,38 +123,65 @@ def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local, tmp_path):
+    """Task 2's sessions answer their first turn before the first weight sync and their second
+    after it, however fast the steps run: the environment's gate holds them between their turns
+    (`TwoTurnEnv(gate=...)`) from step 1's batch (nothing synced yet: the run's hook waits there
+    until they arrived) until step 1 is over (version 1 on the engines). One group runs at a time
+    (env.concurrency = samples_per_task), so the held group is the next to finish: step 2 trains it."""
+    import time
+
     from palaestra.train import train
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+
+    def hold_task_2_across_the_first_sync(phase, step, run):
+        if (phase, step) == ("batch", 0):  # step 1's batch is read; nothing is synced yet
+            deadline = time.monotonic() + 300
+            while len(list(gate.glob("arrived-2-*"))) < 2:
+                assert time.monotonic() < deadline, "task 2's sessions never reached the gate"
+                time.sleep(0.05)
+        elif (phase, step) == ("step", 0):  # weight version 1 is on the engines
+            (gate / "open-2").touch()
 
     cfg = make_config(
         tmp_path / "async",
         "async",
-        "env.name=test_train_e2e:TwoTurnEnv",
-        "env.args={pause_s: 5}",  # longer than a training step: syncs fall inside it
+        f"env.name={TWO_TURN}",
+        f"env.args={{pause_s: 0.2, gate: '{gate}', gated: [2]}}",
         "env.eval_tasks=0",
+        "env.concurrency=2",
         "run.steps=3",
         "run.max_staleness=2",
         "trainer.use_tis=true",
     )
-    result = train(cfg)
+    try:
+        result = train(cfg, hook=hold_task_2_across_the_first_sync)
+    finally:
+        (gate / "open-2").touch()
     lags = [lag for r in result.trained for lag in r.lags]
     assert lags and max(lags) <= 2
     assert result.engine_versions_end == ["3", "3"]
     # Sessions that were in flight across a weight sync: turn 1 at one version, turn 2 at the next.
-    assert any(len(v) == 2 for r in result.trained for v in r.versions), [r.versions for r in result.trained]
+    step2 = result.trained[1]
+    assert "count-0-2" in step2.task_ids, [r.task_ids for r in result.trained]
+    assert sum(v == ["0", "1"] for v in step2.versions) >= 2, [r.versions for r in result.trained]
     assert_finite(result.state.rows)
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_a_dead_engine_beyond_max_restarts_stops_the_run_with_its_name_and_log(ray_local, tmp_path):
     import ray
 
     from palaestra.orchestrator.errors import RunFailed
     from palaestra.train import train
 
-    def kill_engine_1(step, cluster):
-        if step == 0:
-            os.kill(ray.get(cluster.engines[1].actor.pid.remote()), signal.SIGKILL)
+    def kill_engine_1(phase, step, run):  # the run's hook: once step 1 is over
+        if (phase, step) == ("step", 0):
+            os.kill(ray.get(run.cluster.engines[1].actor.pid.remote()), signal.SIGKILL)
 
     cfg = make_config(
         tmp_path / "dead",
@@ -247,7 +192,7 @@ def test_a_dead_engine_beyond_max_restarts_stops_the_run_with_its_name_and_log(r
         "run.max_restarts=0",
     )
     with pytest.raises(RunFailed, match=r"engine-1 \(http://127\.0\.0\.1:\d+\) exited with code -9") as err:
-        train(cfg, on_step=kill_engine_1)
+        train(cfg, hook=kill_engine_1)
     assert "engine-1.log" in str(err.value)
 
 

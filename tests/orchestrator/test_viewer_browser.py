@@ -13,6 +13,8 @@ import pytest
 from palaestra.orchestrator.viewer import write_trajectory_viewer
 from palaestra.sample import Sample, sample_id_for
 
+pytestmark = pytest.mark.browser
+
 
 def _chromium() -> str | None:
     return (

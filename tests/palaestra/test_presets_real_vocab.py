@@ -201,6 +201,7 @@ def test_chat_template_renders_tools_and_calls(auto_tokenizers: dict, family: st
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", ARGUMENTS)]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_serves_it(
     built: dict[str, Path], auto_tokenizers: dict, cache: Path, family: str, request: pytest.FixtureRequest

@@ -24,6 +24,7 @@ ray.shutdown()
 
 
 @pytest.mark.slow  # starts a local Ray: 5-30 s
+@pytest.mark.ray
 def test_a_local_ray_starts_with_token_auth_on_and_no_warning():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)

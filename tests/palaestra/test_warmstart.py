@@ -73,6 +73,7 @@ def test_sft_steps_lower_the_loss_and_raise_the_answer_probability(tok, tiny_mod
     assert after.exp().mean() > 2 * before.exp().mean()  # probability of the answer tokens
 
 
+@pytest.mark.engine
 def test_warm_start_exports_a_model_the_engine_serves(tmp_path, tok):
     from palaestra.engine.cli import engine_process
 

@@ -78,6 +78,7 @@ def test_gpu_profile_reserves_gpus():
 
 
 @pytest.mark.slow
+@pytest.mark.docker
 def test_fleet_up_runs_execs_through_the_front_and_goes_down():
     """``docker compose up`` of the default services, the CLI and the remote backend through the
     front on the host's loopback, sandboxes spread over both replicas, then ``down``."""

@@ -17,6 +17,8 @@ import pytest
 from palaestra.sandbox.base import Limits, SandboxError
 from tests.support.docker import require_engine
 
+pytestmark = pytest.mark.docker
+
 LIMITS = Limits(
     timeout_s=10, cpu_s=20, memory_mb=256, pids=64, workdir_mb=64, file_size_mb=32, output_bytes=1 << 16
 )

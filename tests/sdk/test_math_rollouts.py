@@ -18,6 +18,9 @@ from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.sdk import Environment, GatewayClient, Task, run_rollouts
 from palaestra.sdk.runner import take_tasks, wilson_interval
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
+from tests.support.sessions import rollouts
+
+pytestmark = pytest.mark.engine  # the shared engine (most tests)
 
 KEY = {"Authorization": "Bearer k-sdk"}
 ENV = {**os.environ, "PALAESTRA_API_KEY": "k-sdk"}
@@ -199,15 +202,7 @@ def test_tool_variant_multi_turn_with_tool_tokens_masked(tiny_model_dir, tmp_pat
         ThreadServer(engine.app()) as eng,
         gateway_server(eng.url, tmp_path, tok, api_key="k-sdk") as gw,
     ):
-
-        async def run():
-            client = GatewayClient(gw.url, "k-sdk")
-            try:
-                return await run_rollouts(env, client, [task], samples_per_task=1, progress=False)
-            finally:
-                await client.close()
-
-        summary = asyncio.run(run())
+        summary = rollouts(gw.url, "k-sdk", env, [task], samples_per_task=1)
         result = summary.results[0]
         assert result.status == "completed" and result.reward == 1.0 and result.metrics["tool_calls"] == 1.0
         sample = httpx.get(f"{gw.url}/samples", headers=KEY).json()["samples"][0]

@@ -121,7 +121,15 @@ class NamedBackend:
     make: BackendMaker
 
 
-@pytest.fixture(scope="module", params=sorted(SANDBOX_BACKENDS))
+def backend_param(name: str):
+    """A backend name as a fixture param, marked `docker` where the backend needs the docker engine."""
+    return pytest.param(name, marks=pytest.mark.docker) if name in DOCKER_BACKENDS else name
+
+
+DOCKER_BACKENDS = ("docker", "compose")
+
+
+@pytest.fixture(scope="module", params=[backend_param(n) for n in sorted(SANDBOX_BACKENDS)])
 def sandbox_backend(request) -> Iterator[NamedBackend]:
     """Each registered backend in turn (module scope: an exec server starts once per module)."""
     with SANDBOX_BACKENDS[request.param]() as make:

@@ -17,13 +17,14 @@ from collections.abc import Iterator
 from palaestra.sandbox.backends import BACKEND_NAMES
 from palaestra.sandbox.base import Backend
 from tests.support.doubles import SubprocessBackendForTests
-from tests.support.sandbox import SANDBOX_BACKENDS
+from tests.support.sandbox import SANDBOX_BACKENDS, backend_param
 
 REAL = BACKEND_NAMES
 
 
-def backend_names() -> list[str]:
-    return ["test-double", *(name for name in REAL if name in SANDBOX_BACKENDS)]
+def backend_names() -> list:
+    """Fixture params: the names, the docker ones marked `docker`."""
+    return ["test-double", *(backend_param(name) for name in REAL if name in SANDBOX_BACKENDS)]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,11 @@
 """The session API from a test's side: open a session, read its trajectory, post its reward, read
-the spooled samples (with the test environment key), and the calculator tool the dialect tests use."""
+the spooled samples (with the test environment key), run an environment's episodes through a
+gateway (`rollouts`), and the calculator tool the dialect tests use."""
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 import httpx
 
@@ -49,3 +53,18 @@ def reward(gw, sid, value=1.0, **kw):
 
 def samples(gw, after=0):
     return httpx.get(f"{gw.url}/samples", params={"after": after}, headers=AUTH).json()
+
+
+def rollouts(gateway_url: str, key: str, env: Any, tasks: list, **options: Any) -> Any:
+    """`run_rollouts(env, ...)` of `tasks` through the gateway at `gateway_url` with environment key
+    `key` (no progress bar), the client closed afterwards: the `RolloutSummary`."""
+    from palaestra.sdk import GatewayClient, run_rollouts
+
+    async def run():
+        client = GatewayClient(gateway_url, key)
+        try:
+            return await run_rollouts(env, client, tasks, progress=False, **options)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())

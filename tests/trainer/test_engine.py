@@ -22,6 +22,8 @@ from palaestra.trainer.opd_teachers import SGLangTeacher, TeacherError, check_sa
 from palaestra.trainer.packing import build_micro_batch
 from palaestra.trainer.weight_sync import WeightSyncError
 
+pytestmark = pytest.mark.engine  # the trainer syncs into a running engine
+
 
 def rollouts(
     client: httpx.Client, n: int, temperature: float, seed: int = 0, group_size: int = 3

@@ -27,7 +27,7 @@ from palaestra.net import free_port, wait_http_ok
 from palaestra.trainer.weight_sync import WeightSync, WeightSyncError
 from tests.support.listening import listening
 
-FAKE = Path(__file__).parent / "fakes" / "sglang_weights.py"
+FAKE = Path(__file__).parents[1] / "support" / "fakes" / "sglang_weights.py"
 
 
 def perturbed(model_dir: Path, scale: float) -> list[tuple[str, torch.Tensor]]:
@@ -54,6 +54,7 @@ def two_engines(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_distributed_broadcast_reaches_every_engine(two_engines, tiny_model_dir, tmp_path):
     ids = list(range(5, 60))
     before = [score(u, ids) for u in two_engines]
@@ -82,6 +83,7 @@ def test_distributed_broadcast_reaches_every_engine(two_engines, tiny_model_dir,
     assert r.status_code == 400 and "no weight update group" in r.json()["message"]
 
 
+@pytest.mark.engine
 def test_bad_group_requests_are_named(engine):
     post = lambda path, body: httpx.post(f"{engine.url}{path}", json=body, trust_env=False)  # noqa: E731
     r = post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
@@ -99,13 +101,21 @@ def test_bad_group_requests_are_named(engine):
     assert httpx.get(f"{engine.url}/health", trust_env=False).status_code == 200  # still serving
 
 
+def _alive(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        raise RuntimeError(f"the fake SGLang server exited with {proc.returncode} before it listened")
+
+
 @pytest.fixture
 def fake_sglang(tmp_path):
     """TEST DOUBLE of SGLang's weight endpoints with tp_size 2 (see tests/support/fakes/sglang_weights.py)."""
     port, record = free_port(), tmp_path / "record.jsonl"
+    assert FAKE.is_file(), f"the fake SGLang server is not at {FAKE}"
     proc = subprocess.Popen([sys.executable, str(FAKE), str(port), str(record), "2"])
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/server_info", timeout=30)
+        # It imports torch first: on a loaded machine that alone can take tens of seconds, so the
+        # wait is long and ends early only if the process died.
+        wait_http_ok(f"http://127.0.0.1:{port}/server_info", timeout=180, abort=lambda: _alive(proc))
         yield f"http://127.0.0.1:{port}", record
     finally:
         proc.terminate()
