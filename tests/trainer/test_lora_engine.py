@@ -25,6 +25,7 @@ from tests.trainer.test_engine import rollouts
 from tests.trainer.test_lora import samples
 
 LORA = {"rank": 8, "alpha": 16.0}
+pytestmark = pytest.mark.engine  # every test talks to an embedded engine process
 
 
 @pytest.fixture(scope="module")
