@@ -69,7 +69,12 @@ def adapters(server, http, tmp_path_factory):
 
 
 def score(http, ids, lora=None) -> list[float]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
     if lora is not None:
         body["lora_path"] = lora
     r = http.post("/generate", json=body)
@@ -92,7 +97,9 @@ def test_adapter_logprobs_equal_a_forward_of_the_merged_weights(server, http, ad
         want = lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         got = torch.tensor(score(http, ids, "a"))
         base = torch.tensor(score(http, ids))
-        print(f"\nadapter vs merged weights: max |Δ| {(got - want).abs().max():.2e} (vs base {(base - want).abs().max():.2e})")
+        print(
+            f"\nadapter vs merged weights: max |Δ| {(got - want).abs().max():.2e} (vs base {(base - want).abs().max():.2e})"
+        )
         assert (got - want).abs().max() <= 1e-5
         assert (base - want).abs().max() > 1e-2  # the adapter does change the model
 
@@ -157,7 +164,9 @@ def test_a_server_without_lora_answers_like_sglang(tiny_model_dir, tmp_path):
         with TestClient(s.app) as c:
             r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path)})
             assert r.status_code == 400
-            assert r.json()["error_message"] == "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+            assert (
+                r.json()["error_message"] == "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+            )
             r = c.post("/generate", json={"input_ids": PROMPTS[0], "lora_path": "a"})
             assert r.status_code == 400 and "--enable-lora" in r.json()["message"]
             assert c.get("/server_info").json()["enable_lora"] is False
@@ -168,12 +177,16 @@ def test_a_server_without_lora_answers_like_sglang(tiny_model_dir, tmp_path):
 def test_unload_frees_the_name_and_its_cache(http, adapters):
     path, _ = adapters["b"]
     ids = [3, 4, 5, 6, 7, 8]
-    http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "lora_path": "b"})
+    http.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "lora_path": "b"}
+    )
     r = http.post("/unload_lora_adapter", json={"lora_name": "b"})
     assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a"}
     r = http.post("/unload_lora_adapter", json={"lora_name": "b"})
     assert r.status_code == 400 and "does not exist" in r.json()["error_message"]
     r = http.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": str(path)})  # a new load
     assert r.status_code == 200
-    again = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "lora_path": "b"})
+    again = http.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "lora_path": "b"}
+    )
     assert again.json()["meta_info"]["cached_tokens"] == 0  # the unloaded load's KV is gone

@@ -45,14 +45,23 @@ def logprobs(t: Trainer, batch: list[Sample], tag: str = "actor") -> torch.Tenso
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir):
     """A LoRA trainer (with a KL to the reference and the old adapters kept) before and after one step."""
-    t = Trainer(TrainerConfig(lora=LORA, kl_coef=0.1, keep_old_actor=True, megatron_optimizer=OPT), tiny_model_dir)
+    t = Trainer(
+        TrainerConfig(lora=LORA, kl_coef=0.1, keep_old_actor=True, megatron_optimizer=OPT), tiny_model_dir
+    )
     batch = samples()
     with t.lora.disabled():
         base = logprobs(t, batch)
     before = logprobs(t, batch)
     start_base = {k: v.clone() for k, v in t.megatron_state().items()}
     metrics = t.step(batch)
-    return {"t": t, "batch": batch, "base": base, "before": before, "start_base": start_base, "metrics": metrics}
+    return {
+        "t": t,
+        "batch": batch,
+        "base": base,
+        "before": before,
+        "start_base": start_base,
+        "metrics": metrics,
+    }
 
 
 def test_only_the_adapters_train(trained):
@@ -87,7 +96,9 @@ def test_a_megatron_teacher_scores_with_the_adapters_off(tiny_model_dir, trained
     from palaestra.trainer.opd_panel import snapshot_tag
 
     teacher = logprobs(t, trained["batch"], snapshot_tag("teacher"))
-    assert torch.equal(teacher, trained["base"])  # the teacher (= the base here) without the student's adapters
+    assert torch.equal(
+        teacher, trained["base"]
+    )  # the teacher (= the base here) without the student's adapters
     assert not torch.equal(logprobs(t, trained["batch"]), trained["base"])
 
 
@@ -105,7 +116,9 @@ def test_checkpoint_resumes_adapters_and_optimizer_state(tiny_model_dir, trained
     nxt = samples(seed=5)
     a, b = t.step(nxt), resumed.step(nxt)  # Adam's moments came back too: the same second step
     assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6)
-    assert max((v - resumed.adapter_state()[k]).abs().max().item() for k, v in t.adapter_state().items()) <= 1e-7
+    assert (
+        max((v - resumed.adapter_state()[k]).abs().max().item() for k, v in t.adapter_state().items()) <= 1e-7
+    )
     # refused: a full fine-tuning trainer, and a LoRA trainer of another base model
     with pytest.raises(ValueError, match="LoRA adapters"):
         Trainer(TrainerConfig(megatron_optimizer=OPT), tiny_model_dir).load(tmp_path / "ckpt")
@@ -126,7 +139,9 @@ def test_peft_loads_the_export_with_the_same_logprobs(tiny_model_dir, trained, t
 
     t = trained["t"]
     path = t.export_adapter(tmp_path / "adapter")
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), path)
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), path
+    )
     model.eval()
     ours = logprobs(t, trained["batch"])
     theirs = []
@@ -167,19 +182,26 @@ def test_palaestra_export_writes_the_adapter_and_a_merged_model(tiny_model_dir, 
     t.export_hf(tmp_path / "merged-live")
     from safetensors.torch import load_file
 
-    a, b = load_file(str(tmp_path / "merged" / "model.safetensors")), load_file(str(tmp_path / "merged-live" / "model.safetensors"))
+    a, b = (
+        load_file(str(tmp_path / "merged" / "model.safetensors")),
+        load_file(str(tmp_path / "merged-live" / "model.safetensors")),
+    )
     assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
 
 
 def test_bad_options_name_what_to_change(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"'qproj' is not a projection.*q_proj, k_proj, v_proj, o_proj, gate_proj"):
+    with pytest.raises(
+        ValueError, match=r"'qproj' is not a projection.*q_proj, k_proj, v_proj, o_proj, gate_proj"
+    ):
         LoraOptions(rank=8, targets=["qproj"])
     with pytest.raises(ValueError, match="rank"):
         LoraOptions(rank=-1)
     with pytest.raises(ValueError, match="sync_mode must be shm"):
         TrainerConfig(lora={"rank": 8}, sync_mode="distributed")
     # tiny: k_proj is 128 x 256 (2 KV heads of 64)
-    with pytest.raises(ValueError, match=r"lora.rank 200 is larger than k_proj's smaller dimension \(k_proj is 128 x 256\)"):
+    with pytest.raises(
+        ValueError, match=r"lora.rank 200 is larger than k_proj's smaller dimension \(k_proj is 128 x 256\)"
+    ):
         Trainer(TrainerConfig(lora={"rank": 200}), tiny_model_dir)
     assert LoraOptions(rank=4, targets=["linear_qkv", "down_proj"]).enabled
     from palaestra.trainer.lora import resolve_targets

@@ -40,7 +40,9 @@ def test_adapter_sync_and_engine_logprobs_match_the_trainer(lora_engine, tiny_mo
     t = Trainer(cfg, tiny_model_dir, engine_urls=[lora_engine.url])
     first = t.sync_weights()  # the start adapter (B = 0)
     with httpx.Client(base_url=lora_engine.url, timeout=120, trust_env=False) as c:
-        assert c.get("/server_info").json()["loaded_lora_adapters"] == {"policy": str(tmp_path / "shm" / "policy-v0")}
+        assert c.get("/server_info").json()["loaded_lora_adapters"] == {
+            "policy": str(tmp_path / "shm" / "policy-v0")
+        }
         for version in (1, 2):
             metrics = t.step(samples(seed=version))  # one step, then the adapter-only sync
             assert c.get("/get_weight_version").json()["weight_version"] == str(version)
@@ -58,7 +60,9 @@ def test_adapter_sync_and_engine_logprobs_match_the_trainer(lora_engine, tiny_mo
             off = (t.logprobs(mbs)[0] - mbs[0].rollout_logprobs).abs().max().item()
         print(f"adapter on: {delta.numel()} tokens, mean |Δ| {delta.mean():.2e}, max |Δ| {delta.max():.2e} "
               f"(adapter off in the trainer: {off:.2e})")  # fmt: skip
-        assert delta.mean() <= 1e-6 and delta.max() <= 2e-6  # one ulp of the largest logprobs, as without LoRA
+        assert (
+            delta.mean() <= 1e-6 and delta.max() <= 2e-6
+        )  # one ulp of the largest logprobs, as without LoRA
         assert off > 1e-2  # the engine did sample with the adapter
         assert not c.get("/server_info").json()["internal_states"][0]["paused"]
     t.sync.close()
@@ -70,19 +74,26 @@ def test_the_gateway_names_the_adapter_through_the_router(lora_engine, tiny_mode
     path = t.export_adapter(tmp_path / "named")
     with httpx.Client(base_url=lora_engine.url, timeout=60, trust_env=False) as c:
         c.post("/unload_lora_adapter", json={"lora_name": "named"})
-        assert c.post("/load_lora_adapter", json={"lora_name": "named", "lora_path": str(path)}).status_code == 200
+        assert (
+            c.post("/load_lora_adapter", json={"lora_name": "named", "lora_path": str(path)}).status_code
+            == 200
+        )
     prompt = [11, 12, 13, 14, 15, 16]
     sampling = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
     async def both(url: str):
         named, plain = EngineClient(url, lora_adapter="named"), EngineClient(url)
         try:
-            return (await named.generate("s1", prompt, sampling))[0], (await plain.generate("s1", prompt, sampling))[0]
+            return (await named.generate("s1", prompt, sampling))[0], (
+                await plain.generate("s1", prompt, sampling)
+            )[0]
         finally:
             await named.close()
             await plain.close()
 
-    with RouterProcess([lora_engine.url], router_options=["--router-health-check-interval-secs", "1"]) as router:
+    with RouterProcess(
+        [lora_engine.url], router_options=["--router-health-check-interval-secs", "1"]
+    ) as router:
         via_router, base = asyncio.run(both(router.url))
     direct, _ = asyncio.run(both(lora_engine.url))
     assert via_router.output_ids == direct.output_ids  # sglang-router 0.3.2 passes lora_path on
@@ -91,7 +102,9 @@ def test_the_gateway_names_the_adapter_through_the_router(lora_engine, tiny_mode
 
 
 def test_an_engine_without_lora_is_refused_at_start_with_the_flag(engine, tiny_model_dir):
-    with pytest.raises(WeightSyncError, match=r"serves without LoRA support.*palaestra engine serve --enable-lora"):
+    with pytest.raises(
+        WeightSyncError, match=r"serves without LoRA support.*palaestra engine serve --enable-lora"
+    ):
         Trainer(TrainerConfig(lora=LORA), tiny_model_dir, engine_urls=[engine.url])
 
 
@@ -113,7 +126,11 @@ def test_scores_without_lora_path_are_the_base_models(lora_engine, tiny_model_di
         for s in batch:
             body = {"input_ids": s.tokens, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                     "logprob_start_len": 0}  # fmt: skip
-            got = torch.tensor([e[0] for e in c.post("/generate", json=body).json()["meta_info"]["input_token_logprobs"]][s.prompt_len :])
+            got = torch.tensor(
+                [e[0] for e in c.post("/generate", json=body).json()["meta_info"]["input_token_logprobs"]][
+                    s.prompt_len :
+                ]
+            )
             with t.lora.disabled():
                 want = t.logprobs([build_micro_batch([s], [0])], temperature=1.0)[0]
             assert (got - want).abs().max() <= 2e-6
