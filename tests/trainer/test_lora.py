@@ -4,8 +4,9 @@ What trains (the adapters only; the optimizer holds nothing else), what the froz
 for (the reference with no snapshot, teachers and `ref` with the adapters off, the previous step's
 adapters for one-step-off), checkpoints (adapters + optimizer state, refused onto another base),
 the exports (PEFT's layout that `peft` loads with the same logprobs; a merged HF model from a
-checkpoint by `palaestra export`), and the config's refusals. Against a live engine (the
-trainer-vs-engine logprob check with the adapter on, adapter-only weight sync): test_lora_engine.py.
+checkpoint by `palaestra export`), the config's refusals, and an engine that cannot take the
+adapter refused at start with the flag to add. Through the whole stack (adapter-only sync, the
+trainer-vs-engine logprob check with the adapter on): tests/orchestrator/test_train_e2e.py.
 """
 
 from __future__ import annotations
@@ -207,3 +208,41 @@ def test_bad_options_name_what_to_change(tiny_model_dir):
     from palaestra.trainer.lora import resolve_targets
 
     assert resolve_targets(["linear_qkv", "down_proj"]) == ("q_proj", "k_proj", "v_proj", "down_proj")
+
+
+def test_an_engine_that_cannot_take_the_adapter_is_refused_with_the_flag(tiny_model_dir, tmp_path):
+    """The check the trainer runs at start (trainer/lora_sync.py) against the embedded engine in
+    this process: started without LoRA, or with a lower --max-lora-rank; and SGLang's answer."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from palaestra.engine.server import EngineConfig, EngineServer
+    from palaestra.trainer.lora_sync import check_lora_support
+    from palaestra.trainer.weight_sync import WeightSync, WeightSyncError
+
+    url = "http://testserver"
+    sync = WeightSync([url], mode="disk", disk_dir=tmp_path)
+    for config, message in (
+        ({}, r"serves without LoRA support.*palaestra engine serve --enable-lora"),
+        (
+            {"enable_lora": True, "max_lora_rank": 4},
+            r"up to rank 4 \(--max-lora-rank\); trainer.lora.rank is 8",
+        ),
+    ):
+        server = EngineServer(EngineConfig(model_path=str(tiny_model_dir), **config))
+        try:
+            with TestClient(server.app) as c, pytest.raises(WeightSyncError, match=message):
+                check_lora_support(c, sync, url, 8, ["q_proj", "v_proj"])
+        finally:
+            server.engine.shutdown()
+
+    def sglang(request: httpx.Request) -> httpx.Response:
+        """TEST DOUBLE: SGLang's /server_info of a server started without --enable-lora."""
+        return httpx.Response(200, json={"enable_lora": False, "lora_paths": None, "max_lora_rank": None})
+
+    with httpx.Client(transport=httpx.MockTransport(sglang)) as c:
+        with pytest.raises(
+            WeightSyncError, match=r"--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj"
+        ):
+            check_lora_support(c, sync, url, 8, ["q_proj", "v_proj"])
+    sync.close()
