@@ -13,6 +13,12 @@ Prints, from one run:
   processes, the same batch: the median step time of --steps steps after a warm-up step, the
   process's peak RSS (ru_maxrss), and the bytes the trainer holds beyond the model's weights
   (gradients, optimizer state, the `ref` snapshot that LoRA does without).
+* learn: real `palaestra train` runs of configs/demo.yaml (the Python API, the CLI's code path),
+  the same seeds and task order, full fine-tuning and LoRA (rank --step-rank, --lora-lr), held-out
+  accuracy every --eval-every steps. `--arms full` and `--arms lora` run one arm each (to keep each
+  run short); the curves of earlier runs are compared by step.
+
+    .venv/bin/python bench/lora.py --parts learn --arms lora --train-steps 30 --eval-every 10
 
 Absolute numbers depend on this machine's load; the ratios are what to compare between runs.
 """
@@ -190,6 +196,28 @@ def step_bench(model: str, rank: int, samples: int, steps: int) -> None:
           f"{extra_lora / extra_full:.3f} (the ref snapshot saved: {full['snapshots_mb']:.1f} MB)")  # fmt: skip
 
 
+def learn(arm: str, rank: int, lr: float | None, steps: int, eval_every: int, eval_tasks: int) -> None:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from demo_runs import train_demo
+
+    overrides = [f"run.steps={steps}", f"env.eval_every={eval_every}", f"env.eval_tasks={eval_tasks}"]
+    if arm == "lora":
+        overrides.append(f"trainer.lora.rank={rank}")
+        if lr is not None:
+            overrides.append(f"trainer.megatron_optimizer.lr={lr}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = train_demo(Path(tmp) / arm, f"lora-{arm}", overrides).state.rows
+    curve = [(int(r["step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    syncs = [r["perf/sync_s"] for r in rows if "perf/sync_s" in r]
+    label = arm if arm == "full" else f"LoRA r{rank}" + (f" lr {lr:g}" if lr is not None else "")
+    print(f"\nlearn, {label}: held-out accuracy (greedy, {eval_tasks} tasks) by step: "
+          + ", ".join(f"{s}: {a:.3f}" for s, a in curve)
+          + f"; {time.perf_counter() - t0:.0f} s wall, sync median {statistics.median(syncs) * 1e3:.0f} ms")  # fmt: skip
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one-trainer":
         model, rank, samples, steps = sys.argv[2], *map(int, sys.argv[3:6])
@@ -208,10 +236,18 @@ def main() -> None:
     )
     ap.add_argument("--samples", type=int, default=16, help="samples in the step section's batch")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after a warm-up step)")
-    ap.add_argument("--parts", default="sync,step", help="sections to run (default: %(default)s)")
+    ap.add_argument("--parts", default="sync,step", help="sections: sync, step, learn (default: %(default)s)")
+    ap.add_argument("--arms", default="full,lora", help="learn: full and/or lora (default: %(default)s)")
+    ap.add_argument("--lora-lr", type=float, default=None, help="learn: LoRA's lr (default: the demo's)")
+    ap.add_argument("--train-steps", type=int, default=30, help="learn: steps per run")
+    ap.add_argument("--eval-every", type=int, default=10, help="learn: held-out evaluation every N steps")
+    ap.add_argument("--eval-tasks", type=int, default=200, help="learn: held-out tasks")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    for model in args.models.split(","):
+    if "learn" in parts:
+        for arm in args.arms.split(","):
+            learn(arm, args.step_rank, args.lora_lr, args.train_steps, args.eval_every, args.eval_tasks)
+    for model in args.models.split(",") if parts - {"learn"} else []:
         if "sync" in parts:
             sync_bench(model, [int(r) for r in args.ranks.split(",")], args.rounds)
         if "step" in parts:
