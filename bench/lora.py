@@ -7,7 +7,7 @@ Prints, from one run:
   so the machine's load weighs on all alike) a whole-model push (shm mode: one safetensors file in
   /dev/shm + /update_weights_from_disk, the default full fine-tuning sync) and an adapter push of
   each rank (a PEFT directory + /unload_lora_adapter + /load_lora_adapter, trainer/lora_sync.py),
-  every target projection adapted. Bytes sent, the whole push and the time the engine was paused
+  every projection adapted, and rank 16 on the attention projections only (r16-attn). Bytes sent, the whole push and the time the engine was paused
   (generated nothing), medians over the rounds, and each as a fraction of the full push's.
 * step: per model, a full fine-tuning trainer and a LoRA one (rank --step-rank) in their own
   processes, the same batch: the median step time of --steps steps after a warm-up step, the
@@ -42,10 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from palaestra.models import resolve_model  # noqa: E402
 from palaestra.sample import Sample  # noqa: E402
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-def random_adapter(model_dir: Path, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A PEFT config and factors of `rank` on every projection of `model_dir` (the shapes the
-    trainer's adapters have; their values do not change the bytes)."""
+
+def random_adapter(model_dir: Path, rank: int, targets=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT config and factors of `rank` on `targets` (default: every projection) of `model_dir`
+    (the shapes the trainer's adapters have; their values do not change the bytes)."""
     from transformers import AutoConfig
 
     from palaestra.trainer.convert import HFArchitecture
@@ -53,9 +55,10 @@ def random_adapter(model_dir: Path, rank: int) -> tuple[dict, dict[str, torch.Te
 
     arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir))
     shapes = projection_shapes(arch)
+    targets = tuple(targets or PROJECTIONS)
     tensors = {}
     for layer in range(arch.num_layers):
-        for p in PROJECTIONS:
+        for p in targets:
             parent = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             out_dim, in_dim = shapes[p]
             name = f"base_model.model.model.layers.{layer}.{parent}.{p}"
@@ -63,7 +66,7 @@ def random_adapter(model_dir: Path, rank: int) -> tuple[dict, dict[str, torch.Te
             tensors[f"{name}.lora_B.weight"] = torch.randn(out_dim, rank) * 0.01
     o = LoraOptions(rank=rank)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
-              "r": rank, "lora_alpha": o.alpha, "lora_dropout": 0.0, "target_modules": list(PROJECTIONS),
+              "r": rank, "lora_alpha": o.alpha, "lora_dropout": 0.0, "target_modules": list(targets),
               "bias": "none"}  # fmt: skip
     return config, tensors
 
@@ -80,20 +83,21 @@ def sync_bench(model: str, ranks: list[int], rounds: int) -> None:
         (k, v.clone()) for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()
     ]
     checksum = base_checksum(named)
-    adapters = {r: random_adapter(model_dir, r) for r in ranks}
-    results: dict[str, list] = {"full": [], **{f"r{r}": [] for r in ranks}}
+    adapters = {f"r{r}": random_adapter(model_dir, r) for r in ranks}
+    adapters["r16-attn"] = random_adapter(model_dir, 16, ATTENTION)  # q, k, v, o only
+    results: dict[str, list] = {"full": [], **{key: [] for key in adapters}}
     extra = ["--num-threads", "1", "--enable-lora", "--max-loras-per-batch", "1"]
     with engine_process(str(model_dir), extra_args=extra) as engine:
         full = WeightSync([engine.url], mode="shm")
-        lora = {r: WeightSync([engine.url], mode="shm") for r in ranks}
+        lora = {key: WeightSync([engine.url], mode="shm") for key in adapters}
         full.push(named, "warmup")
-        for r, (config, tensors) in adapters.items():
-            lora[r].push_adapter(f"bench{r}", config, tensors, "warmup", checksum)
+        for key, (config, tensors) in adapters.items():
+            lora[key].push_adapter(f"bench-{key}", config, tensors, "warmup", checksum)
         for v in range(rounds):
             results["full"].append(full.push(named, f"full-{v}"))
-            for r, (config, tensors) in adapters.items():
-                results[f"r{r}"].append(
-                    lora[r].push_adapter(f"bench{r}", config, tensors, f"r{r}-{v}", checksum)
+            for key, (config, tensors) in adapters.items():
+                results[key].append(
+                    lora[key].push_adapter(f"bench-{key}", config, tensors, f"{key}-{v}", checksum)
                 )
         for s in (full, *lora.values()):
             s.close()
@@ -111,11 +115,11 @@ def sync_bench(model: str, ranks: list[int], rounds: int) -> None:
         f"\nsync to 1 embedded engine, {model} ({params / 1e6:.1f} M parameters), {rounds} interleaved rounds, medians:"
     )
     print(
-        f"  {'':8s} {'MB sent':>10s} {'push ms':>9s} {'paused ms':>10s}   {'bytes/full':>10s} {'push/full':>9s} {'paused/full':>11s}"
+        f"  {'':9s} {'MB sent':>10s} {'push ms':>9s} {'paused ms':>10s}   {'bytes/full':>10s} {'push/full':>9s} {'paused/full':>11s}"
     )
     for key, reports in results.items():
         b, s, p = med(reports, "bytes"), med(reports, "seconds"), med(reports, "pause_seconds")
-        print(f"  {key:8s} {b / 1e6:10.3f} {s * 1e3:9.1f} {p * 1e3:10.1f}   {b / f_bytes:10.4f} {s / f_s:9.3f} {p / f_pause:11.3f}"
+        print(f"  {key:9s} {b / 1e6:10.3f} {s * 1e3:9.1f} {p * 1e3:10.1f}   {b / f_bytes:10.4f} {s / f_s:9.3f} {p / f_pause:11.3f}"
               + ("" if key == "full" else f"   (1/{f_bytes / b:.0f} of the bytes, 1/{f_pause / p:.1f} of the pause)"))  # fmt: skip
 
 

@@ -549,6 +549,7 @@ class Trainer:
             return {}
         return {
             "perf/sync_s": report.seconds,
+            "perf/sync_bytes": float(report.bytes),  # with LoRA the adapter's alone
             "perf/sync_gb_per_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
             "perf/sync_buckets": float(report.buckets),
             "perf/sync_pause_s": report.pause_seconds,  # the engines generated nothing meanwhile

@@ -254,10 +254,10 @@ def test_a_lora_run_serves_and_syncs_only_the_adapter_and_exports_it(ray_local, 
     rows = [r for r in result.state.rows if "train/loss" in r]
     assert len(rows) == 2
     for r in rows:
-        sent = r["perf/sync_gb_per_s"] * r["perf/sync_s"] * 1e9
+        sent = r["perf/sync_bytes"]
         print(f"step {r['train/step']:.0f}: sync {sent / 1e3:.0f} kB in {r['perf/sync_s'] * 1e3:.0f} ms, "
               f"mismatch max |Δlogprob| {r['mismatch/logprob_abs_diff']:.2e}, kl {r['train/kl']:.2e}")  # fmt: skip
-        assert sent == pytest.approx(adapter_bytes, rel=1e-6)  # the adapter, not the model
+        assert sent == adapter_bytes  # the adapter, not the model
         assert r["mismatch/logprob_abs_diff"] <= 1e-6  # sampled through the adapter the trainer holds
     assert rows[0]["train/kl"] == 0.0  # the reference is the frozen base: B = 0 at the start
     assert rows[1]["train/kl"] > 1e3 * rows[1]["mismatch/logprob_abs_diff"]  # step 2 sampled through v1
