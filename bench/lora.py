@@ -214,7 +214,7 @@ def learn(arm: str, rank: int, lr: float | None, steps: int, eval_every: int, ev
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         rows = train_demo(Path(tmp) / arm, f"lora-{arm}", overrides).state.rows
-    curve = [(int(r["step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    curve = [(int(r["train/step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     syncs = [r["perf/sync_s"] for r in rows if "perf/sync_s" in r]
     label = arm if arm == "full" else f"LoRA r{rank}" + (f" lr {lr:g}" if lr is not None else "")
     print(f"\nlearn, {label}: held-out accuracy (greedy, {eval_tasks} tasks) by step: "
