@@ -33,6 +33,21 @@ def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(autouse=True)
+def _tok_unchanged(request):
+    """The shared `tok` leaves a test as it came: one that rewrote its chat template would change
+    what every later test renders (on whichever worker it lands), so it fails here, by name."""
+    if "tok" not in request.fixturenames:
+        yield
+        return
+    tok = request.getfixturevalue("tok")
+    before = (tok.chat_template, len(tok))
+    yield
+    assert (tok.chat_template, len(tok)) == before, (
+        f"{request.node.nodeid} changed the shared `tok` fixture; load a tokenizer of its own"
+    )
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """A `palaestra engine serve --model tiny` subprocess on a free loopback port."""

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from palaestra.engine.zero import make_app
 from tests.support.servers import ThreadServer, gateway_server
@@ -24,8 +23,7 @@ AUTH = {"Authorization": "Bearer k-test"}
 
 
 @pytest.fixture
-def stack(tiny_model_dir, tmp_path):
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+def stack(tok, tmp_path):
     alphabet = [tok.convert_tokens_to_ids(c) for c in "abcdefgh"]
     engine = make_app(alphabet=alphabet, stop_id=tok.convert_tokens_to_ids("<|im_end|>"), reply_len=5)
     with ThreadServer(engine) as eng:

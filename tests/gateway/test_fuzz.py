@@ -49,10 +49,8 @@ KNOWN = {
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
+def gateway(tok, tmp_path_factory):
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     ok = tok.encode("ok", add_special_tokens=False)
     engine = ScriptedEngine(lambda ids, i: ok + [end], stop_ids={end}, context_length=4096)

@@ -207,7 +207,7 @@ def test_tool_loop_bridges_and_new_query_strips_reasoning(family, tmp_path):
 
 def test_nonmonotonic_template_forks(tiny_model_dir, tmp_path):
     """A template that renders the history differently as it grows (here: a turn counter in the header)."""
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # its own: the test rewrites its template
     tok.chat_template = (
         "{{ 'turns=' ~ (messages | length) ~ '\\n' }}{% for m in messages %}"
         "{{ '<|im_start|>' ~ m.role ~ '\\n' ~ m.content ~ '<|im_end|>\\n' }}{% endfor %}"
@@ -241,7 +241,8 @@ def test_incremental_render_probe(tiny_model_dir):
     template that counts the messages in its header fails it."""
     from palaestra.gateway.bridge import incremental_ok
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # its own: the test rewrites its template
+
     assert incremental_ok(ChatRenderer(tok)) == ""
     assert incremental_ok(ChatRenderer(AutoTokenizer.from_pretrained(resolve_model("tiny-glm5")))) is None
     tok.chat_template = (

@@ -16,7 +16,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.routes import error_body
@@ -73,8 +72,7 @@ def test_stop_lists():
 
 
 @pytest.fixture(scope="module")
-def gw(tiny_model_dir, tmp_path_factory):
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+def gw(tok, tmp_path_factory):
     end = tok.convert_tokens_to_ids("<|im_end|>")
     engine = ScriptedEngine(lambda ids, i: tok.encode("ok", add_special_tokens=False) + [end], stop_ids={end})
     with ThreadServer(engine.app()) as eng:

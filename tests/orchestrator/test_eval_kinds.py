@@ -37,7 +37,7 @@ def test_two_kinds_are_scored_apart_and_failures_left_out():
     }
 
 
-def test_eval_cli_reports_each_kinds_accuracy_as_training_does(tiny_model_dir, tmp_path):
+def test_eval_cli_reports_each_kinds_accuracy_as_training_does(tok, tmp_path):
     """`palaestra eval` on tasks of three kinds prints (and puts in --json) each kind's accuracy
     with its interval, from the same scoring as training. The model is a SCRIPTED ENGINE (a
     labelled TEST DOUBLE from tests/support/servers.py) that answers the arithmetic tasks right and
@@ -47,13 +47,10 @@ def test_eval_cli_reports_each_kinds_accuracy_as_training_does(tiny_model_dir, t
     import subprocess
     import sys
 
-    from transformers import AutoTokenizer
-
     from palaestra.environments.math.env import MathEnv
     from palaestra.sdk.runner import take_tasks
     from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     tasks = take_tasks(MathEnv(), 6, seed=0)
     assert {t.kind for t in tasks} == {"arithmetic", "word_problem", "fraction"}

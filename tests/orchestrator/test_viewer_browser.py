@@ -73,10 +73,8 @@ def _episode(tok, step: int, index: int, failures: dict[str, float]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def page_path(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
+def page_path(tok, tmp_path_factory):
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     failures = [{}, {"tool_call_parse": 1.0}, {"sandbox_timeout": 2.0, "no_answer": 1.0}]
     samples = [_episode(tok, step, i, failures[(step + i) % 3]) for step in (1, 2, 3) for i in range(3)]
     path = tmp_path_factory.mktemp("viewer") / "viewer.html"

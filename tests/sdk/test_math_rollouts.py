@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from palaestra.environments.math.env import MathEnv, MathToolEnv
 from palaestra.gateway.parsers import render_tool_call_text
@@ -185,9 +184,8 @@ def test_external_agent_session_commands(gateway):
     assert len(mine) == 1 and mine[0]["reward"] == 0.75 and mine[0]["metrics"]["quality"] == 3.0
 
 
-def test_tool_variant_multi_turn_with_tool_tokens_masked(tiny_model_dir, tmp_path):
+def test_tool_variant_multi_turn_with_tool_tokens_masked(tok, tmp_path):
     """A scripted engine (labelled test double) makes the random model call the calculator, then answer."""
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     env = MathToolEnv(difficulty=1)
     task = take_tasks(env, 1, seed=7)[0]
     end = tok.convert_tokens_to_ids("<|im_end|>")
