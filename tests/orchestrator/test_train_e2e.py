@@ -243,6 +243,7 @@ def test_a_lora_run_serves_and_syncs_only_the_adapter_and_exports_it(ray_local, 
         "trainer.lora={rank: 8, alpha: 16}",
         "trainer.kl_coef=0.05",
         "trainer.megatron_optimizer={lr: 1.0e-2}",
+        "trainer.advantage_estimator=sft",  # every sample pulls, whatever the rewards
     ]
     result = train(make_config(out, "sync", *lora))
     assert result.engine_versions_start == ["0", "0"] and result.engine_versions_end == ["2", "2"]
