@@ -67,7 +67,8 @@ def base_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, t in sorted(named, key=lambda kv: kv[0]):
         flat = t.detach().reshape(-1)
         n = flat.numel()
-        idx = torch.linspace(0, max(n - 1, 0), steps=min(n, 4096)).round().long()
+        # float64: float32 positions round past the end beyond 2**24 values (an embedding)
+        idx = torch.linspace(0, max(n - 1, 0), steps=min(n, 4096), dtype=torch.float64).round().long()
         digest.update(f"{name}{tuple(t.shape)}".encode())
         digest.update(flat[idx].to(torch.float32).cpu().numpy().tobytes())
     return digest.hexdigest()[:32]

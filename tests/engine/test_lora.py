@@ -190,3 +190,9 @@ def test_unload_frees_the_name_and_its_cache(http, adapters):
         "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "lora_path": "b"}
     )
     assert again.json()["meta_info"]["cached_tokens"] == 0  # the unloaded load's KV is gone
+
+
+def test_the_checksum_samples_tensors_larger_than_float32_counts():
+    """An embedding of more than 2**24 values (SmolLM2's is 28 M): its sample positions stay inside."""
+    big = torch.arange(2**24 + 4, dtype=torch.int32)
+    assert base_checksum([("w", big)]) != base_checksum([("w", big.flip(0))])
