@@ -262,7 +262,7 @@ def test_a_lora_run_serves_and_syncs_only_the_adapter_and_exports_it(ray_local, 
         assert r["mismatch/logprob_abs_diff"] <= 1e-6  # sampled through the adapter the trainer holds
     assert rows[0]["train/kl"] == 0.0  # the reference is the frozen base: B = 0 at the start
     assert rows[1]["train/kl"] > 1e3 * rows[1]["mismatch/logprob_abs_diff"]  # step 2 sampled through v1
-    ckpt = out / "checkpoints" / "step-000002"
+    ckpt = out / "checkpoints" / "step-000002" / "trainer"  # the trainer's part of the run's checkpoint
     assert (ckpt / "adapter.pt").is_file() and not (ckpt / "model.pt").exists()
     assert main(["export", str(out), "--out", str(tmp_path / "peft")]) == 0
     assert read_adapter(tmp_path / "peft").rank == 8
