@@ -38,6 +38,12 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_cache_mb=args.prefix_cache_mb,
         incremental_streaming_output=args.incremental_streaming_output,
         num_threads=args.num_threads,
+        enable_lora=args.enable_lora or bool(args.lora_paths),
+        lora_paths=list(args.lora_paths or []),
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
     )
     server = EngineServer(config)
     print(
@@ -90,6 +96,42 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
     )
+    lora = p.add_argument_group("LoRA adapters (SGLang's flags; docs/engine.md)")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter, lora_path in /generate "
+        "(implied by --lora-paths)",
+    )
+    lora.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories loaded at start: NAME=PATH, PATH (named after its directory) "
+        'or JSON {"lora_name": ..., "lora_path": ...}',
+    )
+    lora.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="most distinct adapters decoded together; a request of one more waits (default: %(default)s)",
+    )
+    lora.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="most adapters resident at once; a load beyond is refused (default: no limit)",
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank (default: any rank)"
+    )
+    lora.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help="refuse adapters of other projections, e.g. q_proj v_proj, or all (default: any)",
+    )
     p.add_argument(
         "--log-level",
         default="warning",
@@ -111,7 +153,8 @@ def register(groups) -> None:
         description="Serve a causal LM on CPU with SGLang's native HTTP API: /generate (batched decoding, "
         "prefix cache, logprobs, scoring with max_new_tokens=0), /abort_request, "
         "/pause_generation, /continue_generation, /flush_cache, /update_weights_from_disk, "
-        "/update_weights_from_tensor, /update_weight_version, /get_weight_version, /health, "
+        "/update_weights_from_tensor, /update_weight_version, /get_weight_version, "
+        "/load_lora_adapter, /unload_lora_adapter (with --enable-lora), /health, "
         "/server_info, /model_info, /v1/models and Prometheus /metrics. See docs/engine.md.",
     )
     add_serve_arguments(serve)

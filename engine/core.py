@@ -24,12 +24,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from palaestra.engine.grammar import Grammars
+from palaestra.engine.lora import NOT_ENABLED, LoraManager
 from palaestra.engine.metrics import EngineMetrics
 from palaestra.engine.model_runner import ModelRunner, SeqKV
 from palaestra.engine.prefix_cache import PrefixCache
@@ -66,6 +68,7 @@ class EngineRequest:
     abort_message: str | None = None
     row: int | None = None
     constraint: Any = None  # engine.grammar.Constraint of a json_schema / regex / ebnf request
+    adapter: Any = None  # engine.lora.LoraAdapter named by lora_path (None: the base model)
 
     @property
     def rid(self) -> str:
@@ -93,8 +96,10 @@ class Engine:
         prefix_cache_bytes: int = 1 << 30,
         weight_version: str = "default",
         metrics: EngineMetrics | None = None,
+        lora: LoraManager | None = None,
     ):
         self.runner = ModelRunner(model)
+        self.lora = lora  # resident LoRA adapters (engine/lora.py); None: served without LoRA
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.grammars = Grammars(tokenizer, self.eos_token_ids)
@@ -127,6 +132,10 @@ class Engine:
                 gen.seed()
             seq = EngineRequest(spec=spec, notify=notify, generator=gen)
             seq.constraint = self.grammars.constraint(spec.params)  # a bad grammar is the caller's 400
+            if spec.lora_path is not None:  # resolved now: an unknown adapter is the caller's 400
+                if self.lora is None:
+                    raise RequestError(f"lora_path {spec.lora_path!r} names an adapter, but {NOT_ENABLED}")
+                seq.adapter = self.lora.get(spec.lora_path)
             seqs.append(seq)
         with self._cond:
             live = (
@@ -219,6 +228,19 @@ class Engine:
             self.shared_weights = SharedSafetensors()
         return self.shared_weights.share(path, params)
 
+    def requests_using(self, adapter: Any) -> int:
+        """How many requests in flight hold `adapter` (an unload waits for none)."""
+        with self._cond:
+            return sum(s.adapter is adapter for s in (*self.running, *self.waiting, *self._incoming))
+
+    def _adapters(self, seqs: list[EngineRequest]):
+        """The LoRA rows of the next forward passes (engine/lora.py); nothing without LoRA."""
+        return self.lora.rows([s.adapter for s in seqs]) if self.lora is not None else nullcontext()
+
+    @staticmethod
+    def _cache_key(seq: EngineRequest) -> int | None:
+        return seq.adapter.uid if seq.adapter is not None else None
+
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
         self.metrics.set_weight_version(version)
@@ -301,6 +323,8 @@ class Engine:
     def _admit(self) -> None:
         budget = self.prefill_token_budget
         while self.waiting and len(self.running) < self.max_running_requests and budget > 0:
+            if not self._adapter_fits(self.waiting[0]):
+                break  # in order: it waits until a running request of another adapter finishes
             seq = self.waiting.popleft()
             budget -= len(seq.spec.input_ids)
             try:
@@ -318,20 +342,29 @@ class Engine:
                         },
                     )
 
+    def _adapter_fits(self, seq: EngineRequest) -> bool:
+        """A batch holds at most `max_loras_per_batch` distinct adapters (SGLang's limit)."""
+        if seq.adapter is None or self.lora is None:
+            return True
+        present = {s.adapter for s in self.running if s.adapter is not None}
+        return seq.adapter in present or len(present) < self.lora.max_loras_per_batch
+
     def _prefill(self, seq: EngineRequest) -> None:
         spec = seq.spec
         ids = spec.input_ids
         want_input = spec.return_logprob and spec.logprob_start_len >= 0
         start = min(spec.logprob_start_len, len(ids) - 1) if want_input else len(ids) - 1
-        matched, past = self.prefix_cache.match(ids, limit=min(len(ids) - 1, start))
+        key = self._cache_key(seq)
+        matched, past = self.prefix_cache.match(ids, limit=min(len(ids) - 1, start), key=key)
         seq.cached_tokens = matched
         self.metrics.record_prefix(query=len(ids), hit=matched)
-        kv, logits = self.runner.prefill(ids[matched:], past, logits_from=start)
+        with self._adapters([seq]):
+            kv, logits = self.runner.prefill(ids[matched:], past, logits_from=start)
         self.metrics.prompt_tokens.inc(len(ids))
         if want_input:
             self._record_input_logprobs(seq, logits[:-1] if len(logits) > 1 else logits[:0], start)
         if spec.params.max_new_tokens == 0:
-            self.prefix_cache.insert(ids, kv)
+            self.prefix_cache.insert(ids, kv, key)
             self._finish(seq, {"type": "length", "length": 0})
             return
         result = sample(logits[-1:].clone(), [self._row_state(seq)])
@@ -342,7 +375,7 @@ class Engine:
             self.running.append(seq)
             self._progress(seq)
         else:
-            self.prefix_cache.insert(ids, kv)
+            self.prefix_cache.insert(ids, kv, key)
             self._finish(seq, reason)
 
     def _record_input_logprobs(self, seq: EngineRequest, logits: torch.Tensor, start: int) -> None:
@@ -374,7 +407,8 @@ class Engine:
     def _decode_step(self) -> None:
         tokens = [seq.output_ids[-1] for seq in self.running]
         t0 = time.perf_counter()
-        logits = self.runner.decode(self.batch, tokens)
+        with self._adapters(self.running):
+            logits = self.runner.decode(self.batch, tokens)
         result = sample(logits, [self._row_state(s) for s in self.running])
         self.metrics.observe_decode(len(self.running), time.perf_counter() - t0)
         done = []
@@ -457,7 +491,7 @@ class Engine:
         seq.finished_at = time.monotonic()
         if seq.row is not None:
             kv: SeqKV = self.batch.extract(seq.row)
-            self.prefix_cache.insert(seq.spec.input_ids + seq.output_ids, kv)
+            self.prefix_cache.insert(seq.spec.input_ids + seq.output_ids, kv, self._cache_key(seq))
             moved = self.batch.remove(seq.row)
             last = self.running.pop()
             if moved is not None:

@@ -80,6 +80,7 @@ _TOP_LEVEL = {
     "conversation_id",
     "background",
     "model",  # sglang-router 0.3.2 re-serialises /generate bodies with "model": null
+    "lora_path",  # the name of a loaded LoRA adapter (engine/lora.py), or one per prompt
 }
 # Known SGLang fields the embedded engine does not implement: accepted only when unset.
 _UNSUPPORTED_TOP_LEVEL = {
@@ -87,7 +88,6 @@ _UNSUPPORTED_TOP_LEVEL = {
     "image_data",
     "audio_data",
     "video_data",
-    "lora_path",
     "lora_id",
     "session_params",
     "session_id",
@@ -225,6 +225,7 @@ class PromptSpec:
     return_text_in_logprobs: bool
     return_prompt_token_ids: bool
     index: int  # position in the expanded batch (stream `index`)
+    lora_path: str | None = None  # the LoRA adapter's name (SGLang's lora_path); None: the base model
 
 
 @dataclass
@@ -296,6 +297,12 @@ def parse_generate(
         if not isinstance(ids_lp, list) or not all(isinstance(i, int) for i in ids_lp):
             raise RequestError("token_ids_logprob must be a list of integers")
         _check_ids("token_ids_logprob", ids_lp, vocab_size)
+    lora = body.get("lora_path")
+    if lora is not None and not (
+        isinstance(lora, str)
+        or (isinstance(lora, list) and all(x is None or isinstance(x, str) for x in lora))
+    ):
+        raise RequestError("lora_path must be an adapter name, or a list of names (or null) per prompt")
     specs: list[PromptSpec] = []
     raw_sampling = body.get("sampling_params")
     for i, ids in enumerate(prompts):
@@ -316,6 +323,7 @@ def parse_generate(
         if isinstance(rid, str) and (batched or params.n > 1):
             base = f"{rid}_{i}"
         return_logprob = bool(_per_item(body.get("return_logprob", False), i, count, "return_logprob"))
+        item_lora = _per_item(lora, i, count, "lora_path") or None
         for j in range(params.n):
             child = base if params.n == 1 else f"{base}_{j}"
             specs.append(
@@ -330,6 +338,7 @@ def parse_generate(
                     return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                     return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
                     index=len(specs),
+                    lora_path=item_lora,
                 )
             )
     return GenerateRequest(specs=specs, batched=batched or len(specs) > 1, stream=stream)

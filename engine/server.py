@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from palaestra.engine import lora_api
 from palaestra.engine.core import Engine, EngineRequest
+from palaestra.engine.lora import LoraManager, parse_lora_paths, read_adapter
 from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, parse_generate
 from palaestra.engine.weight_group import UpdateGroups
 from palaestra.engine.weights import deserialize_named_tensors
@@ -44,6 +46,12 @@ class EngineConfig:
     incremental_streaming_output: bool = False
     num_threads: int | None = None
     disconnect_poll_s: float = 0.5
+    enable_lora: bool = False  # LoRA adapters (engine/lora.py, engine/lora_api.py): SGLang's flags
+    lora_paths: list[str] = field(default_factory=list)
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -99,7 +107,19 @@ class EngineServer:
             prefill_token_budget=config.prefill_token_budget,
             prefix_cache_bytes=config.prefix_cache_mb << 20,
             weight_version=config.weight_version,
+            lora=LoraManager(
+                model,
+                max_loras_per_batch=config.max_loras_per_batch,
+                max_loaded_loras=config.max_loaded_loras,
+                max_lora_rank=config.max_lora_rank,
+                target_modules=config.lora_target_modules,
+            )
+            if config.enable_lora or config.lora_paths
+            else None,
         )
+        for name, path in parse_lora_paths(config.lora_paths):  # --lora-paths: resident from the start
+            files = read_adapter(path)
+            self.engine.call(lambda n=name, f=files: self.engine.lora.add(n, f, pinned=True)).result()
         self.engine.metrics.set_weight_version(config.weight_version)
         self.update_groups = UpdateGroups()  # /init_weights_update_group and friends
         self.served_name = config.served_model_name or config.model_path
@@ -301,6 +321,7 @@ class EngineServer:
             "max_running_requests": self.config.max_running_requests,
             "max_req_input_len": ctx - 1,
             "weight_version": self.engine.weight_version,
+            "loaded_lora_adapters": self.engine.lora.loaded() if self.engine.lora is not None else {},
             "skip_tokenizer_init": False,
             "internal_states": [
                 {
@@ -324,6 +345,7 @@ class EngineServer:
 
         app = FastAPI(title="palaestra embedded engine (SGLang protocol)", lifespan=lifespan)
         app.add_api_route("/generate", self.generate, methods=["POST", "PUT"])
+        lora_api.register(app, self)
 
         @app.get("/health")
         async def health() -> Response:

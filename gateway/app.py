@@ -58,6 +58,7 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
         timeout_s=config.engine_timeout_s,
         retries=config.engine_retries,
         incremental_stream=config.engine_incremental_stream,
+        lora_adapter=config.engine_lora_adapter,
     )
     spool = SampleSpool(config.spool_dir, config.spool_segment_bytes, not config.spool_keep_acked)
     svc = GatewayService(config, tokenizer, config.context_length, engine, spool)  # replays the journal

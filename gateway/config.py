@@ -65,6 +65,10 @@ class GatewayConfig(GatewayOptions):
     engine_incremental_stream: bool = False
     """The engines run with --incremental-streaming-output (deltas instead of cumulative)."""
 
+    engine_lora_adapter: str | None = None
+    """A LoRA adapter the engines serve (SGLang's lora_path): named in every engine call, so the
+    policy is that adapter on the base model (a LoRA run's trainer.lora.name). None = the base."""
+
     max_sessions: int = 10_000
     """Sessions kept in memory (finished ones are evicted oldest-first beyond this)."""
 

@@ -3,7 +3,8 @@
 `--engine-url` is sglang-router (or one engine); every call carries `X-SMG-Routing-Key: <session>`
 so consistent hashing keeps a session on one worker and its prefix cache, or, given a
 `routing.CallRoute`, that route's headers (the placement layer's `X-SMG-Target-Worker` too; a 503
-from the router then re-places the call before the retry). A call is retried only
+from the router then re-places the call before the retry); when the policy is a LoRA adapter
+(`lora_adapter`), ``lora_path: <adapter>`` (SGLang's field). A call is retried only
 when no token can have been committed: the connection failed, or the engine answered 5xx / 503
 before streaming anything. Errors become OpenAI-style 503 (unreachable) / 504 (timeout) /
 400 (the engine refused the input) for the agent.
@@ -84,8 +85,10 @@ class EngineClient:
         incremental_stream: bool = False,
         max_connections: int = 512,
         connect_timeout_s: float = 10.0,
+        lora_adapter: str | None = None,
     ):
         self.url = url.rstrip("/")
+        self.lora_adapter = lora_adapter
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self.incremental_stream = incremental_stream
@@ -115,11 +118,12 @@ class EngineClient:
         if self._client is not None:
             await self._client.close()
 
-    @staticmethod
     def _body(
-        input_ids: list[int], sampling: dict[str, Any], top_logprobs: int, stream: bool
+        self, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int, stream: bool
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        if self.lora_adapter is not None:
+            body["lora_path"] = self.lora_adapter
         if top_logprobs:
             body["top_logprobs_num"] = top_logprobs
         if stream:

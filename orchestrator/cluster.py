@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from palaestra.config import RunConfig
+from palaestra.config import RunConfig, to_flags
 from palaestra.orchestrator.errors import RunFailed, root_cause
 from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
@@ -160,6 +160,7 @@ class Cluster:
             ) from None
         server = ray.remote(ServerHost)
         flags = cfg.engines.serve_flags() if cfg.engines.backend == "embedded" else cfg.engines.sglang_flags()
+        flags += lora_engine_flags(cfg)
         for i, opts in enumerate(self.placement.engines):
             name = f"engine-{i}"
             self.engines.append(
@@ -197,7 +198,7 @@ class Cluster:
                     cfg.model.student,
                     self.router.url,
                     spool_dir,
-                    cfg.gateway.serve_flags(),
+                    [*cfg.gateway.serve_flags(), *lora_gateway_flags(cfg)],
                     cfg.run.host,
                     keys,
                 )
@@ -369,6 +370,9 @@ class Cluster:
         with WeightSync(
             [box.url], mode="tensor", retries=tr.sync_retries, timeout_s=tr.sync_timeout_s
         ) as sync:
+            if tr.lora.enabled:  # the base is the engine's own: only the adapter the others hold
+                sync.load_adapter_directory(directory, tr.lora.name, version)
+                return f"LoRA adapter {tr.lora.name!r} of weight version {version} loaded from {directory}"
             sync.load_directory(directory, version)
         return f"weight version {version} loaded from {directory}"
 
@@ -465,6 +469,28 @@ class Cluster:
 # ----------------------------------------------------------------------------------------------
 # A run's cluster, from the models to the last actor
 # ----------------------------------------------------------------------------------------------
+def lora_engine_flags(cfg: RunConfig) -> list[str]:
+    """With trainer.lora: the engine flags that serve its adapter (SGLang's names, in both
+    backends), except those engines.engine / engines.sglang already set."""
+    lora = cfg.trainer.lora
+    if not lora.enabled:
+        return []
+    from palaestra.trainer.lora import resolve_targets
+
+    wanted = {"enable_lora": True}
+    if cfg.engines.backend == "sglang":  # SGLang sizes its adapter memory pool from these
+        wanted |= {"max_lora_rank": lora.rank, "lora_target_modules": list(resolve_targets(lora.targets))}
+    given = cfg.engines.engine if cfg.engines.backend == "embedded" else cfg.engines.sglang
+    prefix = "--" if cfg.engines.backend == "embedded" else "--sglang-"
+    return to_flags({k: v for k, v in wanted.items() if k not in given}, prefix)
+
+
+def lora_gateway_flags(cfg: RunConfig) -> list[str]:
+    """With trainer.lora: the gateway names the adapter in every engine call."""
+    lora = cfg.trainer.lora
+    return ["--engine-lora-adapter", lora.name] if lora.enabled else []
+
+
 def build_models(cfg: RunConfig) -> None:
     """Builds the presets the run names (the demo's warm-started teacher and student take ~2 min
     the first time) here, with progress on the console, before any actor asks for them."""

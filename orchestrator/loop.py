@@ -123,6 +123,9 @@ class Run:
         self.waiter = Waiter(self.supervisor, cfg.run.step_timeout_s)
         self.initial = copy.deepcopy(state)  # what a trainer death rolls back to without a checkpoint
         self.source = self._new_source()
+        if fresh and cfg.trainer.lora.enabled:  # the gateway names the adapter in every call
+            self.waiter.get(cluster.trainer_call("sync_weights"), "serving the start adapter (B = 0)")
+            self._note_engine_weights()
         self.engine_versions_start = self._engine_versions()
         self.trained: list[StepRecord] = []
         self.last_samples: list[Sample] = []
@@ -452,6 +455,10 @@ class Run:
         cfg = self.cfg
         if cfg.trainer.teacher_mode != "megatron":
             log.info("teacher not evaluated: trainer.teacher_mode is %s", cfg.trainer.teacher_mode)
+            return None
+        if cfg.trainer.lora.enabled:  # every call names the adapter, which would adapt the teacher too
+            log.info("teacher not evaluated: with trainer.lora the gateway serves the policy adapter on "
+                     "every call; `palaestra eval` against an engine serving the teacher measures it")  # fmt: skip
             return None
         from palaestra.models import resolve_model
 

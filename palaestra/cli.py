@@ -10,6 +10,7 @@ Each command group lives next to the code it drives and registers its sub-comman
     palaestra rollout | eval | session new|reward  sdk/cli.py (environments through a gateway)
     palaestra sandbox exec|serve|build-images    sandbox/cli.py
     palaestra train                              palaestra/train.py (a run on Ray)
+    palaestra export                             trainer/export.py (PEFT adapter, merged HF model)
     palaestra swe generate|validate              environments/swe_agent/cli.py
     palaestra harness install|path               environments/harness/install.py (Claude Code, Codex)
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from palaestra.models import cli as models_cli
     from palaestra.sandbox import cli as sandbox_cli
     from palaestra.sdk import cli as sdk_cli
+    from palaestra.trainer import export as export_cmd
 
     parser = argparse.ArgumentParser(
         prog="palaestra",
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sdk_cli.register(groups)
     sandbox_cli.register(groups)
     train_cmd.register(groups)
+    export_cmd.register(groups)
     swe_cli.register(groups)
     harness_cli.register(groups)
     return parser

@@ -8,6 +8,11 @@ A checkpoint directory::
     old_actor.pt           the `old_actor` snapshot (whole model), when keep_old_actor is on
     rng/rank_<r>.pt        torch CPU (and CUDA) generators, Python's and NumPy's, per rank
 
+With LoRA (``trainer.lora.rank`` > 0) the frozen base is not stored — it is `model_dir`'s, checked
+by its checksum (``base_checksum`` in trainer_state.json; resuming onto another base is refused) —
+and the adapters take the weights' place: ``adapter.pt`` (whole factors by PEFT name),
+``old_adapter.pt`` (keep_old_actor), the optimizer files holding the adapters' moments.
+
 The `ref` and `teacher` snapshots are not stored: they are read again from `model_dir` and
 `teacher_model`, which the saved config names. Writing goes to ``<dir>.tmp`` and is renamed into
 place once every rank has written, so a crash never leaves a half checkpoint under the real name.
@@ -80,19 +85,26 @@ def save(trainer: Trainer, path: Path) -> None:
     if trainer.snapshots.live != "actor":
         raise RuntimeError(f"saving while {trainer.snapshots.live!r} is live")
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    model = trainer.megatron_state()
-    old_actor = (
-        trainer.gather_tp(trainer.snapshots.tensors("old_actor"))
-        if "old_actor" in trainer.snapshots.tags
-        else None
-    )
+    lora = trainer.lora
+    group = trainer.tp()[0]
+    if lora is not None:  # every tensor gathered over TP: a collective on every rank
+        model = trainer.adapter_state()
+        old_actor = lora.gather(lora.old_state(), group) if lora.has_old else None
+    else:
+        model = trainer.megatron_state()
+        old_actor = (
+            trainer.gather_tp(trainer.snapshots.tensors("old_actor"))
+            if "old_actor" in trainer.snapshots.tags
+            else None
+        )
+    names = ("adapter.pt", "old_adapter.pt") if lora is not None else ("model.pt", "old_actor.pt")
     if parallel_state.get_data_parallel_rank() == 0:  # DP replicas hold the same optimizer state
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         torch.save(trainer.optimizer.state_dict(), tmp / f"optimizer_tp{tp_rank}.pt")
     if rank == 0:
-        torch.save({k: v.cpu().clone() for k, v in model.items()}, tmp / "model.pt")
+        torch.save({k: v.cpu().clone() for k, v in model.items()}, tmp / names[0])
         if old_actor is not None:
-            torch.save({k: v.cpu().clone() for k, v in old_actor.items()}, tmp / "old_actor.pt")
+            torch.save({k: v.cpu().clone() for k, v in old_actor.items()}, tmp / names[1])
         state = {
             "format": FORMAT,
             "step": trainer.step_count,
@@ -101,6 +113,7 @@ def save(trainer: Trainer, path: Path) -> None:
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "model_dir": str(trainer.model_dir),
             "config": trainer.config.to_dict(),
+            "base_checksum": trainer.base_checksum,
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
     _barrier()
@@ -124,8 +137,16 @@ def load(trainer: Trainer, path: Path) -> None:
             f"this trainer has {tp}: the optimizer state is per TP shard"
         )
     trainer.snapshots.switch("actor")
-    trainer.load_megatron_state(torch.load(path / "model.pt", weights_only=True))
-    trainer.snapshots.mark_live_changed()
+    if trainer.lora is not None:
+        _load_adapters(trainer, path, state)
+    else:
+        if not (path / "model.pt").is_file():
+            raise ValueError(
+                f"{path} holds LoRA adapters (adapter.pt), this trainer trains the full model: set "
+                f"trainer.lora as the checkpoint's config has it ({state['config'].get('lora')})"
+            )
+        trainer.load_megatron_state(torch.load(path / "model.pt", weights_only=True))
+        trainer.snapshots.mark_live_changed()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     trainer.optimizer.load_state_dict(torch.load(path / f"optimizer_tp{tp_rank}.pt", weights_only=True))
     if (path / "old_actor.pt").is_file() and "old_actor" in trainer.snapshots.tags:
@@ -139,10 +160,30 @@ def load(trainer: Trainer, path: Path) -> None:
     trainer.weight_version = int(state["weight_version"])
 
 
+def _load_adapters(trainer: Trainer, path: Path, state: dict) -> None:
+    """The LoRA part of `load`: the base checked by checksum, the adapters (and old ones) in."""
+    lora = trainer.lora
+    assert lora is not None
+    if not (path / "adapter.pt").is_file():
+        raise ValueError(
+            f"{path} holds the full model's weights (model.pt), not LoRA adapters: resume it with "
+            "trainer.lora.rank: 0, or start the LoRA run afresh"
+        )
+    if state.get("base_checksum") != trainer.base_checksum:
+        raise ValueError(
+            f"{path}'s adapters were trained on another base model (base checksum "
+            f"{state.get('base_checksum')}, {state.get('model_dir')}); this trainer's base "
+            f"{trainer.model_dir} has checksum {trainer.base_checksum}"
+        )
+    lora.load_local(lora.shard(torch.load(path / "adapter.pt", weights_only=True)))
+    if (path / "old_adapter.pt").is_file() and trainer.config.keep_old_actor:
+        lora.set_old(lora.shard(torch.load(path / "old_adapter.pt", weights_only=True)))
+
+
 def export_hf(trainer: Trainer, path: Path) -> Path:
     from safetensors.torch import save_file
 
-    hf = trainer.hf_state()  # every rank takes part (a collective once TP/PP gather exists)
+    hf = trainer.hf_state(merged=True)  # every rank takes part (a collective over TP)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         for old in path.glob("*.safetensors"):

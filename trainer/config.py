@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from palaestra.trainer.estimators import ESTIMATORS, load_estimator
+from palaestra.trainer.lora import LoraOptions
 
 if TYPE_CHECKING:
     from palaestra.trainer.opd_panel import TeacherPanel
@@ -219,8 +220,22 @@ class TrainerConfig:
     snapshot_prefetch: bool = True
     """Bring the next teacher from disk into CPU memory in the background while the model computes."""
 
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    """LoRA adapters instead of full fine-tuning (trainer/lora.py; docs/trainer.md, "LoRA"):
+    ``rank`` > 0 turns them on. The base stays frozen and is the reference policy (no ``ref``
+    copy), the optimizer holds the adapters only, and the weight sync sends only them (SGLang's
+    /load_lora_adapter; sync_mode shm or disk)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # from_dict / a checkpoint's saved config
+            self.lora = LoraOptions(**self.lora)
         self.megatron_optimizer = {**DEFAULT_OPTIMIZER, **self.megatron_optimizer}
+        if self.lora.enabled and self.sync_mode not in ("shm", "disk"):
+            raise ValueError(
+                f"lora: adapters reach the engines as PEFT directories (/load_lora_adapter), so "
+                f"sync_mode must be shm (engines on this host) or disk (sync_dir every engine reads); "
+                f"got {self.sync_mode!r}"
+            )
         if self.advantage_estimator not in ESTIMATORS:  # a table name needs no import
             load_estimator(self.advantage_estimator)  # an import path is imported now; errors say why
         if self.teachers and self.teacher_mode is not None:

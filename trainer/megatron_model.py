@@ -199,8 +199,11 @@ def layer_spec(arch: HFArchitecture):
     return spec
 
 
-def build_model(arch: HFArchitecture, config, ddp_options: dict[str, Any]):
-    """`GPTModel` for this pipeline stage, wrapped in Megatron's `DistributedDataParallel`."""
+def build_model(arch: HFArchitecture, config, ddp_options: dict[str, Any], adapt=None):
+    """`GPTModel` for this pipeline stage, wrapped in Megatron's `DistributedDataParallel`.
+
+    `adapt(gpt)` runs before the wrapping (LoRA adds its factors and freezes the rest there):
+    DDP's gradient buffers, and so the optimizer, hold only what still requires a gradient."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -223,6 +226,8 @@ def build_model(arch: HFArchitecture, config, ddp_options: dict[str, Any]):
         )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if adapt is not None:
+        adapt(model)
     ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": True, **ddp_options})
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 

@@ -69,8 +69,13 @@ class SnapshotStore:
         spill_dir: str | Path | None = None,
         prefetch: bool = True,
         device_staging: bool = True,
+        params: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     ):
-        self._params: list[tuple[str, torch.nn.Parameter]] = list(model.named_parameters())
+        # `params`: the weights the tags are copies of, when not all of the model's (with LoRA the
+        # frozen base: the adapters are the trainer's to swap, trainer/lora.py)
+        self._params: list[tuple[str, torch.nn.Parameter]] = list(
+            model.named_parameters() if params is None else params
+        )
         self._layout = Layout.of(self._params)
         self._pin = torch.cuda.is_available()
         self._max_slots: int | None = None

@@ -4,6 +4,7 @@
     metrics = trainer.step(samples)     # one optimizer step, then weight sync
     metrics = trainer.step(samples, sync=False); ...; trainer.sync_weights()   # the sync apart
     trainer.save("ckpt/step-10"); trainer.load("ckpt/step-10"); trainer.export_hf("hf-out")
+    trainer.export_adapter("adapter-out")   # with trainer.lora: the PEFT adapter
 
 `Trainer.step` is the algorithm; everything it calls lives in a module of its own:
 
@@ -14,6 +15,10 @@
                  OPD, KL-reward, RS, TIS                           advantages.py, objective.py)
     train        PPO-clip loss with TIS/RS/KL, one optimizer step    (objective.py, losses.py)
     sync         new weights to every engine as weight_version                 (weight_sync.py)
+
+With ``lora.rank`` > 0 the same recipe trains LoRA adapters (lora.py): the base is frozen, `ref`
+is the base itself (the adapters switched off, no snapshot), `old_actor` the previous step's
+adapters, teachers run with the adapters off, and the sync sends the adapters only.
 
 Simplifications, on purpose: one optimizer step per call (no PPO epochs or mini-batches — call
 `step` again for more); constant learning rate (`megatron_optimizer["lr"]`). Tensor and data
@@ -28,6 +33,7 @@ its directory is the caller's job (in a `palaestra train` run, the trainer's Ray
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -43,6 +49,7 @@ from palaestra.trainer import cpu_shim, losses, objective, opd_kl
 from palaestra.trainer.config import TrainerConfig
 from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
 from palaestra.trainer.estimators import AdvantageContext, estimate, load_estimator
+from palaestra.trainer.lora import Adapters, check_rank, inject, is_adapter_param
 from palaestra.trainer.megatron_model import (
     build_model,
     init_parallel,
@@ -113,7 +120,15 @@ class Trainer:
             )
         cpu_shim.setup_rng(config.seed)
         self.transformer_config = transformer_config(self.arch, config.megatron)
-        self.model = build_model(self.arch, self.transformer_config, config.megatron_ddp)
+        self.lora: Adapters | None = None  # LoRA adapters (lora.py); None: full fine-tuning
+        if config.lora.enabled:
+            check_rank(config.lora, self.arch)  # before building anything
+        self.model = build_model(
+            self.arch,
+            self.transformer_config,
+            config.megatron_ddp,
+            self._inject if config.lora.enabled else None,
+        )
         self.gpt = unwrap(self.model)
         self.load_hf_weights(self.model_dir)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**config.megatron_optimizer), [self.model])
@@ -126,11 +141,13 @@ class Trainer:
             host_budget_bytes=None if budget is None else int(budget * 1e9),
             spill_dir=config.snapshot_spill_dir,
             prefetch=config.snapshot_prefetch,
+            params=self.base_parameters(),  # with LoRA the base only: the adapters are swapped apart
         )
-        if config.kl_coef > 0:
+        if config.kl_coef > 0 and self.lora is None:  # with LoRA the reference is the frozen base
             self.snapshots.save("ref")
         if config.keep_old_actor:
-            self.snapshots.save("old_actor")
+            self._save_old_actor()
+        self.base_checksum = self._base_checksum() if self.lora is not None else None
         self.distiller = Distiller(self, panel) if panel is not None else None
         self.sync = (
             WeightSync(
@@ -149,6 +166,11 @@ class Trainer:
         )
         self.step_count = 0
         self.weight_version = 0
+        if self.lora is not None and self.sync is not None and dist.get_rank() == 0:
+            # An engine that cannot take the adapter fails now, with the flag to add. The engines
+            # serve the adapter from the first `sync_weights()` on (`palaestra train` calls it
+            # before the first request; until then B = 0 would give the base model anyway).
+            self.sync.check_lora(self.config.lora.rank, list(self.lora.targets))
 
     # ==========================================================================================
     # The algorithm
@@ -166,7 +188,8 @@ class Trainer:
         ref = ["ref"] if self.config.kl_coef > 0 else []
         old_policy = "old_actor" if self.config.keep_old_actor else "actor"
         teachers = self.distiller.snapshot_order(routes) if self.distiller is not None else []
-        self.snapshots.plan([old_policy, *teachers, *ref, "actor"])  # eviction and prefetch order
+        plan = [t for t in [old_policy, *teachers, *ref, "actor"] if t in self.snapshots]  # LoRA: no ref/old
+        self.snapshots.plan(plan)  # eviction and prefetch order
         k = self.distiller.topk_needed(routes) if self.distiller is not None else 0
         t_old = time.perf_counter()
         old, topk_ids = self._student_pass(mbs, old_policy, k)
@@ -180,11 +203,11 @@ class Trainer:
             self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
         signal_metrics = self._advantages(samples, mbs)
         if self.config.keep_old_actor:
-            self.snapshots.save("old_actor")  # the next step's "old" = these pre-update weights
+            self._save_old_actor()  # the next step's "old" = these pre-update weights
         t_update = time.perf_counter()
         # The next step will most likely switch in the same order: saying so now lets the store
         # prefetch its first teacher from disk while this step trains.
-        self.snapshots.plan([old_policy, *teachers, *ref, "actor"])
+        self.snapshots.plan(plan)
         metrics = self._train(mbs)
         metrics.update(signal_metrics)
         metrics.update(opd_metrics)
@@ -284,6 +307,10 @@ class Trainer:
         flat, groups = adv.zero_variance_groups(ctx.rewards, ctx.group_ids, ctx.session_ids)
         return {"train/groups": float(groups), "train/zero_variance_groups": float(flat)}
 
+    def _inject(self, gpt: torch.nn.Module) -> None:
+        """LoRA factors into the fresh model, everything else frozen (before DDP wraps it)."""
+        self.lora = inject(gpt, self.arch, self.config.lora, self.config.seed)
+
     # -- forward passes through Megatron's schedule --------------------------------------------
     def _wire_megatron_schedule(self) -> None:
         from megatron.core.distributed import finalize_model_grads
@@ -354,13 +381,36 @@ class Trainer:
             out = fn(mb, self._rows(mb, logits))
             return logits.new_zeros(()), torch.zeros((), dtype=torch.int), out
 
-        self.snapshots.switch(tag)
-        try:
+        with self._policy(tag):
             self.model.eval()
             with torch.no_grad():
                 return self._run(mbs, loss, forward_only=True)
+
+    @contextlib.contextmanager
+    def _policy(self, tag: str):
+        """The live model computes as `tag` for the duration: that snapshot switched in; with LoRA
+        the base with the adapters off for `ref` (no snapshot) and for teachers (full models of
+        their own), the previous step's adapters for `old_actor`."""
+        lora = self.lora
+        if lora is None or tag not in ("actor", "ref", "old_actor"):
+            self.snapshots.switch(tag)
+        try:
+            if lora is None or tag == "actor":
+                yield
+            elif tag == "old_actor":
+                with lora.old():
+                    yield
+            else:
+                with lora.disabled():
+                    yield
         finally:
             self.snapshots.switch("actor")
+
+    def _save_old_actor(self) -> None:
+        if self.lora is not None:
+            self.lora.save_old()
+        else:
+            self.snapshots.save("old_actor")
 
     def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
         num, den, sums = objective.microbatch_loss(mb, self._rows(mb, logits), self.config)
@@ -374,7 +424,8 @@ class Trainer:
         self.optimizer.zero_grad()
         out = self._run(mbs, self._policy_loss, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        self.snapshots.mark_live_changed()
+        if self.lora is None:  # with LoRA the base (all the store holds) did not change
+            self.snapshots.mark_live_changed()
         sums = torch.stack([o["sums"] for o in out]).sum(0)
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         metrics = objective.step_metrics(sums, self.config)
@@ -414,18 +465,40 @@ class Trainer:
         _, rank, size = self._tp()
         return tp_shard(full, rank, size)
 
-    def megatron_state(self) -> dict[str, torch.Tensor]:
-        """The live weights of the whole model by Megatron name (gathered over TP: a collective)."""
-        return self.gather_tp({name: p.detach() for name, p in self.gpt.named_parameters()})
+    def base_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's own weights by Megatron name: every parameter but the LoRA adapters."""
+        return [(n, p) for n, p in self.gpt.named_parameters() if not is_adapter_param(n)]
 
-    def hf_state(self) -> dict[str, torch.Tensor]:
-        """The live weights by HF name, on CPU (a collective over TP)."""
-        return {k: v.cpu() for k, v in megatron_to_hf(self.megatron_state(), self.arch).items()}
+    def megatron_state(self) -> dict[str, torch.Tensor]:
+        """The live weights of the whole model by Megatron name (gathered over TP: a collective);
+        with LoRA the base weights, without the adapters (`adapter_state`)."""
+        return self.gather_tp({name: p.detach() for name, p in self.base_parameters()})
+
+    def hf_state(self, merged: bool = False) -> dict[str, torch.Tensor]:
+        """The live weights by HF name, on CPU (a collective over TP). With LoRA: the base
+        weights, or with `merged` the base with every adapter folded in (W + (α/r)·B·A)."""
+        hf = {k: v.cpu() for k, v in megatron_to_hf(self.megatron_state(), self.arch).items()}
+        if merged and self.lora is not None:
+            from palaestra.trainer.export import merge_into
+
+            hf = merge_into(hf, self.adapter_state(), self.lora.scale)
+        return hf
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA factors of the whole model by PEFT name, on CPU (a collective over TP)."""
+        assert self.lora is not None, "adapter_state() needs trainer.lora"
+        return {k: v.cpu() for k, v in self.lora.gather(self.lora.local_state(), self.tp()[0]).items()}
+
+    def _base_checksum(self) -> str:
+        """`engine.lora.base_checksum` of the base weights (what an adapter of this trainer needs)."""
+        from palaestra.engine.lora import base_checksum
+
+        return base_checksum(self.hf_state().items())
 
     @torch.no_grad()
     def load_megatron_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies whole-model Megatron tensors into the live model (this rank takes its TP shard)."""
-        params = dict(self.gpt.named_parameters())
+        params = dict(self.base_parameters())
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         if missing or extra:
             raise KeyError(f"Megatron weights: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -442,6 +515,8 @@ class Trainer:
         self.load_megatron_state(hf_to_megatron(dict(read_safetensors(model_dir)), self.arch))
         if hasattr(self, "snapshots"):
             self.snapshots.mark_live_changed()
+        if getattr(self, "base_checksum", None) is not None:  # LoRA: adapters now belong to this base
+            self.base_checksum = self._base_checksum()
 
     def sync_weights(self) -> dict[str, float]:
         """Pushes the live weights to every engine as `weight_version` (global rank 0 sends)."""
@@ -450,9 +525,17 @@ class Trainer:
         if self.snapshots.live != "actor":
             raise RuntimeError(f"the live weights are {self.snapshots.live!r}, not the actor")
         error, report = None, None
+        adapter = self.adapter_state() if self.lora is not None else None  # a collective over TP
+        named = list(self.hf_state().items()) if self.lora is None else []
         if dist.get_rank() == 0:
             try:
-                report = self.sync.push(list(self.hf_state().items()), self.weight_version)
+                if self.lora is not None:
+                    config = self.lora.peft_config(str(self.model_dir))
+                    report = self.sync.push_adapter(
+                        self.config.lora.name, config, adapter, self.weight_version, self.base_checksum
+                    )
+                else:
+                    report = self.sync.push(named, self.weight_version)
             except Exception as exc:  # every rank must learn about it, or the others hang
                 error = exc
         box = [None if error is None else f"{type(error).__name__}: {error}"]
@@ -466,6 +549,7 @@ class Trainer:
             return {}
         return {
             "perf/sync_s": report.seconds,
+            "perf/sync_bytes": float(report.bytes),  # with LoRA the adapter's alone
             "perf/sync_gb_per_s": report.bytes / max(report.seconds, 1e-9) / 1e9,
             "perf/sync_buckets": float(report.buckets),
             "perf/sync_pause_s": report.pause_seconds,  # the engines generated nothing meanwhile
@@ -485,7 +569,15 @@ class Trainer:
         checkpoint.load(self, Path(path))
 
     def export_hf(self, path: str | Path) -> Path:
-        """HF directory (safetensors with HF names + config + tokenizer) that engines load."""
+        """HF directory (safetensors with HF names + config + tokenizer) that engines load; with
+        LoRA the adapters merged into the base."""
         from palaestra.trainer import checkpoint
 
         return checkpoint.export_hf(self, Path(path))
+
+    def export_adapter(self, path: str | Path) -> Path:
+        """The LoRA adapters in PEFT's layout (adapter_config.json + adapter_model.safetensors)
+        that `peft` and SGLang load (a collective over TP; rank 0 writes)."""
+        from palaestra.trainer import export
+
+        return export.export_adapter(self, Path(path))

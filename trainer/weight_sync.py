@@ -47,6 +47,9 @@ than the trainer's, e.g. the teacher's for a reference evaluation).
 the seconds of each phase (``phases``: stage, pause, write, update, version, continue; each the
 wall time of that step over all engines) with the slowest engine's share per step
 (``engine_seconds``).
+With LoRA only the adapter is sent (`push_adapter`; trainer/lora_sync.py): SGLang's
+/unload_lora_adapter + /load_lora_adapter of a PEFT directory in the same pause.
+
 Every call is retried (``sync_retries`` attempts, growing back-off) except the broadcast ones,
 which cannot be replayed alone. If an engine still fails, `WeightSyncError` names it and the step,
 and the engines are left **paused**: nothing generates with a mix of versions until the caller
@@ -153,6 +156,8 @@ class WeightSync:
         self._keepalive: list[Any] = []  # ipc: the memory the handles of this push point into
         self._formats: dict[str, str] = {}  # shm: load_format per engine URL
         self._version_paths: dict[str, str] = {}  # where each engine answers its weight_version
+        self._adapter_stage = None  # LoRA: where adapter directories are written (lora_sync.AdapterStage)
+        self._adapter_name: str | None = None
         self._client: httpx.Client | None = None  # one connection pool for every push
         self._threads: ThreadPoolExecutor | None = None  # one thread per engine for each step
         if mode == "shm":  # in shared memory on this host; `disk_dir` moves it (e.g. for tests)
@@ -174,6 +179,9 @@ class WeightSync:
 
     def close(self) -> None:
         """Drops the shm file / the update group (engines keep the weights they hold)."""
+        if self._adapter_stage is not None:
+            self._adapter_stage.close()
+            self._adapter_stage = None
         if self._shm is not None:
             self._shm.close()
             self._shm = None
@@ -193,7 +201,10 @@ class WeightSync:
     def pushed_directory(self, version: int | str) -> Path | None:
         """A safetensors directory holding the weights pushed as `version`, if one exists: the shm
         file (rewritten only inside the next push) or the disk mode's version directory; None in
-        the other modes. An engine restarted between syncs loads it (`load_directory`)."""
+        the other modes. An engine restarted between syncs loads it (`load_directory`). With LoRA
+        the adapter's PEFT directory (`load_adapter_directory`)."""
+        if self._adapter_stage is not None:
+            return self._adapter_stage.current
         if self.mode == "shm" and self._shm is not None and self._shm.path is not None:
             return self._shm.path.parent
         if self.mode == "disk" and self.disk_dir is not None and (self.disk_dir / f"v{version}").is_dir():
@@ -395,6 +406,34 @@ class WeightSync:
             phases=clock.phases,
             engine_seconds=clock.engines,
         )
+
+    def push_adapter(
+        self,
+        name: str,
+        config: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        version: int | str,
+        base_checksum: str | None = None,
+    ) -> SyncReport:
+        """LoRA: sends the adapter `tensors` (PEFT names, whole) as adapter `name` at `version`
+        to every engine, nothing else (trainer/lora_sync.py)."""
+        from palaestra.trainer.lora_sync import push_adapter
+
+        return push_adapter(self, name, config, tensors, version, base_checksum)
+
+    def check_lora(self, rank: int, targets: list[str]) -> None:
+        """Raises `WeightSyncError` with the flag to add for an engine that cannot take an adapter
+        of `rank` on `targets` (its /server_info: started without LoRA, a lower max rank, ...)."""
+        from palaestra.trainer.lora_sync import check_lora_support
+
+        for url in self.urls:
+            check_lora_support(self.client, self, url, rank, targets)
+
+    def load_adapter_directory(self, path: str | Path, name: str, version: int | str) -> SyncReport:
+        """Every engine serves the PEFT directory `path` as adapter `name` at `version`."""
+        from palaestra.trainer.lora_sync import load_adapter_directory
+
+        return load_adapter_directory(self, path, name, version)
 
     def load_directory(self, model_dir: str | Path, version: int | str) -> SyncReport:
         """Every engine loads the HF directory `model_dir` (readable by each of them) as `version`:

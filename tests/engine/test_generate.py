@@ -260,7 +260,8 @@ def test_streaming_is_cumulative_and_ends_with_done(client):
         ({"input_ids": PROMPT, "sampling_params": {"structural_tag": "{}"}}, "not supported"),
         ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{not json"}}, "json_schema"),
         ({"input_ids": PROMPT, "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "only one"),
-        ({"input_ids": PROMPT, "lora_path": "x"}, "not supported"),
+        ({"input_ids": PROMPT, "lora_path": "x"}, "--enable-lora"),  # served: tests/engine/test_lora.py
+        ({"input_ids": PROMPT, "lora_id": "x"}, "not supported"),
         ({"input_ids": PROMPT, "logprob_start_len": 99}, "logprob_start_len"),
         ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{}]}, "batch"),
     ],

@@ -221,3 +221,48 @@ def test_a_stuck_step_times_out_with_the_phase_it_was_in(ray_local):
         waiter.get([ref], "generation")
     assert time.monotonic() - started < 5
     ray.cancel(ref, force=True)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_lora_run_serves_and_syncs_only_the_adapter_and_exports_it(ray_local, tmp_path):
+    """trainer.lora.rank: the engines start with --enable-lora and serve the start adapter, the
+    gateway samples every token through it (the trainer's recomputed logprobs equal the engine's),
+    each sync sends the adapter's bytes only, and the run's checkpoint exports as PEFT's layout."""
+    from palaestra.cli import main
+    from palaestra.engine.lora import read_adapter
+    from palaestra.models import resolve_model
+    from palaestra.train import train
+    from palaestra.trainer.convert import HFArchitecture
+    from palaestra.trainer.lora import projection_shapes
+
+    out = tmp_path / "lora"
+    # a high lr: after one step the adapter is far from the base, so a gateway that sampled
+    # without it would show in the mismatch of step 2
+    lora = [
+        "trainer.lora={rank: 8, alpha: 16}",
+        "trainer.kl_coef=0.05",
+        "trainer.megatron_optimizer={lr: 1.0e-2}",
+        "trainer.advantage_estimator=sft",  # every sample pulls, whatever the rewards
+    ]
+    result = train(make_config(out, "sync", *lora))
+    assert result.engine_versions_start == ["0", "0"] and result.engine_versions_end == ["2", "2"]
+    assert_finite(result.state.rows)
+    from transformers import AutoConfig
+
+    arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(resolve_model("tiny")))
+    adapter_bytes = arch.num_layers * sum(8 * (o + i) * 4 for o, i in projection_shapes(arch).values())
+    rows = [r for r in result.state.rows if "train/loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        sent = r["perf/sync_bytes"]
+        print(f"step {r['train/step']:.0f}: sync {sent / 1e3:.0f} kB in {r['perf/sync_s'] * 1e3:.0f} ms, "
+              f"mismatch max |Δlogprob| {r['mismatch/logprob_abs_diff']:.2e}, kl {r['train/kl']:.2e}")  # fmt: skip
+        assert sent == adapter_bytes  # the adapter, not the model
+        assert r["mismatch/logprob_abs_diff"] <= 1e-6  # sampled through the adapter the trainer holds
+    assert rows[0]["train/kl"] == 0.0  # the reference is the frozen base: B = 0 at the start
+    assert rows[1]["train/kl"] > 1e3 * rows[1]["mismatch/logprob_abs_diff"]  # step 2 sampled through v1
+    ckpt = out / "checkpoints" / "step-000002" / "trainer"  # the trainer's part of the run's checkpoint
+    assert (ckpt / "adapter.pt").is_file() and not (ckpt / "model.pt").exists()
+    assert main(["export", str(out), "--out", str(tmp_path / "peft")]) == 0
+    assert read_adapter(tmp_path / "peft").rank == 8

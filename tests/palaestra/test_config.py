@@ -128,6 +128,26 @@ def test_passthrough_dicts_become_native_flags(config_file):
     assert to_flags({"a_b": False, "c": None, "d": [1, 2]}, "--x-") == ["--x-d", "1", "2"]
 
 
+def test_a_lora_run_starts_its_engines_with_lora_and_its_gateway_naming_the_adapter(config_file):
+    from palaestra.orchestrator.cluster import lora_engine_flags, lora_gateway_flags
+
+    assert (
+        lora_engine_flags(load_config(config_file, []))
+        == []
+        == lora_gateway_flags(load_config(config_file, []))
+    )
+    cfg = load_config(config_file, ["trainer.lora.rank=16", "trainer.lora.targets=[linear_qkv]"])
+    assert lora_engine_flags(cfg) == ["--enable-lora"]
+    assert lora_gateway_flags(cfg) == ["--engine-lora-adapter", "policy"]
+    sglang = load_config(
+        config_file, ["trainer.lora.rank=16", "engines.backend=sglang", "engines.sglang.max_lora_rank=64"]
+    )
+    flags = lora_engine_flags(sglang)  # what engines.sglang sets is left to it
+    assert flags[:1] == ["--sglang-enable-lora"] and "--sglang-max-lora-rank" not in flags
+    assert flags[flags.index("--sglang-lora-target-modules") + 1 :] == ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "gate_proj", "up_proj", "down_proj"]  # fmt: skip
+
+
 def test_gateway_options_are_declared_once_by_the_gateway(capsys):
     """The run's gateway section is the gateway's own GatewayOptions, which GatewayConfig extends,
     and `palaestra gateway serve` parses what serve_flags() writes back into the same options

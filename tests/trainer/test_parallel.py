@@ -46,8 +46,10 @@ WORKER = textwrap.dedent(
 
     if __name__ == "__main__":
         out, rdzv, megatron, model_dir = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+        extra = json.loads(sys.argv[5])  # more trainer options (trainer.lora)
         dp = 2 // megatron.get("tensor_model_parallel_size", 1)
-        t = Trainer(TrainerConfig(**CONFIG, megatron=megatron, dist_init_method=rdzv, dp_size=dp), model_dir)
+        cfg = TrainerConfig(**{**CONFIG, **extra}, megatron=megatron, dist_init_method=rdzv, dp_size=dp)
+        t = Trainer(cfg, model_dir)
         import torch.distributed as dist
         from palaestra.engine.weights import read_safetensors
         rank = dist.get_rank()
@@ -60,6 +62,7 @@ WORKER = textwrap.dedent(
         mbs, _ = t._schedule(full)
         metrics = t.step(batch)
         weights = {k: v.clone() for k, v in t.megatron_state().items()}
+        adapter = {k: v.clone() for k, v in t.adapter_state().items()} if t.lora is not None else {}
         t.save(f"{out}/ckpt")  # resumed by the test in one process: a checkpoint fits any DP size
         # one sample for two DP ranks: rank 1 runs a dummy micro-batch and trains nothing
         lonely = t.step(samples()[:1] if rank == 0 else [])
@@ -70,20 +73,21 @@ WORKER = textwrap.dedent(
                    "local_qkv_rows": t.gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]},
                   open(f"{out}/rank{rank}.json", "w"))
         if rank == 0:
-            torch.save({"weights": weights, "logprobs": logprobs, "after_lonely": after_lonely},
-                       f"{out}/result.pt")
+            torch.save({"weights": weights, "adapter": adapter, "logprobs": logprobs,
+                        "after_lonely": after_lonely}, f"{out}/result.pt")
     """
 )
 
 
-def run_two_ranks(tmp_path, megatron: dict, model_dir) -> tuple[list[dict], dict]:
+def run_two_ranks(tmp_path, megatron: dict, model_dir, extra: dict | None = None) -> tuple[list[dict], dict]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
     rdzv = f"file://{tmp_path / 'rdzv'}"
-    args = [sys.executable, str(script), str(tmp_path), rdzv, json.dumps(megatron), str(model_dir)]
+    args = [sys.executable, str(script), str(tmp_path), rdzv, json.dumps(megatron), str(model_dir),
+            json.dumps(extra or {})]  # fmt: skip
     procs = [
         subprocess.Popen(
             args,
@@ -172,3 +176,39 @@ def test_two_tensor_parallel_ranks_match_one_process(tmp_path, single, tiny_mode
     assert all(r["local_qkv_rows"] == 512 // 2 for r in ranks)  # each rank holds one KV group
     assert ranks[0]["microbatches"] == ranks[1]["microbatches"]  # TP ranks share the data
     compare(ranks, result, single, "TP=2")
+
+
+@pytest.mark.slow
+def test_lora_with_two_tensor_parallel_ranks_matches_one_process(tmp_path, tiny_model_dir):
+    """LoRA's factors split or replicated by each projection's TP layout (trainer/lora.py): the same
+    logprobs, adapters after a step and metrics as one process; its checkpoint holds the whole factors."""
+    lora = {"lora": {"rank": 8, "alpha": 16.0}}
+    namespace: dict = {}
+    exec(compile(WORKER.split("if __name__")[0], "worker", "exec"), namespace)
+    t = Trainer(TrainerConfig(**namespace["CONFIG"], **lora), tiny_model_dir)
+    batch = namespace["samples"]()
+    start = {k: v.clone() for k, v in t.adapter_state().items()}
+    single_lp = t.logprobs([build_micro_batch(batch, range(len(batch)))])[0]
+    single_metrics = t.step(batch)
+    single_adapter = t.adapter_state()
+
+    ranks, result = run_two_ranks(tmp_path, {"tensor_model_parallel_size": 2}, tiny_model_dir, lora)
+    assert all(r["load_exact"] for r in ranks)
+    assert all(torch.equal(result["weights"][k], v) for k, v in t.megatron_state().items())  # base frozen
+    lp = (result["logprobs"] - single_lp).abs().max().item()
+    diff = max((result["adapter"][k] - v).abs().max().item() for k, v in single_adapter.items())
+    moved = max((single_adapter[k] - v).abs().max().item() for k, v in start.items())
+    print(f"\nLoRA TP=2 vs 1 process: max |Δlogprob| {lp:.2e}, max |Δadapter| after the step {diff:.2e} "
+          f"(the step moved the adapters by up to {moved:.2e})")  # fmt: skip
+    assert lp <= 2e-6 and moved > 1e-3 and diff <= 1e-6
+    for key in ("train/loss", "train/kl", "train/loss_tokens"):
+        for r in ranks:
+            assert r["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-5, abs=1e-7), key
+    for r in ranks:  # replicated factors counted once in the norm, split ones summed over ranks
+        assert r["metrics"]["train/grad_norm"] == pytest.approx(single_metrics["train/grad_norm"], rel=1e-4)
+    saved = torch.load(tmp_path / "ckpt" / "adapter.pt", weights_only=True)  # whole factors, gathered over TP
+    assert set(saved) == set(single_adapter) and all(
+        torch.equal(saved[k], v) for k, v in result["adapter"].items()
+    )
+    with pytest.raises(ValueError, match="tensor_model_parallel_size 2"):  # Adam's moments are per TP shard
+        t.load(tmp_path / "ckpt")

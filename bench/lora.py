@@ -1,0 +1,262 @@
+"""LoRA benchmark: adapter-only weight sync vs the whole model, and a trainer step, LoRA vs full.
+
+    .venv/bin/python bench/lora.py [--models tiny,smollm2-135m] [--ranks 8,16,64] [--parts sync,step]
+
+Prints, from one run:
+* sync: per model, one embedded engine started with --enable-lora, and in each round (interleaved,
+  so the machine's load weighs on all alike) a whole-model push (shm mode: one safetensors file in
+  /dev/shm + /update_weights_from_disk, the default full fine-tuning sync) and an adapter push of
+  each rank (a PEFT directory + /unload_lora_adapter + /load_lora_adapter, trainer/lora_sync.py),
+  every projection adapted, and rank 16 on the attention projections only (r16-attn). Bytes sent, the whole push and the time the engine was paused
+  (generated nothing), medians over the rounds, and each as a fraction of the full push's.
+* step: per model, a full fine-tuning trainer and a LoRA one (rank --step-rank) in their own
+  processes, the same batch: the median step time of --steps steps after a warm-up step, the
+  process's peak RSS (ru_maxrss), and the bytes the trainer holds beyond the model's weights
+  (gradients, optimizer state, the `ref` snapshot that LoRA does without).
+* learn: real `palaestra train` runs of configs/demo.yaml (the Python API, the CLI's code path),
+  the same seeds and task order, full fine-tuning and LoRA (rank --step-rank, --lora-lr), held-out
+  accuracy every --eval-every steps. `--arms full` and `--arms lora` run one arm each (to keep each
+  run short); the curves of earlier runs are compared by step.
+
+    .venv/bin/python bench/lora.py --parts learn --arms lora --train-steps 30 --eval-every 10
+
+Absolute numbers depend on this machine's load; the ratios are what to compare between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from palaestra.models import resolve_model  # noqa: E402
+from palaestra.sample import Sample  # noqa: E402
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def random_adapter(model_dir: Path, rank: int, targets=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT config and factors of `rank` on `targets` (default: every projection) of `model_dir`
+    (the shapes the trainer's adapters have; their values do not change the bytes)."""
+    from transformers import AutoConfig
+
+    from palaestra.trainer.convert import HFArchitecture
+    from palaestra.trainer.lora import PROJECTIONS, LoraOptions, projection_shapes
+
+    arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    shapes = projection_shapes(arch)
+    targets = tuple(targets or PROJECTIONS)
+    tensors = {}
+    for layer in range(arch.num_layers):
+        for p in targets:
+            parent = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            out_dim, in_dim = shapes[p]
+            name = f"base_model.model.model.layers.{layer}.{parent}.{p}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, in_dim) * 0.01
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out_dim, rank) * 0.01
+    o = LoraOptions(rank=rank)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
+              "r": rank, "lora_alpha": o.alpha, "lora_dropout": 0.0, "target_modules": list(targets),
+              "bias": "none"}  # fmt: skip
+    return config, tensors
+
+
+def sync_bench(model: str, ranks: list[int], rounds: int) -> None:
+    from safetensors.torch import load_file
+
+    from palaestra.engine.cli import engine_process
+    from palaestra.engine.lora import base_checksum
+    from palaestra.trainer.weight_sync import WeightSync
+
+    model_dir = resolve_model(model)
+    named = [
+        (k, v.clone()) for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()
+    ]
+    checksum = base_checksum(named)
+    adapters = {f"r{r}": random_adapter(model_dir, r) for r in ranks}
+    adapters["r16-attn"] = random_adapter(model_dir, 16, ATTENTION)  # q, k, v, o only
+    results: dict[str, list] = {"full": [], **{key: [] for key in adapters}}
+    extra = ["--num-threads", "1", "--enable-lora", "--max-loras-per-batch", "1"]
+    with engine_process(str(model_dir), extra_args=extra) as engine:
+        full = WeightSync([engine.url], mode="shm")
+        lora = {key: WeightSync([engine.url], mode="shm") for key in adapters}
+        full.push(named, "warmup")
+        for key, (config, tensors) in adapters.items():
+            lora[key].push_adapter(f"bench-{key}", config, tensors, "warmup", checksum)
+        for v in range(rounds):
+            results["full"].append(full.push(named, f"full-{v}"))
+            for key, (config, tensors) in adapters.items():
+                results[key].append(
+                    lora[key].push_adapter(f"bench-{key}", config, tensors, f"{key}-{v}", checksum)
+                )
+        for s in (full, *lora.values()):
+            s.close()
+
+    def med(reports, attr):
+        return statistics.median(getattr(x, attr) for x in reports)
+
+    f_bytes, f_s, f_pause = (
+        med(results["full"], "bytes"),
+        med(results["full"], "seconds"),
+        med(results["full"], "pause_seconds"),
+    )
+    params = sum(t.numel() for _, t in named)
+    print(
+        f"\nsync to 1 embedded engine, {model} ({params / 1e6:.1f} M parameters), {rounds} interleaved rounds, medians:"
+    )
+    print(
+        f"  {'':9s} {'MB sent':>10s} {'push ms':>9s} {'paused ms':>10s}   {'bytes/full':>10s} {'push/full':>9s} {'paused/full':>11s}"
+    )
+    for key, reports in results.items():
+        b, s, p = med(reports, "bytes"), med(reports, "seconds"), med(reports, "pause_seconds")
+        print(f"  {key:9s} {b / 1e6:10.3f} {s * 1e3:9.1f} {p * 1e3:10.1f}   {b / f_bytes:10.4f} {s / f_s:9.3f} {p / f_pause:11.3f}"
+              + ("" if key == "full" else f"   (1/{f_bytes / b:.0f} of the bytes, 1/{f_pause / p:.1f} of the pause)"))  # fmt: skip
+
+
+def batch(vocab: int, n: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 48))]
+        s = Sample(sample_id=f"b{i}", session_id=f"b{i}", group_id=f"g{i // 8}", env="bench", task_id="t",
+                   tokens=prompt, prompt_len=len(prompt), reward=float(i % 3 == 0))  # fmt: skip
+        resp = [rng.randrange(3, vocab) for _ in range(rng.randint(32, 96))]
+        s.append(resp, sampled=True, logprobs=[-8.0] * len(resp))
+        out.append(s)
+    return out
+
+
+def tensor_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def one_trainer(model: str, rank: int, samples: int, steps: int) -> dict:
+    """In this process: a trainer (LoRA if rank > 0) of `model`, its step times and memory."""
+    from palaestra.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(kl_coef=0.01, lora={"rank": rank} if rank else {}, megatron_optimizer={"lr": 1e-5})
+    t0 = time.perf_counter()
+    t = Trainer(cfg, resolve_model(model))
+    build_s = time.perf_counter() - t0
+    data = batch(t.arch.vocab_size, samples)
+    t.step(data)  # warm-up: the optimizer's state is allocated here
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        t.step(data)
+        times.append(time.perf_counter() - t0)
+    trainable = [p for p in t.gpt.parameters() if p.requires_grad]
+    opt_bytes = tensor_bytes(t.optimizer.state_dict())  # Adam's moments (and any master copies)
+    weights = sum(p.numel() * p.element_size() for p in t.gpt.parameters())
+    return {
+        "step_s": statistics.median(times),
+        "build_s": build_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "weights_mb": weights / 1e6,
+        "trainable": sum(p.numel() for p in trainable),
+        "grad_mb": sum(p.numel() * 4 for p in trainable) / 1e6,  # DDP's fp32 gradient buffer
+        "optimizer_mb": opt_bytes / 1e6,
+        "snapshots_mb": t.snapshots.host_bytes / 1e6,
+        "tokens": sum(len(s.tokens) for s in data),
+    }
+
+
+def step_bench(model: str, rank: int, samples: int, steps: int) -> None:
+    runs = {}
+    for r in (0, rank):  # each in its own process: ru_maxrss is that trainer's alone
+        cmd = [sys.executable, __file__, "--one-trainer", model, str(r), str(samples), str(steps)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        runs[r] = json.loads(out.strip().splitlines()[-1])
+    full, lo = runs[0], runs[rank]
+    print(f"\ntrainer step, {model}, the same {samples} samples ({full['tokens']} tokens), median of {steps} steps, "
+          f"each trainer in its own process:")  # fmt: skip
+    print(
+        f"  {'':12s} {'step s':>7s} {'peak RSS MB':>12s} {'trainable':>11s} {'grads MB':>9s} {'optim MB':>9s} {'ref snap MB':>12s}"
+    )
+    for name, x in (("full", full), (f"LoRA r{rank}", lo)):
+        print(f"  {name:12s} {x['step_s']:7.2f} {x['peak_rss_mb']:12.0f} {x['trainable']:11,d} {x['grad_mb']:9.1f} "
+              f"{x['optimizer_mb']:9.1f} {x['snapshots_mb']:12.1f}")  # fmt: skip
+    extra_full = full["grad_mb"] + full["optimizer_mb"] + full["snapshots_mb"]
+    extra_lora = lo["grad_mb"] + lo["optimizer_mb"] + lo["snapshots_mb"]
+    print(f"  LoRA/full: step time {lo['step_s'] / full['step_s']:.2f}, peak RSS {lo['peak_rss_mb'] / full['peak_rss_mb']:.2f}, "
+          f"memory beyond the weights (grads + optimizer + ref) {extra_lora:.1f} / {extra_full:.1f} MB = "
+          f"{extra_lora / extra_full:.3f} (the ref snapshot saved: {full['snapshots_mb']:.1f} MB)")  # fmt: skip
+
+
+def learn(arm: str, rank: int, lr: float | None, steps: int, eval_every: int, eval_tasks: int) -> None:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from demo_runs import train_demo
+
+    overrides = [f"run.steps={steps}", f"env.eval_every={eval_every}", f"env.eval_tasks={eval_tasks}"]
+    if arm == "lora":
+        overrides.append(f"trainer.lora.rank={rank}")
+        if lr is not None:
+            overrides.append(f"trainer.megatron_optimizer.lr={lr}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = train_demo(Path(tmp) / arm, f"lora-{arm}", overrides).state.rows
+    curve = [(int(r["train/step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    syncs = [r["perf/sync_s"] for r in rows if "perf/sync_s" in r]
+    label = arm if arm == "full" else f"LoRA r{rank}" + (f" lr {lr:g}" if lr is not None else "")
+    print(f"\nlearn, {label}: held-out accuracy (greedy, {eval_tasks} tasks) by step: "
+          + ", ".join(f"{s}: {a:.3f}" for s, a in curve)
+          + f"; {time.perf_counter() - t0:.0f} s wall, sync median {statistics.median(syncs) * 1e3:.0f} ms")  # fmt: skip
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--one-trainer":
+        model, rank, samples, steps = sys.argv[2], *map(int, sys.argv[3:6])
+        print(json.dumps(one_trainer(model, rank, samples, steps)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--models", default="tiny,smollm2-135m", help="presets or HF directories (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--ranks", default="8,16,64", help="LoRA ranks of the sync section (default: %(default)s)"
+    )
+    ap.add_argument("--rounds", type=int, default=5, help="timed pushes of each kind (default: %(default)s)")
+    ap.add_argument(
+        "--step-rank", type=int, default=16, help="LoRA rank of the step section (default: %(default)s)"
+    )
+    ap.add_argument("--samples", type=int, default=16, help="samples in the step section's batch")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after a warm-up step)")
+    ap.add_argument("--parts", default="sync,step", help="sections: sync, step, learn (default: %(default)s)")
+    ap.add_argument("--arms", default="full,lora", help="learn: full and/or lora (default: %(default)s)")
+    ap.add_argument("--lora-lr", type=float, default=None, help="learn: LoRA's lr (default: the demo's)")
+    ap.add_argument("--train-steps", type=int, default=30, help="learn: steps per run")
+    ap.add_argument("--eval-every", type=int, default=10, help="learn: held-out evaluation every N steps")
+    ap.add_argument("--eval-tasks", type=int, default=200, help="learn: held-out tasks")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if "learn" in parts:
+        for arm in args.arms.split(","):
+            learn(arm, args.step_rank, args.lora_lr, args.train_steps, args.eval_every, args.eval_tasks)
+    for model in args.models.split(",") if parts - {"learn"} else []:
+        if "sync" in parts:
+            sync_bench(model, [int(r) for r in args.ranks.split(",")], args.rounds)
+        if "step" in parts:
+            step_bench(model, args.step_rank, args.samples, args.steps)
+
+
+if __name__ == "__main__":
+    main()
