@@ -70,7 +70,8 @@ def parse_generation(body: dict[str, Any], chat: bool, recorder: Recorder | None
     max_field = (
         "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    # no upper bound here: any dialect's max_tokens beyond the context is a 400 naming it (service)
+    # no upper bound here: a max_tokens beyond the context is clamped, or refused with
+    # max_tokens_over_context=reject, by the service (the same for every dialect)
     max_tokens = number(body, max_field, 1, math.inf, integer=True)
     stops = stop_list(body, "stop", one_string=True)
     if stops:
