@@ -101,7 +101,10 @@ class RecordingProxy:
 
     def app(self) -> FastAPI:
         app = FastAPI()
-        client = httpx.AsyncClient(timeout=300, trust_env=False)
+        # Pooled connections are dropped after 2 s idle, before the engine's uvicorn closes them at
+        # 5 s: a request sent on a connection the engine is closing fails with ReadError, and the
+        # proxy would hand the gateway a 500 the engine never gave (seen in CI on a loaded machine).
+        client = httpx.AsyncClient(timeout=300, trust_env=False, limits=httpx.Limits(keepalive_expiry=2.0))
 
         @app.post("/generate")
         async def generate(request: Request) -> Response:
@@ -120,7 +123,10 @@ class RecordingProxy:
                     ex.answer = chunks[-1] if chunks else None
 
                 return StreamingResponse(relay(), media_type="text/event-stream")
-            r = await client.post(f"{self.engine_url}/generate", json=body)
+            try:
+                r = await client.post(f"{self.engine_url}/generate", json=body)
+            except (httpx.ReadError, httpx.RemoteProtocolError):  # that race at the margin: once more
+                r = await client.post(f"{self.engine_url}/generate", json=body)
             ex.answer = r.json()
             return JSONResponse(ex.answer, status_code=r.status_code)
 
