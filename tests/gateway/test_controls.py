@@ -273,6 +273,20 @@ def test_claude_code_first_turn_is_served_and_its_controls_recorded(small_contex
     assert 'palaestra_gateway_max_tokens_clamped_total{route="messages"} 1.0' in metrics
 
 
+def test_a_max_tokens_past_64_bits_is_clamped_and_recorded(small_context):
+    """Found by the schemathesis fuzz: 2**64 was clamped, then the journal could not write it (500)."""
+    gw, engine, script = small_context
+    s = new_session(gw)
+    script.queue.append("ok")
+    huge = 1 << 64
+    body = {"model": "m", "max_tokens": huge, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{s['base_url']}/messages", json=body, headers={"x-api-key": s["api_key"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    (turn,) = trajectory(gw, s["session_id"])["turns"]
+    room = 16384 - len(engine.exchanges[-1].body["input_ids"])
+    assert turn["controls"]["max_tokens"] == {"field": "max_tokens", "asked": str(huge), "granted": room}
+
+
 def test_codex_first_turn_maps_namespace_tools_and_seals_reasoning(stack):
     gw, engine, script = stack
     s = new_session(gw)
