@@ -39,7 +39,11 @@ with room to spare. The gateway writes parts of a body out again (tools into the
 and into Responses answers; an Anthropic tool's schema one level deeper than it came), and orjson
 reads 1024 levels but writes only 254, so a deeper body would be a 500 later. Real requests are a
 dozen levels deep (a tool's JSON schema)."""
-_PROBE = 254 - MAX_JSON_DEPTH  # levels put around a body to test it against orjson's limit
+MAX_ARGUMENTS_DEPTH = 200
+"""Deepest tool-call arguments the gateway parses; deeper ones stay text. Parsed arguments are
+written a dozen levels down inside the session journal's and the samples' records, so they must
+leave more room under orjson's 254 than a whole body does."""
+_ORJSON_DEPTH = 254  # the deepest nesting orjson writes
 
 BODY_REASONS = ("body_too_large", "invalid_utf8", "invalid_json", "nesting_too_deep", "not_an_object")
 """Reasons a body is refused before any dialect reads it (also the `code` of the error)."""
@@ -118,23 +122,23 @@ class BodyLimit:
 
 def json_or_text(text: str) -> Any:
     """Tool-call arguments as the gateway keeps them: the parsed JSON (templates serialise it with
-    `tojson`), or the text itself when it is not JSON or nests deeper than `MAX_JSON_DEPTH` (too
+    `tojson`), or the text itself when it is not JSON or nests deeper than `MAX_ARGUMENTS_DEPTH` (too
     deep to parse, or to write into the session journal and the samples: orjson stops at 254)."""
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         return text
-    if len(text) > 2 * MAX_JSON_DEPTH and _too_deep(value):
+    if len(text) > 2 * MAX_ARGUMENTS_DEPTH and _too_deep(value, MAX_ARGUMENTS_DEPTH):
         return text
     return value
 
 
-def _too_deep(body: Any) -> bool:
-    """Whether `body` nests deeper than `MAX_JSON_DEPTH`: orjson cannot write it inside `_PROBE`
-    more levels. Writing it costs a fraction of reading it (a Python walk over the containers
-    costs several times the parse; bench/input_guards.py)."""
+def _too_deep(body: Any, depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `body` nests deeper than `depth`: orjson cannot write it inside 254 - `depth` more
+    levels. Writing it costs a fraction of reading it (a Python walk over the containers costs
+    several times the parse; bench/input_guards.py)."""
     probe: Any = body
-    for _ in range(_PROBE):
+    for _ in range(_ORJSON_DEPTH - depth):
         probe = [probe]
     try:
         orjson.dumps(probe)

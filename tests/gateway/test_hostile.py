@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from palaestra.gateway.guards import MAX_JSON_DEPTH
+from palaestra.gateway.guards import MAX_ARGUMENTS_DEPTH, MAX_JSON_DEPTH
 from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.support.servers import RecordingProxy, ThreadServer, gateway_server
 
@@ -278,6 +278,44 @@ def test_depth_limit_is_exact_and_leaves_room_for_what_the_gateway_writes(gw):
     assert r.status_code == 200, r.text  # the answer echoes the tools back at the same depth
 
 
+def test_tool_call_arguments_near_the_depth_limit_are_served_in_chat_and_responses(gw):
+    """Arguments (a JSON string) nesting just under MAX_JSON_DEPTH were parsed and then written a
+    dozen levels down into the session journal, past orjson's 254: a 500 (the Responses fuzz found
+    it). Deeper than MAX_ARGUMENTS_DEPTH they stay text; every depth around both limits is served."""
+    s = new_session(gw)
+    for depth in (
+        MAX_ARGUMENTS_DEPTH,
+        MAX_ARGUMENTS_DEPTH + 1,
+        *range(MAX_JSON_DEPTH - 6, MAX_JSON_DEPTH + 3),
+    ):
+        args = "[" * depth + "]" * depth
+        call = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": args}}
+        chat = [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c0", "content": "ok"},
+        ]
+        r = httpx.post(
+            f"{s['base_url']}/chat/completions",
+            headers=KEY,
+            timeout=60,
+            json={"messages": chat, "max_tokens": 1},
+        )
+        assert r.status_code == 200, (depth, r.text)
+        items = [
+            {"role": "user", "content": "go"},
+            {"type": "function_call", "call_id": "c0", "name": "f", "arguments": args},
+            {"type": "function_call_output", "call_id": "c0", "output": "ok"},
+        ]
+        r = httpx.post(
+            f"{s['base_url']}/responses",
+            headers=KEY,
+            timeout=60,
+            json={"input": items, "max_output_tokens": 1},
+        )
+        assert r.status_code == 200, (depth, r.text)
+
+
 def test_huge_n_and_max_tokens_are_400s_naming_the_field(gw, proxy):
     sid = new_session(gw)["session_id"]
     base = f"{gw.url}/s/{sid}/v1"
@@ -380,7 +418,11 @@ def test_client_that_disconnects_mid_stream(gw, proxy, engine):
 
     async def hostile():
         async with httpx.AsyncClient(timeout=60, headers=KEY) as c:
-            body = {"messages": msgs, "max_tokens": 400, "ignore_eos": True, "stream": True}
+            # 8000 tokens take the tiny engine half a minute or more (~250 tokens/s on a quiet
+            # core): it is still generating when the disconnect reaches it, however slowly the
+            # gateway and the proxy pass it on (with 400 tokens a busy machine sometimes saw the
+            # engine finish first, and no abort to count)
+            body = {"messages": msgs, "max_tokens": 8000, "ignore_eos": True, "stream": True}
             async with c.stream("POST", f"{s['base_url']}/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and '"content"' in line:
