@@ -20,42 +20,49 @@ Each command group lives next to the code it drives and registers its sub-comman
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
+# Each top-level command and the module whose `register(groups)` adds it. `palaestra <command> ...`
+# imports only that module, so a server subprocess (`palaestra gateway serve`, `palaestra engine
+# serve`) does not pay for torch, openai and Ray that other commands need; `palaestra --help` and
+# anything unknown build the whole parser. tests/palaestra/test_docs_true.py checks this table against
+# what the modules register.
+COMMANDS: dict[str, str] = {
+    "engine": "palaestra.engine.cli",
+    "router": "palaestra.engine.router",
+    "sglang": "palaestra.engine.sglang_launcher",
+    "model": "palaestra.models.cli",
+    "gateway": "palaestra.gateway.cli",
+    "rollout": "palaestra.sdk.cli",
+    "eval": "palaestra.sdk.cli",
+    "session": "palaestra.sdk.cli",
+    "sandbox": "palaestra.sandbox.cli",
+    "train": "palaestra.train",
+    "export": "palaestra.trainer.export",
+    "swe": "palaestra.environments.swe_agent.cli",
+    "harness": "palaestra.environments.harness.install",
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    from palaestra import train as train_cmd
-    from palaestra.engine import cli as engine_cli
-    from palaestra.engine import router, sglang_launcher
-    from palaestra.environments.harness import install as harness_cli
-    from palaestra.environments.swe_agent import cli as swe_cli
-    from palaestra.gateway import cli as gateway_cli
-    from palaestra.models import cli as models_cli
-    from palaestra.sandbox import cli as sandbox_cli
-    from palaestra.sdk import cli as sdk_cli
-    from palaestra.trainer import export as export_cmd
 
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or only of `command` (one of COMMANDS) and its siblings in
+    the same module."""
     parser = argparse.ArgumentParser(
         prog="palaestra",
         description="Palaestra: an environment-centric agentic RL gym.",
     )
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
-    engine_cli.register(groups)
-    router.register(groups)
-    sglang_launcher.register(groups)
-    models_cli.register(groups)
-    gateway_cli.register(groups)
-    sdk_cli.register(groups)
-    sandbox_cli.register(groups)
-    train_cmd.register(groups)
-    export_cmd.register(groups)
-    swe_cli.register(groups)
-    harness_cli.register(groups)
+    modules = [COMMANDS[command]] if command is not None else list(dict.fromkeys(COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(module).register(groups)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
     accepts_extra = getattr(args, "accepts_extra", False)
     if extra and not accepts_extra:

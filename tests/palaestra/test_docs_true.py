@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -145,6 +147,39 @@ def test_the_cli_docstring_names_every_command():
     doc = palaestra.cli.__doc__ or ""
     missing = [name for name in commands.choices if not re.search(rf"palaestra .*\b{re.escape(name)}\b", doc)]
     assert not missing, f"palaestra/cli.py's docstring does not name: {missing}"
+
+
+def test_each_command_is_built_from_the_module_that_registers_it():
+    """`palaestra <command>` builds only COMMANDS[command]'s parser: the table must name, for every
+    command, the module whose `register` adds it, and nothing else."""
+    import importlib
+
+    from palaestra.cli import COMMANDS
+
+    registered: dict[str, str] = {}
+    for module in dict.fromkeys(COMMANDS.values()):
+        groups = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(groups)
+        registered |= {name: module for name in groups.choices}
+    assert registered == COMMANDS
+
+
+def test_a_server_command_starts_without_torch_openai_or_ray():
+    """`palaestra gateway serve --help` (and so a gateway's or a router's start-up) imports only its
+    own command's module: no torch (~1 s), openai or Ray, which other commands need."""
+    code = (
+        "import sys\n"
+        "from palaestra.cli import main\n"
+        "for argv in (['gateway', 'serve', '--help'], ['router', 'serve', '--help'], ['sandbox', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == 0, (argv, exc.code)\n"
+        "print(sorted({'torch', 'openai', 'ray'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
 
 
 def test_no_help_text_prints_a_doubled_percent():
