@@ -8,6 +8,12 @@ STAMP := $(VENV)/.palaestra-installed
 # CUDA build of torch you want into .venv first and run `make install TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
+# Bytecode is written as modules are first imported (install skips compiling all ~24k files). An
+# inherited PYTHONDONTWRITEBYTECODE would make every process compile what it imports from source
+# each time: each engine, gateway and Ray worker the tests start would spend ~3 s more importing
+# torch and transformers, and each pytest process ~7 s more rewriting the tests' asserts.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install test test-fast demo chat-demo lint bench gpu-check clean sandbox-images compose-plugin fleet
 
 $(STAMP): pyproject.toml Makefile
