@@ -30,9 +30,11 @@ import re
 import secrets
 import signal
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from palaestra.sandbox.base import (
     WORKDIR,
@@ -77,6 +79,27 @@ NOBODY = 65534
 EXEC_GRACE_S = 5.0
 """How long past its timeout an exec may take before the sandbox counts as hung and is destroyed."""
 START_TIMEOUT_S = 30.0
+
+
+def unreachable_bwrap(bwrap: str, uid: int, exc: OSError) -> str:
+    """Why uid `uid` could not run `bwrap`, naming the directory on its path that other users may
+    not enter (a checkout under /root or in a `mktemp -d` directory, with the wheel's bwrap in its
+    .venv), and what to change."""
+    path = os.path.abspath(bwrap)
+    closed = next(
+        (d for d in [*reversed(Path(path).parents)] if not os.stat(d).st_mode & stat.S_IXOTH),
+        None,
+    )
+    where = (
+        f"{closed} (mode {stat.S_IMODE(os.stat(closed).st_mode):o}) is closed to other users"
+        if closed is not None
+        else "it is not executable by other users"
+    )
+    return (
+        f"bwrap cannot run as uid {uid}, the sandboxes' user ({exc.strerror}: {path}): {where}. "
+        "Let every user enter it (chmod o+x), keep the checkout and its .venv in such a directory, "
+        "or set PALAESTRA_BWRAP to a bwrap outside it."
+    )
 
 
 @dataclass
@@ -194,15 +217,20 @@ class LocalBackend(Backend):
                 binds += ["--ro-bind-data", str(fd), path]
             argv = bwrap_argv(self.bwrap, name, limits, mode, binds, sandbox_end.fileno())
             run_as = self.sandbox_uid if os.geteuid() == 0 and mode == "unprivileged" else None
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=stderr_fd,
-                pass_fds=[sandbox_end.fileno(), *data_fds],
-                start_new_session=True,
-                preexec_fn=enter_sandbox_cgroup(cgroup.procs_files if cgroup else [], run_as),
-            )
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=stderr_fd,
+                    pass_fds=[sandbox_end.fileno(), *data_fds],
+                    start_new_session=True,
+                    preexec_fn=enter_sandbox_cgroup(cgroup.procs_files if cgroup else [], run_as),
+                )
+            except PermissionError as exc:
+                if run_as is None:
+                    raise
+                raise SandboxError(unreachable_bwrap(self.bwrap, run_as, exc)) from None
         except BaseException:
             host_end.close()
             os.close(stderr_fd)

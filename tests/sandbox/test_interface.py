@@ -5,6 +5,10 @@ close, and the file operations' refusal to follow what a command planted."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -204,3 +208,39 @@ def test_a_cancelled_exec_never_answers_the_next_one(sandbox_backend, loop_runne
 
     alive, after = loop_runner.run(go())
     assert not alive or (after.ok and after.stdout == "fresh\n"), after
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs bwrap as another user (uid 65534)")
+def test_a_bwrap_the_sandbox_user_cannot_reach_is_named_and_auto_falls_back(loop_runner):
+    """Started by root, bwrap runs as uid 65534: a checkout in a directory closed to other users
+    (under /root, or `mktemp -d`) made every local sandbox fail with a bare PermissionError. The
+    error names the closed directory and what to change; `auto` goes on in root-userns mode."""
+    from palaestra.sandbox import LocalBackend
+    from palaestra.sandbox.bwrap import find_bwrap
+    from tests.support.sandbox import TEST_LABEL
+
+    closed = Path(tempfile.mkdtemp(prefix="palaestra-closed-"))  # mode 700, in /tmp (open to all)
+    try:
+        (closed / "bwrap").symlink_to(find_bwrap())
+        strict = LocalBackend(bwrap=str(closed / "bwrap"), mode="unprivileged", label=TEST_LABEL)
+        with pytest.raises(SandboxError) as err:
+            loop_runner.run(strict.create("python", LIMITS))
+        message = str(err.value)
+        assert f"{closed} (mode 700) is closed to other users" in message, message
+        assert "chmod o+x" in message and "PALAESTRA_BWRAP" in message
+
+        auto = LocalBackend(bwrap=str(closed / "bwrap"), mode="auto", label=TEST_LABEL)
+
+        async def go():
+            box = await auto.create("python", LIMITS)
+            try:
+                return await box.exec("echo fell back"), box.enforced
+            finally:
+                await box.close()
+                await auto.close()
+
+        result, enforced = loop_runner.run(go())
+    finally:
+        shutil.rmtree(closed, ignore_errors=True)
+    assert result.stdout == "fell back\n", result
+    assert "user namespace mapped to host root" in enforced and "closed to other users" in enforced
