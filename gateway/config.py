@@ -72,6 +72,10 @@ class GatewayConfig(GatewayOptions):
     max_sessions: int = 10_000
     """Sessions kept in memory (finished ones are evicted oldest-first beyond this)."""
 
+    start_paused: bool = False
+    """Start paused, as after POST /admin/pause: generation calls wait until POST /admin/resume
+    (`palaestra train` restarts a gateway that died during a weight sync this way)."""
+
     def resolve_keys(self) -> None:
         self.api_key = self.api_key or os.environ.get("PALAESTRA_API_KEY") or None
         self.admin_key = self.admin_key or os.environ.get("PALAESTRA_ADMIN_KEY") or None

@@ -101,6 +101,8 @@ class GatewayService:
         self.metrics = GatewayMetrics()
         self.sessions = SessionStore(config.max_sessions, self.metrics)
         self.gate = PauseGate(config, self.metrics)
+        if config.start_paused:
+            self.gate.pause()
         self.model_name = config.served_model_name or config.model
         template = getattr(tokenizer, "chat_template", None) or ""
         auto_tool, auto_reason = parsers.detect_parsers(template if isinstance(template, str) else "")

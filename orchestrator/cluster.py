@@ -131,6 +131,9 @@ class Cluster:
     # None there: none on disk). A restarted engine loads them (`bring_engine_up_to_date`).
     engine_weights: tuple[str, str | None] | None = None
     rollout_attempt: int = 0  # environment runners replaced so far (each has its own ledger)
+    # Between `pause_gateway` and `resume_gateway` (a weight sync in async mode): a gateway that
+    # dies meanwhile is restarted paused (`restart_args`), so nothing generates mid-update.
+    gateway_paused: bool = False
 
     @property
     def servers(self) -> list[Box]:
@@ -403,6 +406,7 @@ class Cluster:
     def pause_gateway(self, timeout_s: float) -> dict[str, Any]:
         """New generation calls wait; returns once in-flight calls finished (or `timeout_s`)."""
         assert self.gateway is not None
+        self.gateway_paused = True  # before the call: a gateway that dies during it comes back paused
         with httpx.Client(timeout=timeout_s + 30, trust_env=False) as client:
             r = client.post(
                 f"{self.gateway.url}/admin/pause",
@@ -419,6 +423,12 @@ class Cluster:
                 f"{self.gateway.url}/admin/resume", headers={"Authorization": f"Bearer {self.admin_key}"}
             )
             r.raise_for_status()
+        self.gateway_paused = False
+
+    def restart_args(self, box: Box) -> list[str]:
+        """What a restart of `box` adds to its command: the gateway starts paused while the run
+        holds it paused (the weights on the engines are changing)."""
+        return ["--start-paused"] if box is self.gateway and self.gateway_paused else []
 
     def gateway_overhead_s(self) -> float:
         """Total gateway time outside the engine so far (its Prometheus histogram's sum)."""

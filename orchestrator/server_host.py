@@ -125,11 +125,12 @@ class ServerHost:
     def stop(self) -> int | None:
         return self.proc.stop() if self.proc is not None else None
 
-    def restart(self) -> str:
-        """The server again, with the same command on the same port (the URL every client holds
-        stays valid; the gateway keeps its spool directory and keys); returns its URL."""
+    def restart(self, extra_args: Sequence[str] = ()) -> str:
+        """The server again, with the same command (plus `extra_args`, this time only) on the same
+        port (the URL every client holds stays valid; the gateway keeps its spool directory and
+        keys); returns its URL."""
         if self.proc is None:
             raise RuntimeError(f"{self.name} was never started")
-        self.proc.restart()
+        self.proc.restart(extra_args)
         assert self.url is not None
         return self.url

@@ -148,8 +148,9 @@ class Supervisor:
             log_file=box.log or "",
         )
         try:
-            ray.get(box.actor.restart.remote(), timeout=600)
-            action = f"restarted on the same port ({box.url})"
+            extra = self.cluster.restart_args(box)
+            ray.get(box.actor.restart.remote(extra), timeout=600)
+            action = f"restarted on the same port ({box.url})" + (f" with {' '.join(extra)}" if extra else "")
             if box in self.cluster.engines:
                 action += "; " + self.cluster.bring_engine_up_to_date(box)
             if box is self.cluster.gateway:

@@ -160,16 +160,21 @@ class ServerProcess:
         self.startup_seconds = time.monotonic() - began
         return self
 
-    def restart(self) -> ServerProcess:
-        """The same command again, on the same URL (so clients' addresses stay valid), once the old
-        process is gone (stopped first if it still runs); its log continues in the same file, after
-        a marker line, so the crash's output is kept."""
+    def restart(self, extra_args: Sequence[str] = ()) -> ServerProcess:
+        """The same command again (with `extra_args` after it, for this start only), on the same
+        URL (so clients' addresses stay valid), once the old process is gone (stopped first if it
+        still runs); its log continues in the same file, after a marker line, so the crash's
+        output is kept."""
         self._terminate()
         self._proc = None
         if self.log_path is not None:
             with open(self.log_path, "ab") as log:
                 log.write(f"\n--- {self.name} restarted at {time.strftime('%H:%M:%S')} ---\n".encode())
-        return self.start(append=True)
+        argv, self.argv = self.argv, [*self.argv, *extra_args]
+        try:
+            return self.start(append=True)
+        finally:
+            self.argv = argv
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until the process exits (raises subprocess.TimeoutExpired after `timeout`)."""

@@ -321,3 +321,48 @@ def test_sigkill_with_the_real_engine_the_sample_is_what_the_engine_sampled(engi
 def reward_and_read(c: httpx.Client, url: str, sid: str) -> list[dict[str, Any]]:
     reward(c, url, sid)
     return [s for s in all_samples(c, url) if s["session_id"] == sid]
+
+
+def test_a_gateway_restarted_with_start_paused_serves_no_turn_until_resumed(scripted, tmp_path):
+    """`palaestra train` restarts a gateway that died during an async weight sync with
+    `--start-paused` (orchestrator/cluster.Cluster.restart_args): the restarted process keeps every
+    open session but serves no generation until /admin/resume; the flag is for that start only."""
+    _, srv = scripted
+    admin = {"Authorization": "Bearer k-admin"}
+    with (
+        gateway_process(
+            "tiny", srv.url, str(tmp_path / "spool"), env=ENV, extra_args=["--pause-mode", "reject"]
+        ) as gw,
+        httpx.Client(timeout=60) as c,
+    ):
+        agent = ChatAgent(c, create(c, gw.url, "held")["base_url"])
+        agent.step(0)
+        os.kill(gw.pid, signal.SIGKILL)
+        gw.wait(timeout=30)
+        gw.restart(["--start-paused"])
+        r = c.post(
+            f"{gw.url}/s/held/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            headers=KEY,
+        )
+        assert r.status_code == 429 and r.json()["error"]["code"] == "paused", r.text
+        assert c.get(f"{gw.url}/sessions/held", headers=KEY).json()["turns"]  # the session is back
+        assert c.post(f"{gw.url}/admin/resume", headers=admin).status_code == 200
+        agent.step(1)  # served, bridged onto the turn from before the crash
+        os.kill(gw.pid, signal.SIGKILL)
+        gw.wait(timeout=30)
+        gw.restart()  # the flag was for that start only
+        agent.step(2)
+    assert "--start-paused" not in gw.argv
+
+
+def test_the_cluster_restarts_its_gateway_paused_only_while_the_run_holds_it_paused():
+    from palaestra.config import load_config
+    from palaestra.orchestrator.cluster import Box, Cluster
+
+    cluster = Cluster(load_config(None, ["model.student=tiny"]))
+    cluster.gateway, cluster.router = Box("gateway", None), Box("router", None)
+    assert cluster.restart_args(cluster.gateway) == []
+    cluster.gateway_paused = True  # set by pause_gateway before its call, cleared by resume_gateway
+    assert cluster.restart_args(cluster.gateway) == ["--start-paused"]
+    assert cluster.restart_args(cluster.router) == []
