@@ -115,8 +115,9 @@ def assert_exact(gw, rec: RecordingProxy, sid: str) -> None:
     assert last["tokens"] == mine[-1].body["input_ids"] + mine[-1].answer["output_ids"]
 
 
-def beside_calm_sessions(gw, proxy, hostile: Callable[[], Awaitable[None]]) -> None:
-    """Runs `hostile` concurrently with CALM well-behaved sessions; checks theirs are exact."""
+def beside_calm_sessions(gw, proxy, hostile: Callable[[], Awaitable[None]], stuck: int = 0) -> None:
+    """Runs `hostile` concurrently with CALM well-behaved sessions; checks theirs are exact and
+    waits until at most `stuck` calls are in flight (the hostile ones that are still held)."""
     rec, _ = proxy
 
     async def run():
@@ -126,7 +127,7 @@ def beside_calm_sessions(gw, proxy, hostile: Callable[[], Awaitable[None]]) -> N
     _, *calm = asyncio.run(run())
     for sid in calm:
         assert_exact(gw, rec, sid)
-    wait_for(lambda: metric(gw.url, "palaestra_gateway_in_flight_calls") == 0)
+    wait_for(lambda: metric(gw.url, "palaestra_gateway_in_flight_calls") <= stuck)
 
 
 def raw_http(port: int, head: str, chunks: list[bytes] = ()) -> tuple[int, dict]:
@@ -484,7 +485,8 @@ def test_client_that_never_reads_a_stream_is_cut_off(gw, proxy, engine):
         await asyncio.sleep(0)
 
     try:
-        beside_calm_sessions(gw, proxy, hostile)
+        # the stuck stream stays in flight until its send timeout, however long sampling takes
+        beside_calm_sessions(gw, proxy, hostile, stuck=1)
         # ~80 KiB of events must be sampled before a send can block (uvicorn buffers 64 KiB): on a
         # loaded machine the tiny engine can take minutes to sample that many tokens
         wait_for(
