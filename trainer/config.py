@@ -247,6 +247,8 @@ class TrainerConfig:
             )
         if self.teachers:
             self.panel()  # validates every entry, the routing path and the mixtures
+        if not self.advantage_eps > 0:  # grpo divides a zero-variance group's 0 by std + eps
+            raise ValueError(f"advantage_eps must be positive (e.g. 1e-6); got {self.advantage_eps}")
         if self.opd_full_chunk_rows <= 0:
             raise ValueError(f"opd_full_chunk_rows must be positive; got {self.opd_full_chunk_rows}")
         if self.snapshot_host_budget_gb is not None and self.snapshot_host_budget_gb <= 0:
