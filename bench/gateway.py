@@ -1,6 +1,6 @@
 """Gateway benchmark, one run, ratios: per-call overhead, per-turn CPU growth, turns/s under concurrency.
 
-    .venv/bin/python bench/gateway.py [--calls 300] [--turns 64] [--sessions 24]
+    .venv/bin/python bench/gateway.py [--calls 300] [--turns 64] [--sessions 24] [--parts overhead,growth,paired,load]
 
 Everything runs against a zero-work engine (palaestra/engine/zero.py), so only the layers in front of it
 are measured:
@@ -9,6 +9,9 @@ are measured:
   paths are interleaved call by call (goal: gateway <= 2x the router);
 * gateway CPU per turn at turns 61-64 vs turns 1-4 of sessions in each dialect, read from /proc,
   the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
+* the gateway's own cost per chat turn along a session, paired: each turn's latency minus that of a
+  direct /generate with the same number of input ids, sent right after it, in buckets of 8 turns
+  (goal: the last bucket <= 1.2x the first; CPU time alone misses what grows in wall time);
 * turns/s through the gateway at 1, 16 and 128 concurrent sessions.
 """
 
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -54,6 +58,76 @@ def median_latency(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def paired_cost(
+    c: httpx.Client,
+    gw_url: str,
+    engine_url: str,
+    reply: list[int],
+    system: str,
+    turns: int,
+    slots: int,
+    cycles: int,
+) -> None:
+    """The gateway's own cost per chat turn along a session: each turn's latency minus that of a direct
+    /generate with as many input ids as the turn's prompt, sent right after it. `slots` sessions run
+    side by side, staggered by turns / slots, each replaced by a fresh one when it reaches `turns`:
+    every round has a session in every bucket of 8 turns, so the machine's noise hits them alike."""
+    if turns % 8 or turns < 16:
+        raise SystemExit("--turns must be a multiple of 8 and at least 16 for the paired test")
+    headers = {**KEY, "Content-Type": "application/json"}
+
+    def new_slot() -> dict:
+        r = c.post(f"{gw_url}/sessions", json={"env": "bench"}, headers=KEY)
+        return {"url": r.json()["base_url"], "history": [], "turn": 0}
+
+    def turn(slot: dict) -> tuple[int, float]:
+        """One gateway turn, then the direct call of its size: (turn index, latency difference)."""
+        text = f"Turn {slot['turn']}: please continue the task with more detail."
+        slot["history"].append({"role": "user", "content": text})
+        msgs = [{"role": "system", "content": system}, *slot["history"]]
+        body = orjson.dumps({"model": "tiny", "messages": msgs})
+        t0 = time.perf_counter()
+        r = c.post(f"{slot['url']}/chat/completions", content=body, headers=headers)
+        gw_s = time.perf_counter() - t0
+        r.raise_for_status()
+        answer = r.json()
+        n = answer["usage"]["prompt_tokens"]
+        ids = (reply * (n // len(reply) + 1))[:n]
+        direct_body = orjson.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 8}})
+        t0 = time.perf_counter()
+        d = c.post(
+            f"{engine_url}/generate", content=direct_body, headers={"Content-Type": "application/json"}
+        )
+        direct_s = time.perf_counter() - t0
+        d.raise_for_status()
+        if d.json()["meta_info"]["prompt_tokens"] != n:
+            raise SystemExit("the direct call did not carry the turn's number of input ids")
+        slot["history"].append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+        index, slot["turn"] = slot["turn"], slot["turn"] + 1
+        return index, gw_s - direct_s
+
+    step = turns // slots
+    live = [new_slot() for _ in range(slots)]
+    for k, slot in enumerate(live):  # staggered: slot k starts at turn k * step (unmeasured)
+        for _ in range(k * step):
+            turn(slot)
+    diffs: dict[int, list[float]] = {b: [] for b in range(turns // 8)}
+    for _ in range(cycles * turns):
+        for k, slot in enumerate(live):
+            index, diff = turn(slot)
+            diffs[index // 8].append(diff)
+            if slot["turn"] == turns:
+                live[k] = new_slot()
+    med = {b: statistics.median(d) for b, d in diffs.items()}
+    first, last = med[0], med[turns // 8 - 1]
+    print(
+        "gateway's own cost per chat turn (turn minus a direct /generate of as many input ids, paired, "
+        "medians): "
+        + ", ".join(f"turns {8 * b + 1}-{8 * b + 8} {m * 1e3:.2f} ms" for b, m in med.items())
+        + f"  -> last/first bucket: {last / first:.2f}x"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=300, help="calls per path in the overhead test")
@@ -64,8 +138,20 @@ def main() -> None:
         default="chat,responses,messages",
         help="dialects to measure (comma-separated; 'chat' alone measures a gateway without the others)",
     )
+    ap.add_argument(
+        "--parts",
+        default="overhead,growth,paired,load",
+        help="what to measure (comma-separated): overhead, growth (CPU per turn), paired (cost per turn "
+        "minus a direct call of the same size), load",
+    )
+    ap.add_argument("--paired-sessions", type=int, default=8, help="sessions side by side in the paired test")
+    ap.add_argument("--paired-cycles", type=int, default=3, help="turns of each bucket per session slot")
     args = ap.parse_args()
     dialects = args.dialects.split(",")
+    parts = set(args.parts.split(","))
+    unknown = parts - {"overhead", "growth", "paired", "load"}
+    if unknown:
+        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (overhead, growth, paired, load)")
 
     from transformers import AutoTokenizer
 
@@ -109,25 +195,26 @@ def main() -> None:
             "responses": lambda: c.post(f"{base}/responses", json=responses_body, headers=KEY),
             "messages": lambda: c.post(f"{base}/messages", json=messages_body, headers=KEY),
         }
-        paths = {k: v for k, v in all_paths.items() if k in ("direct", "router", *dialects)}
-        for _ in range(20):  # warm-up of every path
-            for call in paths.values():
-                call().raise_for_status()
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for _ in range(args.calls):  # interleaved: the machine's noise hits every path alike
-            for name, call in paths.items():
-                t0 = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - t0)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        direct, r_over = med["direct"], med["router"] - med["direct"]
-        print(
-            f"per-call overhead over a direct /generate ({direct * 1e3:.2f} ms): router {r_over * 1e3:.2f} ms; "
-            + ", ".join(
-                f"{name} {(med[name] - direct) * 1e3:.2f} ms -> {(med[name] - direct) / r_over:.2f}x router"
-                for name in dialects
+        if "overhead" in parts:
+            paths = {k: v for k, v in all_paths.items() if k in ("direct", "router", *dialects)}
+            for _ in range(20):  # warm-up of every path
+                for call in paths.values():
+                    call().raise_for_status()
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            for _ in range(args.calls):  # interleaved: the machine's noise hits every path alike
+                for name, call in paths.items():
+                    t0 = time.perf_counter()
+                    call()
+                    times[name].append(time.perf_counter() - t0)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            direct, r_over = med["direct"], med["router"] - med["direct"]
+            print(
+                f"per-call overhead over a direct /generate ({direct * 1e3:.2f} ms): router {r_over * 1e3:.2f} ms; "
+                + ", ".join(
+                    f"{name} {(med[name] - direct) * 1e3:.2f} ms -> {(med[name] - direct) / r_over:.2f}x router"
+                    for name in dialects
+                )
             )
-        )
 
         # CPU per turn at turn 1 vs turn N (lockstep rounds over many sessions, CPU read from /proc)
         system = "You are a helpful agent. " * 20
@@ -155,32 +242,38 @@ def main() -> None:
 
         growth = {}
         turn_fns = {"chat": chat_turn, "responses": responses_turn, "messages": messages_turn}
+        if "growth" in parts:
 
-        def cpu_round(turn_fn, sessions: list[tuple[str, list]], turn: int) -> float:
-            before = cpu_seconds(gw.pid)
-            for url, history in sessions:
-                turn_fn(url, history, f"Turn {turn}: please continue the task with more detail.")
-            return (cpu_seconds(gw.pid) - before) / len(sessions)
+            def cpu_round(turn_fn, sessions: list[tuple[str, list]], turn: int) -> float:
+                before = cpu_seconds(gw.pid)
+                for url, history in sessions:
+                    turn_fn(url, history, f"Turn {turn}: please continue the task with more detail.")
+                return (cpu_seconds(gw.pid) - before) / len(sessions)
 
-        for dialect in dialects:
-            turn_fn = turn_fns[dialect]
-            long: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
-            for turn in range(args.turns - 4):  # brought to the last rounds' depth, unmeasured
-                cpu_round(turn_fn, long, turn)
-            # turns 1-4 of fresh sessions interleaved round by round with turns N-3..N of the long
-            # ones, so a change in the machine's load hits both ends alike
-            fresh: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
-            first, last = [], []
-            for k in range(4):
-                first.append(cpu_round(turn_fn, fresh, k))
-                last.append(cpu_round(turn_fn, long, args.turns - 4 + k))
-            growth[dialect] = (statistics.mean(first), statistics.mean(last))
-        print(
-            f"gateway CPU per turn, turn 1 -> turn {args.turns} ({2 * args.turns} messages of history): "
-            + ", ".join(
-                f"{d} {a * 1e3:.2f} -> {b * 1e3:.2f} ms = {b / a:.2f}x" for d, (a, b) in growth.items()
+            for dialect in dialects:
+                turn_fn = turn_fns[dialect]
+                long: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
+                for turn in range(args.turns - 4):  # brought to the last rounds' depth, unmeasured
+                    cpu_round(turn_fn, long, turn)
+                # turns 1-4 of fresh sessions interleaved round by round with turns N-3..N of the long
+                # ones, so a change in the machine's load hits both ends alike
+                fresh: list[tuple[str, list]] = [(new_session(), []) for _ in range(args.sessions)]
+                first, last = [], []
+                for k in range(4):
+                    first.append(cpu_round(turn_fn, fresh, k))
+                    last.append(cpu_round(turn_fn, long, args.turns - 4 + k))
+                growth[dialect] = (statistics.mean(first), statistics.mean(last))
+            print(
+                f"gateway CPU per turn, turn 1 -> turn {args.turns} ({2 * args.turns} messages of history): "
+                + ", ".join(
+                    f"{d} {a * 1e3:.2f} -> {b * 1e3:.2f} ms = {b / a:.2f}x" for d, (a, b) in growth.items()
+                )
             )
-        )
+
+        if "paired" in parts:
+            paired_cost(
+                c, gw.url, zero.url, reply, system, args.turns, args.paired_sessions, args.paired_cycles
+            )
 
         # turns/s at several concurrency levels
         async def load(concurrency: int, calls_each: int) -> float:
@@ -209,6 +302,8 @@ def main() -> None:
                 await asyncio.gather(*[session(u) for u in urls])
                 return concurrency * calls_each / (time.perf_counter() - t0)
 
+        if "load" not in parts:
+            return
         rates, cpu = {}, {}
         for n in (1, 16, 128):
             calls = max(4, 256 // n)

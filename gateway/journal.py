@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import struct
 import threading
@@ -326,11 +327,16 @@ class SessionJournal:
                 t["prompt"] = turn.prompt_ids
             if messages is not None:
                 known = last.messages if last is not None and last.messages is not None else []
-                k = 0
-                for a, b in zip(known, messages, strict=False):  # identity: HistoryDigests shares them
-                    if a is not b:
-                        break
-                    k += 1
+                # identity: HistoryDigests shares them. The usual call repeats all of the previous
+                # one's messages: checked in C, so this does not cost a Python step per message.
+                if len(known) <= len(messages) and all(map(operator.is_, known, messages)):
+                    k = len(known)
+                else:
+                    k = 0
+                    for a, b in zip(known, messages, strict=False):
+                        if a is not b:
+                            break
+                        k += 1
                 t["msgs"] = [k, messages[k:]]
                 if context is not None and (last is None or context != last.context):
                     t["ctx"] = context.decode()
