@@ -114,13 +114,22 @@ class RecordingProxy:
             if body.get("stream"):
 
                 async def relay():
-                    chunks = []
-                    async with client.stream("POST", f"{self.engine_url}/generate", json=body) as r:
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: ") and line != "data: [DONE]":
-                                chunks.append(json.loads(line[6:]))
-                            yield line + "\n"
-                    ex.answer = chunks[-1] if chunks else None
+                    # Each chunk is recorded before it is passed on: the gateway may answer its
+                    # client on the last one before this generator runs to its end, and a test
+                    # that reads `exchanges` then must find the answer.
+                    for attempt in (1, 2):
+                        sent = False
+                        try:
+                            async with client.stream("POST", f"{self.engine_url}/generate", json=body) as r:
+                                async for line in r.aiter_lines():
+                                    if line.startswith("data: ") and line != "data: [DONE]":
+                                        ex.answer = json.loads(line[6:])
+                                    sent = True
+                                    yield line + "\n"
+                            return
+                        except (httpx.ReadError, httpx.RemoteProtocolError):
+                            if sent or attempt == 2:  # the pooled-connection race: once more, if nothing went
+                                raise
 
                 return StreamingResponse(relay(), media_type="text/event-stream")
             try:
