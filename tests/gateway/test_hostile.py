@@ -296,25 +296,18 @@ def test_tool_call_arguments_near_the_depth_limit_are_served_in_chat_and_respons
             {"role": "assistant", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c0", "content": "ok"},
         ]
-        r = httpx.post(
-            f"{s['base_url']}/chat/completions",
-            headers=KEY,
-            timeout=60,
-            json={"messages": chat, "max_tokens": 1},
-        )
-        assert r.status_code == 200, (depth, r.text)
         items = [
             {"role": "user", "content": "go"},
             {"type": "function_call", "call_id": "c0", "name": "f", "arguments": args},
             {"type": "function_call_output", "call_id": "c0", "output": "ok"},
         ]
-        r = httpx.post(
-            f"{s['base_url']}/responses",
-            headers=KEY,
-            timeout=60,
-            json={"input": items, "max_output_tokens": 1},
-        )
-        assert r.status_code == 200, (depth, r.text)
+        bodies = {
+            "chat/completions": {"messages": chat, "max_tokens": 1},
+            "responses": {"input": items, "max_output_tokens": 1},
+        }
+        for route, body in bodies.items():
+            r = httpx.post(f"{s['base_url']}/{route}", headers=KEY, timeout=60, json=body)
+            assert r.status_code == 200, (route, depth, r.text)
 
 
 def test_huge_n_and_max_tokens_are_400s_naming_the_field(gw, proxy):
