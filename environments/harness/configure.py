@@ -9,7 +9,7 @@ variable it names (`env_key`), passed as `-c` overrides so no config file is wri
 
 `command` is what the harness environment runs in a sandbox: the whole environment (nothing of the
 host's) and argv of one headless run on a task, with tools allowed without asking (the sandbox is
-the boundary) and the harness's own turn limit where it has one.
+the boundary). The turn limit is the tunnel's (`SessionTunnel.max_calls`), the same for every harness.
 """
 
 from __future__ import annotations
@@ -53,15 +53,16 @@ HOME_DIRS = ("HOME", "CODEX_HOME")
 
 
 def command(
-    name: str, binary: str, base_url: str, token: str, model: str, prompt: str, max_turns: int
+    name: str, binary: str, base_url: str, token: str, model: str, prompt: str
 ) -> tuple[dict[str, str], list[str]]:
     """(environment, argv) of one headless run of harness `name` (its binary at `binary`) on
     `prompt`, talking to the session at `base_url` with `token`."""
     env = {**SANDBOX_ENV, "HOME": HOME}
     if name == "claude-code":
         env |= claude_code(base_url, token)
-        argv = [binary, "-p", prompt, "--model", model, "--max-turns", str(max_turns)]
-        return env, argv + ["--dangerously-skip-permissions"]  # allowed with IS_SANDBOX=1
+        # No --max-turns: the tunnel's budget of model calls is the one turn limit of every
+        # harness (Claude Code's own would end it first, exiting 1 "Reached max turns").
+        return env, [binary, "-p", prompt, "--model", model, "--dangerously-skip-permissions"]
     if name == "codex":
         extra, args = codex(base_url, token, model)
         return env | extra | {"CODEX_HOME": f"{HOME}/.codex"}, [binary, *args, prompt]

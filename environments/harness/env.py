@@ -196,7 +196,6 @@ class HarnessEnv(SweAgentEnv):
             session.api_key,
             self.model,
             PROMPT.format(problem=task.problem_statement),
-            self.max_turns,
         )
         config = {
             "socket": f"{RUN_DIR}/tunnel.sock",
