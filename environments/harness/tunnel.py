@@ -44,6 +44,8 @@ class SessionTunnel:
         self.calls = 0
         """POSTs forwarded (the harness's model calls)."""
         self.over_budget = 0
+        self.hung_up = 0
+        """Answers the harness closed its connection on before they were all written."""
         self.spent = asyncio.Event()
         """Set when a call past `max_calls` was refused."""
         self._runner: web.AppRunner | None = None
@@ -89,11 +91,14 @@ class SessionTunnel:
             for k, v in upstream.headers.items():
                 if k.lower() not in _HOP and k.lower() != "content-length":
                     out.headers[k] = v
-            await out.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
             self.forwarded += 1
+            try:
+                await out.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionError:  # the harness hung up first (it had what it wanted): not an error
+                self.hung_up += 1
             return out
 
     async def start(self) -> None:
