@@ -25,6 +25,7 @@ __all__ = [
     "Backend",
     "ExecResult",
     "Limits",
+    "Mount",
     "Sandbox",
     "SandboxError",
     "Status",
@@ -89,6 +90,39 @@ class Limits:
         if unknown:
             raise ValueError(f"unknown limits {unknown}; known: {sorted(cls.__dataclass_fields__)}")
         return cls(**data)
+
+
+RESERVED_MOUNT_ROOTS = (
+    *("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/tmp"),
+    *(WORKDIR, "/.palaestra"),
+)
+"""Where a `Mount` may not go: the sandbox's own system files, work directory and agent."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host file or directory shown inside one sandbox (``Backend.create(mounts=...)``): a harness
+    binary read-only, or the directory of a unix socket that is the sandbox's one way out."""
+
+    source: str
+    """Absolute host path (this process opens it, so it may lie where the sandbox's user cannot go)."""
+    target: str
+    """Absolute path inside the sandbox, outside its system directories and work directory."""
+    writable: bool = False
+    """Read-only unless set (a unix socket's directory needs it for ``connect``)."""
+
+    def __post_init__(self) -> None:
+        if not posixpath.isabs(self.source):
+            raise ValueError(f"Mount.source must be an absolute path; got {self.source!r}")
+        target = posixpath.normpath(self.target)
+        if not posixpath.isabs(self.target) or target != self.target or target == "/":
+            raise ValueError(f"Mount.target must be a normalised absolute path below /; got {self.target!r}")
+        for root in RESERVED_MOUNT_ROOTS:
+            if target == root or target.startswith(root + "/"):
+                raise ValueError(
+                    f"Mount.target {self.target!r} is inside {root}, which the sandbox owns; "
+                    "mount under /opt or /run instead"
+                )
 
 
 @dataclass
@@ -185,9 +219,11 @@ class Backend(abc.ABC):
     name = "abstract"
 
     @abc.abstractmethod
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> Sandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, mounts: tuple[Mount, ...] = ()
+    ) -> Sandbox:
         """A fresh sandbox. ``profile`` names what is installed in it ("python": python3 and a
-        POSIX shell)."""
+        POSIX shell); ``mounts`` host paths shown in it (a backend that cannot raises SandboxError)."""
 
     @abc.abstractmethod
     async def cleanup_leaked(self) -> int:

@@ -41,6 +41,7 @@ from palaestra.sandbox.base import (
     Backend,
     ExecResult,
     Limits,
+    Mount,
     Sandbox,
     SandboxError,
     to_argv,
@@ -79,6 +80,15 @@ NOBODY = 65534
 EXEC_GRACE_S = 5.0
 """How long past its timeout an exec may take before the sandbox counts as hung and is destroyed."""
 START_TIMEOUT_S = 30.0
+
+
+def _closed_directory(path: str) -> Path | None:
+    """The first directory on the way to `path` (itself included) that other users may not enter."""
+    target = Path(os.path.abspath(path))
+    if not target.exists():
+        return None  # opening it says so
+    chain = [*reversed(target.parents), *([target] if target.is_dir() else [])]
+    return next((d for d in chain if not os.stat(d).st_mode & stat.S_IXOTH), None)
 
 
 def unreachable_bwrap(bwrap: str, uid: int, exc: OSError) -> str:
@@ -164,17 +174,28 @@ class LocalBackend(Backend):
             return [self.mode]
         return ["unprivileged", "root-userns"] if os.geteuid() == 0 else ["unprivileged"]
 
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> LocalSandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, mounts: tuple[Mount, ...] = ()
+    ) -> LocalSandbox:
         limits = limits or Limits()
         if profile not in PROFILES:
             raise ValueError(f"unknown profile {profile!r}; the local backend has {sorted(PROFILES)}")
         if not os.path.exists(PROFILES[profile]):
             raise SandboxError(f"profile {profile!r} needs {PROFILES[profile]} on this host")
         self._prepare()
+        if os.geteuid() == 0 and "unprivileged" in self._modes():
+            for mount in mounts:  # checked here: a failed start would fall back to root-userns
+                closed = _closed_directory(mount.source)
+                if closed is not None:
+                    raise SandboxError(
+                        f"mount source {mount.source}: {closed} is closed to other users, and bwrap "
+                        f"runs as uid {self.sandbox_uid}, which must reach it; keep the source where "
+                        "every user may enter (chmod o+x)"
+                    )
         failures = []
         for mode in self._modes():
             try:
-                box = await self._start(mode, limits)
+                box = await self._start(mode, limits, tuple(mounts))
             except SandboxError as exc:
                 failures.append(f"{mode}: {exc}")
                 continue
@@ -192,7 +213,7 @@ class LocalBackend(Backend):
             return box
         raise SandboxError("could not start a bubblewrap sandbox: " + " | ".join(failures))
 
-    async def _start(self, mode: str, limits: Limits) -> LocalSandbox:
+    async def _start(self, mode: str, limits: Limits, mounts: tuple[Mount, ...]) -> LocalSandbox:
         sid = secrets.token_hex(6)
         name = f"{self._slug}.{self._owner}.{sid}"
         cgroup = None
@@ -215,6 +236,15 @@ class LocalBackend(Backend):
                 os.lseek(fd, 0, os.SEEK_SET)
                 data_fds.append(fd)
                 binds += ["--ro-bind-data", str(fd), path]
+            for mount in mounts:
+                # Opened here, by this process: bwrap (uid 65534 when root starts it) mounts the
+                # open file, so a source under /root needs no permission of the sandbox's user.
+                try:
+                    fd = os.open(mount.source, os.O_PATH | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise SandboxError(f"mount source {mount.source}: {exc.strerror}") from None
+                data_fds.append(fd)
+                binds += ["--bind-fd" if mount.writable else "--ro-bind-fd", str(fd), mount.target]
             argv = bwrap_argv(self.bwrap, name, limits, mode, binds, sandbox_end.fileno())
             run_as = self.sandbox_uid if os.geteuid() == 0 and mode == "unprivileged" else None
             try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from palaestra.sandbox.base import Backend, ExecResult, Limits, Sandbox, SandboxError, work_path
+from palaestra.sandbox.base import Backend, ExecResult, Limits, Mount, Sandbox, SandboxError, work_path
 
 __all__ = ["RemoteBackend", "RemoteSandbox"]
 
@@ -94,7 +94,14 @@ class RemoteBackend(Backend):
             raise ValueError(message)
         raise SandboxError(f"exec server {self.url}: HTTP {response.status_code}: {message}")
 
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> RemoteSandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, mounts: tuple[Mount, ...] = ()
+    ) -> RemoteSandbox:
+        if mounts:
+            raise SandboxError(
+                "the remote backend cannot mount host paths into a sandbox (they are on another "
+                "machine): use the local or docker backend"
+            )
         limits = limits or Limits()
         response = await self.request(
             "POST",
