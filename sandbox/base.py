@@ -25,6 +25,7 @@ __all__ = [
     "Backend",
     "ExecResult",
     "Limits",
+    "Mount",
     "Sandbox",
     "SandboxError",
     "Status",
@@ -46,6 +47,27 @@ memory: killed for exceeding the memory limit; output_limit: killed after stdout
 
 class SandboxError(RuntimeError):
     """The sandbox or its backend failed (not the command run in it)."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A directory of the host that a sandbox sees read-only (a per-repository Python environment,
+    say). Its files must be readable by every user: the sandboxes run unprivileged."""
+
+    source: str
+    """The host directory (absolute)."""
+    target: str
+    """Where the sandbox sees it (absolute; not the work directory, /tmp, /proc or /dev)."""
+
+    def __post_init__(self) -> None:
+        if not posixpath.isabs(self.source) or not posixpath.isabs(self.target):
+            raise ValueError(
+                f"Mount source and target must be absolute paths; got {self.source!r} -> {self.target!r}"
+            )
+        target = posixpath.normpath(self.target)
+        for taken in (WORKDIR, "/tmp", "/proc", "/dev", "/"):
+            if target == taken or (taken != "/" and target.startswith(taken + "/")):
+                raise ValueError(f"Mount target {self.target!r} must not be {taken} or inside it")
 
 
 @dataclass(frozen=True)
@@ -185,9 +207,12 @@ class Backend(abc.ABC):
     name = "abstract"
 
     @abc.abstractmethod
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> Sandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+    ) -> Sandbox:
         """A fresh sandbox. ``profile`` names what is installed in it ("python": python3 and a
-        POSIX shell)."""
+        POSIX shell); ``mounts`` are host directories it sees read-only (a backend that cannot
+        mount them raises SandboxError saying so)."""
 
     @abc.abstractmethod
     async def cleanup_leaked(self) -> int:

@@ -33,6 +33,7 @@ from palaestra.sandbox.base import (
     Backend,
     ExecResult,
     Limits,
+    Mount,
     Sandbox,
     SandboxError,
     to_argv,
@@ -180,24 +181,30 @@ class DockerBackend(Backend):
         local = self.client().api.base_url.startswith("http+docker://localhost")  # a unix socket
         return local and self.runtime in (None, "runc")
 
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> DockerSandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+    ) -> DockerSandbox:
         limits = limits or Limits()
         image = await asyncio.to_thread(self._image, profile)
         name = f"{self.label}-{uuid.uuid4().hex[:12]}"
-        container, conn = await asyncio.to_thread(self._start, image, name, limits)
+        container, conn = await asyncio.to_thread(self._start, image, name, limits, mounts)
         if conn is not None:
             channel = await SocketChannel.open(name, conn)
         else:
             channel = ExecChannel(name, self.client(), container.id, 16 * limits.output_bytes + (1 << 16))
         return DockerSandbox(self, container, limits, channel)
 
-    def _start(self, image: str, name: str, limits: Limits) -> tuple[Any, socket.socket | None]:
-        """Run the container; with the socket channel, also wait for its runner to connect."""
+    def _start(
+        self, image: str, name: str, limits: Limits, mounts: tuple[Mount, ...] = ()
+    ) -> tuple[Any, socket.socket | None]:
+        """Run the container; with the socket channel, also wait for its runner to connect.
+        ``mounts`` are read-only bind mounts of the daemon's host (the local engine's: this one)."""
         options = self.run_options(limits)
+        options["volumes"] = {m.source: {"bind": m.target, "mode": "ro"} for m in mounts}
         host = HostSocket() if self.uses_socket() else None
         try:
             if host is not None:
-                options["volumes"] = {host.path: {"bind": RUNNER_SOCKET, "mode": "ro"}}
+                options["volumes"][host.path] = {"bind": RUNNER_SOCKET, "mode": "ro"}
                 options["environment"] = {"PALAESTRA_RUNNER_SOCKET": RUNNER_SOCKET}  # PID 1's only
             container = self._run(image, name, options)
             if host is None:

@@ -41,6 +41,7 @@ from palaestra.sandbox.base import (
     Backend,
     ExecResult,
     Limits,
+    Mount,
     Sandbox,
     SandboxError,
     to_argv,
@@ -164,7 +165,9 @@ class LocalBackend(Backend):
             return [self.mode]
         return ["unprivileged", "root-userns"] if os.geteuid() == 0 else ["unprivileged"]
 
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> LocalSandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+    ) -> LocalSandbox:
         limits = limits or Limits()
         if profile not in PROFILES:
             raise ValueError(f"unknown profile {profile!r}; the local backend has {sorted(PROFILES)}")
@@ -174,7 +177,7 @@ class LocalBackend(Backend):
         failures = []
         for mode in self._modes():
             try:
-                box = await self._start(mode, limits)
+                box = await self._start(mode, limits, mounts)
             except SandboxError as exc:
                 failures.append(f"{mode}: {exc}")
                 continue
@@ -192,7 +195,7 @@ class LocalBackend(Backend):
             return box
         raise SandboxError("could not start a bubblewrap sandbox: " + " | ".join(failures))
 
-    async def _start(self, mode: str, limits: Limits) -> LocalSandbox:
+    async def _start(self, mode: str, limits: Limits, mounts: tuple[Mount, ...] = ()) -> LocalSandbox:
         sid = secrets.token_hex(6)
         name = f"{self._slug}.{self._owner}.{sid}"
         cgroup = None
@@ -215,6 +218,17 @@ class LocalBackend(Backend):
                 os.lseek(fd, 0, os.SEEK_SET)
                 data_fds.append(fd)
                 binds += ["--ro-bind-data", str(fd), path]
+            for mount in mounts:
+                # Opened here, by this process: bwrap (host uid 65534 when started by root) binds
+                # the open directory, so a source under a directory closed to it (/root) works.
+                try:
+                    fd = os.open(mount.source, os.O_PATH | os.O_DIRECTORY)
+                except OSError as exc:
+                    raise SandboxError(
+                        f"cannot mount {mount.source} into a sandbox: {exc.strerror}"
+                    ) from None
+                data_fds.append(fd)
+                binds += ["--ro-bind-fd", str(fd), mount.target]
             argv = bwrap_argv(self.bwrap, name, limits, mode, binds, sandbox_end.fileno())
             run_as = self.sandbox_uid if os.geteuid() == 0 and mode == "unprivileged" else None
             try:

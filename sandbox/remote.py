@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from palaestra.sandbox.base import Backend, ExecResult, Limits, Sandbox, SandboxError, work_path
+from palaestra.sandbox.base import Backend, ExecResult, Limits, Mount, Sandbox, SandboxError, work_path
 
 __all__ = ["RemoteBackend", "RemoteSandbox"]
 
@@ -94,8 +94,15 @@ class RemoteBackend(Backend):
             raise ValueError(message)
         raise SandboxError(f"exec server {self.url}: HTTP {response.status_code}: {message}")
 
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> RemoteSandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+    ) -> RemoteSandbox:
         limits = limits or Limits()
+        if mounts:
+            raise SandboxError(
+                f"the remote backend cannot mount this host's directories ({', '.join(m.source for m in mounts)}) "
+                "into the exec server's sandboxes: use the local or docker backend"
+            )
         response = await self.request(
             "POST",
             "/v1/sandboxes",
