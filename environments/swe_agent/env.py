@@ -39,7 +39,7 @@ SYSTEM = (
 )
 UNPARSED_CALL = "error: your tool call could not be parsed; write it in the tool-call format"
 KEEP_GOING = "Use the tools to work on the repository; call submit when you are done."
-GENERATOR_VERSION = "v1"
+GENERATOR_VERSION = "v2"  # v2: mutants judged by the tests that pass on the original, 20 s CPU each
 
 
 class SweAgentEnv(Environment):

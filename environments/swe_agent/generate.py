@@ -44,7 +44,7 @@ from palaestra.environments.swe_agent.snapshot import (
     write_directory,
 )
 from palaestra.environments.swe_agent.testrun import TestOutcome, collect_pytest_ids, run_tests, upload_tree
-from palaestra.sandbox.base import Backend
+from palaestra.sandbox.base import Backend, Limits
 
 REPOS_DIR = Path(__file__).with_name("repos")
 PYTEST = "python -m pytest -rA -p no:cacheprovider"
@@ -52,6 +52,8 @@ PYTEST = "python -m pytest -rA -p no:cacheprovider"
 REAL_PACKAGES = ("inflection==0.5.1", "toolz==1.2.0")
 """Pure-Python packages whose sdists ship their test suites, fast ones (~1 s): `palaestra swe
 fetch` downloads them, `palaestra swe generate --real` plants bugs in them."""
+MUTANT_LIMITS = Limits(timeout_s=60.0, cpu_s=20, memory_mb=1024, pids=128)
+"""A mutant's test run: a mutant that loops is given up on after 20 s of CPU (the suites here take ~1 s)."""
 NOT_SOURCE = ("docs/", "doc/", "examples/", "benchmarks/", "bench/", "scripts/")
 
 
@@ -289,7 +291,7 @@ async def _generate_repo(
         mutant = {**pristine, mutation.path: mutation.source.encode()}
         async with sem:
             run = await run_tests(
-                backend, mutant, all_tests, source.test_cmd, limits=GRADE_LIMITS, timeout_s=120, venv=venv
+                backend, mutant, all_tests, source.test_cmd, limits=MUTANT_LIMITS, timeout_s=60, venv=venv
             )
         failing = [run.outcomes[t] for t in all_tests if not run.outcomes[t].passed]
         if not 1 <= len(failing) <= max_failing or any(o.outcome == "missing" for o in failing):

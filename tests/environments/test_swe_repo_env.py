@@ -163,3 +163,30 @@ def test_an_environment_that_cannot_be_built_names_the_requirement(tmp_path, off
         and "could not be built" in result.reason
         and "palaestra-no-such-package" in result.reason
     )
+
+
+def test_the_environment_is_read_at_environment_setup_commit(tmp_path):
+    """SWE-bench builds one environment per version, from the repository at its
+    environment_setup_commit: that commit's declarations count, not the base's."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    (repo / "requirements.txt").write_text("six==1.17.0\n")
+    _git("init", "-q", "-b", "main", cwd=repo)
+    _git("add", "-A", cwd=repo)
+    _git("commit", "-q", "-m", "setup", cwd=repo)
+    setup = _git("rev-parse", "HEAD", cwd=repo)
+    (repo / "requirements.txt").write_text("idna\n")
+    _git("commit", "-qam", "base", cwd=repo)
+    row = {
+        "instance_id": "r-1",
+        "repo": str(repo),
+        "base_commit": _git("rev-parse", "HEAD", cwd=repo),
+        "problem_statement": "",
+        "patch": "",
+        "test_patch": "",
+        "FAIL_TO_PASS": ["t::a"],
+    }
+    at_base = instance_from_json(row)
+    assert env_spec(at_base, at_base.base()).requirements == ("idna",)
+    at_setup = instance_from_json({**row, "environment_setup_commit": setup})
+    assert env_spec(at_setup, at_setup.base()).requirements == ("six==1.17.0",)
