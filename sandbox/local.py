@@ -82,6 +82,12 @@ EXEC_GRACE_S = 5.0
 START_TIMEOUT_S = 30.0
 
 
+def closed_directory(path: str) -> Path | None:
+    """The first directory of ``path`` (itself included) that other users may not enter."""
+    full = Path(os.path.abspath(path))
+    return next((d for d in [*reversed(full.parents), full] if not os.stat(d).st_mode & stat.S_IXOTH), None)
+
+
 def unreachable_bwrap(bwrap: str, uid: int, exc: OSError) -> str:
     """Why uid `uid` could not run `bwrap`, naming the directory on its path that other users may
     not enter (a checkout under /root or in a `mktemp -d` directory, with the wheel's bwrap in its
@@ -151,12 +157,24 @@ class LocalBackend(Backend):
     @property
     def enforced(self) -> str:
         """How limits are enforced (decided on the first ``create``)."""
-        limits = (
-            f"{self._cgroups.describe()} + rlimits"
-            if self._cgroups is not None
-            else f"rlimits only ({self._cgroups_note})"
-        )
-        return f"bubblewrap, {self._mode_note or 'not started yet'}; {limits}"
+        return f"bubblewrap, {self._mode_note or 'not started yet'}; {self._limits_note()}"
+
+    def _limits_note(self) -> str:
+        if self._cgroups is not None:
+            return f"{self._cgroups.describe()} + rlimits"
+        return f"rlimits only ({self._cgroups_note})"
+
+    def _closed_mount(self, mounts: tuple[Mount, ...]) -> str | None:
+        """Why a mount cannot be bound by an unprivileged bwrap (it runs as ``sandbox_uid`` when
+        this process is root, and bwrap opens a mount's source by its path), or None."""
+        if os.geteuid() != 0:
+            return None
+        for mount in mounts:
+            closed = closed_directory(mount.source)
+            if closed is not None:
+                mode = stat.S_IMODE(os.stat(closed).st_mode)
+                return f"the mount {mount.source} is under {closed} (mode {mode:o}), which uid {self.sandbox_uid} cannot enter"
+        return None
 
     def _modes(self) -> list[str]:
         if self._mode is not None:
@@ -174,8 +192,22 @@ class LocalBackend(Backend):
         if not os.path.exists(PROFILES[profile]):
             raise SandboxError(f"profile {profile!r} needs {PROFILES[profile]} on this host")
         self._prepare()
+        modes = self._modes()
+        closed = self._closed_mount(mounts) if "unprivileged" in modes else None
+        if closed and self.mode != "auto":
+            raise SandboxError(
+                f"{closed}: let every user enter it (chmod o+x), keep what is mounted in such a directory "
+                "(an SWE instance's environment: env_cache_dir), or use LocalBackend(mode='root-userns')"
+            )
+        if closed:  # this sandbox only: the backend's own mode stays what it is
+            box = await self._start("root-userns", limits, mounts)
+            box.enforced = (
+                f"bubblewrap, user namespace mapped to host root ({closed}); commands without "
+                f"capabilities; {self._limits_note()}"
+            )
+            return box
         failures = []
-        for mode in self._modes():
+        for mode in modes:
             try:
                 box = await self._start(mode, limits, mounts)
             except SandboxError as exc:
@@ -219,8 +251,8 @@ class LocalBackend(Backend):
                 data_fds.append(fd)
                 binds += ["--ro-bind-data", str(fd), path]
             for mount in mounts:
-                # Opened here, by this process: bwrap (host uid 65534 when started by root) binds
-                # the open directory, so a source under a directory closed to it (/root) works.
+                # Opened here, so a missing source is this process's error; bwrap still resolves
+                # it by its path (the /proc/self/fd link), which `_closed_mount` checks first.
                 try:
                     fd = os.open(mount.source, os.O_PATH | os.O_DIRECTORY)
                 except OSError as exc:

@@ -34,7 +34,7 @@ import re
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from palaestra.environments.swe_agent.instance import SweInstance
@@ -111,7 +111,7 @@ class EnvOptions:
     """Whether pip may ask the package index; False: only ``find_links`` (offline)."""
     timeout_s: float = 900.0
     """Longest a build may take."""
-    extra_pip_args: tuple[str, ...] = field(default=())
+    extra_pip_args: tuple[str, ...] = ()
     """Passed through to ``pip install`` as they are."""
 
     def root(self) -> Path:

@@ -190,3 +190,36 @@ def test_the_environment_is_read_at_environment_setup_commit(tmp_path):
     assert env_spec(at_base, at_base.base()).requirements == ("idna",)
     at_setup = instance_from_json({**row, "environment_setup_commit": setup})
     assert env_spec(at_setup, at_setup.base()).requirements == ("six==1.17.0",)
+
+
+def test_a_mount_under_a_directory_closed_to_the_sandbox_user_is_handled_by_name(tmp_path):
+    """Started by root, bwrap runs as uid 65534 and opens a mount's source by its path: under a
+    closed directory (pytest's tmp_path, /root/.cache) auto mode starts that sandbox mapped to host
+    root and says so in `enforced`; mode unprivileged refuses, naming the directory."""
+    import os
+
+    from palaestra.sandbox.base import Mount, SandboxError
+    from palaestra.sandbox.local import LocalBackend, closed_directory
+
+    if os.geteuid() != 0:
+        pytest.skip("only root's bwrap runs as another user (uid 65534)")
+    closed = tmp_path / "closed"
+    (closed / "venv").mkdir(parents=True)
+    (closed / "venv" / "marker").write_text("here")
+    closed.chmod(0o700)
+    (closed / "venv").chmod(0o755)
+    mount = (Mount(str(closed / "venv"), "/venv"),)
+
+    async def run(mode):
+        backend = LocalBackend(mode=mode)
+        async with await backend.create("python") as plain:  # the backend's own mode is chosen first
+            plain_enforced = plain.enforced
+        async with await backend.create("python", mounts=mount) as box:
+            return plain_enforced, box.enforced, (await box.exec("cat /venv/marker")).stdout
+
+    first = closed_directory(str(closed))  # pytest's own base directory is closed too
+    plain, enforced, seen = asyncio.run(run("auto"))
+    assert seen == "here" and "unprivileged" in plain
+    assert "mapped to host root" in enforced and f"under {first} (mode 700)" in enforced
+    with pytest.raises(SandboxError, match=f"under {first} \\(mode 700\\), which uid 65534 cannot enter"):
+        asyncio.run(run("unprivileged"))
