@@ -30,6 +30,9 @@ $(STAMP): pyproject.toml Makefile
 	# the coding-agent harnesses at their pinned versions, from npm into ~/.cache/palaestra/harnesses
 	# (cached; tests/environments/test_harness_binaries.py skips, saying so, without npm)
 	$(PY) -m palaestra.cli harness install || echo "warning: harnesses not installed (needs npm): their tests skip"
+	# pytest's wheels and two real packages' sdists into ~/.cache/palaestra/swe/packages: SWE instances'
+	# environments build offline from them, and `palaestra swe generate --real` plants bugs in them
+	$(PY) -m palaestra.cli swe fetch >/dev/null || echo "warning: swe packages not fetched: the offline swe environment tests skip"
 	touch $(STAMP)
 
 install: $(STAMP)

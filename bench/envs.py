@@ -3,6 +3,7 @@ at concurrency 1 and 16 on the local (bubblewrap) sandbox backend, and where an 
 goes (model calls, sandbox work, grading).
 
     .venv/bin/python bench/envs.py [--code-episodes 32] [--swe-episodes 16] [--backend local]
+    .venv/bin/python bench/envs.py --swe-data real.jsonl --find-links ~/.cache/palaestra/swe/packages --no-index
 
 The model is a scripted engine (a test double from tests/support/servers.py that answers /generate
 with the token ids of a correct agent's turns: one tool round trip, then the answer; for swe:
@@ -46,14 +47,29 @@ def code_turns(task) -> list[str]:
     return [call("run_python", code=task.reference + "\nprint('ok')\n"), f"```python\n{task.reference}```"]
 
 
-def swe_turns(instance) -> list[str]:
+def swe_turns(instance, whole_files: bool = True) -> list[str]:
+    """Read and rewrite each fixed file, run the tests, submit; without `whole_files` (real
+    packages' files are long), replace the changed lines only."""
     base = instance.base()
     fixed = apply_patch(base, instance.patch)
     turns = []
     for path in sorted(patch_paths(instance.patch)):
-        turns.append(call("read_file", path=path))
-        turns.append(call("write_file", path=path, content=fixed[path].decode()))
-    return [*turns, call("bash", command="python3 -m unittest 2>&1 | tail -1"), call("submit")]
+        if whole_files:
+            turns.append(call("read_file", path=path))
+            turns.append(call("write_file", path=path, content=fixed[path].decode()))
+            continue
+        before, after = base[path].decode().splitlines(True), fixed[path].decode().splitlines(True)
+        i = next(k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+        old = "".join(before[max(i - 1, 0) : i + 2])
+        turns.append(
+            call(
+                "str_replace",
+                path=path,
+                old_str=old,
+                new_str="".join(after[max(i - 1, 0) : i + 2 + len(after) - len(before)]),
+            )
+        )
+    return [*turns, call("bash", command=f"{instance.test_cmd} 2>&1 | tail -1"), call("submit")]
 
 
 class Agents:
@@ -98,6 +114,9 @@ def report(name: str, runs: dict[int, tuple]) -> None:
             f"reward {summary.reward_mean:.2f}, failed {failed}; episode time: {split} "
             f"({1000 * total / len(summary.results):.0f} ms per episode summed over phases)"
         )
+        errors = [r.error for r in summary.results if r.error]
+        if errors:
+            print(f"{name:5s}   first of {len(errors)} errors: {errors[0][:500]}")
     print(f"{name:5s} speed-up at 16 over 1: {rates[16] / rates[1]:.2f}x")
 
 
@@ -106,6 +125,17 @@ def main() -> None:
     ap.add_argument("--code-episodes", type=int, default=32)
     ap.add_argument("--swe-episodes", type=int, default=16)
     ap.add_argument("--backend", default="local")
+    ap.add_argument(
+        "--swe-data",
+        help="a JSONL of swe instances (e.g. `palaestra swe generate --real`) instead of generating",
+    )
+    ap.add_argument(
+        "--find-links",
+        nargs="*",
+        default=[],
+        help="for --swe-data: where pip finds the environments' packages",
+    )
+    ap.add_argument("--no-index", action="store_true", help="for --swe-data: build the environments offline")
     args = ap.parse_args()
     backend = resolve_backend(args.backend)
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
@@ -113,16 +143,25 @@ def main() -> None:
     code_tasks = list({t.prompt: t for t in take_tasks(code, 4 * args.code_episodes, seed=0)}.values())
     code_tasks = [code_tasks[i % len(code_tasks)] for i in range(args.code_episodes)]
     with tempfile.TemporaryDirectory(prefix="bench-envs-") as tmp:
-        out = Path(tmp) / "swe.jsonl"
-        t0 = time.perf_counter()
-        instances = asyncio.run(generate(out, backend, per_kind=1, repos=["textkit", "ledger"]))
-        print(f"generated and validated {len(instances)} swe instances in {time.perf_counter() - t0:.0f} s")
-        swe = SweAgentEnv(data=str(out), backend=backend, max_tokens=8192)  # write_file sends whole files
+        out = Path(args.swe_data or Path(tmp) / "swe.jsonl")
+        if not args.swe_data:
+            t0 = time.perf_counter()
+            instances = asyncio.run(generate(out, backend, per_kind=1, repos=["textkit", "ledger"]))
+            print(
+                f"generated and validated {len(instances)} swe instances in {time.perf_counter() - t0:.0f} s"
+            )
+        swe = SweAgentEnv(
+            data=str(out),
+            backend=backend,
+            max_tokens=8192,
+            find_links=args.find_links,
+            index=not args.no_index,
+        )  # write_file sends whole files
         # The scripted engine tells sessions apart by their prompt: keep tasks whose prompts differ.
         pool = list({i.problem_statement: i for i in swe.tasks(0)}.values())
         swe_tasks = [pool[i % len(pool)] for i in range(args.swe_episodes)]
         scripts = {t.prompt: code_turns(t) for t in code_tasks}
-        scripts |= {i.problem_statement: swe_turns(i) for i in pool}
+        scripts |= {i.problem_statement: swe_turns(i, whole_files=not args.swe_data) for i in pool}
         engine = ScriptedEngine(Agents(tok, scripts), stop_ids={tok.convert_tokens_to_ids("<|im_end|>")})
         with ThreadServer(engine.app()) as eng:
             config = GatewayConfig(

@@ -11,7 +11,7 @@ Each command group lives next to the code it drives and registers its sub-comman
     palaestra sandbox exec|serve|build-images    sandbox/cli.py
     palaestra train                              palaestra/train.py (a run on Ray)
     palaestra export                             trainer/export.py (PEFT adapter, merged HF model)
-    palaestra swe generate|validate              environments/swe_agent/cli.py
+    palaestra swe generate|validate|fetch        environments/swe_agent/cli.py
     palaestra harness install|path               environments/harness/install.py (Claude Code, Codex)
 
 `palaestra --help` lists them (tests/palaestra/test_docs_true.py checks this list against it).

@@ -110,6 +110,9 @@ class Mount:
     """Absolute path inside the sandbox, outside its system directories and work directory."""
     writable: bool = False
     """Read-only unless set (a unix socket's directory needs it for ``connect``)."""
+    live: bool = False
+    """The host changes what is there while the sandbox runs (a socket, a stop file): always a bind
+    mount, never a copy (the docker backend's ``mounts="layer"`` copies the others). Writable implies it."""
 
     def __post_init__(self) -> None:
         if not posixpath.isabs(self.source):

@@ -96,14 +96,32 @@ class DockerBackend(Backend):
     bind-mounted in, ~1 ms a request), "exec" (``docker exec`` per request, ~100 ms), or "auto":
     socket with a local engine and the default runtime, else exec."""
 
+    mounts: str = "layer"
+    """How a sandbox's mounts (host directories it sees read-only) get in: "layer" (copied into an
+    image layer built once per content: works with an engine on another host) or "bind" (read-only
+    bind mounts: the engine must see this host's paths). A live or writable mount is always bound."""
+
     name = "docker"
 
     def __post_init__(self) -> None:
         if self.channel not in ("auto", "socket", "exec"):
             raise ValueError(f"'channel' must be auto, socket or exec; got {self.channel!r}")
+        if self.mounts not in ("layer", "bind"):
+            raise ValueError(f"'mounts' must be layer or bind; got {self.mounts!r}")
         self._client: Any = None
         self._owner = _owner_id()
         self._image_tags: dict[str, str] = {}
+        self._layers: dict[tuple[str, tuple[Mount, ...]], str] = {}
+
+    def _layered(self, image: str, mounts: tuple[Mount, ...]) -> str:
+        """``image`` with the mounts' directories in a layer of their own (built on first use)."""
+        if (image, mounts) not in self._layers:
+            from palaestra.sandbox.images import build
+
+            self._layers[image, mounts] = build.ensure_layer(
+                self.client(), image, [(m.source, m.target) for m in mounts]
+            )
+        return self._layers[image, mounts]
 
     @property
     def enforced(self) -> str:
@@ -186,6 +204,10 @@ class DockerBackend(Backend):
     ) -> DockerSandbox:
         limits = limits or Limits()
         image = await asyncio.to_thread(self._image, profile)
+        copied = tuple(m for m in mounts if not (m.live or m.writable)) if self.mounts == "layer" else ()
+        if copied:
+            image = await asyncio.to_thread(self._layered, image, copied)
+            mounts = tuple(m for m in mounts if m not in copied)
         name = f"{self.label}-{uuid.uuid4().hex[:12]}"
         container, conn = await asyncio.to_thread(self._start, image, name, limits, tuple(mounts))
         if conn is not None:

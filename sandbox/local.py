@@ -82,12 +82,13 @@ EXEC_GRACE_S = 5.0
 START_TIMEOUT_S = 30.0
 
 
-def _closed_directory(path: str) -> Path | None:
-    """The first directory on the way to `path` (itself included) that other users may not enter."""
-    target = Path(os.path.abspath(path))
-    if not target.exists():
-        return None  # opening it says so
-    chain = [*reversed(target.parents), *([target] if target.is_dir() else [])]
+def closed_directory(path: str) -> Path | None:
+    """The first directory on the way to ``path`` (itself included when a directory) that other
+    users may not enter; None when there is none, or no such path (opening it says so)."""
+    full = Path(os.path.abspath(path))
+    if not full.exists():
+        return None
+    chain = [*reversed(full.parents), *([full] if full.is_dir() else [])]
     return next((d for d in chain if not os.stat(d).st_mode & stat.S_IXOTH), None)
 
 
@@ -160,12 +161,24 @@ class LocalBackend(Backend):
     @property
     def enforced(self) -> str:
         """How limits are enforced (decided on the first ``create``)."""
-        limits = (
-            f"{self._cgroups.describe()} + rlimits"
-            if self._cgroups is not None
-            else f"rlimits only ({self._cgroups_note})"
-        )
-        return f"bubblewrap, {self._mode_note or 'not started yet'}; {limits}"
+        return f"bubblewrap, {self._mode_note or 'not started yet'}; {self._limits_note()}"
+
+    def _limits_note(self) -> str:
+        if self._cgroups is not None:
+            return f"{self._cgroups.describe()} + rlimits"
+        return f"rlimits only ({self._cgroups_note})"
+
+    def _closed_mount(self, mounts: tuple[Mount, ...]) -> str | None:
+        """Why a mount cannot be bound by an unprivileged bwrap (it runs as ``sandbox_uid`` when
+        this process is root, and bwrap opens a mount's source by its path), or None."""
+        if os.geteuid() != 0:
+            return None
+        for mount in mounts:
+            closed = closed_directory(mount.source)
+            if closed is not None:
+                mode = stat.S_IMODE(os.stat(closed).st_mode)
+                return f"the mount {mount.source} is under {closed} (mode {mode:o}), which uid {self.sandbox_uid} cannot enter"
+        return None
 
     def _modes(self) -> list[str]:
         if self._mode is not None:
@@ -183,19 +196,24 @@ class LocalBackend(Backend):
         if not os.path.exists(PROFILES[profile]):
             raise SandboxError(f"profile {profile!r} needs {PROFILES[profile]} on this host")
         self._prepare()
-        if os.geteuid() == 0 and "unprivileged" in self._modes():
-            for mount in mounts:  # checked here: a failed start would fall back to root-userns
-                closed = _closed_directory(mount.source)
-                if closed is not None:
-                    raise SandboxError(
-                        f"mount source {mount.source}: {closed} is closed to other users, and bwrap "
-                        f"runs as uid {self.sandbox_uid}, which must reach it; keep the source where "
-                        "every user may enter (chmod o+x)"
-                    )
+        modes = self._modes()
+        closed = self._closed_mount(mounts) if "unprivileged" in modes else None
+        if closed and self.mode != "auto":
+            raise SandboxError(
+                f"{closed}: let every user enter it (chmod o+x), keep what is mounted in such a directory "
+                "(an SWE instance's environment: env_cache_dir), or use LocalBackend(mode='root-userns')"
+            )
+        if closed:  # this sandbox only: the backend's own mode stays what it is
+            box = await self._start("root-userns", limits, mounts)
+            box.enforced = (
+                f"bubblewrap, user namespace mapped to host root ({closed}); commands without "
+                f"capabilities; {self._limits_note()}"
+            )
+            return box
         failures = []
-        for mode in self._modes():
+        for mode in modes:
             try:
-                box = await self._start(mode, limits, tuple(mounts))
+                box = await self._start(mode, limits, mounts)
             except SandboxError as exc:
                 failures.append(f"{mode}: {exc}")
                 continue
@@ -237,12 +255,16 @@ class LocalBackend(Backend):
                 data_fds.append(fd)
                 binds += ["--ro-bind-data", str(fd), path]
             for mount in mounts:
-                # Opened here, by this process: bwrap (uid 65534 when root starts it) mounts the
-                # open file, so a source under /root needs no permission of the sandbox's user.
+                # Opened here, by this process, so a missing source is this process's error; bwrap
+                # still resolves it by its path (the /proc/self/fd link), which `_closed_mount`
+                # checks first. A file (a binary) or a directory; writable only when asked (a unix
+                # socket's directory, for connect).
                 try:
                     fd = os.open(mount.source, os.O_PATH | os.O_CLOEXEC)
                 except OSError as exc:
-                    raise SandboxError(f"mount source {mount.source}: {exc.strerror}") from None
+                    raise SandboxError(
+                        f"cannot mount {mount.source} into a sandbox: {exc.strerror}"
+                    ) from None
                 data_fds.append(fd)
                 binds += ["--bind-fd" if mount.writable else "--ro-bind-fd", str(fd), mount.target]
             argv = bwrap_argv(self.bwrap, name, limits, mode, binds, sandbox_end.fileno())

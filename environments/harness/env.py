@@ -136,7 +136,7 @@ class HarnessEnv(SweAgentEnv):
             )
             await tunnel.start()
             try:
-                mounts = (Mount(str(root), f"{HARNESS_DIR}/{root.name}"), Mount(run_dir, RUN_DIR))
+                mounts = (Mount(str(root), f"{HARNESS_DIR}/{root.name}"), Mount(run_dir, RUN_DIR, live=True))
                 async with episode.timed("sandbox"):
                     box: Sandbox = await self.backend.create("python", self.box_limits, mounts)
                 try:

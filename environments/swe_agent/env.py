@@ -24,6 +24,7 @@ from typing import Any
 from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult, resolve_backend
 from palaestra.environments.swe_agent.grading import grade, validate
 from palaestra.environments.swe_agent.instance import SweInstance, load_jsonl
+from palaestra.environments.swe_agent.repo_env import EnvOptions, instance_env, venv_mount
 from palaestra.environments.swe_agent.snapshot import agent_copy_tar, diff_snapshots, unpack_tar
 from palaestra.environments.swe_agent.testrun import upload_tree
 from palaestra.environments.swe_agent.tools import TOOLS, call_tool, download_repo
@@ -34,11 +35,11 @@ from palaestra.sdk.session import Session
 SYSTEM = (
     "You are a software engineer fixing a bug in a Python repository. The repository is your working "
     "directory. Use the tools to read the code, reproduce the problem, edit files and run the tests "
-    "(python3 -m unittest). Change the library, not the tests. When you are done, call submit."
+    "({test_cmd}). Change the library, not the tests. When you are done, call submit."
 )
 UNPARSED_CALL = "error: your tool call could not be parsed; write it in the tool-call format"
 KEEP_GOING = "Use the tools to work on the repository; call submit when you are done."
-GENERATOR_VERSION = "v1"
+GENERATOR_VERSION = "v2"  # v2: mutants judged by the tests that pass on the original, 20 s CPU each
 
 
 class SweAgentEnv(Environment):
@@ -54,15 +55,22 @@ class SweAgentEnv(Environment):
         tool_timeout_s: float = 30.0,
         cache_dir: str | None = None,
         generate_seed: int = 0,
+        env_cache_dir: str | None = None,
+        find_links: list[str] | None = None,
+        index: bool = True,
     ):
         """`data` a SWE-bench-style JSONL (default: the generated set); `backend` a sandbox spec or
-        a `Backend`; `max_turns` model calls per episode."""
+        a `Backend`; `max_turns` model calls per episode. Instances that need an environment of
+        their own (`repo_env.py`) get one built in `env_cache_dir` (default
+        ``~/.cache/palaestra/swe/envs``) by pip, from the package index unless `index` is false,
+        and from the `find_links` directories."""
         self.loop = ToolLoop(TOOLS, max_turns, max_tokens, temperature, UNPARSED_CALL, KEEP_GOING)
         self.data, self.backend = data, resolve_backend(backend)
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
         self.tool_timeout_s = tool_timeout_s
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "palaestra" / "swe")
         self.generate_seed = generate_seed
+        self.env_options = EnvOptions(env_cache_dir, tuple(find_links or ()), index)
         self.limits = Limits(timeout_s=tool_timeout_s, cpu_s=int(tool_timeout_s), memory_mb=1024, pids=128)
         self._instances: list[SweInstance] | None = None
         self._validated: dict[str, asyncio.Future] = {}
@@ -95,7 +103,7 @@ class SweAgentEnv(Environment):
         future = self._validated.get(instance.instance_id)
         if future is None:
             future = self._validated[instance.instance_id] = asyncio.ensure_future(
-                validate(instance, self.backend)
+                validate(instance, self.backend, env_options=self.env_options)
             )
         result = await future
         if not result.valid:
@@ -106,7 +114,7 @@ class SweAgentEnv(Environment):
         log = EpisodeLog()
         base = await asyncio.to_thread(task.base)  # git archive: off the event loop
         messages: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM},
+            {"role": "system", "content": SYSTEM.format(test_cmd=task.test_cmd)},
             {"role": "user", "content": task.problem_statement},
         ]
         submitted = False
@@ -119,8 +127,11 @@ class SweAgentEnv(Environment):
             timed_out = result is not None and result.status == "timeout"
             return ToolResult(text, "sandbox_timeout" if timed_out else None, ends_episode=name == "submit")
 
+        venv = await instance_env(task, base, self.env_options)  # built by the validation above
         async with log.timed("sandbox"):
-            box: Sandbox = await self.backend.create("python", self.limits)
+            box: Sandbox = await self.backend.create(
+                "python", self.limits, mounts=(venv_mount(venv),) if venv else ()
+            )
         try:
             async with log.timed("sandbox"):
                 unpacked = await upload_tree(box, await asyncio.to_thread(agent_copy_tar, base))
@@ -137,7 +148,7 @@ class SweAgentEnv(Environment):
         model_patch = diff_snapshots(base, agent_tree)
         try:
             async with log.timed("grade"):
-                result = await grade(task, model_patch, self.backend, base)
+                result = await grade(task, model_patch, self.backend, base, env_options=self.env_options)
         except (SandboxError, RuntimeError):
             log.fail("grader_error")
             return Reward(0.0, log.metrics(resolved=0.0, submitted=float(submitted)))

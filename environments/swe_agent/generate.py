@@ -1,10 +1,14 @@
-"""Generating SWE instances by planting bugs in the repositories bundled under ``repos/``.
+"""Generating SWE instances by planting bugs in repositories: the ones bundled under ``repos/``
+(unittest suites, the standard library only) or real packages' source distributions, which ship
+their own test suites (pytest, run in the package's environment: `repo_env.py`).
 
     instances = await generate(Path("swe.jsonl"), backend, seed=0, per_kind=3)
+    instances = await generate(Path("real.jsonl"), backend, sources=[sdist_source(Path("toolz-1.2.0.tar.gz"))])
 
-For each bundled repository: every mutation `mutate.py` admits is listed per bug kind and
-shuffled (seeded); a mutant is tried by running the whole test suite on it in a sandbox. It becomes
-an instance when 1 to ``max_failing`` tests fail: those are FAIL_TO_PASS, the rest PASS_TO_PASS.
+For each repository: every mutation `mutate.py` admits in its source (not its tests) is listed per
+bug kind and shuffled (seeded); a mutant is tried by running the tests that pass on the original in
+a sandbox. It becomes an instance when 1 to ``max_failing`` of them fail: those are FAIL_TO_PASS,
+the rest PASS_TO_PASS.
 The test modules that hold FAIL_TO_PASS tests are removed from the base and come back in
 ``test_patch``; ``patch`` is the diff from the mutant back to the original source. Each instance's
 base is a commit of a git repository written next to the JSONL (``<stem>.repos/<repo>``, one
@@ -21,28 +25,92 @@ import ast
 import asyncio
 import os
 import random
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from palaestra.environments.swe_agent.grading import validate
+from palaestra.environments.swe_agent.grading import GRADE_LIMITS, validate
 from palaestra.environments.swe_agent.instance import UNITTEST, SweInstance, write_jsonl
 from palaestra.environments.swe_agent.mutate import KINDS, Mutation, mutations
+from palaestra.environments.swe_agent.repo_env import EnvOptions, ensure_env, files_spec, venv_mount
 from palaestra.environments.swe_agent.snapshot import (
     Snapshot,
     diff_snapshots,
     read_directory,
+    unpack_tar,
     write_directory,
 )
-from palaestra.environments.swe_agent.testrun import TestOutcome, run_tests
-from palaestra.sandbox.base import Backend
+from palaestra.environments.swe_agent.testrun import TestOutcome, collect_pytest_ids, run_tests, upload_tree
+from palaestra.sandbox.base import Backend, Limits
 
 REPOS_DIR = Path(__file__).with_name("repos")
+PYTEST = "python -m pytest -rA -p no:cacheprovider"
+"""The test command of instances generated from real packages (their environment has pytest)."""
+REAL_PACKAGES = ("inflection==0.5.1", "toolz==1.2.0")
+"""Pure-Python packages whose sdists ship their test suites, fast ones (~1 s): `palaestra swe
+fetch` downloads them, `palaestra swe generate --real` plants bugs in them."""
+MUTANT_LIMITS = Limits(timeout_s=60.0, cpu_s=20, memory_mb=1024, pids=128)
+"""A mutant's test run: a mutant that loops is given up on after 20 s of CPU (the suites here take ~1 s)."""
+NOT_SOURCE = ("docs/", "doc/", "examples/", "benchmarks/", "bench/", "scripts/")
 
 
 def bundled_repos() -> list[str]:
     return sorted(p.name for p in REPOS_DIR.iterdir() if (p / "tests").is_dir())
+
+
+def is_test_file(path: str) -> bool:
+    parts = path.split("/")
+    name = parts[-1]
+    return path.endswith(".py") and (
+        name.startswith("test_")
+        or name.endswith("_test.py")
+        or name == "conftest.py"
+        or "tests" in parts[:-1]
+    )
+
+
+@dataclass(frozen=True)
+class RepoSource:
+    """A repository to plant bugs in: its files and how its tests run."""
+
+    name: str
+    files: Snapshot
+    test_cmd: str = UNITTEST
+    """`UNITTEST` (ids from `discover_tests`) or a pytest command (ids collected in a sandbox)."""
+
+    def source_files(self) -> list[str]:
+        """Where bugs are planted: its Python modules, not its tests, setup or docs."""
+        return [
+            p
+            for p in sorted(self.files)
+            if p.endswith(".py") and not is_test_file(p) and p != "setup.py" and not p.startswith(NOT_SOURCE)
+        ]
+
+    def test_file(self, test_id: str) -> str:
+        if self.test_cmd == UNITTEST:
+            return "/".join(test_id.split(".")[:-2]) + ".py"
+        return test_id.split("::")[0]
+
+
+def bundled_source(name: str) -> RepoSource:
+    return RepoSource(name, read_directory(REPOS_DIR / name))
+
+
+def sdist_source(path: Path) -> RepoSource:
+    """A source distribution (``name-version.tar.gz``) as it ships: its top directory stripped,
+    its ``*.egg-info`` left out; tested with `PYTEST`."""
+    files: Snapshot = {}
+    for member, data in unpack_tar(Path(path).read_bytes()).items():
+        inner = member.partition("/")[2]
+        if inner and ".egg-info/" not in inner:
+            files[inner] = data
+    name = re.split(r"-\d", Path(path).name, maxsplit=1)[0].lower().replace("_", "-")
+    if not any(is_test_file(p) for p in files):
+        raise ValueError(f"{Path(path).name} ships no tests (no test_*.py, *_test.py or tests/)")
+    return RepoSource(name, files, PYTEST)
 
 
 def discover_tests(files: Snapshot) -> list[str]:
@@ -62,19 +130,18 @@ def discover_tests(files: Snapshot) -> list[str]:
     return ids
 
 
-def _module_path(test_id: str) -> str:
-    return "/".join(test_id.split(".")[:-2]) + ".py"
-
-
 def problem_statement(repo: str, mutation: Mutation, failing: list[TestOutcome]) -> str:
     """An issue as a user would file it: what they ran, what happened. Names no fix."""
     parts = [f"{repo}: wrong behaviour\n"]
     for outcome in failing[:2]:
         at = outcome.at or {}
         call = (at.get("code") or "").strip()
-        what = outcome.id.split(".")[-1].removeprefix("test_").replace("_", " ")
-        parts.append(f"Expected behaviour ({what}) does not hold. Running\n\n    {call}\n\nfails with:\n")
-        parts.append(f"    {outcome.message}\n")
+        what = re.split(r"[.:]", outcome.id)[-1].removeprefix("test_").replace("_", " ")
+        if call:
+            parts.append(f"Expected behaviour ({what}) does not hold. Running\n\n    {call}\n\nfails with:\n")
+        else:  # pytest's summary names the failure, not the line
+            parts.append(f"Expected behaviour ({what}) does not hold; it fails with:\n")
+        parts.append(f"    {outcome.message or outcome.outcome}\n")
     parts.append(
         "Please fix the library so that it behaves as documented; the existing behaviour that works "
         "must keep working."
@@ -129,33 +196,68 @@ async def generate(
     seed: int = 0,
     per_kind: int = 3,
     repos: list[str] | None = None,
+    sources: list[RepoSource] | None = None,
     max_failing: int = 4,
     tries_per_kind: int = 12,
     concurrency: int = 4,
+    env_options: EnvOptions | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[SweInstance]:
-    """Writes ``out`` (JSONL) and ``<out stem>.repos/``; returns the validated instances."""
+    """Writes ``out`` (JSONL) and ``<out stem>.repos/``; returns the validated instances. The
+    repositories are ``sources``, else the bundled ``repos`` (default: all of them)."""
     out = Path(out)
     repo_root = out.parent / f"{out.stem}.repos"
+    if sources is None:
+        sources = [bundled_source(name) for name in repos or bundled_repos()]
     kept: list[SweInstance] = []
-    for name in repos or bundled_repos():
+    for source in sources:
         kept += await _generate_repo(
-            name,
-            repo_root / name,
+            source,
+            repo_root / source.name,
             backend,
             seed,
             per_kind,
             max_failing,
             tries_per_kind,
             concurrency,
+            env_options or EnvOptions(),
             progress,
         )
     write_jsonl(kept, out, relative_to=out.parent)
     return kept
 
 
+async def _suite(source: RepoSource, backend: Backend, venv: Path | None) -> list[str]:
+    """The ids of the tests that pass on the original (those a mutant is judged by)."""
+    if source.test_cmd == UNITTEST:
+        ids = discover_tests(source.files)
+    else:
+        box = await backend.create("python", GRADE_LIMITS, mounts=(venv_mount(venv),) if venv else ())
+        try:
+            unpacked = await upload_tree(box, source.files)
+            if not unpacked.ok:
+                raise RuntimeError(f"could not unpack {source.name}: {unpacked.stderr[-300:]}")
+            targets = sorted(
+                {p.rsplit("/", 1)[0] if "/" in p else p for p in source.files if is_test_file(p)}
+            )
+            ids = await collect_pytest_ids(
+                box, source.test_cmd, [t for t in targets if not t.endswith("conftest.py")]
+            )
+        finally:
+            await box.close()
+    run = await run_tests(
+        backend, source.files, ids, source.test_cmd, limits=GRADE_LIMITS, timeout_s=120, venv=venv
+    )
+    passing = [i for i in ids if run.outcomes[i].passed]
+    if not passing:
+        raise RuntimeError(
+            f"{source.name}: no test passes on the original ({run.command_failed or run.exec.status})"
+        )
+    return passing
+
+
 async def _generate_repo(
-    name: str,
+    source: RepoSource,
     git_dir: Path,
     backend: Backend,
     seed: int,
@@ -163,30 +265,38 @@ async def _generate_repo(
     max_failing: int,
     tries_per_kind: int,
     concurrency: int,
+    env_options: EnvOptions,
     progress: Callable[[str], None] | None,
 ) -> list[SweInstance]:
     sem = asyncio.Semaphore(concurrency)
     kept: list[SweInstance] = []
-    pristine = read_directory(REPOS_DIR / name)
-    all_tests = discover_tests(pristine)
+    name, pristine = source.name, source.files
+    spec = files_spec(pristine, source.test_cmd, name)
+    venv = await ensure_env(spec, env_options) if spec else None
+    all_tests = await _suite(source, backend, venv)
     shutil.rmtree(git_dir, ignore_errors=True)
     git_dir.mkdir(parents=True)
     _git("init", "-q", "-b", "main", cwd=git_dir)
     root_commit = _commit_tree(git_dir, pristine, f"{name}: original", None, "main")
     by_kind: dict[str, list[Mutation]] = {kind: [] for kind in KINDS}
-    for path in sorted(pristine):
-        if path.endswith(".py") and not path.startswith("tests/"):
-            for mutation in mutations(path, pristine[path].decode()):
-                by_kind[mutation.kind].append(mutation)
+    for path in source.source_files():
+        try:
+            text = pristine[path].decode()
+        except UnicodeDecodeError:
+            continue
+        for mutation in mutations(path, text):
+            by_kind[mutation.kind].append(mutation)
 
     async def attempt(mutation: Mutation, index: int) -> SweInstance | None:
         mutant = {**pristine, mutation.path: mutation.source.encode()}
         async with sem:
-            run = await run_tests(backend, mutant, all_tests, UNITTEST, timeout_s=60)
+            run = await run_tests(
+                backend, mutant, all_tests, source.test_cmd, limits=MUTANT_LIMITS, timeout_s=60, venv=venv
+            )
         failing = [run.outcomes[t] for t in all_tests if not run.outcomes[t].passed]
         if not 1 <= len(failing) <= max_failing or any(o.outcome == "missing" for o in failing):
             return None
-        hidden = {_module_path(o.id) for o in failing}
+        hidden = {source.test_file(o.id) for o in failing}
         base = {p: d for p, d in mutant.items() if p not in hidden}
         instance_id = f"{name}__{mutation.kind}__{index}"
         commit = _commit_tree(git_dir, base, f"{name}: snapshot", root_commit, f"instances/{instance_id}")
@@ -202,7 +312,7 @@ async def _generate_repo(
             test_patch=diff_snapshots({}, {p: mutant[p] for p in sorted(hidden)}),
             FAIL_TO_PASS=tuple(f2p),
             PASS_TO_PASS=tuple(t for t in all_tests if t not in f2p),
-            test_cmd=UNITTEST,
+            test_cmd=source.test_cmd,
             bug_kind=mutation.kind,
             source="generated",
             extra={
@@ -210,7 +320,7 @@ async def _generate_repo(
             },
         )
         async with sem:
-            check = await validate(instance, backend)
+            check = await validate(instance, backend, env_options=env_options)
         if progress:
             progress(f"{instance_id}: {'valid' if check.valid else 'invalid: ' + check.reason}")
         return instance if check.valid else None

@@ -5,6 +5,9 @@ every file the ``test_patch`` touches reset to the base and the ``test_patch`` a
 of the agent's reaches the tests that grade — unpacked in a fresh sandbox, FAIL_TO_PASS and
 PASS_TO_PASS run. Reward 1 only if both sets pass; a patch that does not apply scores 0.
 
+Both run the tests in the instance's environment when it needs one (`repo_env.py`: its requirements
+in a virtualenv mounted at ``/venv``).
+
 Validation (`validate`), run on every instance generated or loaded:
 1. the reference ``patch`` makes FAIL_TO_PASS and PASS_TO_PASS pass;
 2. the empty patch fails every FAIL_TO_PASS test (and PASS_TO_PASS still passes);
@@ -24,6 +27,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from palaestra.environments.swe_agent.instance import SweInstance
+from palaestra.environments.swe_agent.repo_env import EnvOptions, RepoEnvError, instance_env
 from palaestra.environments.swe_agent.snapshot import (
     PatchError,
     Snapshot,
@@ -72,14 +76,20 @@ async def grade(
     backend: Backend,
     base: Snapshot | None = None,
     limits: Limits = GRADE_LIMITS,
+    *,
+    env_options: EnvOptions | None = None,
 ) -> Grade:
+    """Raises `RepoEnvError` when the instance's environment (`repo_env.py`) cannot be built."""
     base = instance.base() if base is None else base
     try:
         tree = grading_tree(instance, base, model_patch)
     except PatchError as exc:
         return Grade(0.0, f"patch_does_not_apply: {exc}")
+    venv = await instance_env(instance, base, env_options)
     ids = [*instance.FAIL_TO_PASS, *instance.PASS_TO_PASS]
-    run = await run_tests(backend, tree, ids, instance.test_cmd, limits=limits, timeout_s=limits.timeout_s)
+    run = await run_tests(
+        backend, tree, ids, instance.test_cmd, limits=limits, timeout_s=limits.timeout_s, venv=venv
+    )
     f2p = {i: run.outcomes[i] for i in instance.FAIL_TO_PASS}
     p2p = {i: run.outcomes[i] for i in instance.PASS_TO_PASS}
     resolved = all(o.passed for o in f2p.values()) and all(o.passed for o in p2p.values())
@@ -152,8 +162,16 @@ def history_problems(instance: SweInstance, base: Snapshot) -> list[str]:
     return problems
 
 
-async def validate(instance: SweInstance, backend: Backend, limits: Limits = GRADE_LIMITS) -> Validation:
-    """Checks 1-4 of the module docstring; never raises for a bad instance."""
+async def validate(
+    instance: SweInstance,
+    backend: Backend,
+    limits: Limits = GRADE_LIMITS,
+    *,
+    env_options: EnvOptions | None = None,
+) -> Validation:
+    """Checks 1-4 of the module docstring, in the instance's environment (`repo_env.py`, built
+    first: a requirement that cannot be installed makes the instance invalid, naming it); never
+    raises for a bad instance."""
     fail = lambda reason: Validation(instance.instance_id, False, reason)  # noqa: E731
     try:
         base = instance.base()
@@ -165,15 +183,20 @@ async def validate(instance: SweInstance, backend: Backend, limits: Limits = GRA
         problems = hidden_problems(instance, base) + history_problems(instance, base)
         if problems:
             return fail("; ".join(problems))
+        await instance_env(instance, base, env_options)  # built once, before both runs use it
         fixed, empty = await asyncio.gather(
-            grade(instance, instance.patch, backend, base, limits), grade(instance, "", backend, base, limits)
+            grade(instance, instance.patch, backend, base, limits, env_options=env_options),
+            grade(instance, "", backend, base, limits, env_options=env_options),
         )
+    except RepoEnvError as exc:
+        return fail(str(exc))
     except Exception as exc:  # a repo that is missing, a git error: the instance is unusable
         return fail(f"{type(exc).__name__}: {exc}")
     if fixed.reason.startswith("test_command_failed"):
         return fail(
             f"the test command {instance.test_cmd!r} could not run the tests in the sandbox "
-            f"({fixed.reason.partition(': ')[2]}): the sandbox's Python must have what it runs"
+            f"({fixed.reason.partition(': ')[2]}): the sandbox's Python, with the instance's environment "
+            "when it has one (requirements, pyproject.toml; docs/environments.md), must have what it runs"
         )
     if fixed.reward != 1.0:
         bad = [o for o in [*fixed.fail_to_pass.values(), *fixed.pass_to_pass.values()] if not o.passed]

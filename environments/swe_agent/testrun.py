@@ -4,7 +4,8 @@
     outcomes["tests.test_x.TestY.test_z"].outcome      # "passed", "failed", "error", "missing"
 
 The tree is unpacked under ``repo/`` of the sandbox with python's tarfile (no tar or git needed in
-the image). ``python3 -m unittest`` ids run through `unittest_runner.py`, which reports behind a
+the image). An instance's environment (`repo_env.py`), when it has one, is mounted at ``/venv`` and
+first on ``PATH`` of the test command. ``python3 -m unittest`` ids run through `unittest_runner.py`, which reports behind a
 per-run token; any other ``test_cmd`` gets the ids appended and its output read as pytest's
 ``-rA`` summary (``PASSED id`` / ``FAILED id`` / ``ERROR id``).
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from palaestra.environments.swe_agent.instance import UNITTEST
+from palaestra.environments.swe_agent.repo_env import ACTIVATE, venv_mount
 from palaestra.environments.swe_agent.snapshot import Snapshot, pack_tar
 from palaestra.sandbox.base import Backend, ExecResult, Limits, Sandbox
 
@@ -67,6 +69,41 @@ class TestRun:
         return f"exit status {self.exec.exit_code}: {last[:300]}"
 
 
+def pytest_outcomes(stdout: str, test_ids: list[str]) -> dict[str, TestOutcome]:
+    """The outcomes pytest's ``-rA`` summary reports for ``test_ids`` (``PASSED <id>``,
+    ``FAILED <id> - <message>``); a parametrized id may hold spaces."""
+    wanted = set(test_ids)
+    outcomes: dict[str, TestOutcome] = {}
+    for match in re.finditer(r"^(PASSED|FAILED|ERROR) (.+)$", stdout, re.MULTILINE):
+        status, rest = match.group(1).lower(), match.group(2).rstrip()
+        if rest in wanted:
+            outcomes[rest] = TestOutcome(rest, status)
+            continue
+        head, _, message = rest.partition(" - ")
+        while head not in wanted and " - " in message:  # an id that itself holds " - "
+            more, _, message = message.partition(" - ")
+            head = f"{head} - {more}"
+        if head in wanted:
+            outcomes[head] = TestOutcome(head, status, message)
+    return outcomes
+
+
+async def collect_pytest_ids(
+    box: Sandbox, test_cmd: str, targets: list[str], timeout_s: float = 120.0
+) -> list[str]:
+    """The node ids ``test_cmd --collect-only -q`` lists for ``targets`` in the tree under ``repo/``."""
+    quoted = " ".join(shlex.quote(t) for t in targets)
+    quiet = "" if " -q" in f" {test_cmd}" else "-q "  # one -q lists node ids; two only counts per file
+    result = await box.exec(
+        f"{ACTIVATE}cd repo && {test_cmd} --collect-only {quiet}{quoted}", timeout=timeout_s
+    )
+    ids = [line.strip() for line in result.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if not ids:
+        tail = (result.stdout + result.stderr).strip().splitlines()[-3:]
+        raise RuntimeError(f"{test_cmd} collected no test ({result.status}, exit {result.exit_code}): {tail}")
+    return ids
+
+
 async def upload_tree(box: Sandbox, files: Snapshot | bytes, where: str = "repo") -> ExecResult:
     """Unpacks ``files`` (a snapshot, or a ready .tar.gz) into ``where`` in ``box``."""
     await box.upload("_tree.tgz", files if isinstance(files, bytes) else pack_tar(files))
@@ -81,7 +118,7 @@ async def run_tests_in(
         token = f"@@swe-{secrets.token_hex(16)}@@"
         await box.upload("_unittest_runner.py", RUNNER.read_text())
         result = await box.exec(
-            "cd repo && exec python3 -I -B ../_unittest_runner.py",
+            ACTIVATE + "cd repo && exec python3 -I -B ../_unittest_runner.py",
             stdin=json.dumps({"token": token, "tests": test_ids}),
             timeout=timeout_s,
         )
@@ -95,12 +132,9 @@ async def run_tests_in(
                     message["id"], message["outcome"], message.get("message", ""), message.get("at")
                 )
     else:
-        command = f"cd repo && {test_cmd} " + " ".join(shlex.quote(t) for t in test_ids)
+        command = f"{ACTIVATE}cd repo && {test_cmd} " + " ".join(shlex.quote(t) for t in test_ids)
         result = await box.exec(command, timeout=timeout_s)
-        outcomes = {}
-        for match in re.finditer(r"^(PASSED|FAILED|ERROR) (\S+)", result.stdout, re.MULTILINE):
-            if match.group(2) in test_ids:
-                outcomes[match.group(2)] = TestOutcome(match.group(2), match.group(1).lower())
+        outcomes = pytest_outcomes(result.stdout, test_ids)
     for test_id in test_ids:
         outcomes.setdefault(test_id, TestOutcome(test_id, "missing", f"not reported ({result.status})"))
     return TestRun(outcomes, result)
@@ -114,9 +148,11 @@ async def run_tests(
     *,
     limits: Limits | None = None,
     timeout_s: float = 60.0,
+    venv: Path | None = None,
 ) -> TestRun:
-    """``files`` unpacked in a fresh sandbox of ``backend``, ``test_ids`` run there."""
-    box = await backend.create("python", limits)
+    """``files`` unpacked in a fresh sandbox of ``backend`` (with ``venv``, a built per-repository
+    environment, mounted: `repo_env.py`), ``test_ids`` run there."""
+    box = await backend.create("python", limits, mounts=(venv_mount(venv),) if venv else ())
     try:
         unpacked = await upload_tree(box, files)
         if not unpacked.ok:

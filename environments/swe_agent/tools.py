@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from palaestra.environments.episode import ToolCallError, format_exec
+from palaestra.environments.swe_agent.repo_env import ACTIVATE
 from palaestra.sandbox.base import ExecResult, Sandbox
 
 
@@ -74,7 +75,7 @@ async def call_tool(
     if name not in TOOL_NAMES:
         raise ToolCallError(f"error: unknown tool {name!r}; the tools are {', '.join(sorted(TOOL_NAMES))}")
     if name == "bash":
-        result = await box.exec(f"cd repo && {args['command']}", timeout=timeout_s)
+        result = await box.exec(f"{ACTIVATE}cd repo && {args['command']}", timeout=timeout_s)
         return format_exec(result), result
     if name == "read_file":
         path = repo_path(args["path"])

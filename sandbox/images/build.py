@@ -12,6 +12,8 @@ Layers (all local, nothing pulled):
     palaestra/sandbox-server:<key>   server.Dockerfile: the exec server, the fleet's front, their packages
     palaestra/app:<key>              app.Dockerfile: engine, router, gateway (compose profiles cpu/gpu;
                                      ~1.3 GB with CPU torch, built only when asked for)
+    palaestra/sandbox-layered:<key>  a profile's image + host directories a sandbox mounts
+                                     (`ensure_layer`: an SWE instance's /venv, say)
 
 Each image is also tagged ``:latest``, which is what docker-compose.yml names.
 """
@@ -34,7 +36,7 @@ from typing import Any
 
 from palaestra.sandbox.images import rootfs
 
-__all__ = ["IMAGES", "REPOSITORY", "ensure_base", "ensure_image"]
+__all__ = ["IMAGES", "REPOSITORY", "ensure_base", "ensure_image", "ensure_layer"]
 
 HERE = Path(__file__).resolve().parent
 REPOSITORY = "palaestra/sandbox"
@@ -231,6 +233,36 @@ def ensure_image(client: Any, name: str, force: bool = False, base: str | None =
         )
     client.images.get(tag).tag(spec.repository, "latest")
     _log(f"built {tag} in {time.monotonic() - start:.1f} s")
+    return tag
+
+
+def ensure_layer(client: Any, image: str, directories: list[tuple[str, str]]) -> str:
+    """``image`` with each host directory (source, target) copied in at its target, as one more
+    layer: built once per content (the tag hashes the directories, see `_tree_hash`), and usable by
+    a docker engine that cannot see this host's files. The sandboxes' mounts (sandbox/base.py)."""
+    with tempfile.TemporaryDirectory(prefix="palaestra-layer-") as tmp:
+        ctx = Path(tmp)
+        lines = ["ARG BASE", "FROM ${BASE}"]
+        for i, (source, target) in enumerate(directories):
+            shutil.copytree(source, ctx / f"dir{i}", symlinks=True, copy_function=_place)
+            lines.append(f"COPY dir{i}/ {target}/")
+        (ctx / "Dockerfile").write_text("\n".join(lines) + "\n")
+        tag = f"{REPOSITORY}-layered:{_tree_hash(ctx, image)}"
+        if _exists(client, tag):
+            return tag
+        start = time.monotonic()
+        client.images.build(
+            path=str(ctx),
+            tag=tag,
+            buildargs={"BASE": image},
+            rm=True,
+            forcerm=True,
+            pull=False,
+            network_mode="none",
+        )
+    _log(
+        f"built {tag} ({', '.join(t for _, t in directories)} on {image}) in {time.monotonic() - start:.1f} s"
+    )
     return tag
 
 

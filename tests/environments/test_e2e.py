@@ -263,3 +263,46 @@ def test_rollout_and_eval_cli_run_both_environments(tok, tmp_path, swe_data):
                     assert "accuracy 0.000" in r.stdout, r.stdout
         sessions = {ex.headers.get("x-smg-routing-key") for ex in s.engine.exchanges}
         assert len(sessions) == 8  # 2 tasks x (rollout + eval) x 2 environments
+
+
+@pytest.mark.slow
+def test_swe_instances_from_a_real_package_are_generated_validated_and_solved_in_the_local_sandbox(
+    tok, tmp_path
+):
+    """`palaestra swe generate`'s path over inflection's sdist (its own pytest suite, run in the
+    environment built offline from `palaestra swe fetch`'s wheels): the instances it keeps are valid
+    (validated as they are made), and an episode in the local sandbox has the environment on its
+    PATH and is resolved by the reference fix."""
+    from palaestra.environments.swe_agent.generate import PYTEST, sdist_source
+    from palaestra.environments.swe_agent.instance import load_jsonl
+    from palaestra.environments.swe_agent.repo_env import EnvOptions, packages_dir
+
+    sdist = packages_dir() / "inflection-0.5.1.tar.gz"
+    if not sdist.exists() or not list(packages_dir().glob("pytest-*.whl")):
+        pytest.skip(
+            f"no inflection sdist or pytest wheel in {packages_dir()}: run `palaestra swe fetch` (make install does)"
+        )
+    options = EnvOptions(str(tmp_path / "envs"), (str(packages_dir()),), index=False)
+    out = tmp_path / "real.jsonl"
+    with backend_for("local") as local:
+        made = asyncio.run(
+            generate(
+                out, local, sources=[sdist_source(sdist)], per_kind=1, tries_per_kind=2, env_options=options
+            )
+        )
+        assert made and all(i.test_cmd == PYTEST and "::" in i.FAIL_TO_PASS[0] for i in made)
+        assert [i.instance_id for i in load_jsonl(out)] == [i.instance_id for i in made]
+        env = SweAgentEnv(
+            data=str(out), backend=local, max_turns=6, env_cache_dir=options.cache_dir,
+            find_links=list(options.find_links), index=False,
+        )  # fmt: skip
+        instance = next(i for i in env.tasks(0) if i.bug_kind != "missing_case")
+        fix, path = _fix_calls(instance)
+        with Scripted(tok, tmp_path / "gw") as s:
+            probe = call(
+                "bash", command="python -c 'import pytest, sys; print(pytest.__version__, sys.prefix)'"
+            )
+            right, _, samples = s.play(env, instance, [probe, *fix, call("submit")])
+            assert right.reward == 1.0 and right.metrics["resolved"] == 1.0, right.metrics
+            masked, _ = s.split(samples[0])
+            assert "9.1.1 /venv" in masked  # the instance's environment, in the agent's sandbox

@@ -78,6 +78,41 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
     assert resumed.state.rows[0]["eval/accuracy"] == first.eval_before["accuracy"]
 
 
+MIX_ARGS = (
+    "env.args={environments: {"
+    "math: {args: {difficulty: 1, max_tokens: 12}}, "
+    "reasoning-gym: {args: {datasets: [chain_sum], max_tokens: 12}}, "
+    "textarena: {args: {games: [GuessTheNumber-v0], max_turns: 2, max_tokens: 8}}}}"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_mixed_run_trains_math_reasoning_gym_and_textarena_with_metrics_per_family(ray_local, tmp_path):
+    """One step on the `mix` family: its six tasks (seed 1) and three held-out ones hold all three
+    families, and the step's metrics and both evaluations report each family by name."""
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is an extra: make install installs it")
+    pytest.importorskip("textarena", reason="textarena is an extra: make install installs it")
+    from palaestra.train import train
+
+    families = {"math", "reasoning-gym", "textarena"}
+    out = tmp_path / "mix"
+    extra = ["engines.count=1", "env.name=mix", MIX_ARGS, "env.tasks_per_step=6", "env.eval_tasks=3"]
+    result = train(make_config(out, "sync", *extra, "run.steps=1", "run.seed=1", "run.checkpoint_every=0"))
+    (record,) = result.trained
+    # 6 tasks x 2 sessions; a game's session may fork into more than one sample (its own group's)
+    assert len(set(record.task_ids)) == 6 and len(record.sample_ids) >= 12
+    assert {tid.split("/")[0] for tid in record.task_ids} == families
+    step = next(r for r in result.state.rows if "rollout/reward_mean" in r)
+    assert step["rollout/groups"] == 6
+    for family in families:
+        assert math.isfinite(step[f"rollout/reward_mean/{family}"]), family
+    assert sum(step[f"rollout/groups/{f}"] for f in families) == 6
+    assert_finite(result.state.rows)
+    for evaluation in (result.eval_before, result.eval_after):
+        assert {k for k in evaluation if k.startswith("accuracy/")} == {f"accuracy/{f}" for f in families}
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 def test_two_data_parallel_trainer_ranks_learn_like_one(ray_local, tmp_path):

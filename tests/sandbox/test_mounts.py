@@ -1,7 +1,7 @@
 """`Mount`: host paths shown in one sandbox (a harness install read-only, a tunnel socket's
-directory). Its rules, and the local (bubblewrap) backend's mounts: read-only unless writable, a
-source that the sandbox's user could not reach refused before anything starts (never a silent fall
-back to the root user-namespace mode)."""
+directory). Its rules, and the local (bubblewrap) backend's mounts: read-only unless writable; a
+source that the sandbox's user could not reach is refused before anything starts by a backend held
+to `unprivileged` (in `auto` that sandbox starts in root-userns and its `enforced` says why)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,9 @@ def test_local_sandbox_sees_a_mount_read_only(open_dir):
     assert not (shown / "new.txt").exists()
 
 
-def test_local_backend_refuses_a_source_its_user_cannot_reach(open_dir):
+def test_local_backend_in_unprivileged_mode_refuses_a_source_its_user_cannot_reach(open_dir):
+    """In mode `auto` such a sandbox starts in root-userns instead (tests/environments/
+    test_swe_repo_env.py); a backend held to `unprivileged` says what to change."""
     if "local" not in SANDBOX_BACKENDS:
         pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
     if os.geteuid() != 0:
@@ -70,9 +72,7 @@ def test_local_backend_refuses_a_source_its_user_cannot_reach(open_dir):
     async def run(backend):
         return await backend.create("python", mounts=(Mount(str(closed / "inner"), "/opt/inner"),))
 
-    with SANDBOX_BACKENDS["local"]() as make:
-        backend = make()
-        if backend.mode == "root-userns":
-            pytest.skip("this backend runs bwrap as root (root-userns): every source is reachable")
-        with pytest.raises(SandboxError, match=f"{closed} is closed to other users"):
-            asyncio.run(run(backend))
+    from palaestra.sandbox.local import LocalBackend
+
+    with pytest.raises(SandboxError, match=f"under {closed} .mode 700., which uid 65534 cannot enter"):
+        asyncio.run(run(LocalBackend(mode="unprivileged")))

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from palaestra.sandbox.base import Backend, ExecResult, Limits, Sandbox, SandboxError
+from palaestra.sandbox.base import Backend, ExecResult, Limits, Mount, Sandbox, SandboxError
 
 __all__ = ["SubprocessBackendForTests", "SubprocessSandboxForTests"]
 
@@ -152,7 +152,11 @@ class SubprocessBackendForTests(Backend):
 
     name = "subprocess-test-double"
 
-    async def create(self, profile: str = "python", limits: Limits | None = None) -> Sandbox:
+    async def create(
+        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+    ) -> Sandbox:
+        if mounts:
+            raise SandboxError("the subprocess test double has no file system of its own to mount into")
         return SubprocessSandboxForTests(limits)
 
     async def cleanup_leaked(self) -> int:
