@@ -1,28 +1,34 @@
-"""A long coding-agent episode through the gateway, in Claude Code's request shape: per-turn gateway
-cost, and the engine's prefix-cache hit rate, over the episode. One run, ratios.
+"""A long episode of a real harness (Claude Code or Codex) in the harness environment: the gateway's
+cost per turn as the episode grows, and the engine's prefix-cache hit rate over it. One run, ratios.
 
-    .venv/bin/python bench/harness_episode.py [--turns 30] [--output-chars 1500]
+    .venv/bin/python bench/harness_episode.py [--harness claude-code] [--turns 20] [--output-chars 1500]
 
-Each turn is sent as Claude Code 2.1.328 sends its turns (tests/gateway/test_controls.py has the
-shape): system blocks with `cache_control`, a dozen tools, `anthropic-beta` flags,
-`thinking: adaptive`, `output_config.effort`, `context_management`, `max_tokens: 32000`, a system
-reminder as a `role: "system"` message; after each answer the assistant's content blocks go back
-with a user `tool_result` of `--output-chars` characters (a command's output), as the harness
-appends them. The engine is the embedded engine serving `tiny` (a real prefix cache); the gateway is
-a subprocess, its CPU read from /proc. Printed:
+The harness binary runs unchanged in the local sandbox on a swe instance (environments/harness),
+through its session's tunnel, against a gateway subprocess. A random model would not call tools,
+so the engine in front of the gateway is `PrefillingScript`, a labelled TEST DOUBLE over the real
+embedded engine: each call's output is scripted (a shell-tool call whose command prints
+`--output-chars` characters of the repository's code, `--turns` times, then a final text), and the
+real engine is made to prefill that call's prompt + output (`/generate`, `max_new_tokens: 0`), so
+its prefix cache holds what it would hold had it sampled those tokens; the hit rate printed is the
+real engine's `cached_tokens` over the prompt. Printed:
 
-* gateway CPU per turn over the last 4 turns vs the first 4 (an append renders only what is new:
-  goal <= 1.2x), and the gateway's own `call_overhead_seconds` mean over the episode;
-* the engine's prefix-cache hit rate over the episode (cached prompt tokens / prompt tokens, from
-  each answer's `usage.cache_read_input_tokens`), and on the last turn;
-* that every turn bridged (no fork) and what was recorded as ignored controls.
+* prompt tokens first -> last turn; the gateway's CPU per turn (from the start of one engine call
+  to the next: the answer streamed back through the gateway, the harness's tool, the next request
+  rendered and bridged), mean of the first 4 tool turns vs the last 4, and its ratio (an append
+  renders only what is new: the goal is <= 1.2x), beside the gateway's own
+  `call_overhead_seconds` mean (which only unstreamed calls feed: harnesses stream);
+* the engine's prefix-cache hit rate over the episode and on the last turn;
+* that the episode bridged (forks) and what the harness sent that was recorded (ignored controls).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,51 +38,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gateway import cpu_seconds  # noqa: E402
 from palaestra.engine.cli import engine_process  # noqa: E402
+from palaestra.environments.harness.env import HarnessEnv  # noqa: E402
+from palaestra.environments.swe_agent.generate import generate  # noqa: E402
 from palaestra.gateway.cli import gateway_process  # noqa: E402
+from palaestra.gateway.parsers import render_tool_call_text  # noqa: E402
+from palaestra.models import resolve_model  # noqa: E402
+from palaestra.sandbox.local import LocalBackend  # noqa: E402
+from tests.support.doubles import SubprocessBackendForTests  # noqa: E402
+from tests.support.servers import ScriptedEngine, ThreadServer  # noqa: E402
+from tests.support.sessions import rollouts  # noqa: E402
 
-KEY = {"Authorization": "Bearer bench"}
-ENV = {"PALAESTRA_API_KEY": "bench", "PALAESTRA_ADMIN_KEY": "bench-admin"}
-BETAS = "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,effort-2025-11-24"
-
-
-def tools() -> list[dict]:
-    names = [
-        "Bash",
-        "Edit",
-        "Read",
-        "Write",
-        "Grep",
-        "Glob",
-        "Agent",
-        "Skill",
-        "WebFetch",
-        "Todo",
-        "Task",
-        "Ls",
-    ]
-    schema = {
-        "type": "object",
-        "properties": {"command": {"type": "string"}, "path": {"type": "string"}},
-        "required": ["command"],
-    }
-    return [{"name": n, "description": f"The {n} tool. " * 12, "input_schema": schema} for n in names]
+KEY = "bench"
+ENV = {"PALAESTRA_API_KEY": KEY, "PALAESTRA_ADMIN_KEY": "bench-admin"}
+SHELL = {"claude-code": ("Bash", "command"), "codex": ("exec_command", "cmd")}
 
 
-def body(messages: list[dict]) -> dict:
-    return {
-        "model": "tiny",
-        "system": [
-            {"type": "text", "text": "x-billing-header: bench"},
-            {"type": "text", "text": "You are a coding agent. " * 40, "cache_control": {"type": "ephemeral"}},
-        ],
-        "messages": messages,
-        "tools": tools(),
-        "metadata": {"user_id": "bench"},
-        "max_tokens": 32000,
-        "thinking": {"type": "adaptive", "display": "omitted"},
-        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
-        "output_config": {"effort": "high"},
-    }
+class PrefillingScript:
+    """TEST DOUBLE of the model's choices over the real engine's prefill and prefix cache (module
+    docstring): scripted output ids, the real engine prefilling prompt + output."""
+
+    def __init__(self, tok, harness: str, engine_url: str, turns: int, output_chars: int):
+        self.tok, self.end = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        self.tool, self.argument = SHELL[harness]
+        self.engine = httpx.Client(base_url=engine_url, timeout=600, trust_env=False)
+        self.turns, self.output_chars = turns, output_chars
+        self.gateway_pid = 0
+        self.tool_calls = 0
+        self.rows: list[dict] = []  # per engine call: kind, prompt, cached, gateway CPU at its start
+
+    def command(self, k: int) -> str:
+        chunk = self.output_chars
+        return (
+            f"find . -name '*.py' | sort | xargs cat | head -c {chunk * (k + 1)} | tail -c {chunk}; "
+            f"echo; echo 'turn {k} done'"
+        )
+
+    def __call__(self, input_ids: list[int], index: int) -> list[int]:
+        cpu = cpu_seconds(self.gateway_pid) if self.gateway_pid else 0.0
+        if f'"name": "{self.tool}"' not in self.tok.decode(input_ids[:20000]):
+            kind, text = "other", "ok"
+        elif self.tool_calls < self.turns:
+            kind = "tool"
+            args = json.dumps({self.argument: self.command(self.tool_calls)})
+            text = render_tool_call_text("hermes", self.tool, args)
+            self.tool_calls += 1
+        else:
+            kind, text = "final", "The repository has been read."
+        out = self.tok.encode(text, add_special_tokens=False) + [self.end]
+        answer = self.engine.post(
+            "/generate", json={"input_ids": input_ids + out, "sampling_params": {"max_new_tokens": 0}}
+        )
+        answer.raise_for_status()
+        cached = answer.json()["meta_info"].get("cached_tokens", 0)
+        self.rows.append(
+            {"kind": kind, "prompt": len(input_ids), "cached": min(cached, len(input_ids)), "cpu": cpu}
+        )
+        return out
 
 
 def metric(text: str, name: str) -> float:
@@ -86,58 +103,69 @@ def metric(text: str, name: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--turns", type=int, default=30)
-    ap.add_argument("--output-chars", type=int, default=1500, help="characters of each tool output")
-    ap.add_argument("--max-new", type=int, default=16, help="tokens the engine samples per turn")
+    ap.add_argument("--harness", default="claude-code", choices=sorted(SHELL))
+    ap.add_argument("--model", default="tiny-qwen3", help="a preset with a real vocabulary (prompt lengths)")
+    ap.add_argument("--turns", type=int, default=20, help="tool calls before the final answer")
+    ap.add_argument("--output-chars", type=int, default=1500, help="characters each tool call prints")
     args = ap.parse_args()
-    spool = Path("runs/bench-harness-spool") / str(time.time())
-    with (
-        engine_process("tiny", extra_args=["--num-threads", "1"]) as engine,
-        gateway_process("tiny", engine.url, str(spool), env=ENV) as gw,
-        httpx.Client(timeout=300, trust_env=False) as c,
-    ):
-        s = c.post(f"{gw.url}/sessions", json={"env": "bench-harness"}, headers=KEY).json()
-        url = f"{s['base_url']}/messages?beta=true"
-        headers = {"x-api-key": s["api_key"], "anthropic-beta": BETAS}
-        messages: list[dict] = [
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "Fix the failing test in this repository."}],
-            },
-            {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /work"}]},
-        ]
-        cpu, prompt, cached = [], [], []
-        for turn in range(args.turns):
-            b = body(messages)
-            b["max_tokens"] = args.max_new  # a fixed sampled length, so turns compare (a random model
-            # given Claude Code's 32000, clamped to the context, would sample thousands of tokens)
-            t0 = cpu_seconds(gw.pid)
-            r = c.post(url, json=b, headers=headers)
-            cpu.append(cpu_seconds(gw.pid) - t0)
-            r.raise_for_status()
-            answer = r.json()
-            usage = answer["usage"]
-            prompt.append(usage["input_tokens"])
-            cached.append(usage.get("cache_read_input_tokens") or 0)
-            messages.append({"role": "assistant", "content": answer["content"]})
-            line = f"line {turn}: " + "x" * 60 + "\n"
-            output = (line * (args.output_chars // len(line) + 1))[: args.output_chars]
-            messages.append({"role": "user", "content": [{"type": "text", "text": output}]})
-        metrics = c.get(f"{gw.url}/metrics", headers=KEY).text
-        traj = c.get(f"{gw.url}/sessions/{s['session_id']}", headers=KEY).json()
-    first, last = sum(cpu[:4]) / 4, sum(cpu[-4:]) / 4
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    work = Path(tempfile.mkdtemp(prefix="bench-harness-"))
+    data = work / "swe.jsonl"
+    asyncio.run(generate(data, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4))
+    with engine_process(args.model, extra_args=["--num-threads", "1"]) as engine:
+        script = PrefillingScript(tok, args.harness, engine.url, args.turns, args.output_chars)
+        fake = ScriptedEngine(script, stop_ids={script.end})
+        with (
+            ThreadServer(fake.app()) as front,
+            gateway_process(args.model, front.url, str(work / "spool"), env=ENV) as gw,
+        ):
+            script.gateway_pid = gw.pid
+            env = HarnessEnv(
+                harness=args.harness,
+                data=str(data),
+                backend=LocalBackend(),
+                max_turns=args.turns + 20,
+                time_limit_s=3000,
+            )
+            started = time.perf_counter()
+            result = rollouts(gw.url, KEY, env, [env.tasks(0)[0]]).results[0]
+            wall = time.perf_counter() - started
+            with httpx.Client(timeout=60, trust_env=False, headers={"Authorization": f"Bearer {KEY}"}) as c:
+                metrics = c.get(f"{gw.url}/metrics").text
+                traj = c.get(f"{gw.url}/sessions/{result.session_id}").json()
+    rows = script.rows
+    # a turn's gateway CPU: from the start of its engine call to the start of the next one
+    per_turn = [(rows[i], rows[i + 1]["cpu"] - rows[i]["cpu"]) for i in range(len(rows) - 1)]
+    tools = [cost for row, cost in per_turn if row["kind"] == "tool"]
+    first, last = sum(tools[:4]) / max(len(tools[:4]), 1), sum(tools[-4:]) / max(len(tools[-4:]), 1)
     over_sum = metric(metrics, "palaestra_gateway_call_overhead_seconds_sum")
     over_n = metric(metrics, "palaestra_gateway_call_overhead_seconds_count")
+    prompt, cached = sum(r["prompt"] for r in rows), sum(r["cached"] for r in rows)
     print(
-        f"{args.turns} turns, prompt {prompt[0]} -> {prompt[-1]} tokens: gateway CPU per turn "
-        f"{first * 1e3:.1f} ms (turns 1-4) -> {last * 1e3:.1f} ms (last 4) = {last / first:.2f}x; "
-        f"gateway overhead per call {over_sum / max(over_n, 1) * 1e3:.1f} ms (mean of {int(over_n)})"
+        f"{args.harness} on {args.model}: {result.status}, {len(rows)} engine calls "
+        f"({sum(r['kind'] == 'tool' for r in rows)} tool calls), {wall:.0f} s, "
+        f"metrics harness/exit_code={result.metrics.get('harness/exit_code')} "
+        f"failure/harness_exit={result.metrics.get('failure/harness_exit')} "
+        f"failure/harness_timeout={result.metrics.get('failure/harness_timeout')}"
     )
     print(
-        f"engine prefix-cache hit rate: {sum(cached) / sum(prompt):.3f} over the episode, "
-        f"{cached[-1] / prompt[-1]:.3f} on the last turn"
+        f"prompt {rows[0]['prompt']} -> {rows[-1]['prompt']} tokens; gateway CPU per tool turn "
+        f"{first * 1e3:.1f} ms (first 4) -> {last * 1e3:.1f} ms (last 4) = {last / max(first, 1e-9):.2f}x; "
+        + (
+            f"gateway call overhead {over_sum / over_n * 1e3:.1f} ms (mean of {int(over_n)} calls)"
+            if over_n
+            else "call_overhead_seconds observed no call (the gateway observes it for unstreamed calls only)"
+        )
     )
-    print(f"forks: {len(traj['forks'])}; ignored controls (calls): {traj['ignored_controls']}")
+    print(
+        f"engine prefix-cache hit rate: {cached / max(prompt, 1):.3f} over the episode, "
+        f"{rows[-1]['cached'] / max(rows[-1]['prompt'], 1):.3f} on the last call"
+    )
+    print(
+        f"forks: {len(traj['forks'])}; refused: {traj['refused']}; ignored controls: {traj['ignored_controls']}"
+    )
 
 
 if __name__ == "__main__":

@@ -172,6 +172,7 @@ def engine_process(
     """`palaestra engine serve` as a subprocess (call `.start()` or use `with`), bound to `host`
     (loopback by default) on `port` (a free one by default); its URL names `host`, or loopback
     when `host` is a wildcard address."""
+    picked = ["--port"] if not port else []
     port = port or free_port()
     reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     argv = [
@@ -189,4 +190,6 @@ def engine_process(
         *(extra_args or []),
     ]
     url = f"http://[{reach}]:{port}" if ":" in reach else f"http://{reach}:{port}"
-    return ServerProcess(argv, url, name=f"engine-{port}", startup_timeout=startup_timeout, env=env)
+    return ServerProcess(
+        argv, url, name=f"engine-{port}", startup_timeout=startup_timeout, env=env, free_ports=picked
+    )

@@ -266,22 +266,27 @@ class RouterProcess(ServerProcess):
     ) -> None:
         self.worker_urls = list(worker_urls)
         self.host = host
-        self.port = port if port is not None else free_port(host)
-        self.prometheus_port = prometheus_port if prometheus_port is not None else free_port(host)
+        picked = [
+            flag
+            for flag, given in (("--port", port), ("--prometheus-port", prometheus_port))
+            if given is None
+        ]
+        port = port if port is not None else free_port(host)
+        prometheus_port = prometheus_port if prometheus_port is not None else free_port(host)
         argv = [
             sys.executable, "-m", "palaestra.engine.router", "router", "serve",
             "--worker-urls", *self.worker_urls,
             "--host", host,
-            "--port", str(self.port),
+            "--port", str(port),
             "--policy", policy,
             "--prometheus-host", host,
-            "--prometheus-port", str(self.prometheus_port),
+            "--prometheus-port", str(prometheus_port),
             "--log-level", log_level,
             *router_options,
         ]  # fmt: skip
         super().__init__(
             argv,
-            f"http://{host}:{self.port}",
+            f"http://{host}:{port}",
             name="router",
             ready_path="/readiness" if wait_for_workers else "/health",
             ready=self._all_workers_healthy if wait_for_workers else None,
@@ -291,7 +296,16 @@ class RouterProcess(ServerProcess):
             env=env,
             # smg logs every request at INFO, our readiness polls included.
             log_noise=r"uri=/(readiness|health) ",
+            free_ports=picked,
         )
+
+    @property
+    def port(self) -> int:
+        return self.port_of("--port")
+
+    @property
+    def prometheus_port(self) -> int:
+        return self.port_of("--prometheus-port")
 
     @property
     def metrics_url(self) -> str:

@@ -40,7 +40,7 @@ def process(*flags: str) -> Any:
 
     port = free_port()
     argv = [sys.executable, "-m", "palaestra.engine.zero", "--port", str(port), *flags]
-    return ServerProcess(argv, f"http://127.0.0.1:{port}", name="zero-engine")
+    return ServerProcess(argv, f"http://127.0.0.1:{port}", name="zero-engine", free_ports=["--port"])
 
 
 def derived_reply(key: str, prompt_len: int, alphabet: list[int], length: int, stop_id: int) -> list[int]:

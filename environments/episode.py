@@ -41,7 +41,10 @@ Failure names (each becomes the metric ``failure/<name>``, a count, in the sampl
   is *not* one: that scores 0 as the agent's fault);
 - ``context_exceeded``: the conversation outgrew the model's context; the episode was graded as it
   stood;
-- ``no_answer``: the episode ended without an answer to grade (max turns, or no code / no submit).
+- ``no_answer``: the episode ended without an answer to grade (max turns, or no code / no submit);
+- ``harness_timeout``: a CLI harness (environments/harness) was stopped at the episode's turn or
+  time budget; what it had done is graded;
+- ``harness_exit``: a CLI harness exited non-zero or could not run; its last output is logged.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ FAILURES = (
     "grader_error",
     "context_exceeded",
     "no_answer",
+    "harness_timeout",
+    "harness_exit",
 )
 PHASES = ("model", "sandbox", "grade")
 

@@ -91,6 +91,7 @@ def gateway_process(
     env: dict[str, str] | None = None,
     startup_timeout: float = 120.0,
 ) -> ServerProcess:
+    picked = ["--port"] if not port else []
     port = port or free_port()
     argv = [
         sys.executable,
@@ -109,5 +110,10 @@ def gateway_process(
         *(extra_args or []),
     ]
     return ServerProcess(
-        argv, f"http://127.0.0.1:{port}", name=f"gateway-{port}", env=env, startup_timeout=startup_timeout
+        argv,
+        f"http://127.0.0.1:{port}",
+        name=f"gateway-{port}",
+        env=env,
+        startup_timeout=startup_timeout,
+        free_ports=picked,
     )

@@ -13,6 +13,14 @@ from palaestra.gateway.trajectory import FORK_REASONS
 __all__ = ["GatewayMetrics"]
 
 
+def _by_reason(registry: CollectorRegistry, name: str, doc: str, reasons) -> Counter:
+    """A counter labelled `reason`, created with every reason so that each scrapes as 0 from the start."""
+    counter = Counter(name, doc, ["reason"], registry=registry)
+    for reason in reasons:
+        counter.labels(reason=reason)
+    return counter
+
+
 class GatewayMetrics:
     """Counters, gauges and the overhead histogram, all prefixed ``palaestra_gateway_``."""
 
@@ -21,25 +29,19 @@ class GatewayMetrics:
         p = "palaestra_gateway"
         self.calls = Counter(f"{p}_calls", "OpenAI calls answered", ["route", "status"], registry=r)
         self.turns = Counter(f"{p}_turns", "Turns recorded (one per sampled choice)", ["kind"], registry=r)
-        self.forks = Counter(
-            f"{p}_forks", "Turns that started a new sample, by reason", ["reason"], registry=r
-        )
-        for reason in FORK_REASONS:
-            self.forks.labels(reason=reason)
+        self.forks = _by_reason(r, f"{p}_forks", "Turns that started a new sample, by reason", FORK_REASONS)
         self.bridged = Counter(
             f"{p}_bridged_turns", "Turns built on the previous turn's exact tokens", registry=r
         )
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens sent to engines", registry=r)
         self.completion_tokens = Counter(f"{p}_completion_tokens", "Tokens sampled", registry=r)
         self.engine_errors = Counter(f"{p}_engine_errors", "Failed engine calls", ["code"], registry=r)
-        self.parse_errors = Counter(
+        self.parse_errors = _by_reason(
+            r,
             f"{p}_parse_errors",
             "Outputs that did not parse (returned as content), by reason",
-            ["reason"],
-            registry=r,
+            PARSE_ERROR_REASONS,
         )
-        for reason in PARSE_ERROR_REASONS:
-            self.parse_errors.labels(reason=reason)
         self.sessions_created = Counter(f"{p}_sessions_created", "Sessions created", registry=r)
         self.sessions_finished = Counter(
             f"{p}_sessions_finished", "Sessions finished", ["status"], registry=r
@@ -55,22 +57,12 @@ class GatewayMetrics:
             ["scope", "status"],
             registry=r,
         )
-        self.rejected = Counter(
-            f"{p}_rejected_requests",
-            "Requests refused before or while parsing, by reason",
-            ["reason"],
-            registry=r,
+        self.rejected = _by_reason(
+            r, f"{p}_rejected_requests", "Requests refused before or while parsing, by reason", REJECT_REASONS
         )
-        for reason in REJECT_REASONS:
-            self.rejected.labels(reason=reason)
-        self.streams_cut = Counter(
-            f"{p}_streams_cut",
-            "Streamed answers ended before their last event, by reason",
-            ["reason"],
-            registry=r,
+        self.streams_cut = _by_reason(
+            r, f"{p}_streams_cut", "Streamed answers ended before their last event, by reason", CUT_REASONS
         )
-        for reason in CUT_REASONS:
-            self.streams_cut.labels(reason=reason)
         self.ignored_controls = Counter(
             f"{p}_ignored_controls",
             "Calls that sent a control nothing here acts on (gateway/controls.py), by route and field",

@@ -42,9 +42,10 @@ class ServerHost:
             log_path=self.log_path,
             env=env,
             startup_timeout=timeout,
+            free_ports=["--port"],  # picked here: a fresh one if another process takes it first
         )
         self.proc.start()
-        self.url = f"http://{advertise}:{port}"
+        self.url = f"http://{advertise}:{self.proc.port_of('--port')}"
         return self.url
 
     def start_engine(
@@ -78,13 +79,11 @@ class ServerHost:
 
     def start_router(self, worker_urls: Sequence[str], options: Sequence[str], host: str) -> str:
         from palaestra.engine.router import RouterProcess
-        from palaestra.net import free_port
 
         connect, advertise = node_address(host)
         self.proc = RouterProcess(
             worker_urls,
             host=host,
-            port=free_port(connect),
             router_options=list(options),
             log_path=str(self.log_path),
             log_level="warn",

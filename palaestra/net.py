@@ -2,8 +2,9 @@
 
 `free_port()` asks the kernel for an unused 127.0.0.1 port, `wait_http_ok()` polls a URL until it
 answers 2xx, and `ServerProcess` runs a local HTTP server as a subprocess (output to a log file,
-start-up wait, terminate-then-kill, restart on the same port after a crash) so that the router and
-SGLang launchers share one lifecycle.
+start-up wait, terminate-then-kill, restart on the same port after a crash, a fresh port when the
+one picked was taken before the server bound it) so that the router and SGLang launchers share one
+lifecycle.
 `is_this_host()` and `address_towards()` tell the weight sync which engines share this host and
 which local address remote engines reach.
 """
@@ -35,6 +36,9 @@ __all__ = [
 
 LOOPBACK = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# What uvicorn, Rust servers (the router) and C servers print when bind() fails with EADDRINUSE.
+_ADDRESS_IN_USE = re.compile(r"address already in use|errno 98\b|os error 98\b", re.IGNORECASE)
+PORT_ATTEMPTS = 3  # starts of a server whose picked port another process took first
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -91,6 +95,12 @@ class ServerProcess:
     accepts the answer; if the process dies or the wait times out it raises `ServerStartError`
     with the log tail. `stop()` sends SIGTERM, then SIGKILL after `stop_timeout` seconds.
     Use it as a context manager.
+
+    `free_ports` names the argv flags (e.g. `"--port"`) whose values the caller picked with
+    `free_port()`. Between that pick and the server's bind another process may take the port (the
+    kernel hands the same range to outgoing connections); when the server then exits at start-up
+    saying its address is in use, those ports are picked again (the URL follows the one it names)
+    and the start is tried again, `PORT_ATTEMPTS` times in all. `restart()` never moves a port.
     """
 
     def __init__(
@@ -106,8 +116,13 @@ class ServerProcess:
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         log_noise: str | None = None,
+        free_ports: Sequence[str] = (),
     ) -> None:
         self.argv = list(argv)
+        missing = [flag for flag in free_ports if flag not in self.argv[:-1]]
+        if missing:
+            raise ValueError(f"free_ports {missing} are not flags with a value in the argv")
+        self.free_ports = tuple(free_ports)
         self.url = url.rstrip("/")
         self.name = name
         self.ready_path = ready_path
@@ -130,6 +145,10 @@ class ServerProcess:
         """The exit code, or None while running (or before start)."""
         return self._proc.poll() if self._proc is not None else None
 
+    def port_of(self, flag: str) -> int:
+        """The port the argv passes with `flag` (e.g. `"--port"`)."""
+        return int(self.argv[self.argv.index(flag) + 1])
+
     def start(self, *, append: bool = False) -> ServerProcess:
         """Starts the process and waits until it is ready; `append` keeps the log written so far."""
         if self._proc is not None:
@@ -138,6 +157,40 @@ class ServerProcess:
             fd, path = tempfile.mkstemp(prefix=f"palaestra-{self.name}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(path)
+        attempts = PORT_ATTEMPTS if self.free_ports and not append else 1
+        for attempt in range(1, attempts + 1):
+            offset = self.log_path.stat().st_size if (append or attempt > 1) else 0
+            try:
+                return self._start_once(append=append or attempt > 1)
+            except ServerStartError:
+                if attempt == attempts or not self._lost_a_port(offset):
+                    raise
+                self._proc = None
+                self._repick_ports()
+        raise AssertionError("unreachable")
+
+    def _lost_a_port(self, offset: int) -> bool:
+        """Whether the attempt whose output starts at `offset` exited because a port was taken."""
+        with open(self.log_path, "rb") as log:  # type: ignore[arg-type]
+            log.seek(offset)
+            return _ADDRESS_IN_USE.search(log.read().decode("utf-8", "replace")) is not None
+
+    def _repick_ports(self) -> None:
+        url = urlsplit(self.url)
+        host = url.hostname or LOOPBACK
+        moved = []
+        for flag in self.free_ports:
+            i = self.argv.index(flag) + 1
+            old, self.argv[i] = self.argv[i], str(free_port(host))
+            moved.append(f"{flag} {old} -> {self.argv[i]}")
+            if url.port == int(old):
+                name = f"[{host}]" if ":" in host else host
+                self.url = url._replace(netloc=f"{name}:{self.argv[i]}").geturl()
+        with open(self.log_path, "ab") as log:  # type: ignore[arg-type]
+            log.write(f"\n--- {self.name}: a port was taken; again with {', '.join(moved)} ---\n".encode())
+
+    def _start_once(self, *, append: bool) -> ServerProcess:
+        assert self.log_path is not None
         env = {**os.environ, **self.env} if self.env is not None else None
         began = time.monotonic()
         with open(self.log_path, "ab" if append else "wb") as log:

@@ -264,8 +264,19 @@ def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:  # the dataclass's own __post_init__ checks
-        problems.append(f"{path or 'config'}: {exc}")
+        problems.append(_post_init_problem(path, str(exc), names))
         return None
+
+
+def _post_init_problem(path: str, message: str, names: list[str]) -> str:
+    """A failed ``__post_init__`` check under the key path of the field its message starts with
+    (``advantage_eps must be positive`` -> ``trainer.advantage_eps: must be positive``), else under
+    the section's."""
+    first, _, rest = message.partition(" ")
+    field = first.rstrip(":")
+    if field in names and rest:
+        return f"{_join(path, field)}: {rest}"
+    return f"{path or 'config'}: {message}"
 
 
 def apply_override(cls: type, raw: dict[str, Any], item: str) -> None:

@@ -50,27 +50,6 @@ class SandboxError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Mount:
-    """A directory of the host that a sandbox sees read-only (a per-repository Python environment,
-    say). Its files must be readable by every user: the sandboxes run unprivileged."""
-
-    source: str
-    """The host directory (absolute)."""
-    target: str
-    """Where the sandbox sees it (absolute; not the work directory, /tmp, /proc or /dev)."""
-
-    def __post_init__(self) -> None:
-        if not posixpath.isabs(self.source) or not posixpath.isabs(self.target):
-            raise ValueError(
-                f"Mount source and target must be absolute paths; got {self.source!r} -> {self.target!r}"
-            )
-        target = posixpath.normpath(self.target)
-        for taken in (WORKDIR, "/tmp", "/proc", "/dev", "/"):
-            if target == taken or (taken != "/" and target.startswith(taken + "/")):
-                raise ValueError(f"Mount target {self.target!r} must not be {taken} or inside it")
-
-
-@dataclass(frozen=True)
 class Limits:
     """Per-sandbox limits; every exec in the sandbox runs under them. Defaults are safe for
     grading small programs; raise them per profile for heavier work."""
@@ -111,6 +90,42 @@ class Limits:
         if unknown:
             raise ValueError(f"unknown limits {unknown}; known: {sorted(cls.__dataclass_fields__)}")
         return cls(**data)
+
+
+RESERVED_MOUNT_ROOTS = (
+    *("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/tmp"),
+    *(WORKDIR, "/.palaestra"),
+)
+"""Where a `Mount` may not go: the sandbox's own system files, work directory and agent."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host file or directory shown inside one sandbox (``Backend.create(mounts=...)``): a harness
+    binary read-only, or the directory of a unix socket that is the sandbox's one way out."""
+
+    source: str
+    """Absolute host path (this process opens it, so it may lie where the sandbox's user cannot go)."""
+    target: str
+    """Absolute path inside the sandbox, outside its system directories and work directory."""
+    writable: bool = False
+    """Read-only unless set (a unix socket's directory needs it for ``connect``)."""
+    live: bool = False
+    """The host changes what is there while the sandbox runs (a socket, a stop file): always a bind
+    mount, never a copy (the docker backend's ``mounts="layer"`` copies the others). Writable implies it."""
+
+    def __post_init__(self) -> None:
+        if not posixpath.isabs(self.source):
+            raise ValueError(f"Mount.source must be an absolute path; got {self.source!r}")
+        target = posixpath.normpath(self.target)
+        if not posixpath.isabs(self.target) or target != self.target or target == "/":
+            raise ValueError(f"Mount.target must be a normalised absolute path below /; got {self.target!r}")
+        for root in RESERVED_MOUNT_ROOTS:
+            if target == root or target.startswith(root + "/"):
+                raise ValueError(
+                    f"Mount.target {self.target!r} is inside {root}, which the sandbox owns; "
+                    "mount under /opt or /run instead"
+                )
 
 
 @dataclass
@@ -208,11 +223,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def create(
-        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+        self, profile: str = "python", limits: Limits | None = None, mounts: tuple[Mount, ...] = ()
     ) -> Sandbox:
         """A fresh sandbox. ``profile`` names what is installed in it ("python": python3 and a
-        POSIX shell); ``mounts`` are host directories it sees read-only (a backend that cannot
-        mount them raises SandboxError saying so)."""
+        POSIX shell); ``mounts`` host paths shown in it (a backend that cannot raises SandboxError)."""
 
     @abc.abstractmethod
     async def cleanup_leaked(self) -> int:

@@ -99,7 +99,7 @@ class DockerBackend(Backend):
     mounts: str = "layer"
     """How a sandbox's mounts (host directories it sees read-only) get in: "layer" (copied into an
     image layer built once per content: works with an engine on another host) or "bind" (read-only
-    bind mounts: the engine must see this host's paths)."""
+    bind mounts: the engine must see this host's paths). A live or writable mount is always bound."""
 
     name = "docker"
 
@@ -200,15 +200,16 @@ class DockerBackend(Backend):
         return local and self.runtime in (None, "runc")
 
     async def create(
-        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+        self, profile: str = "python", limits: Limits | None = None, mounts: tuple[Mount, ...] = ()
     ) -> DockerSandbox:
         limits = limits or Limits()
         image = await asyncio.to_thread(self._image, profile)
-        if mounts and self.mounts == "layer":
-            image = await asyncio.to_thread(self._layered, image, mounts)
-            mounts = ()
+        copied = tuple(m for m in mounts if not (m.live or m.writable)) if self.mounts == "layer" else ()
+        if copied:
+            image = await asyncio.to_thread(self._layered, image, copied)
+            mounts = tuple(m for m in mounts if m not in copied)
         name = f"{self.label}-{uuid.uuid4().hex[:12]}"
-        container, conn = await asyncio.to_thread(self._start, image, name, limits, mounts)
+        container, conn = await asyncio.to_thread(self._start, image, name, limits, tuple(mounts))
         if conn is not None:
             channel = await SocketChannel.open(name, conn)
         else:
@@ -218,10 +219,12 @@ class DockerBackend(Backend):
     def _start(
         self, image: str, name: str, limits: Limits, mounts: tuple[Mount, ...] = ()
     ) -> tuple[Any, socket.socket | None]:
-        """Run the container; with the socket channel, also wait for its runner to connect.
-        ``mounts`` are read-only bind mounts of the daemon's host (the local engine's: this one)."""
+        """Run the container; with the socket channel, also wait for its runner to connect."""
         options = self.run_options(limits)
-        options["volumes"] = {m.source: {"bind": m.target, "mode": "ro"} for m in mounts}
+        # The docker engine (root) mounts them: a source in a closed home is no obstacle.
+        options["volumes"] = {
+            m.source: {"bind": m.target, "mode": "rw" if m.writable else "ro"} for m in mounts
+        }
         host = HostSocket() if self.uses_socket() else None
         try:
             if host is not None:

@@ -83,9 +83,13 @@ START_TIMEOUT_S = 30.0
 
 
 def closed_directory(path: str) -> Path | None:
-    """The first directory of ``path`` (itself included) that other users may not enter."""
+    """The first directory on the way to ``path`` (itself included when a directory) that other
+    users may not enter; None when there is none, or no such path (opening it says so)."""
     full = Path(os.path.abspath(path))
-    return next((d for d in [*reversed(full.parents), full] if not os.stat(d).st_mode & stat.S_IXOTH), None)
+    if not full.exists():
+        return None
+    chain = [*reversed(full.parents), *([full] if full.is_dir() else [])]
+    return next((d for d in chain if not os.stat(d).st_mode & stat.S_IXOTH), None)
 
 
 def unreachable_bwrap(bwrap: str, uid: int, exc: OSError) -> str:
@@ -184,7 +188,7 @@ class LocalBackend(Backend):
         return ["unprivileged", "root-userns"] if os.geteuid() == 0 else ["unprivileged"]
 
     async def create(
-        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+        self, profile: str = "python", limits: Limits | None = None, mounts: tuple[Mount, ...] = ()
     ) -> LocalSandbox:
         limits = limits or Limits()
         if profile not in PROFILES:
@@ -227,7 +231,7 @@ class LocalBackend(Backend):
             return box
         raise SandboxError("could not start a bubblewrap sandbox: " + " | ".join(failures))
 
-    async def _start(self, mode: str, limits: Limits, mounts: tuple[Mount, ...] = ()) -> LocalSandbox:
+    async def _start(self, mode: str, limits: Limits, mounts: tuple[Mount, ...]) -> LocalSandbox:
         sid = secrets.token_hex(6)
         name = f"{self._slug}.{self._owner}.{sid}"
         cgroup = None
@@ -251,16 +255,18 @@ class LocalBackend(Backend):
                 data_fds.append(fd)
                 binds += ["--ro-bind-data", str(fd), path]
             for mount in mounts:
-                # Opened here, so a missing source is this process's error; bwrap still resolves
-                # it by its path (the /proc/self/fd link), which `_closed_mount` checks first.
+                # Opened here, by this process, so a missing source is this process's error; bwrap
+                # still resolves it by its path (the /proc/self/fd link), which `_closed_mount`
+                # checks first. A file (a binary) or a directory; writable only when asked (a unix
+                # socket's directory, for connect).
                 try:
-                    fd = os.open(mount.source, os.O_PATH | os.O_DIRECTORY)
+                    fd = os.open(mount.source, os.O_PATH | os.O_CLOEXEC)
                 except OSError as exc:
                     raise SandboxError(
                         f"cannot mount {mount.source} into a sandbox: {exc.strerror}"
                     ) from None
                 data_fds.append(fd)
-                binds += ["--ro-bind-fd", str(fd), mount.target]
+                binds += ["--bind-fd" if mount.writable else "--ro-bind-fd", str(fd), mount.target]
             argv = bwrap_argv(self.bwrap, name, limits, mode, binds, sandbox_end.fileno())
             run_as = self.sandbox_uid if os.geteuid() == 0 and mode == "unprivileged" else None
             try:

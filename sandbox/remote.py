@@ -95,14 +95,14 @@ class RemoteBackend(Backend):
         raise SandboxError(f"exec server {self.url}: HTTP {response.status_code}: {message}")
 
     async def create(
-        self, profile: str = "python", limits: Limits | None = None, *, mounts: tuple[Mount, ...] = ()
+        self, profile: str = "python", limits: Limits | None = None, mounts: tuple[Mount, ...] = ()
     ) -> RemoteSandbox:
-        limits = limits or Limits()
         if mounts:
             raise SandboxError(
-                f"the remote backend cannot mount this host's directories ({', '.join(m.source for m in mounts)}) "
-                "into the exec server's sandboxes: use the local or docker backend"
+                "the remote backend cannot mount host paths into a sandbox (they are on another "
+                "machine): use the local or docker backend"
             )
+        limits = limits or Limits()
         response = await self.request(
             "POST",
             "/v1/sandboxes",

@@ -77,7 +77,9 @@ def _print_summary(summary, json_line: dict | None) -> None:
         print(json.dumps(json_line))
 
 
-def _rollout(args: argparse.Namespace) -> int:
+def _roll(args: argparse.Namespace, **options):
+    """The tasks `args` picks and their rollouts through the gateway, as `rollout` and `eval` run
+    them (`options` go to `run_rollouts`)."""
     from palaestra.sdk.runner import run_rollouts, take_tasks
 
     env = _env(args)
@@ -90,16 +92,19 @@ def _rollout(args: argparse.Namespace) -> int:
                 env,
                 gateway,
                 tasks,
-                samples_per_task=args.samples_per_task,
                 concurrency=args.concurrency,
                 progress=not args.quiet,
                 sampling={"temperature": args.temperature},
-                seed=args.seed,
+                **options,
             )
         finally:
             await gateway.close()
 
-    summary = _run(run())
+    return tasks, _run(run())
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    _, summary = _roll(args, samples_per_task=args.samples_per_task, seed=args.seed)
     print(summary.line())
     _print_summary(
         summary,
@@ -120,28 +125,10 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from palaestra.sdk.runner import run_rollouts, take_tasks, wilson_interval
+    from palaestra.sdk.runner import wilson_interval
     from palaestra.sdk.scoring import score
 
-    env = _env(args)
-    tasks = take_tasks(env, args.tasks, args.seed)
-    gateway = _gateway(args)
-
-    async def run():
-        try:
-            return await run_rollouts(
-                env,
-                gateway,
-                tasks,
-                samples_per_task=1,
-                concurrency=args.concurrency,
-                progress=not args.quiet,
-                sampling={"temperature": args.temperature},
-            )
-        finally:
-            await gateway.close()
-
-    summary = _run(run())
+    tasks, summary = _roll(args, samples_per_task=1)
     scores = score(tasks, summary.results)  # as training's evaluations: overall and per task kind
 
     def interval(key: str) -> tuple[float, tuple[float, float], int]:

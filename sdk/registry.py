@@ -35,6 +35,7 @@ BUILTIN = {
     "reasoning-gym": "palaestra.environments.reasoning_gym.env:ReasoningGymEnv",
     "textarena": "palaestra.environments.textarena.env:TextArenaEnv",
     "mix": "palaestra.environments.mix.env:MixEnv",
+    "harness": "palaestra.environments.harness.env:HarnessEnv",
 }
 
 

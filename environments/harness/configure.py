@@ -6,13 +6,17 @@ talk to the session's base URL with the session's token, and to nothing else it 
 traffic (telemetry, update checks) is switched off. `codex` configures Codex CLI (`codex exec`): a
 `model_providers.palaestra` entry with `wire_api = "responses"` and the token in an environment
 variable it names (`env_key`), passed as `-c` overrides so no config file is written.
+
+`command` is what the harness environment runs in a sandbox: the whole environment (nothing of the
+host's) and argv of one headless run on a task, with tools allowed without asking (the sandbox is
+the boundary). The turn limit is the tunnel's (`SessionTunnel.max_calls`), the same for every harness.
 """
 
 from __future__ import annotations
 
 import json
 
-__all__ = ["TOKEN_VAR", "claude_code", "codex"]
+__all__ = ["TOKEN_VAR", "claude_code", "codex", "command"]
 
 TOKEN_VAR = "PALAESTRA_SESSION_KEY"
 """The environment variable Codex reads the session token from (its provider's `env_key`)."""
@@ -37,3 +41,29 @@ def codex(base_url: str, token: str, model: str) -> tuple[dict[str, str], list[s
         args += ["-c", f"model_providers.palaestra.{key}={json.dumps(value)}"]
     args += ["-c", "model_provider=palaestra", "-m", model]
     return {TOKEN_VAR: token}, args
+
+
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox"}
+HOME = "/work/home"
+"""The harness's home inside the sandbox, beside the repository (/work/repo): its state (~/.claude,
+$CODEX_HOME) stays out of the diff that is graded. Not under /tmp: Codex makes no helper
+binaries under a temporary directory."""
+HOME_DIRS = ("HOME", "CODEX_HOME")
+"""The variables naming folders that must exist before the harness starts."""
+
+
+def command(
+    name: str, binary: str, base_url: str, token: str, model: str, prompt: str
+) -> tuple[dict[str, str], list[str]]:
+    """(environment, argv) of one headless run of harness `name` (its binary at `binary`) on
+    `prompt`, talking to the session at `base_url` with `token`."""
+    env = {**SANDBOX_ENV, "HOME": HOME}
+    if name == "claude-code":
+        env |= claude_code(base_url, token)
+        # No --max-turns: the tunnel's budget of model calls is the one turn limit of every
+        # harness (Claude Code's own would end it first, exiting 1 "Reached max turns").
+        return env, [binary, "-p", prompt, "--model", model, "--dangerously-skip-permissions"]
+    if name == "codex":
+        extra, args = codex(base_url, token, model)
+        return env | extra | {"CODEX_HOME": f"{HOME}/.codex"}, [binary, *args, prompt]
+    raise ValueError(f"no headless command for harness {name!r}: one of claude-code, codex")

@@ -5,6 +5,8 @@ Each harness is an npm package (`HARNESSES`) installed with `npm install --prefi
 Once installed it runs offline: Claude Code's package carries its native binary as an optional
 dependency, Codex's its musl binary. `make install` installs the pinned versions; `binary` finds an
 installed one, or None (the tests that drive them then skip, saying which command installs it).
+`shared_root` gives an install at a path every user can enter, which a sandbox run by another user
+(uid 65534 when root starts it) can mount: the cache itself, or a hard-linked copy of it.
 """
 
 from __future__ import annotations
@@ -12,12 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HARNESSES", "Harness", "binary", "cache_dir", "install", "register"]
+__all__ = [
+    "HARNESSES",
+    "Harness",
+    "binary",
+    "cache_dir",
+    "install",
+    "install_root",
+    "register",
+    "shared_root",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,58 @@ def binary(spec: str) -> Path | None:
     harness, version = _split(spec)
     path = cache_dir() / f"{harness.name}@{version}" / "node_modules" / ".bin" / harness.bin
     return path if path.exists() else None
+
+
+def install_root(spec: str) -> Path | None:
+    """The folder `spec` is installed in (`binary` is `node_modules/.bin/<bin>` below it), or None."""
+    harness, version = _split(spec)
+    return cache_dir() / f"{harness.name}@{version}" if binary(spec) is not None else None
+
+
+def _open_to_all(path: Path) -> bool:
+    return all(os.stat(p).st_mode & stat.S_IXOTH for p in (path, *path.parents))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem
+        shutil.copy2(src, dst)
+
+
+def shared_root(spec: str) -> Path:
+    """The install of `spec` at a path every user can enter: its cache folder if it is one (the
+    cache outside a closed home), else a hard-linked copy (no space; a copy across filesystems) in
+    ``<tmp>/palaestra-harnesses-<uid>/``, made once. Raises RuntimeError when it is not installed."""
+    harness, version = _split(spec)
+    source = install_root(spec)
+    if source is None:
+        raise RuntimeError(
+            f"{harness.name}@{version} is not installed: run `palaestra harness install {harness.name}@{version}`"
+        )
+    if _open_to_all(source):
+        return source
+    shared = Path(tempfile.gettempdir()) / f"palaestra-harnesses-{os.geteuid()}"
+    try:
+        shared.mkdir(mode=0o755)
+    except FileExistsError:
+        pass
+    info = os.lstat(shared)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise RuntimeError(
+            f"{shared} is not a directory of this user's: remove it, or set PALAESTRA_HARNESS_CACHE"
+        )
+    os.chmod(shared, 0o755)
+    target = shared / source.name
+    if not (target / "node_modules" / ".bin" / harness.bin).exists():
+        partial = Path(tempfile.mkdtemp(prefix=source.name + ".", suffix=".partial", dir=shared))
+        shutil.copytree(source, partial / "tree", symlinks=True, copy_function=_link_or_copy)
+        try:
+            (partial / "tree").rename(target)
+        except OSError:  # another process made it first
+            pass
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
 
 
 def install(spec: str, quiet: bool = False) -> Path:

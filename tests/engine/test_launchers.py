@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from palaestra.engine import router, sglang_launcher
-from palaestra.net import ServerStartError, free_port, wait_http_ok
+from palaestra.net import ServerProcess, ServerStartError, free_port, wait_http_ok
 
 W1, W2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -399,3 +399,67 @@ def test_router_process_waits_for_every_worker(tmp_path):
             continue  # the router was not listening yet: nothing was decided about readiness
         break
     assert "insufficient healthy workers" in str(exc.value)
+
+
+# A server that binds the port after `--port` and answers GET /health (stdlib only).
+_TINY_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port some other process holds (listening) while the test runs."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def test_a_server_whose_picked_port_was_taken_starts_on_a_fresh_one(tmp_path, taken_port):
+    argv = [sys.executable, "-c", _TINY_SERVER, "--port", str(taken_port)]
+    url = f"http://127.0.0.1:{taken_port}"
+    # A port the caller chose itself stays: the start fails and says why.
+    fixed = ServerProcess(argv, url, name="tiny", log_path=tmp_path / "fixed.log")
+    with pytest.raises(ServerStartError, match="during start-up") as exc:
+        fixed.start()
+    assert "Address already in use" in str(exc.value)
+
+    log = tmp_path / "moved.log"
+    with ServerProcess(argv, url, name="tiny", log_path=log, free_ports=["--port"]) as moved:
+        port = moved.port_of("--port")
+        assert port != taken_port and moved.url == f"http://127.0.0.1:{port}"
+        assert httpx.get(moved.url + "/health", timeout=5, trust_env=False).text == "ok"
+    text = log.read_text()
+    assert "Address already in use" in text  # the first attempt's output is kept
+    assert f"a port was taken; again with --port {taken_port} -> {port}" in text
+
+
+def test_free_ports_must_name_flags_of_the_argv():
+    with pytest.raises(ValueError, match="--prometheus-port"):
+        ServerProcess(["server", "--port", "1"], "http://127.0.0.1:1", free_ports=["--prometheus-port"])
+
+
+def test_router_moves_its_metrics_port_when_another_process_took_it(
+    stand_in_workers, taken_port, monkeypatch, tmp_path
+):
+    # The router binds its Prometheus port itself; the one it was handed is already taken (what
+    # happened in a CI run: `failed to install Prometheus metrics exporter: ... Address already in
+    # use`). Test double, labelled: the launcher's port picker returns the taken port for the
+    # metrics port; the re-pick after the failed start is the real one.
+    picks = iter([free_port(), taken_port])
+    monkeypatch.setattr(router, "free_port", lambda host="127.0.0.1": next(picks))
+    log = tmp_path / "router.log"
+    with router.RouterProcess([w.url for w in stand_in_workers], log_path=str(log)) as proc:
+        assert proc.prometheus_port != taken_port
+        assert httpx.get(proc.metrics_url, timeout=5, trust_env=False).status_code == 200
+        body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+        assert httpx.post(proc.url + "/generate", json=body, timeout=10, trust_env=False).status_code == 200
+    assert f"--prometheus-port {taken_port} -> {proc.prometheus_port}" in log.read_text()

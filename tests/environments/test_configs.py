@@ -8,7 +8,10 @@ from palaestra.config import load_config
 from palaestra.sdk.registry import load_environment
 
 
-@pytest.mark.parametrize("path, name", [("configs/code.yaml", "code"), ("configs/swe.yaml", "swe")])
+@pytest.mark.parametrize(
+    "path, name",
+    [("configs/code.yaml", "code"), ("configs/swe.yaml", "swe"), ("configs/harness.yaml", "harness")],
+)
 def test_config_loads_and_builds_its_environment(path, name):
     cfg = load_config(path)
     assert cfg.env.name == name

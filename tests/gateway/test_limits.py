@@ -180,7 +180,9 @@ def test_a_call_waiting_out_a_pause_keeps_its_session_alive(scripted, tok, tmp_p
 
     admin = {"Authorization": "Bearer k-admin"}
     with (
-        gateway(scripted, tok, tmp_path, session_idle_timeout_s=0.3) as gw,
+        # 2 s: the call must reach the gate within the idle timeout of the session's creation (a
+        # loaded machine took longer than the 0.3 s this used to be).
+        gateway(scripted, tok, tmp_path, session_idle_timeout_s=2.0) as gw,
         httpx.Client(timeout=30) as c,
     ):
         sid = create(c, gw).json()["session_id"]
@@ -195,7 +197,7 @@ def test_a_call_waiting_out_a_pause_keeps_its_session_alive(scripted, tok, tmp_p
             )
         )
         call.start()
-        time.sleep(1.2)  # four idle timeouts, waiting at the gate
+        time.sleep(7.0)  # three idle timeouts and more, waiting at the gate
         assert not c.get(f"{gw.url}/sessions/{sid}", headers=KEY).json()["finished"]
         c.post(f"{gw.url}/admin/resume", headers=admin)
         call.join(30)

@@ -305,8 +305,8 @@ def test_bad_yaml_is_reported_with_the_file(tmp_path):
         ),
         (["run.resources={gpu_box: {x: 1}}"], "run.resources: keys must be trainer, engines, services"),
         (["run.resources={trainer: {node_a: -1}}"], "run.resources: every demand must be a number >= 0"),
-        (["trainer.dp_size=0"], "dp_size must be at least 1"),
-        (["trainer.advantage_eps=0"], "advantage_eps must be positive"),  # was a ZeroDivisionError
+        (["trainer.dp_size=0"], "trainer.dp_size: must be at least 1"),  # under the field's own path
+        (["trainer.advantage_eps=0"], "trainer.advantage_eps: must be positive"),  # was a ZeroDivisionError
         (["trainer.sync_mode=disk"], "trainer.sync_dir: sync_mode 'disk' needs a directory"),
         (["engines.count=0"], "engines.count: need at least 1"),
         (["run.name=a/b"], "run.name"),

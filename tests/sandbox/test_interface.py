@@ -134,25 +134,34 @@ def test_reset_empties_work_and_tmp(box, loop_runner):
     assert loop_runner.run(go()).stdout == "0\n"
 
 
+# Each exec reports when its sleep began and ended by the host's clock (the sandboxes share it), so
+# the check is whether the two sleeps overlapped, not how long the calls took: a loaded machine that
+# is slow to start a process cannot make queued execs overlap, and only a start skew longer than the
+# sleep could keep parallel ones apart.
+_TIMED_SLEEP = ["python3", "-c", "import time; a = time.time(); time.sleep(1.5); print(a, time.time())"]
+
+
+def _overlap(first, second) -> bool:
+    (a0, a1), (b0, b1) = (map(float, r.stdout.split()) for r in (first, second))
+    return max(a0, b0) < min(a1, b1)
+
+
 def test_execs_in_one_sandbox_queue_and_sandboxes_run_in_parallel(sandbox_backend, box, loop_runner):
     async def go():
         backend = sandbox_backend.make()
         other = await backend.create("python", LIMITS)
         try:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            await asyncio.gather(box.exec("sleep 0.5"), other.exec("sleep 0.5"))
-            parallel = loop.time() - start
-            start = loop.time()
-            await asyncio.gather(box.exec("sleep 0.5"), box.exec("sleep 0.5"))
-            queued = loop.time() - start
+            parallel = await asyncio.gather(box.exec(_TIMED_SLEEP), other.exec(_TIMED_SLEEP))
+            queued = await asyncio.gather(box.exec(_TIMED_SLEEP), box.exec(_TIMED_SLEEP))
         finally:
             await other.close()
             await backend.close()
         return parallel, queued
 
     parallel, queued = loop_runner.run(go())
-    assert parallel < 0.95 <= queued, (parallel, queued)
+    assert all(r.ok for r in (*parallel, *queued)), [r.detail or r.stderr for r in (*parallel, *queued)]
+    assert _overlap(*parallel), [r.stdout for r in parallel]
+    assert not _overlap(*queued), [r.stdout for r in queued]
 
 
 def test_closed_sandbox_is_dead_and_refuses_work(sandbox_backend, loop_runner):

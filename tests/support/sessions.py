@@ -27,18 +27,23 @@ CALC = {
 }
 
 
+TIMEOUT = 60.0
+"""Seconds the helpers below wait for the gateway: httpx's default 5 s ran out on a loaded machine."""
+
+
 def new_session(gw, **kw):
     r = httpx.post(
         f"{gw.url}/sessions",
         json={"env": "test", "task_id": "t", **kw},
         headers=AUTH,
+        timeout=TIMEOUT,
     )
     r.raise_for_status()
     return r.json()
 
 
 def trajectory(gw, sid):
-    return httpx.get(f"{gw.url}/sessions/{sid}", headers=AUTH).json()
+    return httpx.get(f"{gw.url}/sessions/{sid}", headers=AUTH, timeout=TIMEOUT).json()
 
 
 def reward(gw, sid, value=1.0, **kw):
@@ -46,13 +51,14 @@ def reward(gw, sid, value=1.0, **kw):
         f"{gw.url}/sessions/{sid}/reward",
         json={"reward": value, **kw},
         headers=AUTH,
+        timeout=TIMEOUT,
     )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def samples(gw, after=0):
-    return httpx.get(f"{gw.url}/samples", params={"after": after}, headers=AUTH).json()
+    return httpx.get(f"{gw.url}/samples", params={"after": after}, headers=AUTH, timeout=TIMEOUT).json()
 
 
 def rollouts(gateway_url: str, key: str, env: Any, tasks: list, **options: Any) -> Any:

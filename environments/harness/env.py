@@ -1,0 +1,257 @@
+"""The harness environment: a real CLI coding agent (Claude Code, Codex) fixes a SWE task in a sandbox.
+
+    palaestra rollout --env harness --env-args '{"harness": "claude-code", "backend": "local"}' --tasks 2
+
+Tasks, validation and grading are the swe environment's (`SweAgentEnv`: the generated set or a
+SWE-bench-style JSONL; hidden tests run on the agent's diff in a fresh sandbox). Only the agent
+differs: instead of `ToolLoop`, the harness binary runs unchanged, headless, in the task's sandbox.
+
+One episode:
+1. the episode's run directory on the host: `SessionTunnel`'s unix socket (this session's
+   `/s/<id>/v1/` routes, nothing else, at most `max_turns` model calls) and `forward.py`;
+2. a sandbox with the repository in /work/repo, the harness install mounted read-only at
+   /opt/harness/NAME@VERSION (its runtime, node for Codex's launcher, is the sandbox's /usr) and
+   the run directory read-only at /run/palaestra. The sandbox has no network;
+3. one exec: `forward.py` listens on 127.0.0.1:8080 of the sandbox's own network namespace, relays
+   to the tunnel's socket, and runs the harness pointed at ``http://127.0.0.1:8080/s/<id>/v1`` with
+   the session's token (configure.command), its home in /work/home;
+4. the harness ends by itself, or at the time budget (`time_limit_s`: the exec's wall clock), or
+   at the turn budget (the tunnel refuses call `max_turns` + 1 and the host creates the stop file:
+   `forward.py` kills the harness) — both `failure/harness_timeout`; a non-zero exit is
+   `failure/harness_exit`, its exit status in `harness/exit_code` and its last output logged;
+5. the repository is taken out of the sandbox, diffed against the base and graded as in swe.
+
+A request the gateway refuses is the gateway's to record (`refused` in GET /sessions/{id}); what the
+tunnel refused is `tunnel/refused` (other paths) and `tunnel/over_budget` in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from palaestra.environments.episode import EpisodeLog
+from palaestra.environments.harness import configure
+from palaestra.environments.harness.install import HARNESSES, shared_root
+from palaestra.environments.harness.tunnel import SessionTunnel
+from palaestra.environments.swe_agent.env import SweAgentEnv
+from palaestra.environments.swe_agent.grading import grade
+from palaestra.environments.swe_agent.instance import SweInstance
+from palaestra.environments.swe_agent.snapshot import agent_copy_tar, diff_snapshots, unpack_tar
+from palaestra.environments.swe_agent.testrun import upload_tree
+from palaestra.environments.swe_agent.tools import download_repo
+from palaestra.sandbox.base import WORKDIR, ExecResult, Limits, Mount, Sandbox, SandboxError
+from palaestra.sdk.environment import Reward
+from palaestra.sdk.session import Session
+
+__all__ = ["HarnessEnv"]
+
+log = logging.getLogger(__name__)
+
+FORWARD = Path(__file__).with_name("forward.py")
+RUN_DIR = "/run/palaestra"
+"""The episode's run directory inside the sandbox (read-only): the tunnel's socket, forward.py, stop."""
+HARNESS_DIR = "/opt/harness"
+PORT = 8080
+"""The loopback port of the sandbox's own network namespace that forward.py relays to the tunnel."""
+HARNESS_TEMPERATURE = 1.0
+"""What the harnesses sample at: neither sends a temperature, and both APIs' default is 1."""
+PROMPT = (
+    "{problem}\n\nThe repository is your working directory. Fix the bug in the library, not in the "
+    "tests; run the tests with `python3 -m unittest` to check. Stop when the fix is done."
+)
+OUTPUT_TAIL = 2000
+
+
+class HarnessEnv(SweAgentEnv):
+    name = "harness"
+
+    def __init__(
+        self,
+        harness: str = "claude-code",
+        data: str | None = None,
+        backend: Any = "local",
+        max_turns: int = 30,
+        time_limit_s: float = 900.0,
+        memory_mb: int = 4096,
+        cache_dir: str | None = None,
+        generate_seed: int = 0,
+    ):
+        """`harness` NAME or NAME@VERSION (`palaestra harness install` it first); `data` a
+        SWE-bench-style JSONL (default: swe's generated set); `backend` a sandbox spec or a
+        `Backend` that can mount (local); `max_turns` the harness's model calls per episode;
+        `time_limit_s` its wall clock; `memory_mb` the sandbox's memory (and address space: the
+        harness runtimes reserve GiBs)."""
+        name = harness.partition("@")[0]
+        if name not in HARNESSES:
+            raise ValueError(f"unknown harness {harness!r}: one of {', '.join(sorted(HARNESSES))}")
+        if max_turns < 1 or not time_limit_s > 0:
+            raise ValueError(f"max_turns and time_limit_s must be positive; got {max_turns}, {time_limit_s}")
+        super().__init__(data=data, backend=backend, cache_dir=cache_dir, generate_seed=generate_seed)
+        self.harness, self.harness_name = harness, name
+        self.max_turns, self.time_limit_s = max_turns, float(time_limit_s)
+        self.box_limits = Limits(
+            timeout_s=self.time_limit_s,
+            cpu_s=max(60, int(self.time_limit_s)),
+            memory_mb=memory_mb,
+            pids=512,
+            workdir_mb=512,
+            output_bytes=4 << 20,
+        )
+        self._root: Path | None = None
+
+    def _install(self) -> tuple[Path, str]:
+        """(the install's host folder every user can enter, the binary's path in the sandbox)."""
+        if self._root is None:
+            self._root = shared_root(self.harness)
+        spec = HARNESSES[self.harness_name]
+        inside = f"{HARNESS_DIR}/{self._root.name}"
+        return self._root, f"{inside}/node_modules/.bin/{spec.bin}"
+
+    async def rollout(self, session: Session, task: SweInstance) -> Reward:
+        temperature = dict(session.sampling).get("temperature", HARNESS_TEMPERATURE)
+        if temperature != HARNESS_TEMPERATURE:
+            raise ValueError(
+                f"a harness samples at its own temperature ({HARNESS_TEMPERATURE}); this run asks for "
+                f"{temperature}: set trainer.temperature={HARNESS_TEMPERATURE} for harness environments"
+            )
+        await self._check(task)
+        root, binary = await asyncio.to_thread(self._install)
+        episode = EpisodeLog()
+        base = await asyncio.to_thread(task.base)
+        gateway_url = session.base_url.removesuffix(f"/s/{session.session_id}/v1")
+        metrics: dict[str, float] = {}
+        with tempfile.TemporaryDirectory(prefix="palaestra-harness-") as run_dir:
+            os.chmod(run_dir, 0o755)  # the sandbox's user (uid 65534 under root) reaches the socket
+            shutil.copy(FORWARD, Path(run_dir) / "forward.py")
+            tunnel = SessionTunnel(
+                gateway_url, session.session_id, str(Path(run_dir) / "tunnel.sock"), self.max_turns
+            )
+            await tunnel.start()
+            try:
+                mounts = (Mount(str(root), f"{HARNESS_DIR}/{root.name}"), Mount(run_dir, RUN_DIR, live=True))
+                async with episode.timed("sandbox"):
+                    box: Sandbox = await self.backend.create("python", self.box_limits, mounts)
+                try:
+                    agent_tree = await self._run(
+                        box, session, task, base, binary, run_dir, tunnel, episode, metrics
+                    )
+                except SandboxError:
+                    episode.fail("sandbox_error")
+                    return Reward(0.0, episode.metrics(resolved=0.0, **metrics, **_tunnel_metrics(tunnel)))
+                finally:
+                    await box.close()
+            finally:
+                await tunnel.stop()
+        metrics |= _tunnel_metrics(tunnel)
+        model_patch = diff_snapshots(base, agent_tree)
+        try:
+            async with episode.timed("grade"):
+                result = await grade(task, model_patch, self.backend, base)
+        except (SandboxError, RuntimeError):
+            episode.fail("grader_error")
+            return Reward(0.0, episode.metrics(resolved=0.0, **metrics))
+        if result.reason.startswith(("tests_did_not_finish", "test_command_failed")):
+            episode.fail("grader_error")
+        return Reward(
+            result.reward,
+            episode.metrics(
+                resolved=result.reward,
+                f2p_passed=result.f2p_passed / max(len(result.fail_to_pass), 1),
+                p2p_passed=result.p2p_passed / max(len(result.pass_to_pass), 1),
+                patch_applies=float(not result.reason.startswith("patch_does_not_apply")),
+                patch_lines=float(model_patch.count("\n")),
+                **metrics,
+            ),
+        )
+
+    async def _run(
+        self,
+        box: Sandbox,
+        session: Session,
+        task: SweInstance,
+        base: Any,
+        binary: str,
+        run_dir: str,
+        tunnel: SessionTunnel,
+        episode: EpisodeLog,
+        metrics: dict[str, float],
+    ) -> Any:
+        """Runs the harness in `box` on `task`; returns the repository as the harness left it."""
+        async with episode.timed("sandbox"):
+            unpacked = await upload_tree(box, await asyncio.to_thread(agent_copy_tar, base))
+        if not unpacked.ok:
+            raise SandboxError(f"could not unpack the repository: {unpacked.stderr[-300:]}")
+        env, argv = configure.command(
+            self.harness_name,
+            binary,
+            f"http://127.0.0.1:{PORT}/s/{session.session_id}/v1",
+            session.api_key,
+            self.model,
+            PROMPT.format(problem=task.problem_statement),
+        )
+        config = {
+            "socket": f"{RUN_DIR}/tunnel.sock",
+            "port": PORT,
+            "stop": f"{RUN_DIR}/stop",
+            "argv": argv,
+            "env": env,
+            "cwd": f"{WORKDIR}/repo",
+            "mkdirs": [env[k] for k in configure.HOME_DIRS if k in env],
+        }
+        async with episode.timed("model"):  # the harness's run: its model calls and its tools
+            result = await self._exec_harness(box, config, run_dir, tunnel)
+        stopped = tunnel.spent.is_set()
+        metrics["harness/exit_code"] = float(result.exit_code if result.exit_code is not None else -1)
+        if stopped or result.status == "timeout":
+            episode.fail("harness_timeout")
+        elif not result.ok:
+            episode.fail("harness_exit")
+            tail = (result.stdout + "\n" + result.stderr).strip()[-OUTPUT_TAIL:]
+            log.warning(
+                "harness %s in session %s: %s, exit %s %s; last output:\n%s",
+                self.harness,
+                session.session_id,
+                result.status,
+                result.exit_code,
+                result.detail,
+                tail,
+            )
+        async with episode.timed("sandbox"):
+            return unpack_tar(await download_repo(box))
+
+    async def _exec_harness(
+        self, box: Sandbox, config: dict[str, Any], run_dir: str, tunnel: SessionTunnel
+    ) -> ExecResult:
+        """forward.py + the harness as one exec; stopped through the stop file when the tunnel's
+        turn budget is spent (the exec's own timeout is the time budget)."""
+        run = asyncio.ensure_future(
+            box.exec(["python3", "-I", "-S", f"{RUN_DIR}/forward.py"], stdin=json.dumps(config))
+        )
+        spent = asyncio.ensure_future(tunnel.spent.wait())
+        try:
+            await asyncio.wait({run, spent}, return_when=asyncio.FIRST_COMPLETED)
+            if spent.done() and not run.done():
+                (Path(run_dir) / "stop").touch()
+            return await run
+        finally:
+            spent.cancel()
+            if not run.done():
+                run.cancel()
+                with contextlib.suppress(BaseException):
+                    await run
+
+
+def _tunnel_metrics(tunnel: SessionTunnel) -> dict[str, float]:
+    return {
+        "harness/calls": float(tunnel.calls),
+        "tunnel/refused": float(sum(tunnel.refused.values())),
+        "tunnel/over_budget": float(tunnel.over_budget),
+    }

@@ -1,0 +1,227 @@
+"""The harness environment: the real Claude Code / Codex binaries run on a SWE instance inside the
+local (bubblewrap) sandbox, whose only way out is their session's tunnel.
+
+The engine is `ScriptedEngine`, a labelled TEST DOUBLE (tests/support/servers.py): so that the
+random `tiny` model's place is taken by an agent that acts on cue, it answers the harness's shell
+tool with a call that writes the reference fix (or runs the hostile probe), then a final text. The
+gateway, the Qwen2.5 template, the tokenizer, the sandbox, the tunnel and both binaries are real;
+the episode is graded by swe's hidden tests in a fresh sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import shlex
+
+import httpx
+import pytest
+
+from palaestra.environments.harness.env import HarnessEnv
+from palaestra.environments.harness.install import HARNESSES, binary
+from palaestra.environments.swe_agent.generate import generate
+from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
+from palaestra.gateway.parsers import render_tool_call_text
+from tests.support.doubles import SubprocessBackendForTests
+from tests.support.sandbox import SANDBOX_BACKENDS
+from tests.support.servers import ENV_KEY, ScriptedEngine, ThreadServer, gateway_server
+from tests.support.sessions import AUTH, new_session, rollouts, trajectory
+
+pytestmark = pytest.mark.slow
+
+MARK = "PALAESTRA-42"
+WRITE = "import base64, sys; open(sys.argv[1], 'wb').write(base64.b64decode(sys.argv[2]))"
+SHELL = {"claude-code": ("Bash", "command"), "codex": ("exec_command", "cmd")}
+"""Each harness's shell tool and its command argument."""
+
+
+def _installed(name: str) -> None:
+    if binary(name) is None:
+        h = HARNESSES[name]
+        pytest.skip(
+            f"{h.package}@{h.version} is not installed: run `make install` (palaestra harness install {name})"
+        )
+
+
+@pytest.fixture(scope="module")
+def local_backend():
+    if "local" not in SANDBOX_BACKENDS:
+        pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
+    with SANDBOX_BACKENDS["local"]() as make:
+        yield make()
+
+
+@pytest.fixture(scope="module")
+def swe_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("swe") / "swe.jsonl"
+    instances = asyncio.run(
+        generate(out, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4)
+    )
+    assert instances, "no instance generated"
+    return out
+
+
+class ShellScript:
+    """What the scripted engine answers (TEST DOUBLE): the first call whose prompt renders the
+    harness's shell tool gets a call of it running `command`; once MARK is in a prompt, a final
+    text; any other call (side requests: titles, quota checks) a short text."""
+
+    def __init__(self, tok, harness: str, command: str):
+        self.tok, self.end = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        self.tool, self.argument = SHELL[harness]
+        self.command = command
+        self.calls: list[str] = []
+
+    def __call__(self, input_ids: list[int], index: int) -> list[int]:
+        prompt = self.tok.decode(input_ids)
+        if MARK in prompt:
+            kind, text = "final", "Done."
+        elif f'"name": "{self.tool}"' in prompt and "tool" not in self.calls:
+            kind = "tool"
+            text = render_tool_call_text("hermes", self.tool, json.dumps({self.argument: self.command}))
+        else:
+            kind, text = "other", "ok"
+        self.calls.append(kind)
+        return self.tok.encode(text, add_special_tokens=False) + [self.end]
+
+
+@contextlib.contextmanager
+def stack(tok, tmp_path, script, **gateway_options):
+    engine = ScriptedEngine(script, stop_ids={script.end})
+    spool = tmp_path / "spool"
+    with ThreadServer(engine.app()) as eng, gateway_server(eng.url, spool, tok, **gateway_options) as gw:
+        gw.engine_url = eng.url
+        yield gw, engine
+
+
+def _fix_command(instance) -> str:
+    """A shell command that writes the reference fix's files, then prints MARK."""
+    fixed = apply_patch(instance.base(), instance.patch)
+    parts = []
+    for path in sorted(patch_paths(instance.patch)):
+        data = base64.b64encode(fixed[path]).decode()
+        parts.append(f"python3 -c {shlex.quote(WRITE)} {shlex.quote(path)} {data}")
+    return " && ".join(parts) + " && echo PALAESTRA-$((6*7))"
+
+
+@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+def test_harness_fixes_the_instance_in_the_sandbox(tok, tmp_path, local_backend, swe_data, harness):
+    _installed(harness)
+    env = HarnessEnv(
+        harness=harness, data=str(swe_data), backend=local_backend, max_turns=8, time_limit_s=300
+    )
+    instance = next(i for i in env.tasks(0) if i.bug_kind != "missing_case")
+    script = ShellScript(tok, harness, _fix_command(instance))
+    with stack(tok, tmp_path, script) as (gw, engine):
+        result = rollouts(gw.url, ENV_KEY, env, [instance]).results[0]
+        assert result.status == "completed", result.error
+        traj = httpx.get(f"{gw.url}/sessions/{result.session_id}", headers=AUTH).json()
+    metrics = result.metrics
+    assert "tool" in script.calls and "final" in script.calls, script.calls
+    assert traj["refused"] == {} and traj["failed_calls"] == [], (traj["refused"], traj["failed_calls"])
+    assert metrics["failure/harness_exit"] == 0 and metrics["failure/harness_timeout"] == 0, metrics
+    assert metrics["harness/calls"] == len(script.calls) and metrics["tunnel/refused"] == 0, metrics
+    assert metrics["resolved"] == 1.0 and result.reward == 1.0, metrics  # the fix reached grading
+
+
+PROBE = r"""
+import json, os, socket, sys, urllib.error, urllib.request
+other, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+own = os.environ["ANTHROPIC_BASE_URL"].rstrip("/").rsplit("/", 1)[1]  # .../s/<own id>
+token = os.environ["ANTHROPIC_API_KEY"]
+out = {"tcp": {}, "http": {}}
+for port in ports:  # the host's loopback servers (gateway, engine): not in this network namespace
+    s = socket.socket()
+    s.settimeout(3)
+    out["tcp"][str(port)] = s.connect_ex(("127.0.0.1", port))
+s = socket.socket()
+s.settimeout(3)
+out["tcp"]["10.0.0.1:80"] = s.connect_ex(("10.0.0.1", 80))
+paths = [("GET", f"/s/{other}/v1/models"), ("POST", f"/s/{other}/v1/chat/completions"),
+         ("GET", "/sessions"), ("GET", f"/sessions/{own}"), ("POST", f"/sessions/{own}/reward"),
+         ("GET", "/metrics"), ("GET", "/admin/pause"), ("GET", f"/s/{own}/v1/../../../sessions/{own}"),
+         ("POST", f"/s/{own}/v1/%2e%2e/%2e%2e/%2e%2e/sessions/{own}/reward"), ("GET", f"/s/{own}/v1/models")]
+for method, path in paths:
+    req = urllib.request.Request("http://127.0.0.1:8080" + path, method=method,
+                                 data=b"{}" if method == "POST" else None,
+                                 headers={"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+    try:
+        out["http"][method + " " + path] = urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        out["http"][method + " " + path] = exc.code
+print("PROBE" + json.dumps(out) + "END")
+"""
+
+
+class LoopScript(ShellScript):
+    """TEST DOUBLE: every call that renders the shell tool is answered with a call of it (the probe
+    first, then `echo again`): an agent that never stops, for the turn budget to end."""
+
+    def __call__(self, input_ids: list[int], index: int) -> list[int]:
+        prompt = self.tok.decode(input_ids)
+        if f'"name": "{self.tool}"' not in prompt:
+            self.calls.append("other")
+            return self.tok.encode("ok", add_special_tokens=False) + [self.end]
+        command = self.command if "tool" not in self.calls else "echo again"
+        self.calls.append("tool")
+        text = render_tool_call_text("hermes", self.tool, json.dumps({self.argument: command}))
+        return self.tok.encode(text, add_special_tokens=False) + [self.end]
+
+
+def test_harness_sandbox_reaches_only_its_own_session_and_its_turn_budget_ends_it(
+    tok, tmp_path, local_backend, swe_data
+):
+    """From inside the sandbox, by the harness's own shell tool: the host's loopback ports and any
+    other address are unreachable; through the tunnel, another session's routes, the session and
+    admin API and every spelling that climbs out of its own prefix are 403 and counted; its own
+    route is reached. Then the agent loops, and the turn budget (3 model calls) stops it."""
+    _installed("claude-code")
+    env = HarnessEnv(harness="claude-code", data=str(swe_data), backend=local_backend, max_turns=3)
+    instance = env.tasks(0)[0]
+    script = LoopScript(tok, "claude-code", "")
+    with stack(tok, tmp_path, script) as (gw, engine):
+        other = new_session(gw)
+        ports = [url.rsplit(":", 1)[1] for url in (gw.url, gw.engine_url)]
+        script.command = f"python3 -c {shlex.quote(PROBE)} {other['session_id']} {' '.join(ports)}"
+        result = rollouts(gw.url, ENV_KEY, env, [instance]).results[0]
+        assert result.status == "completed", result.error
+        other_after = trajectory(gw, other["session_id"])
+    metrics = result.metrics
+    prompts = [tok.decode(e.body["input_ids"]) for e in engine.exchanges]
+    found = [p.split('PROBE{"tcp"', 1)[1].split("END", 1)[0] for p in prompts if 'PROBE{"tcp"' in p]
+    assert found, f"the probe's output reached no prompt; calls: {script.calls}"
+    probe = json.loads('{"tcp"' + found[0])
+    assert all(code != 0 for code in probe["tcp"].values()), probe["tcp"]  # nothing connects
+    own_route = next(k for k in probe["http"] if k.endswith("/v1/models") and other["session_id"] not in k)
+    refused = {k: v for k, v in probe["http"].items() if k != own_route}
+    assert set(refused.values()) == {403}, probe["http"]
+    assert probe["http"][own_route] != 403, probe["http"]  # its own session's route goes through
+    assert metrics["tunnel/refused"] == len(refused), metrics
+    assert other_after["turns"] == [], "nothing reached the other session"
+    # the budget: 3 calls forwarded, the 4th refused, the harness stopped, the episode still graded
+    assert metrics["harness/calls"] == 3 and metrics["tunnel/over_budget"] >= 1, metrics
+    assert metrics["failure/harness_timeout"] == 1 and metrics["failure/harness_exit"] == 0, metrics
+    assert metrics["resolved"] == 0.0 and "patch_applies" in metrics, metrics
+
+
+def test_a_refused_request_ends_the_harness_non_zero_and_names_the_field(
+    tok, tmp_path, local_backend, swe_data
+):
+    """With `max_tokens_over_context: reject`, Claude Code's `max_tokens: 32000` does not fit the
+    context beside its prompt: the gateway refuses it (400 naming max_tokens, recorded in the
+    session), the harness exits non-zero, and the episode records `failure/harness_exit` with the
+    exit status and is still graded."""
+    _installed("claude-code")
+    env = HarnessEnv(harness="claude-code", data=str(swe_data), backend=local_backend, max_turns=4)
+    script = ShellScript(tok, "claude-code", "echo unused")
+    with stack(tok, tmp_path, script, max_tokens_over_context="reject") as (gw, engine):
+        result = rollouts(gw.url, ENV_KEY, env, [env.tasks(0)[0]]).results[0]
+        assert result.status == "completed", result.error
+        traj = trajectory(gw, result.session_id)
+    metrics = result.metrics
+    assert script.calls == [] and engine.exchanges == [], "nothing reached the engine"
+    assert any(key.endswith(":max_tokens") for key in traj["refused"]), traj["refused"]
+    assert metrics["failure/harness_exit"] == 1 and metrics["harness/exit_code"] not in (0, -1), metrics
+    assert metrics["failure/harness_timeout"] == 0 and metrics["resolved"] == 0.0, metrics
