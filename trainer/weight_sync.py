@@ -44,10 +44,9 @@ updated, and none continues before every version is confirmed.
 than the trainer's, e.g. the teacher's for a reference evaluation).
 
 `SyncReport` has the whole push time, the pause (steps 1-4: the time engines do not generate) and
-the seconds of each phase (``phases``: stage, pause, write, update, version, continue, and with LoRA stage_load and
-unstage; each the
-wall time of that step over all engines) with the slowest engine's share per step
-(``engine_seconds``).
+the seconds of each phase (``phases``: stage, pause, write, update, version, continue, and with
+LoRA stage_load and unstage; each the wall time of that step over all engines) with the slowest
+engine's share per step (``engine_seconds``).
 With LoRA only the adapter is sent (`push_adapter`; trainer/lora_sync.py): SGLang's
 /unload_lora_adapter + /load_lora_adapter of a PEFT directory in the same pause (an embedded
 engine has read and checked the directory before it, under a staged name).
