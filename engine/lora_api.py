@@ -101,11 +101,20 @@ def register(app: FastAPI, server: EngineServer) -> None:
             name = _name(body)
             if engine.lora is None:
                 raise RequestError(NOT_ENABLED)
+
+            def remove():  # and its cached KV, at once when no request holds it (a sync's pause)
+                adapter = engine.lora.remove(name)
+                held = engine.requests_using(adapter) > 0
+                if not held:
+                    engine.prefix_cache.drop(adapter.uid)
+                return adapter, held
+
             async with lock:
-                adapter = await asyncio.wrap_future(engine.call(lambda: engine.lora.remove(name)))
-                while engine.requests_using(adapter):  # SGLang waits for the requests that hold it
-                    await asyncio.sleep(0.01)
-                await asyncio.wrap_future(engine.call(lambda: engine.prefix_cache.drop(adapter.uid)))
+                adapter, held = await asyncio.wrap_future(engine.call(remove))
+                if held:
+                    while engine.requests_using(adapter):  # SGLang waits for the requests that hold it
+                        await asyncio.sleep(0.01)
+                    await asyncio.wrap_future(engine.call(lambda: engine.prefix_cache.drop(adapter.uid)))
         except RequestError as exc:
             return _answer(server, str(exc))
         return _answer(server)
