@@ -6,9 +6,11 @@ Prints, from one run:
 * sync: per model, one embedded engine started with --enable-lora, and in each round (interleaved,
   so the machine's load weighs on all alike) a whole-model push (shm mode: one safetensors file in
   /dev/shm + /update_weights_from_disk, the default full fine-tuning sync) and an adapter push of
-  each rank (a PEFT directory + /unload_lora_adapter + /load_lora_adapter, trainer/lora_sync.py),
-  every projection adapted, and rank 16 on the attention projections only (r16-attn). Bytes sent, the whole push and the time the engine was paused
-  (generated nothing), medians over the rounds, and each as a fraction of the full push's.
+  each rank (a PEFT directory loaded under its own name while the engine generates, then
+  /unload_lora_adapter + /load_lora_adapter of the served name inside the pause;
+  trainer/lora_sync.py), every projection adapted, and rank 16 on the attention projections only
+  (r16-attn). Bytes sent, the whole push and the time the engine was paused (generated nothing),
+  medians over the rounds, and each as a fraction of the full push's.
 * step: per model, a full fine-tuning trainer and a LoRA one (rank --step-rank) in their own
   processes, the same batch: the median step time of --steps steps after a warm-up step, the
   process's peak RSS (ru_maxrss), and the bytes the trainer holds beyond the model's weights
@@ -215,11 +217,17 @@ def learn(arm: str, rank: int, lr: float | None, steps: int, eval_every: int, ev
     with tempfile.TemporaryDirectory() as tmp:
         rows = train_demo(Path(tmp) / arm, f"lora-{arm}", overrides).state.rows
     curve = [(int(r["train/step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    syncs = [r["perf/sync_s"] for r in rows if "perf/sync_s" in r]
+
+    def median(key: str) -> float:
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else float("nan")
+
     label = arm if arm == "full" else f"LoRA r{rank}" + (f" lr {lr:g}" if lr is not None else "")
     print(f"\nlearn, {label}: held-out accuracy (greedy, {eval_tasks} tasks) by step: "
           + ", ".join(f"{s}: {a:.3f}" for s, a in curve)
-          + f"; {time.perf_counter() - t0:.0f} s wall, sync median {statistics.median(syncs) * 1e3:.0f} ms")  # fmt: skip
+          + f"; {time.perf_counter() - t0:.0f} s wall; medians per step: step {median('perf/step_wall_s'):.1f} s, "
+          f"train {median('perf/train_s'):.2f} s, sync {median('perf/sync_s') * 1e3:.0f} ms "
+          f"({median('perf/sync_bytes') / 1e6:.2f} MB, engines paused {median('perf/sync_pause_s') * 1e3:.0f} ms)")  # fmt: skip
 
 
 def main() -> None:
