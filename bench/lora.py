@@ -6,11 +6,14 @@ Prints, from one run:
 * sync: per model, one embedded engine started with --enable-lora, and in each round (interleaved,
   so the machine's load weighs on all alike) a whole-model push (shm mode: one safetensors file in
   /dev/shm + /update_weights_from_disk, the default full fine-tuning sync) and an adapter push of
-  each rank (a PEFT directory + /unload_lora_adapter + /load_lora_adapter, trainer/lora_sync.py),
-  every projection adapted, and rank 16 on the attention projections only (r16-attn). Bytes sent, the whole push and the time the engine was paused
-  (generated nothing), medians over the rounds, and each as a fraction of the full push's.
+  each rank (a PEFT directory loaded under its own name while the engine generates, then
+  /unload_lora_adapter + /load_lora_adapter of the served name inside the pause;
+  trainer/lora_sync.py), every projection adapted, and rank 16 on the attention projections only
+  (r16-attn). Bytes sent, the whole push and the time the engine was paused (generated nothing),
+  medians over the rounds, and each as a fraction of the full push's.
 * step: per model, a full fine-tuning trainer and a LoRA one (rank --step-rank) in their own
-  processes, the same batch: the median step time of --steps steps after a warm-up step, the
+  processes, the same batch, stepping in turn (one steps while the other waits, so the machine's
+  load weighs on both alike): the median step time of --steps steps after a warm-up step, the
   process's peak RSS (ru_maxrss), and the bytes the trainer holds beyond the model's weights
   (gradients, optimizer state, the `ref` snapshot that LoRA does without).
 * learn: real `palaestra train` runs of configs/demo.yaml (the Python API, the CLI's code path),
@@ -146,8 +149,9 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
-def one_trainer(model: str, rank: int, samples: int, steps: int) -> dict:
-    """In this process: a trainer (LoRA if rank > 0) of `model`, its step times and memory."""
+def one_trainer(model: str, rank: int, samples: int) -> None:
+    """In this process: a trainer (LoRA if rank > 0) of `model` that steps on the batch each time
+    a line ``step`` arrives on stdin (printing the seconds), and on ``done`` prints its memory."""
     from palaestra.trainer import Trainer, TrainerConfig
 
     torch.set_num_threads(1)
@@ -157,16 +161,17 @@ def one_trainer(model: str, rank: int, samples: int, steps: int) -> dict:
     build_s = time.perf_counter() - t0
     data = batch(t.arch.vocab_size, samples)
     t.step(data)  # warm-up: the optimizer's state is allocated here
-    times = []
-    for _ in range(steps):
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
         t0 = time.perf_counter()
         t.step(data)
-        times.append(time.perf_counter() - t0)
+        print(time.perf_counter() - t0, flush=True)
     trainable = [p for p in t.gpt.parameters() if p.requires_grad]
     opt_bytes = tensor_bytes(t.optimizer.state_dict())  # Adam's moments (and any master copies)
     weights = sum(p.numel() * p.element_size() for p in t.gpt.parameters())
-    return {
-        "step_s": statistics.median(times),
+    summary = {
         "build_s": build_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "weights_mb": weights / 1e6,
@@ -176,17 +181,41 @@ def one_trainer(model: str, rank: int, samples: int, steps: int) -> dict:
         "snapshots_mb": t.snapshots.host_bytes / 1e6,
         "tokens": sum(len(s.tokens) for s in data),
     }
+    print(json.dumps(summary), flush=True)
 
 
 def step_bench(model: str, rank: int, samples: int, steps: int) -> None:
+    """Two trainer processes (full, LoRA), each its own ru_maxrss, stepping in turn: each step
+    runs while the other trainer waits, so the machine's load weighs on both alike."""
+    procs = {}
+    for r in (0, rank):
+        cmd = [sys.executable, __file__, "--one-trainer", model, str(r), str(samples)]
+        procs[r] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def answer(r: int) -> str:
+        line = procs[r].stdout.readline()
+        if not line:
+            raise RuntimeError(f"the trainer of rank {r} exited ({procs[r].wait()})")
+        return line.strip()
+
+    for r in procs:  # both built and warmed up
+        while answer(r) != "ready":
+            pass
+    times: dict[int, list[float]] = {r: [] for r in procs}
+    for _ in range(steps):
+        for r, proc in procs.items():
+            proc.stdin.write("step\n")
+            proc.stdin.flush()
+            times[r].append(float(answer(r)))
     runs = {}
-    for r in (0, rank):  # each in its own process: ru_maxrss is that trainer's alone
-        cmd = [sys.executable, __file__, "--one-trainer", model, str(r), str(samples), str(steps)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        runs[r] = json.loads(out.strip().splitlines()[-1])
+    for r, proc in procs.items():
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+        runs[r] = {**json.loads(answer(r)), "step_s": statistics.median(times[r])}
+        proc.wait()
     full, lo = runs[0], runs[rank]
     print(f"\ntrainer step, {model}, the same {samples} samples ({full['tokens']} tokens), median of {steps} steps, "
-          f"each trainer in its own process:")  # fmt: skip
+          f"each trainer in its own process, stepping in turn:")  # fmt: skip
     print(
         f"  {'':12s} {'step s':>7s} {'peak RSS MB':>12s} {'trainable':>11s} {'grads MB':>9s} {'optim MB':>9s} {'ref snap MB':>12s}"
     )
@@ -200,13 +229,15 @@ def step_bench(model: str, rank: int, samples: int, steps: int) -> None:
           f"{extra_lora / extra_full:.3f} (the ref snapshot saved: {full['snapshots_mb']:.1f} MB)")  # fmt: skip
 
 
-def learn(arm: str, rank: int, lr: float | None, steps: int, eval_every: int, eval_tasks: int) -> None:
+def learn(
+    arm: str, rank: int, lr: float | None, steps: int, eval_every: int, eval_tasks: int, extra: list[str]
+) -> None:
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from demo_runs import train_demo
 
-    overrides = [f"run.steps={steps}", f"env.eval_every={eval_every}", f"env.eval_tasks={eval_tasks}"]
+    overrides = [f"run.steps={steps}", f"env.eval_every={eval_every}", f"env.eval_tasks={eval_tasks}", *extra]
     if arm == "lora":
         overrides.append(f"trainer.lora.rank={rank}")
         if lr is not None:
@@ -215,17 +246,22 @@ def learn(arm: str, rank: int, lr: float | None, steps: int, eval_every: int, ev
     with tempfile.TemporaryDirectory() as tmp:
         rows = train_demo(Path(tmp) / arm, f"lora-{arm}", overrides).state.rows
     curve = [(int(r["train/step"]), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    syncs = [r["perf/sync_s"] for r in rows if "perf/sync_s" in r]
+
+    def median(key: str) -> float:
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else float("nan")
+
     label = arm if arm == "full" else f"LoRA r{rank}" + (f" lr {lr:g}" if lr is not None else "")
     print(f"\nlearn, {label}: held-out accuracy (greedy, {eval_tasks} tasks) by step: "
           + ", ".join(f"{s}: {a:.3f}" for s, a in curve)
-          + f"; {time.perf_counter() - t0:.0f} s wall, sync median {statistics.median(syncs) * 1e3:.0f} ms")  # fmt: skip
+          + f"; {time.perf_counter() - t0:.0f} s wall; medians per step: step {median('perf/step_wall_s'):.1f} s, "
+          f"train {median('perf/train_s'):.2f} s, sync {median('perf/sync_s') * 1e3:.0f} ms "
+          f"({median('perf/sync_bytes') / 1e6:.2f} MB, engines paused {median('perf/sync_pause_s') * 1e3:.0f} ms)")  # fmt: skip
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one-trainer":
-        model, rank, samples, steps = sys.argv[2], *map(int, sys.argv[3:6])
-        print(json.dumps(one_trainer(model, rank, samples, steps)))
+        one_trainer(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -239,18 +275,33 @@ def main() -> None:
         "--step-rank", type=int, default=16, help="LoRA rank of the step section (default: %(default)s)"
     )
     ap.add_argument("--samples", type=int, default=16, help="samples in the step section's batch")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after a warm-up step)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per trainer (after a warm-up step)")
     ap.add_argument("--parts", default="sync,step", help="sections: sync, step, learn (default: %(default)s)")
     ap.add_argument("--arms", default="full,lora", help="learn: full and/or lora (default: %(default)s)")
     ap.add_argument("--lora-lr", type=float, default=None, help="learn: LoRA's lr (default: the demo's)")
     ap.add_argument("--train-steps", type=int, default=30, help="learn: steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="learn: held-out evaluation every N steps")
     ap.add_argument("--eval-tasks", type=int, default=200, help="learn: held-out tasks")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="learn: another override of configs/demo.yaml, for both arms (e.g. model.teacher=null)",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if "learn" in parts:
         for arm in args.arms.split(","):
-            learn(arm, args.step_rank, args.lora_lr, args.train_steps, args.eval_every, args.eval_tasks)
+            learn(
+                arm,
+                args.step_rank,
+                args.lora_lr,
+                args.train_steps,
+                args.eval_every,
+                args.eval_tasks,
+                args.set,
+            )
     for model in args.models.split(",") if parts - {"learn"} else []:
         if "sync" in parts:
             sync_bench(model, [int(r) for r in args.ranks.split(",")], args.rounds)

@@ -209,6 +209,7 @@ class Engine:
             updates.append((params[name], tensor))
         if not updates:
             raise RequestError("no tensors in the update")
+        self._base_weights_change()
         with torch.inference_mode(False), torch.no_grad():  # parameters are normal tensors
             for param, tensor in updates:
                 param.copy_(tensor.to(param.dtype))
@@ -222,11 +223,16 @@ class Engine:
 
         params = dict(self.runner.model.named_parameters())
         params.update(dict(self.runner.model.named_buffers()))
+        self._base_weights_change()  # before: a load that fails half-way has changed some
         if not share:
             return load_safetensors_into(path, params)
         if self.shared_weights is None:
             self.shared_weights = SharedSafetensors()
         return self.shared_weights.share(path, params)
+
+    def _base_weights_change(self) -> None:
+        if self.lora is not None:  # an adapter's base checksum is checked against the new weights
+            self.lora.weights_changed()
 
     def requests_using(self, adapter: Any) -> int:
         """How many requests in flight hold `adapter` (an unload waits for none)."""

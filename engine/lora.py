@@ -17,6 +17,13 @@
 
 `LoraManager` holds the resident adapters by name. Each load gets a new `uid`: the prefix cache
 keys KV by it (an adapter's KV is not the base model's), so loading an adapter needs no flush.
+
+Loading is cheap where it can be, so that a sync's swap inside a pause is short: the base checksum
+is computed once per version of the base weights (`LoraManager.weights_changed` forgets it), and a
+load of files already resident under another name — the same directory, unchanged since
+(`files_stamp`) — shares that adapter's factors instead of reading them again. The trainer's sync
+loads each new version under a name of its own while the engine still generates, then swaps the
+served name to it inside the pause (trainer/lora_sync.py).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +51,7 @@ __all__ = [
     "LoraAdapter",
     "LoraManager",
     "base_checksum",
+    "files_stamp",
     "parse_lora_paths",
     "read_adapter",
     "write_adapter",
@@ -187,6 +196,18 @@ def write_adapter(
     return target
 
 
+def files_stamp(path: str | Path) -> tuple[int, ...] | None:
+    """The identity of a PEFT directory's two files (inode, size, modification time of each); None
+    when either is missing. Equal stamps: the same bytes as when the stamp was taken (a writer that
+    replaces the files, as `write_adapter` does, changes the inodes)."""
+    p = Path(path)
+    try:
+        stats = (os.stat(p / CONFIG_FILE), os.stat(p / WEIGHTS_FILE))
+    except OSError:
+        return None
+    return tuple(x for s in stats for x in (s.st_ino, s.st_size, s.st_mtime_ns))
+
+
 def parse_lora_paths(items: Sequence[str]) -> list[tuple[str, str]]:
     """``--lora-paths`` entries as SGLang takes them: ``NAME=PATH``, ``PATH`` (named after its
     directory), or JSON ``{"lora_name": ..., "lora_path": ...}``."""
@@ -208,7 +229,8 @@ _uids = itertools.count(1)
 
 @dataclass(eq=False)
 class LoraAdapter:
-    """One resident adapter: its factors per module (float, the model's dtype) and its scale."""
+    """One resident adapter: its factors per module (float, the model's dtype) and its scale; the
+    files it was read from and their `files_stamp`, for a later load of the same files."""
 
     name: str
     path: str
@@ -217,6 +239,8 @@ class LoraAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     pinned: bool = False
     uid: int = field(default_factory=lambda: next(_uids))
+    files: AdapterFiles | None = None
+    stamp: tuple[int, ...] | None = None
 
 
 class LoraManager:
@@ -241,6 +265,19 @@ class LoraManager:
         self.adapters: dict[str, LoraAdapter] = {}
         self._hooks: dict[str, Any] = {}
         self._active: list[tuple[LoraAdapter, torch.Tensor | None]] = []
+        # of the current base weights; None: not computed since they last changed
+        self._checksum: str | None = None
+
+    # -- the base weights -----------------------------------------------------------------------
+    def base_checksum(self) -> str:
+        """`base_checksum` of the model's weights, computed once per version of them."""
+        if self._checksum is None:
+            self._checksum = base_checksum(self.model.named_parameters())
+        return self._checksum
+
+    def weights_changed(self) -> None:
+        """The base weights were updated: the next check computes their checksum again."""
+        self._checksum = None
 
     # -- checks (any thread) --------------------------------------------------------------------
     def check(self, name: str, files: AdapterFiles) -> None:
@@ -257,7 +294,7 @@ class LoraManager:
                 f"({list(self.adapters)}); unload one first"
             )
         if files.base_checksum is not None:
-            here = base_checksum(self.model.named_parameters())
+            here = self.base_checksum()
             if files.base_checksum != here:
                 raise RequestError(
                     f"the adapter at {files.path} was trained on another base model (base checksum "
@@ -290,6 +327,22 @@ class LoraManager:
     def _projection_names(self) -> Iterator[str]:
         return (n for n in self.linears if ".layers.0." in n)
 
+    def prepare(self, files: AdapterFiles) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The factors of `files` in the model's dtype (any thread: it touches no model state)."""
+        return {
+            m: (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
+            for m, (a, b) in files.weights.items()
+        }
+
+    def resident(self, path: str, stamp: tuple[int, ...] | None) -> LoraAdapter | None:
+        """A resident adapter read from `path` when its files had `stamp` (None: none is)."""
+        if stamp is None:
+            return None
+        for adapter in list(self.adapters.values()):
+            if adapter.path == path and adapter.stamp == stamp:
+                return adapter
+        return None
+
     def get(self, name: str) -> LoraAdapter:
         adapter = self.adapters.get(name)
         if adapter is None:
@@ -300,13 +353,23 @@ class LoraManager:
         return adapter
 
     # -- changes (the scheduler thread: hooks and tensors are the model's) -----------------------
-    def add(self, name: str, files: AdapterFiles, pinned: bool = False) -> LoraAdapter:
+    def add(
+        self,
+        name: str,
+        files: AdapterFiles,
+        pinned: bool = False,
+        *,
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        stamp: tuple[int, ...] | None = None,
+    ) -> LoraAdapter:
+        """Makes `files` resident as `name`; `weights`: its factors already `prepare`d (shared
+        with another adapter of the same files), `stamp`: its files' `files_stamp`."""
         self.check(name, files)
-        weights = {
-            m: (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
-            for m, (a, b) in files.weights.items()
-        }
-        adapter = LoraAdapter(name, files.path, files.rank, files.scale, weights, pinned)
+        if weights is None:
+            weights = self.prepare(files)
+        adapter = LoraAdapter(
+            name, files.path, files.rank, files.scale, weights, pinned, files=files, stamp=stamp
+        )
         for module in weights:
             if module not in self._hooks:
                 self._hooks[module] = self.linears[module].register_forward_hook(self._hook(module))

@@ -8,7 +8,9 @@ own message. As in SGLang a name is loaded once (a new version of an adapter is 
 load), one load or unload runs at a time, and an unload returns once no request in flight holds
 the adapter (requests paused in place hold it: unload after they finish, or pause with abort).
 Reading the files happens off the scheduler thread; the adapter joins the model between two
-scheduler steps.
+scheduler steps. Files already resident under another name and unchanged since are not read again
+(`LoraManager.resident`): the trainer loads each new version under a name of its own before it
+pauses, and the load of the served name inside the pause only shares those factors.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from palaestra.engine.lora import NOT_ENABLED, read_adapter
+from palaestra.engine.lora import NOT_ENABLED, files_stamp, read_adapter
 from palaestra.engine.protocol import RequestError
 
 if TYPE_CHECKING:
@@ -62,8 +64,16 @@ async def load(server: EngineServer, name: str, path: str, pinned: bool = False)
     lora = server.engine.lora
     if lora is None:
         raise RequestError(NOT_ENABLED)
-    files = await asyncio.to_thread(read_adapter, path)
-    await asyncio.wrap_future(server.engine.call(lambda: lora.add(name, files, pinned)))
+    stamp = files_stamp(path)  # taken before reading: files replaced meanwhile get read next time
+    same = lora.resident(path, stamp)
+    if same is not None:  # these files are resident under another name: share its factors
+        files, weights = same.files, same.weights
+    else:
+        files = await asyncio.to_thread(read_adapter, path)
+        weights = await asyncio.to_thread(lora.prepare, files)
+    await asyncio.wrap_future(
+        server.engine.call(lambda: lora.add(name, files, pinned, weights=weights, stamp=stamp))
+    )
 
 
 def register(app: FastAPI, server: EngineServer) -> None:
@@ -91,11 +101,20 @@ def register(app: FastAPI, server: EngineServer) -> None:
             name = _name(body)
             if engine.lora is None:
                 raise RequestError(NOT_ENABLED)
+
+            def remove():  # and its cached KV, at once when no request holds it (a sync's pause)
+                adapter = engine.lora.remove(name)
+                held = engine.requests_using(adapter) > 0
+                if not held:
+                    engine.prefix_cache.drop(adapter.uid)
+                return adapter, held
+
             async with lock:
-                adapter = await asyncio.wrap_future(engine.call(lambda: engine.lora.remove(name)))
-                while engine.requests_using(adapter):  # SGLang waits for the requests that hold it
-                    await asyncio.sleep(0.01)
-                await asyncio.wrap_future(engine.call(lambda: engine.prefix_cache.drop(adapter.uid)))
+                adapter, held = await asyncio.wrap_future(engine.call(remove))
+                if held:
+                    while engine.requests_using(adapter):  # SGLang waits for the requests that hold it
+                        await asyncio.sleep(0.01)
+                    await asyncio.wrap_future(engine.call(lambda: engine.prefix_cache.drop(adapter.uid)))
         except RequestError as exc:
             return _answer(server, str(exc))
         return _answer(server)

@@ -458,6 +458,20 @@ def validate(cfg: RunConfig, env_args_from: ArgsOrigin | None = None) -> None:
         tr.sync_mode != "disk" or bool(tr.sync_dir),
         "trainer.sync_dir: sync_mode 'disk' needs a directory every engine can read",
     )
+    if tr.lora.enabled:  # the engines must serve the adapter (found at config load, not minutes later)
+        section = "engines.engine" if cfg.engines.backend == "embedded" else "engines.sglang"
+        given = cfg.engines.engine if cfg.engines.backend == "embedded" else cfg.engines.sglang
+        need(
+            given.get("enable_lora", True) not in (False, "false"),
+            f"{section}.enable_lora: false, but trainer.lora.rank {tr.lora.rank} trains an adapter the "
+            f"engines must serve; drop {section}.enable_lora (the run turns it on) or set trainer.lora.rank=0",
+        )
+        max_rank = given.get("max_lora_rank")
+        need(
+            not isinstance(max_rank, int) or max_rank >= tr.lora.rank,
+            f"{section}.max_lora_rank {max_rank} is below trainer.lora.rank {tr.lora.rank}; raise it or "
+            "drop it (the run sets it to the rank)",
+        )
     problems += _env_arg_problems(cfg.env, env_args_from)
     problems += _owned("engines.engine", cfg.engines.engine, OWNED_ENGINE_OPTIONS, "the run sets it")
     problems += _owned("engines.sglang", cfg.engines.sglang, OWNED_SGLANG_OPTIONS, "the run sets it")

@@ -8,14 +8,18 @@ whole model:
    metadata) under ``sync_dir`` (sync_mode disk: a directory every engine reads) or in /dev/shm
    (shm: engines on this host), one directory per version (``<name>-v<version>``). On the first
    sync every engine's ``/server_info`` is read: an engine started without LoRA support fails
-   the sync with the flag to add.
+   the sync with the flag to add. Embedded engines then load the directory under its own name
+   (``POST /load_lora_adapter {"lora_name": "<name>-v<version>"}``): they read and check it now,
+   and a bad adapter fails the sync before any engine pauses.
 1. ``POST /pause_generation`` on every engine.
 2. On every engine, ``POST /unload_lora_adapter {"lora_name"}`` (SGLang loads a name once: a new
    version replaces the old one by unload + load; "does not exist" — the first sync, a restarted
-   engine — is fine), ``POST /load_lora_adapter {"lora_name", "lora_path"}``, then
-   ``POST /update_weight_version {"new_version", "abort_all_requests": false}``: the engine's
-   weight_version — what every /generate answer reports — is the adapter's version.
-3. The version is read back from every engine; 4. ``POST /continue_generation``.
+   engine — is fine), ``POST /load_lora_adapter {"lora_name", "lora_path"}`` (an embedded engine
+   shares the staged adapter's factors: no file is read inside the pause; SGLang reads the files
+   here), then ``POST /update_weight_version {"new_version", "abort_all_requests": false}``: the
+   engine's weight_version — what every /generate answer reports — is the adapter's version.
+3. The version is read back from every engine; 4. ``POST /continue_generation``; 5. the staged
+   name is unloaded (the served name keeps the factors).
 
 No cache flush: both engines key cached KV by the adapter's load (SGLang's lora_id, the embedded
 engine's uid), so the base model's prefix cache survives every adapter sync.
@@ -27,6 +31,7 @@ gateway before every sync, in every run mode), or ``sync_pause_mode: abort``.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 import uuid
@@ -39,6 +44,8 @@ import torch
 
 if TYPE_CHECKING:
     from palaestra.trainer.weight_sync import SyncReport, WeightSync
+
+log = logging.getLogger("palaestra.trainer.weight_sync")
 
 __all__ = ["AdapterStage", "check_lora_support", "load_adapter_directory", "push_adapter"]
 
@@ -55,9 +62,10 @@ def _flags(backend: str, rank: int, targets: list[str]) -> str:
 
 def check_lora_support(
     client: httpx.Client, sync: WeightSync, url: str, rank: int, targets: list[str]
-) -> None:
+) -> bool:
     """Raises `WeightSyncError` naming the flag to add when the engine at `url` cannot take an
-    adapter of `rank` on `targets` (read from its /server_info)."""
+    adapter of `rank` on `targets` (read from its /server_info). Returns whether to stage on it:
+    an embedded engine with room for a second adapter (`push_adapter`)."""
     from palaestra.trainer.weight_sync import WeightSyncError
 
     info = sync._call(client, url, "read server_info", "GET", "/server_info").json()
@@ -80,6 +88,8 @@ def check_lora_support(
                 f"engine {url} adapts only {sorted(served)} (--lora-target-modules); the adapter also "
                 f"adapts {missing}: {_flags(backend, rank, targets)}"
             )
+    room = info.get("max_loaded_loras")
+    return backend == "embedded" and (not isinstance(room, int) or room >= 2)
 
 
 class AdapterStage:
@@ -123,6 +133,41 @@ class AdapterStage:
             self._cleanup()
 
 
+def _error(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("error_message") or r.text)
+    except (ValueError, AttributeError):
+        return r.text
+
+
+def _stage(sync: WeightSync, client: httpx.Client, urls: list[str], staged: str, path: Path, clock) -> None:
+    """Step 0's load of `path` as `staged` on `urls` (a name left by an interrupted sync is
+    unloaded first)."""
+    from palaestra.trainer.weight_sync import WeightSyncError
+
+    def one_engine(url: str) -> None:
+        body = {"lora_name": staged, "lora_path": str(path)}
+        r = client.post(url + "/load_lora_adapter", json=body)
+        if r.status_code != 200 and "already exists" in _error(r):
+            client.post(url + "/unload_lora_adapter", json={"lora_name": staged})
+            r = client.post(url + "/load_lora_adapter", json=body)
+        if r.status_code != 200:
+            raise WeightSyncError(f"engine {url}: load_lora_adapter {staged!r} failed: {_error(r)[:300]}")
+
+    clock.step("stage_load", sync._each(one_engine, urls))
+
+
+def _unstage(sync: WeightSync, client: httpx.Client, urls: list[str], staged: str, clock) -> None:
+    """Step 5: the staged name goes; the served name holds the same factors."""
+
+    def one_engine(url: str) -> None:
+        r = client.post(url + "/unload_lora_adapter", json={"lora_name": staged})
+        if r.status_code != 200:  # harmless (one more resident name), but said
+            log.warning("engine %s: unloading the staged adapter %r failed: %s", url, staged, _error(r)[:300])
+
+    clock.step("unstage", sync._each(one_engine, urls))
+
+
 def _swap(sync: WeightSync, client: httpx.Client, name: str, path: Path, version: str, clock) -> None:
     """Step 2 of the module docstring on every engine at once."""
     from palaestra.trainer.weight_sync import WeightSyncError
@@ -130,10 +175,7 @@ def _swap(sync: WeightSync, client: httpx.Client, name: str, path: Path, version
     def one_engine(url: str) -> None:
         r = client.post(url + "/unload_lora_adapter", json={"lora_name": name})
         if r.status_code != 200:
-            try:
-                message = str(r.json().get("error_message") or r.text)
-            except ValueError:
-                message = r.text
+            message = _error(r)
             if "does not exist" not in message:  # not loaded yet: the first sync, a restarted engine
                 raise WeightSyncError(f"engine {url}: unload_lora_adapter {name!r} failed: {message[:300]}")
         answer = sync._call(client, url, "load_lora_adapter", "POST", "/load_lora_adapter",
@@ -164,16 +206,22 @@ def push_adapter(
     with clock.phase("stage"):
         if sync._adapter_stage is None:
             targets = list(config["target_modules"])
-            for url in sync.urls:
-                check_lora_support(client, sync, url, int(config["r"]), targets)
+            sync._adapter_staging = [
+                url for url in sync.urls if check_lora_support(client, sync, url, int(config["r"]), targets)
+            ]
             sync._adapter_stage = AdapterStage(sync.disk_dir)
         path = sync._adapter_stage.write(name, v, config, tensors, checksum)
+    staging = [u for u in sync._adapter_staging if u in sync.urls]
+    if staging:
+        _stage(sync, client, staging, path.name, path, clock)
 
     def update() -> int:
         _swap(sync, client, name, path, v, clock)
         return 1
 
     _, pause_s = sync._paused(client, update, v, clock)
+    if staging:
+        _unstage(sync, client, staging, path.name, clock)
     sync._adapter_stage.keep_only(path)
     sync._adapter_name = name
     return SyncReport(

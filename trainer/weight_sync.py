@@ -44,11 +44,12 @@ updated, and none continues before every version is confirmed.
 than the trainer's, e.g. the teacher's for a reference evaluation).
 
 `SyncReport` has the whole push time, the pause (steps 1-4: the time engines do not generate) and
-the seconds of each phase (``phases``: stage, pause, write, update, version, continue; each the
-wall time of that step over all engines) with the slowest engine's share per step
-(``engine_seconds``).
+the seconds of each phase (``phases``: stage, pause, write, update, version, continue, and with
+LoRA stage_load and unstage; each the wall time of that step over all engines) with the slowest
+engine's share per step (``engine_seconds``).
 With LoRA only the adapter is sent (`push_adapter`; trainer/lora_sync.py): SGLang's
-/unload_lora_adapter + /load_lora_adapter of a PEFT directory in the same pause.
+/unload_lora_adapter + /load_lora_adapter of a PEFT directory in the same pause (an embedded
+engine has read and checked the directory before it, under a staged name).
 
 Every call is retried (``sync_retries`` attempts, growing back-off) except the broadcast ones,
 which cannot be replayed alone. If an engine still fails, `WeightSyncError` names it and the step,
@@ -158,6 +159,7 @@ class WeightSync:
         self._version_paths: dict[str, str] = {}  # where each engine answers its weight_version
         self._adapter_stage = None  # LoRA: where adapter directories are written (lora_sync.AdapterStage)
         self._adapter_name: str | None = None
+        self._adapter_staging: list[str] = []  # LoRA: engines that load each version before the pause
         self._client: httpx.Client | None = None  # one connection pool for every push
         self._threads: ThreadPoolExecutor | None = None  # one thread per engine for each step
         if mode == "shm":  # in shared memory on this host; `disk_dir` moves it (e.g. for tests)
@@ -458,9 +460,11 @@ class WeightSync:
             engine_seconds=clock.engines,
         )
 
-    def _each(self, fn: Callable[[str], Any]) -> dict[str, float]:
-        """`fn(url)` on every engine at once; returns once all have answered (seconds per engine).
-        A failure is raised only then, so no engine is left mid-step while the caller moves on."""
+    def _each(self, fn: Callable[[str], Any], urls: Sequence[str] | None = None) -> dict[str, float]:
+        """`fn(url)` on every engine (or on `urls`) at once; returns once all have answered (seconds
+        per engine). A failure is raised only then, so no engine is left mid-step while the caller
+        moves on."""
+        urls = list(self.urls if urls is None else urls)
 
         def timed(url: str) -> tuple[float, BaseException | None]:
             t0 = time.perf_counter()
@@ -470,16 +474,16 @@ class WeightSync:
                 return time.perf_counter() - t0, exc
             return time.perf_counter() - t0, None
 
-        if len(self.urls) == 1:  # no thread hand-off for a single engine
-            results = [timed(self.urls[0])]
+        if len(urls) == 1:  # no thread hand-off for a single engine
+            results = [timed(urls[0])]
         else:
             if self._threads is None:
                 self._threads = ThreadPoolExecutor(len(self.urls), thread_name_prefix="weight-sync")
-            results = list(self._threads.map(timed, self.urls))
+            results = list(self._threads.map(timed, urls))
         for _, error in results:
             if error is not None:
                 raise error
-        return {url: seconds for url, (seconds, _) in zip(self.urls, results, strict=True)}
+        return {url: seconds for url, (seconds, _) in zip(urls, results, strict=True)}
 
     def _call_each(
         self, client: httpx.Client, calls: Sequence[tuple[str, dict[str, Any]]], v: str, clock: _Clock

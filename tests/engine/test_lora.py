@@ -3,7 +3,9 @@
 The adapter math against a forward pass of the merged weights (W + (α/r)·B·A in a transformers
 model), a batch mixing two adapters and the base model (each row as it is alone), the prefix
 cache kept apart per adapter, and the refusals: another base model (checksum, shapes), an unknown
-adapter, a name loaded twice, a server started without LoRA (SGLang's own message).
+adapter, a name loaded twice, a server started without LoRA (SGLang's own message). What keeps a
+sync's swap short: a load of files resident under another name shares their factors (files
+replaced since are read), and the base checksum is computed once per version of the base weights.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from palaestra.engine import lora_api
 from palaestra.engine.lora import base_checksum, read_adapter, write_adapter
 from palaestra.engine.server import EngineConfig, EngineServer
+from palaestra.engine.weights import serialize_named_tensors
 
 PROMPTS = [[5, 77, 301, 12, 999, 45, 8, 1200], [9, 400, 33, 2048, 17], [100, 200, 300, 400, 500, 600]]
 RANK, ALPHA = 4, 8.0
@@ -196,3 +200,69 @@ def test_the_checksum_samples_tensors_larger_than_float32_counts():
     """An embedding of more than 2**24 values (SmolLM2's is 28 M): its sample positions stay inside."""
     big = torch.arange(2**24 + 4, dtype=torch.int32)
     assert base_checksum([("w", big)]) != base_checksum([("w", big.flip(0))])
+
+
+def test_a_load_of_resident_files_shares_their_factors_until_the_files_change(
+    server, http, adapters, tmp_path, monkeypatch
+):
+    """The trainer's sync loads each version under its own name before the pause; the load of the
+    served name inside the pause then reads nothing (engine/lora_api.load)."""
+    reads = []
+
+    def counted_read(path):  # the real read, counted
+        reads.append(path)
+        return read_adapter(path)
+
+    monkeypatch.setattr(lora_api, "read_adapter", counted_read)
+    model = server.engine.runner.model
+    path = write_adapter(
+        tmp_path / "s", peft_config(), random_adapter(model, 7), base_checksum(model.named_parameters())
+    )
+    lora = server.engine.lora
+    try:
+        for name in ("staged", "served"):
+            r = http.post("/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+            assert r.status_code == 200, r.text
+        assert len(reads) == 1
+        staged, served = lora.adapters["staged"], lora.adapters["served"]
+        assert all(served.weights[m][0] is staged.weights[m][0] for m in staged.weights)
+        assert served.uid != staged.uid  # KV cached under one is not the other's
+        assert score(http, PROMPTS[0], "served") == score(http, PROMPTS[0], "staged")
+        # the directory replaced by a new version (write_adapter renames a new one into place): read
+        write_adapter(path, peft_config(), random_adapter(model, 8), base_checksum(model.named_parameters()))
+        r = http.post("/load_lora_adapter", json={"lora_name": "newer", "lora_path": str(path)})
+        assert r.status_code == 200, r.text
+        assert len(reads) == 2
+        assert score(http, PROMPTS[0], "newer") != score(http, PROMPTS[0], "served")
+    finally:
+        for name in ("staged", "served", "newer"):
+            http.post("/unload_lora_adapter", json={"lora_name": name})
+
+
+def test_the_base_checksum_is_computed_once_per_version_of_the_base_weights(tiny_model_dir, tmp_path):
+    """Loads reuse the checksum; a weight update makes the next load compute it again, so an
+    adapter of the weights before the update is refused after it."""
+    s = EngineServer(EngineConfig(model_path=str(tiny_model_dir), enable_lora=True))
+    try:
+        with TestClient(s.app) as c:
+            model, lora = s.engine.runner.model, s.engine.lora
+            checksum = base_checksum(model.named_parameters())
+            tensors = random_adapter(model, 3)
+            path = write_adapter(tmp_path / "a", peft_config(), tensors, checksum)
+            r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(path)})
+            assert r.status_code == 200, r.text
+            assert lora._checksum == checksum
+            lora._checksum = "cached"  # a load now compares with the cached value, not the weights
+            r = c.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": str(path)})
+            assert r.status_code == 400 and "checksum cached" in r.json()["error_message"]
+            name, weight = next(iter(model.named_parameters()))
+            bumped = [(name, weight.detach() + 0.5)]
+            r = c.post("/update_weights_from_tensor",
+                       json={"serialized_named_tensors": [serialize_named_tensors(bumped)]})  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert lora._checksum is None
+            r = c.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": str(path)})
+            assert r.status_code == 400 and "another base model" in r.json()["error_message"]
+            assert lora._checksum == base_checksum(model.named_parameters()) != checksum
+    finally:
+        s.engine.shutdown()

@@ -313,6 +313,14 @@ def test_bad_yaml_is_reported_with_the_file(tmp_path):
         (["engines.engine.port=1"], "engines.engine.port: not accepted"),
         (["engines.sglang.model_path=x"], "engines.sglang.model_path: not accepted"),
         (["router.policy=round_robin"], "router.policy: not accepted"),
+        (
+            ["trainer.lora.rank=16", "engines.engine.enable_lora=false"],
+            "engines.engine.enable_lora: false, but trainer.lora.rank 16",
+        ),
+        (
+            ["trainer.lora.rank=16", "engines.backend=sglang", "engines.sglang.max_lora_rank=8"],
+            "engines.sglang.max_lora_rank 8 is below trainer.lora.rank 16",
+        ),
     ],
 )
 def test_cross_field_validation(overrides, expected):

@@ -246,3 +246,48 @@ def test_an_engine_that_cannot_take_the_adapter_is_refused_with_the_flag(tiny_mo
         ):
             check_lora_support(c, sync, url, 8, ["q_proj", "v_proj"])
     sync.close()
+
+
+def test_an_adapter_sync_reads_and_checks_the_adapter_before_the_pause(trained, tmp_path, monkeypatch):
+    """trainer/lora_sync.py against the embedded engine in this process: each version is loaded
+    under its own name while the engine generates (read once, never while paused), the served name
+    then holds the trainer's factors at the trainer's version and the staged name is gone; an
+    adapter the engine refuses fails the sync before the engine pauses, the old version still served."""
+    from fastapi.testclient import TestClient
+
+    from palaestra.engine import lora_api
+    from palaestra.engine.lora import read_adapter
+    from palaestra.engine.server import EngineConfig, EngineServer
+    from palaestra.trainer.weight_sync import WeightSync, WeightSyncError
+
+    t = trained["t"]
+    server = EngineServer(EngineConfig(model_path=str(t.model_dir), enable_lora=True))
+    reads = []
+
+    def counted_read(path):  # the real read, noting whether the engine was paused
+        reads.append(server.engine.paused)
+        return read_adapter(path)
+
+    monkeypatch.setattr(lora_api, "read_adapter", counted_read)
+    sync = WeightSync(["http://testserver"], mode="disk", disk_dir=tmp_path)
+    try:
+        with TestClient(server.app) as client:
+            sync._client = client
+            adapter, config = t.adapter_state(), t.lora.peft_config(str(t.model_dir))
+            for version in ("1", "2"):
+                report = sync.push_adapter("policy", config, adapter, version, t.base_checksum)
+                assert report.phases["stage_load"] > 0 and report.pause_seconds < report.seconds
+                info = client.get("/server_info").json()
+                assert info["weight_version"] == version and set(info["loaded_lora_adapters"]) == {"policy"}
+            assert reads == [False, False]  # one read per sync, none inside the pause
+            served = server.engine.lora.adapters["policy"]
+            module, (a, b) = next(iter(served.weights.items()))
+            assert torch.equal(a, adapter[f"base_model.model.{module}.lora_A.weight"].to(a.dtype))
+            with pytest.raises(WeightSyncError, match="another base model"):
+                sync.push_adapter("policy", config, adapter, "3", "0" * 32)
+            assert not server.engine.paused and reads == [False, False, False]
+            info = client.get("/server_info").json()
+            assert info["weight_version"] == "2" and set(info["loaded_lora_adapters"]) == {"policy"}
+    finally:
+        sync.close()
+        server.engine.shutdown()
