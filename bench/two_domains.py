@@ -61,6 +61,15 @@ COMMON = [
 ]
 
 
+def _se(acc: float, n: int) -> float:
+    """Standard error of an accuracy measured on n tasks (binomial)."""
+    return (acc * (1 - acc) / max(n, 1)) ** 0.5
+
+
+def _pm(acc: float, n: int) -> str:
+    return f"{acc:.3f} ± {_se(acc, n):.3f}"
+
+
 def run(name: str, out: Path, overrides: list[str]) -> tuple[list[dict[str, float]], float]:
     """The evaluation rows of one run (step 0: before training) and its wall seconds."""
     started = time.perf_counter()
@@ -104,14 +113,16 @@ def main(argv: list[str] | None = None) -> int:
             last = results[arm][0][-1]
             print(f"{arm}: " + " ".join(f"{k} {last[f'eval/accuracy/{k}']:.3f}" for k in KINDS), flush=True)
 
-    print(f"\n== two domains, {args.steps} steps, {args.eval_tasks} held-out tasks (half per kind), greedy")
+    n = args.eval_tasks // len(KINDS)  # tasks per kind
+    print(f"\n== two domains, {args.steps} steps, {args.eval_tasks} held-out tasks ({n} per kind), greedy; "
+          f"± one standard error, sqrt(a(1 - a) / {n})")  # fmt: skip
     header = f"{'':22s}" + "".join(f"{k:>24s}" for k in KINDS) + f"{'wall s':>9s}"
     print(header)
     for model, row in teachers.items():
         print(f"{'teacher ' + model:22s}" + "".join(f"{row[f'eval/accuracy/{k}']:24.3f}" for k in KINDS))
     for arm, (rows, wall) in results.items():
         cells = "".join(
-            f"{rows[0][f'eval/accuracy/{k}']:.3f} -> {rows[-1][f'eval/accuracy/{k}']:.3f}".rjust(24)
+            f"{rows[0][f'eval/accuracy/{k}']:.3f} -> {_pm(rows[-1][f'eval/accuracy/{k}'], n)}".rjust(24)
             for k in KINDS
         )
         print(f"{arm:22s}{cells}{wall:9.0f}")
@@ -122,8 +133,19 @@ def main(argv: list[str] | None = None) -> int:
             if rival in results:
                 p = results["panel"][0][-1][f"eval/accuracy/{kind}"]
                 r = results[rival][0][-1][f"eval/accuracy/{kind}"]
+                se = (_se(p, n) ** 2 + _se(r, n) ** 2) ** 0.5
                 verdict = "panel better" if p > r else "panel NOT better"
-                print(f"{kind}: panel {p:.3f} vs {rival} {r:.3f} ({p - r:+.3f}): {verdict}")
+                print(f"{kind}: panel {p:.3f} vs {rival} {r:.3f} ({p - r:+.3f} ± {se:.3f}, "
+                      f"{(p - r) / se if se else float('inf'):+.1f} standard errors): {verdict}")  # fmt: skip
+        for kind in KINDS:  # the panel against the best single-teacher arm on each kind
+            singles = {a: results[a][0][-1][f"eval/accuracy/{kind}"] for a in other.values() if a in results}
+            if singles:
+                best = max(singles, key=singles.__getitem__)
+                p, b = results["panel"][0][-1][f"eval/accuracy/{kind}"], singles[best]
+                se = (_se(p, n) ** 2 + _se(b, n) ** 2) ** 0.5
+                print(
+                    f"{kind}: panel {p:.3f} vs the best single teacher ({best}) {b:.3f} ({p - b:+.3f} ± {se:.3f})"
+                )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"teachers": teachers, "arms": {a: r for a, (r, _) in results.items()}}, indent=1)
