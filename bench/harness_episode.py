@@ -1,7 +1,7 @@
 """A long coding-agent episode through the gateway, in Claude Code's request shape: per-turn gateway
 cost, and the engine's prefix-cache hit rate, over the episode. One run, ratios.
 
-    .venv/bin/python bench/harness_episode.py [--turns 30] [--output-chars 1500]
+    .venv/bin/python bench/harness_episode.py [--turns 40] [--output-chars 1500]
 
 Each turn is sent as Claude Code 2.1.328 sends its turns (tests/gateway/test_controls.py has the
 shape): system blocks with `cache_control`, a dozen tools, `anthropic-beta` flags,
@@ -15,6 +15,10 @@ a subprocess, its CPU read from /proc. Printed:
   goal <= 1.2x), and the gateway's own `call_overhead_seconds` mean over the episode;
 * the engine's prefix-cache hit rate over the episode (cached prompt tokens / prompt tokens, from
   each answer's `usage.cache_read_input_tokens`), and on the last turn;
+* per turn, the share of the previous turn's prompt the engine found in its prefix cache (goal:
+  >= 0.95 on every bridged turn), and the lowest;
+* the wall time of turn 1 and of the last turn (a fixed number of sampled tokens each: what grows
+  is the prefill of the uncached part, i.e. the time to the first token);
 * that every turn bridged (no fork) and what was recorded as ignored controls.
 """
 
@@ -24,6 +28,7 @@ import argparse
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -86,7 +91,7 @@ def metric(text: str, name: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--turns", type=int, default=30)
+    ap.add_argument("--turns", type=int, default=40)
     ap.add_argument("--output-chars", type=int, default=1500, help="characters of each tool output")
     ap.add_argument("--max-new", type=int, default=16, help="tokens the engine samples per turn")
     args = ap.parse_args()
@@ -106,15 +111,17 @@ def main() -> None:
             },
             {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /work"}]},
         ]
-        cpu, prompt, cached = [], [], []
+        cpu, prompt, cached, wall = [], [], [], []
         for turn in range(args.turns):
             b = body(messages)
             b["max_tokens"] = args.max_new  # a fixed sampled length, so turns compare (a random model
             # given Claude Code's 32000, clamped to the context, would sample thousands of tokens)
-            t0 = cpu_seconds(gw.pid)
+            t0, w0 = cpu_seconds(gw.pid), time.perf_counter()
             r = c.post(url, json=b, headers=headers)
+            wall.append(time.perf_counter() - w0)
             cpu.append(cpu_seconds(gw.pid) - t0)
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise SystemExit(f"turn {turn + 1}: {r.status_code} {r.text}")
             answer = r.json()
             usage = answer["usage"]
             prompt.append(usage["input_tokens"])
@@ -137,7 +144,24 @@ def main() -> None:
         f"engine prefix-cache hit rate: {sum(cached) / sum(prompt):.3f} over the episode, "
         f"{cached[-1] / prompt[-1]:.3f} on the last turn"
     )
-    print(f"forks: {len(traj['forks'])}; ignored controls (calls): {traj['ignored_controls']}")
+    # each turn's reuse of what the previous turn sent: cached tokens / the previous prompt's tokens
+    reuse = [cached[t] / prompt[t - 1] for t in range(1, len(prompt))]
+    print("prefix reuse per turn (cached / previous prompt): " + " ".join(f"{r:.2f}" for r in reuse))
+    worst = min(range(len(reuse)), key=reuse.__getitem__) if reuse else 0
+    if reuse:
+        print(
+            f"lowest reuse {reuse[worst]:.3f} at turn {worst + 2} (goal >= 0.95 on every bridged turn: "
+            f"{'met' if reuse[worst] >= 0.95 else 'NOT met'})"
+        )
+    print(
+        f"turn latency ({args.max_new} sampled tokens; the prefill of what is not cached is what grows): "
+        f"turn 1 {wall[0] * 1e3:.0f} ms, turn {len(wall)} {wall[-1] * 1e3:.0f} ms = {wall[-1] / wall[0]:.2f}x "
+        f"(prompt {prompt[-1] / prompt[0]:.1f}x longer)"
+    )
+    reasons = Counter(f.get("reason") for f in traj["forks"])
+    print(
+        f"forks: {len(traj['forks'])} {dict(reasons)}; ignored controls (calls): {traj['ignored_controls']}"
+    )
 
 
 if __name__ == "__main__":
