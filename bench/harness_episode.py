@@ -18,6 +18,8 @@ real engine's `cached_tokens` over the prompt. Printed:
   renders only what is new: the goal is <= 1.2x), beside the gateway's own
   `call_overhead_seconds` mean (which only unstreamed calls feed: harnesses stream);
 * the engine's prefix-cache hit rate over the episode and on the last turn;
+* per call, the share of the previous call's prompt the engine found in its prefix cache (goal:
+  >= 0.95 on every bridged turn), and the lowest;
 * that the episode bridged (forks) and what the harness sent that was recorded (ignored controls).
 """
 
@@ -30,6 +32,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -163,8 +166,17 @@ def main() -> None:
         f"engine prefix-cache hit rate: {cached / max(prompt, 1):.3f} over the episode, "
         f"{rows[-1]['cached'] / max(rows[-1]['prompt'], 1):.3f} on the last call"
     )
+    # each call's reuse of what the previous call sent: cached tokens / the previous prompt's tokens
+    reuse = [rows[t]["cached"] / max(rows[t - 1]["prompt"], 1) for t in range(1, len(rows))]
+    if reuse:
+        worst = min(range(len(reuse)), key=reuse.__getitem__)
+        print("prefix reuse per call (cached / previous prompt): " + " ".join(f"{r:.2f}" for r in reuse))
+        print(
+            f"lowest reuse {reuse[worst]:.3f} at call {worst + 2} (goal >= 0.95 on every bridged turn: "
+            f"{'met' if reuse[worst] >= 0.95 else 'NOT met'})"
+        )
     print(
-        f"forks: {len(traj['forks'])}; refused: {traj['refused']}; ignored controls: {traj['ignored_controls']}"
+        f"forks: {len(traj['forks'])} {dict(Counter(f.get('reason') for f in traj['forks']))}; refused: {traj['refused']}; ignored controls: {traj['ignored_controls']}"
     )
 
 

@@ -50,6 +50,11 @@ class GatewayMetrics:
         self.active = Gauge(f"{p}_active_sessions", "Sessions not yet rewarded", registry=r)
         self.in_flight = Gauge(f"{p}_in_flight_calls", "Generation calls in flight", registry=r)
         self.paused = Gauge(f"{p}_paused", "1 while generation is paused", registry=r)
+        self.interrupted = Counter(
+            f"{p}_interrupted_generations",
+            "Engine calls a weight update interrupted, continued with the new weights (partial rollouts)",
+            registry=r,
+        )
         self.auth_refused = Counter(
             f"{p}_auth_refused",
             "Calls refused for their credential, by what the route needs (admin, environment, session) "

@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway import bridge, controls, parse_status, parsers, replay, template_caps
+from palaestra.gateway import bridge, controls, parse_status, parsers, partial, replay, template_caps
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
@@ -356,27 +356,55 @@ class GatewayService:
             ids: list[int] = []
             final: Generation | None = None
             parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
-            route = self._route(call.session, call.plan.prompt_ids, call.sampling)
-            try:
-                async for new_ids, new_lps, fin in self.engine.stream(
-                    call.session.session_id, call.plan.prompt_ids, call.sampling, params.top_logprobs, route
+            prompt, sampling, pauses = call.plan.prompt_ids, call.sampling, self.gate.pauses
+            budget = int(call.sampling.get("max_new_tokens") or 0)
+            done: Generation | None = None  # what earlier engine calls of this turn sampled
+            while True:
+                route = self._route(call.session, prompt, sampling)
+                try:
+                    async for new_ids, new_lps, fin in self.engine.stream(
+                        call.session.session_id, prompt, sampling, params.top_logprobs, route
+                    ):
+                        ids += new_ids
+                        final = fin
+                        if fin is not None or parse_whole:
+                            continue  # the final chunk is parsed whole below
+                        delta = text.advance(ids)
+                        if delta:
+                            lps = self._token_logprobs(new_ids, new_lps, None, 0) if params.logprobs else None
+                            yield TextDelta(delta, lps)
+                except GatewayError as exc:
+                    route.failed()
+                    self._record_failure(call.session, call.call_id, exc)
+                    yield StreamFailed(exc)
+                    return
+                except BaseException:  # the client went away mid-stream
+                    route.failed()
+                    raise
+                if final is not None and done is not None:
+                    final = partial.continued(done, final, budget)
+                if not (
+                    final is not None
+                    and partial.interrupted(final)
+                    and (self.gate.paused or self.gate.pauses != pauses)
                 ):
-                    ids += new_ids
-                    final = fin
-                    if fin is not None or parse_whole:
-                        continue  # the final chunk is parsed whole below
-                    delta = text.advance(ids)
-                    if delta:
-                        lps = self._token_logprobs(new_ids, new_lps, None, 0) if params.logprobs else None
-                        yield TextDelta(delta, lps)
-            except GatewayError as exc:
-                route.failed()
-                self._record_failure(call.session, call.call_id, exc)
-                yield StreamFailed(exc)
-                return
-            except BaseException:  # the client went away mid-stream
-                route.failed()
-                raise
+                    break
+                # a weight update interrupted it: the same stream goes on with the new weights
+                route.done(final.cached_tokens, len(final.output_ids))
+                done, final = final, None
+                try:
+                    await self.gate.reenter()
+                except GatewayError as exc:
+                    self._record_failure(call.session, call.call_id, exc)
+                    yield StreamFailed(exc)
+                    return
+                self.metrics.interrupted.inc()
+                pauses = self.gate.pauses
+                rest = partial.remaining(call.sampling, len(done.output_ids))
+                if rest is None:
+                    final = partial.continued(done, None, budget)
+                    break
+                prompt, sampling = call.plan.prompt_ids + done.output_ids, rest
             if final is None:  # the engine's stream ended without a final chunk (engine_client says why)
                 route.failed()
                 exc = GatewayError(
@@ -483,20 +511,52 @@ class GatewayService:
         await self._enter(session)
         try:
             t0 = time.perf_counter()
-            route = self._route(session, ids, sampling)
-            try:
-                gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs, route)
-            except GatewayError as exc:
-                route.failed()
-                self._record_failure(session, call_id, exc)
-                raise
-            except BaseException:
-                route.failed()
-                raise
-            route.done(gens[0].cached_tokens if gens else 0, sum(len(g.output_ids) for g in gens))
+            pauses = self.gate.pauses
+            gens = await self._engine_call(session, call_id, ids, sampling, top_logprobs)
+            for i, gen in enumerate(gens):  # a weight update interrupted it: continue (partial.py)
+                while partial.interrupted(gen) and (self.gate.paused or self.gate.pauses != pauses):
+                    gen = await self._continue(session, call_id, ids, sampling, top_logprobs, gen)
+                    pauses = self.gate.pauses
+                gens[i] = gen
             return gens, time.perf_counter() - t0
         finally:
             self._leave(session)
+
+    async def _engine_call(
+        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
+    ) -> list[Generation]:
+        route = self._route(session, ids, sampling)
+        try:
+            gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs, route)
+        except GatewayError as exc:
+            route.failed()
+            self._record_failure(session, call_id, exc)
+            raise
+        except BaseException:
+            route.failed()
+            raise
+        route.done(gens[0].cached_tokens if gens else 0, sum(len(g.output_ids) for g in gens))
+        return gens
+
+    async def _continue(
+        self,
+        session: Session,
+        call_id: str,
+        ids: list[int],
+        sampling: dict[str, Any],
+        top_logprobs: int,
+        done: Generation,
+    ) -> Generation:
+        """`done` (interrupted by a weight update) continued once the gate opens: the prompt and its
+        tokens sent again with the rest of the budget, the answers joined (gateway/partial.py)."""
+        await self.gate.reenter()
+        self.metrics.interrupted.inc()
+        rest = partial.remaining(sampling, len(done.output_ids))
+        budget = int(sampling.get("max_new_tokens") or 0)
+        if rest is None:
+            return partial.continued(done, None, budget)
+        more = await self._engine_call(session, call_id, ids + done.output_ids, rest, top_logprobs)
+        return partial.continued(done, more[0], budget)
 
     async def _admit(self, session: Session, ids: list[int], sampling: dict[str, Any]) -> None:
         """With placement's admission on, a new session's first call may wait for room (before the

@@ -65,6 +65,7 @@ class GroupRecord:
     finished: float
     errors: list[str] = field(default_factory=list)
     kind: str | None = None  # the task's `kind` (a dataset, a game, a mix's family), when it has one
+    longest_tokens: int = 0  # sampled tokens of the group's longest trainable session
     # sample_id -> reason, of this group's samples that never train (failed / aborted sessions);
     # filled by `SampleFeed.claim`, so the step that takes the group counts them in `Batch.dropped`
     dropped: dict[str, str] = field(default_factory=dict)

@@ -181,7 +181,7 @@ class Cluster:
         self.startup_s["engines"] = time.perf_counter() - t0
         urls = [b.url for b in self.engines]
         master = self._get_all([self.trainer[0].rendezvous_address.remote()], "trainer rendezvous")[0]
-        building = self.trainer_call("build", cfg.trainer.to_dict(), cfg.model.student, urls, master)
+        building = self.trainer_call("build", trainer_options(cfg), cfg.model.student, urls, master)
         services = cfg.run.resources.get("services", {})
         light = server.options(num_cpus=0, resources=services)
         self.router = Box("router", light.remote("router", log_dir), log=f"{log_dir}/router.log")
@@ -354,7 +354,7 @@ class Cluster:
         master = self._get_all([self.trainer[0].rendezvous_address.remote()], "trainer rendezvous")[0]
         urls = [b.url for b in self.engines]
         self._get_all(
-            self.trainer_call("build", self.cfg.trainer.to_dict(), self.cfg.model.student, urls, master),
+            self.trainer_call("build", trainer_options(self.cfg), self.cfg.model.student, urls, master),
             "rebuilding the trainer",
         )
 
@@ -403,14 +403,15 @@ class Cluster:
         self._weight_sync().load_directory(model_dir, version)
 
     # -- the gateway's admin and metrics -------------------------------------------------------
-    def pause_gateway(self, timeout_s: float) -> dict[str, Any]:
-        """New generation calls wait; returns once in-flight calls finished (or `timeout_s`)."""
+    def pause_gateway(self, timeout_s: float, drain: bool = True) -> dict[str, Any]:
+        """New generation calls wait; with `drain`, returns once in-flight calls finished (or
+        `timeout_s`), else at once (partial rollouts: the sync's pause-abort interrupts them)."""
         assert self.gateway is not None
         self.gateway_paused = True  # before the call: a gateway that dies during it comes back paused
         with httpx.Client(timeout=timeout_s + 30, trust_env=False) as client:
             r = client.post(
                 f"{self.gateway.url}/admin/pause",
-                params={"wait": "true", "timeout_s": timeout_s},
+                params={"wait": "true" if drain else "false", "timeout_s": timeout_s},
                 headers={"Authorization": f"Bearer {self.admin_key}"},
             )
             r.raise_for_status()
@@ -479,6 +480,20 @@ class Cluster:
 # ----------------------------------------------------------------------------------------------
 # A run's cluster, from the models to the last actor
 # ----------------------------------------------------------------------------------------------
+def interrupting(cfg: RunConfig) -> bool:
+    """Whether weight syncs interrupt generations in flight (async mode's partial rollouts)."""
+    return cfg.run.mode == "async" and cfg.run.partial_rollouts
+
+
+def trainer_options(cfg: RunConfig) -> dict[str, Any]:
+    """The trainer's options as its ranks get them: with partial rollouts its weight syncs pause the
+    engines in abort mode (the interrupted calls come back with their tokens; the gateway goes on)."""
+    options = cfg.trainer.to_dict()
+    if interrupting(cfg):
+        options["sync_pause_mode"] = "abort"
+    return options
+
+
 def lora_engine_flags(cfg: RunConfig) -> list[str]:
     """With trainer.lora: the engine flags that serve its adapter (SGLang's names, in both
     backends), except those engines.engine / engines.sglang already set."""

@@ -300,6 +300,7 @@ class Run:
             "train/weight_version": float(self.state.weight_version),
             "perf/step_wall_s": wall,
             "perf/wait_s": t["batch"] - t["start"],
+            "perf/wait_time_ratio": (t["batch"] - t["start"]) / wall,  # slime's: the trainer waiting
             "perf/trainer_idle_s": max(0.0, wall - t["train_s"] - t["sync_s"]),
             # a gateway restarted during the step starts its histogram at 0: no negative figure
             "perf/gateway_s": max(0.0, self.cluster.gateway_overhead_s() - t["gateway_s"]),

@@ -59,7 +59,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     """`rollout/*` of one step's batch: reward, sizes, staleness, what was dropped and why,
     sessions per status, the environment's own metrics (`rollout/env_*`), for tasks of several kinds
     each kind's reward and groups (`rollout/reward_mean/<kind>`, `rollout/groups/<kind>`); `perf/gen_s` is the
-    wall time from the first group's start to the last one's end."""
+    wall time from the first group's start to the last one's end, `perf/longest_group_s` the longest
+    group's and `perf/longest_sample_tokens_per_s` its longest session's sampled tokens per second."""
     rewards = [r for g in batch.groups for r in g.rewards]
     samples = batch.samples
     m: dict[str, float] = {
@@ -82,6 +83,11 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         m[f"rollout/sessions_{status}"] = float(n)
     if batch.groups:
         m["perf/gen_s"] = max(g.finished for g in batch.groups) - min(g.started for g in batch.groups)
+        # the straggler: the group that took longest (its sessions run together, so its wall is its
+        # longest session's) and that session's sampled tokens per second of it
+        longest = max(batch.groups, key=lambda g: g.finished - g.started)
+        m["perf/longest_group_s"] = longest.finished - longest.started
+        m["perf/longest_sample_tokens_per_s"] = longest.longest_tokens / max(m["perf/longest_group_s"], 1e-9)
     for k in sorted({k for g in batch.groups for k in g.metrics}):
         m[f"rollout/env_{k}"] = statistics.fmean(g.metrics.get(k, 0.0) for g in batch.groups)
     kinds = sorted({g.kind for g in batch.groups if g.kind is not None})

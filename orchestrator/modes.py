@@ -3,7 +3,8 @@
 * `SyncSource`: generate step k, then train on it (lag 0);
 * `OneStepOffSource`: generation of step k+1 runs while step k trains (lag exactly 1);
 * `AsyncSource`: continuous generation, at most (1 + max_staleness) steps ahead, the gateway
-  drained and paused around every weight sync.
+  paused around every weight sync; with `run.partial_rollouts` (the default) the sync interrupts
+  the calls in flight and the gateway continues them on the new weights, else it drains them first.
 
 The run (`loop.Run`) calls `begin`, then per step `batch` → train → `before_sync` → sync →
 `after_sync`, and `end` last. What trains of the groups is `batching.select_batch`'s decision.
@@ -19,7 +20,7 @@ from typing import Any
 
 from palaestra.config import RunConfig
 from palaestra.orchestrator.batching import Batch, SampleFeed, select_batch
-from palaestra.orchestrator.cluster import Cluster
+from palaestra.orchestrator.cluster import Cluster, interrupting
 from palaestra.orchestrator.errors import RunFailed
 from palaestra.orchestrator.waiting import Waiter
 
@@ -155,8 +156,9 @@ class OneStepOffSource(Source):
 
 class AsyncSource(Source):
     """Continuous generation; at most (1 + max_staleness) steps' groups are started ahead of
-    training, and `select_batch` enforces the bound per sample. The gateway is drained and paused
-    for each weight sync: calls in flight finish on the old weights, later ones use the new."""
+    training, and `select_batch` enforces the bound per sample. The gateway is paused for each weight
+    sync: calls in flight are interrupted and continued on the new weights (partial rollouts), or,
+    with `run.partial_rollouts: false`, drained first (they finish on the old weights)."""
 
     def begin(self, step: int) -> None:
         self.ready: deque = deque()  # (record, samples), in order of completion
@@ -202,9 +204,13 @@ class AsyncSource(Source):
 
     def before_sync(self, step: int) -> float:
         started = time.perf_counter()
-        # pausing twice is pausing (a gateway restarted meanwhile comes back unpaused: paused again)
+        # pausing twice is pausing (a gateway restarted meanwhile comes back unpaused: paused again);
+        # with partial rollouts the calls in flight are not waited for: the sync interrupts them
+        drain = not interrupting(self.cfg)
         self.waiter.call(
-            lambda: self.cluster.pause_gateway(timeout_s=max(1.0, self.waiter.deadline - time.monotonic())),
+            lambda: self.cluster.pause_gateway(
+                timeout_s=max(1.0, self.waiter.deadline - time.monotonic()), drain=drain
+            ),
             "pausing the gateway for the weight sync",
         )
         return time.perf_counter() - started

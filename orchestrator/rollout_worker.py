@@ -128,6 +128,7 @@ class RolloutWorker:
             statuses=dict(Counter(r.status for r in summary.results)),
             metrics={k: statistics.fmean(r.metrics.get(k, 0.0) for r in ok) for k in keys},
             sampled_tokens=sum(r.sampled_tokens for r in ok),
+            longest_tokens=max((r.sampled_tokens for r in ok), default=0),
             started=started,
             finished=time.time(),
             errors=[r.error for r in summary.results if r.error][:3],

@@ -173,6 +173,12 @@ class RunOptions:
     """Samples beyond max_staleness: drop = discard them, mask = keep them with loss_mask zeroed.
     Either way they are counted."""
 
+    partial_rollouts: bool = True
+    """async: a weight sync interrupts the engines' generations in flight (SGLang's pause-abort) and
+    the gateway continues each from its last token with the new weights, so a sync never waits for a
+    long answer (each token keeps the version that sampled it). false: the gateway drains its calls
+    in flight before the sync (trainer.sync_pause_mode then applies)."""
+
     checkpoint_every: int = 10
     """Steps between checkpoints (each with this config saved beside it); 0 = only the last step."""
 
