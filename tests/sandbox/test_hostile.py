@@ -66,6 +66,12 @@ def run_contained(loop_runner, pool, cmd, mark: str, timeout: float | None = Non
     return result
 
 
+# The payloads below run for ten minutes or forever unless they are stopped, so an exec that returns
+# well within this bound was stopped, whatever the machine's load. The bound is not how fast the stop
+# is: a loaded CI machine took 9 s to reap a fork bomb's container at a 2 s timeout.
+STOPPED_WITHIN_S = 60
+
+
 def py(code: str, mark: str) -> list[str]:
     return ["python3", "-c", f"{code}\n# {mark}"]
 
@@ -75,7 +81,7 @@ def test_fork_bomb_is_bounded_by_pids_and_killed_at_the_timeout(sandbox_backend,
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     result = run_contained(loop_runner, pool, py(bomb, mark), mark, timeout=2)
     assert result.status == "timeout", result
-    assert result.duration_s < 2 + 4, result
+    assert result.duration_s < 2 + STOPPED_WITHIN_S, result
 
 
 def test_memory_bomb_ends_with_status_memory(sandbox_backend, pool, loop_runner):
@@ -118,7 +124,7 @@ def test_sleep_past_the_timeout_is_killed_on_time(sandbox_backend, pool, loop_ru
     mark = marker()
     result = run_contained(loop_runner, pool, py("import time\ntime.sleep(600)", mark), mark, timeout=1)
     assert result.status == "timeout", result
-    assert 1 <= result.duration_s < 4, result
+    assert 1 <= result.duration_s < 1 + STOPPED_WITHIN_S, result  # not before its timeout
 
 
 def test_detached_setsid_child_dies_with_the_exec(sandbox_backend, pool, loop_runner):
@@ -127,7 +133,7 @@ def test_detached_setsid_child_dies_with_the_exec(sandbox_backend, pool, loop_ru
     cmd = ["sh", "-c", f"setsid {child} </dev/null >/dev/null 2>&1 & sleep 0.3; echo started # {mark}"]
     result = run_contained(loop_runner, pool, cmd, mark, timeout=10)
     assert result.ok and result.stdout == "started\n", result
-    assert result.duration_s < 5, result
+    assert result.duration_s < STOPPED_WITHIN_S, result  # it did not wait for the 600 s child
 
 
 def test_server_on_the_host_loopback_is_unreachable(sandbox_backend, pool, loop_runner):
@@ -218,7 +224,7 @@ def test_stdout_flood_is_capped_and_killed(sandbox_backend, pool, loop_runner):
     result = run_contained(loop_runner, pool, py(flood, mark), mark, timeout=30)
     assert result.status == "output_limit", result
     assert result.stdout_truncated and len(result.stdout) == LIMITS.output_bytes, len(result.stdout)
-    assert result.duration_s < 10, result
+    assert result.duration_s < STOPPED_WITHIN_S, result
 
 
 def test_disk_fill_stops_at_the_work_dir_size(sandbox_backend, pool, loop_runner):
