@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from palaestra.environments.harness.env import HarnessEnv
-from palaestra.environments.harness.install import HARNESSES, binary
+from palaestra.environments.harness.install import HARNESSES, binary, install_root, native
 from palaestra.environments.swe_agent.generate import generate
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.parsers import render_tool_call_text
@@ -119,6 +119,19 @@ def _fix_command(instance) -> str:
         data = base64.b64encode(fixed[path]).decode()
         parts.append(f"python3 -c {shlex.quote(WRITE)} {shlex.quote(path)} {data}")
     return " && ".join(parts) + " && echo PALAESTRA-$((6*7))"
+
+
+@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+def test_the_sandbox_runs_the_native_binary_not_the_npm_launcher(harness, tmp_path):
+    """What a sandbox mounts and runs is the platform package's ELF binary (no node needed); an
+    install without it is refused naming the command that reinstalls it."""
+    _installed(harness)
+    folder, path = native(install_root(harness), harness)
+    with open(folder / path, "rb") as f:
+        assert f.read(4) == b"\x7fELF", folder / path
+    assert "node_modules/.bin" not in str(folder)
+    with pytest.raises(RuntimeError, match=f"palaestra harness install {harness}@"):
+        native(tmp_path / f"{harness}@0.0.0", harness)
 
 
 @pytest.mark.parametrize("harness", ["claude-code", "codex"])
