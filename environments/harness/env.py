@@ -9,9 +9,10 @@ differs: instead of `ToolLoop`, the harness binary runs unchanged, headless, in 
 One episode:
 1. the episode's run directory on the host: `SessionTunnel`'s unix socket (this session's
    `/s/<id>/v1/` routes, nothing else, at most `max_turns` model calls) and `forward.py`;
-2. a sandbox with the repository in /work/repo, the harness install mounted read-only at
-   /opt/harness/NAME@VERSION (its runtime, node for Codex's launcher, is the sandbox's /usr) and
-   the run directory read-only at /run/palaestra. The sandbox has no network;
+2. a sandbox with the repository in /work/repo, the harness's native binary's folder (`native`:
+   no npm launcher, so no node) read-only at /opt/harness/NAME@VERSION and the run directory
+   read-only and live at /run/palaestra (the docker backend copies the binary into an image layer
+   once, and bind-mounts the run directory). The sandbox has no network;
 3. one exec: `forward.py` listens on 127.0.0.1:8080 of the sandbox's own network namespace, relays
    to the tunnel's socket, and runs the harness pointed at ``http://127.0.0.1:8080/s/<id>/v1`` with
    the session's token (configure.command), its home in /work/home;
@@ -39,7 +40,7 @@ from typing import Any
 
 from palaestra.environments.episode import EpisodeLog
 from palaestra.environments.harness import configure
-from palaestra.environments.harness.install import HARNESSES, shared_root
+from palaestra.environments.harness.install import HARNESSES, native, shared_root
 from palaestra.environments.harness.tunnel import SessionTunnel
 from palaestra.environments.swe_agent.env import SweAgentEnv
 from palaestra.environments.swe_agent.grading import grade
@@ -86,7 +87,7 @@ class HarnessEnv(SweAgentEnv):
     ):
         """`harness` NAME or NAME@VERSION (`palaestra harness install` it first); `data` a
         SWE-bench-style JSONL (default: swe's generated set); `backend` a sandbox spec or a
-        `Backend` that can mount (local); `max_turns` the harness's model calls per episode;
+        `Backend` that can mount (local, docker); `max_turns` the harness's model calls per episode;
         `time_limit_s` its wall clock; `memory_mb` the sandbox's memory (and address space: the
         harness runtimes reserve GiBs)."""
         name = harness.partition("@")[0]
@@ -107,13 +108,14 @@ class HarnessEnv(SweAgentEnv):
         )
         self._root: Path | None = None
 
-    def _install(self) -> tuple[Path, str]:
-        """(the install's host folder every user can enter, the binary's path in the sandbox)."""
+    def _install(self) -> tuple[Mount, str]:
+        """(the mount of the native binary's folder, from an install every user can enter; the
+        binary's path in the sandbox)."""
         if self._root is None:
             self._root = shared_root(self.harness)
-        spec = HARNESSES[self.harness_name]
+        folder, binary = native(self._root, self.harness_name)
         inside = f"{HARNESS_DIR}/{self._root.name}"
-        return self._root, f"{inside}/node_modules/.bin/{spec.bin}"
+        return Mount(str(folder), inside), f"{inside}/{binary}"
 
     async def rollout(self, session: Session, task: SweInstance) -> Reward:
         temperature = dict(session.sampling).get("temperature", HARNESS_TEMPERATURE)
@@ -123,7 +125,7 @@ class HarnessEnv(SweAgentEnv):
                 f"{temperature}: set trainer.temperature={HARNESS_TEMPERATURE} for harness environments"
             )
         await self._check(task)
-        root, binary = await asyncio.to_thread(self._install)
+        harness_mount, binary = await asyncio.to_thread(self._install)
         episode = EpisodeLog()
         base = await asyncio.to_thread(task.base)
         gateway_url = session.base_url.removesuffix(f"/s/{session.session_id}/v1")
@@ -136,7 +138,7 @@ class HarnessEnv(SweAgentEnv):
             )
             await tunnel.start()
             try:
-                mounts = (Mount(str(root), f"{HARNESS_DIR}/{root.name}"), Mount(run_dir, RUN_DIR, live=True))
+                mounts = (harness_mount, Mount(run_dir, RUN_DIR, live=True))
                 async with episode.timed("sandbox"):
                     box: Sandbox = await self.backend.create("python", self.box_limits, mounts)
                 try:

@@ -2,8 +2,10 @@
 
 Each harness is an npm package (`HARNESSES`) installed with `npm install --prefix` into
 `cache_dir()/NAME@VERSION` (`$PALAESTRA_HARNESS_CACHE`, default `~/.cache/palaestra/harnesses`).
-Once installed it runs offline: Claude Code's package carries its native binary as an optional
-dependency, Codex's its musl binary. `make install` installs the pinned versions; `binary` finds an
+Once installed it runs offline: Claude Code's package carries its native binary (glibc) as an
+optional dependency, Codex's its static musl binary. `native` finds that binary and the folder a
+sandbox mounts for it: the harness environment runs it directly, without the npm launcher (a node
+script for Codex), so a sandbox needs no node. `make install` installs the pinned versions; `binary` finds an
 installed one, or None (the tests that drive them then skip, saying which command installs it).
 `shared_root` gives an install at a path every user can enter, which a sandbox run by another user
 (uid 65534 when root starts it) can mount: the cache itself, or a hard-linked copy of it.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -28,6 +31,7 @@ __all__ = [
     "cache_dir",
     "install",
     "install_root",
+    "native",
     "register",
     "shared_root",
 ]
@@ -41,12 +45,35 @@ class Harness:
     """The pinned version (`make install` installs it; NAME@VERSION picks another)."""
     bin: str
     """The command the package installs under node_modules/.bin."""
+    native_dir: str
+    """The folder, under node_modules, of the platform package's native binary (``{arch}``: npm's
+    name of this machine's architecture, ``{machine}``: the kernel's)."""
+    native_bin: str
+    """The native binary's path inside `native_dir`."""
 
 
 HARNESSES = {
-    "claude-code": Harness("claude-code", "@anthropic-ai/claude-code", "2.1.328", "claude"),
-    "codex": Harness("codex", "@openai/codex", "0.169.0", "codex"),
+    # Claude Code's launcher (.bin/claude) is a hard link of the platform package's binary.
+    "claude-code": Harness(
+        "claude-code",
+        "@anthropic-ai/claude-code",
+        "2.1.328",
+        "claude",
+        "@anthropic-ai/claude-code-linux-{arch}",
+        "claude",
+    ),
+    # Codex's launcher (.bin/codex) is a node script that execs vendor/<triple>/bin/codex; the
+    # binary finds its helpers (codex-path/rg, codex-resources/) beside it, in the same folder.
+    "codex": Harness(
+        "codex",
+        "@openai/codex",
+        "0.169.0",
+        "codex",
+        "@openai/codex-linux-{arch}/vendor/{machine}-unknown-linux-musl",
+        "bin/codex",
+    ),
 }
+_NPM_ARCH = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}
 
 
 def cache_dir() -> Path:
@@ -72,6 +99,25 @@ def install_root(spec: str) -> Path | None:
     """The folder `spec` is installed in (`binary` is `node_modules/.bin/<bin>` below it), or None."""
     harness, version = _split(spec)
     return cache_dir() / f"{harness.name}@{version}" if binary(spec) is not None else None
+
+
+def native(root: Path, name: str) -> tuple[Path, str]:
+    """(the folder to mount, the binary's path inside it) of harness `name`'s native binary in
+    the install at `root` (`install_root` or `shared_root`). Raises RuntimeError when the install
+    has none for this machine (npm skipped the platform package)."""
+    harness = HARNESSES[name]
+    machine = platform.machine()
+    folder = (
+        root
+        / "node_modules"
+        / harness.native_dir.format(arch=_NPM_ARCH.get(machine, machine), machine=machine)
+    )
+    if not (folder / harness.native_bin).is_file():
+        raise RuntimeError(
+            f"{root} has no native {harness.name} binary for {machine} at {folder / harness.native_bin}: "
+            f"reinstall it (`palaestra harness install {root.name}`)"
+        )
+    return folder, harness.native_bin
 
 
 def _open_to_all(path: Path) -> bool:

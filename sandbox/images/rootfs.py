@@ -2,7 +2,8 @@
 
 No registry can be reached where Palaestra is built, so the base image is not pulled: it is a tar
 of the host's Python interpreter (its stdlib and extension modules), a POSIX shell, a few dozen
-coreutils and every shared library ``ldd`` says they need, each at its host path, which
+coreutils, every shared library ``ldd`` says they need and the C library's other parts
+(``C_LIBRARY``: what a native glibc binary such as Claude Code's links), each at its host path, which
 ``docker import`` turns into an image. ``build.py`` layers the Dockerfiles on top.
 
     python -m palaestra.sandbox.images.rootfs /tmp/rootfs.tar     # writes the tar, prints its key
@@ -24,7 +25,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SANDBOX_UID", "TOOLS", "Rootfs", "add", "collect", "is_elf", "libraries"]
+__all__ = ["C_LIBRARY", "SANDBOX_UID", "TOOLS", "Rootfs", "add", "collect", "is_elf", "libraries"]
 
 TOOLS = (
     "sh bash cat ls echo printf sleep head tail wc mkdir rmdir rm cp mv ln env true false id touch "
@@ -32,6 +33,10 @@ TOOLS = (
     "find diff cmp basename dirname md5sum sha256sum nproc uname date whoami ps expr awk mkfifo git patch"
 ).split()
 """Commands the images offer besides python3 (those this host lacks are left out)."""
+
+C_LIBRARY = ("libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libutil.so.1")
+"""The C library's parts, all of them whichever the tools load: a native binary built against
+glibc (Claude Code's) links librt, libdl and libpthread, which python and the tools may not."""
 
 SANDBOX_UID = 10001
 """The unprivileged user commands run as (``sandbox``); a uid no host account is likely to have."""
@@ -192,8 +197,13 @@ def collect(python: str | None = None) -> Rootfs:
         if found:
             add(fs, found)
     elves = [str(p) for p in fs.files.values() if is_elf(str(p))]
-    for lib in sorted(libraries(elves)):
+    found_libs = libraries(elves)
+    for lib in sorted(found_libs):
         add(fs, lib)
+    libc = next((lib for lib in found_libs if os.path.basename(lib) == "libc.so.6"), None)
+    for name in C_LIBRARY if libc else ():
+        if os.path.exists(os.path.join(os.path.dirname(libc), name)):
+            add(fs, os.path.join(os.path.dirname(libc), name))
     for top in _MERGED_USR:
         if os.path.islink(f"/{top}"):
             fs.links[f"/{top}"] = os.readlink(f"/{top}")

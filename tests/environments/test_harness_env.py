@@ -1,5 +1,7 @@
-"""The harness environment: the real Claude Code / Codex binaries run on a SWE instance inside the
-local (bubblewrap) sandbox, whose only way out is their session's tunnel.
+"""The harness environment: the real Claude Code / Codex binaries run on a SWE instance inside a
+sandbox whose only way out is their session's tunnel: the local (bubblewrap) backend, and the
+docker backend (containers with no network; those cases are marked `docker` and skip, saying why,
+where no docker engine answers).
 
 The engine is `ScriptedEngine`, a labelled TEST DOUBLE (tests/support/servers.py): so that the
 random `tiny` model's place is taken by an agent that acts on cue, it answers the harness's shell
@@ -20,12 +22,12 @@ import httpx
 import pytest
 
 from palaestra.environments.harness.env import HarnessEnv
-from palaestra.environments.harness.install import HARNESSES, binary
+from palaestra.environments.harness.install import HARNESSES, binary, install_root, native
 from palaestra.environments.swe_agent.generate import generate
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.parsers import render_tool_call_text
 from tests.support.doubles import SubprocessBackendForTests
-from tests.support.sandbox import SANDBOX_BACKENDS
+from tests.support.sandbox import SANDBOX_BACKENDS, backend_param
 from tests.support.servers import ENV_KEY, ScriptedEngine, ThreadServer, gateway_server
 from tests.support.sessions import AUTH, new_session, rollouts, trajectory
 
@@ -45,12 +47,25 @@ def _installed(name: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _backend(name: str):
+    if name not in SANDBOX_BACKENDS:
+        pytest.skip(f"the {name} sandbox backend is not registered here")
+    with SANDBOX_BACKENDS[name]() as make:  # docker: skips, saying why, where no engine answers
+        yield make()
+
+
 @pytest.fixture(scope="module")
 def local_backend():
-    if "local" not in SANDBOX_BACKENDS:
-        pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
-    with SANDBOX_BACKENDS["local"]() as make:
-        yield make()
+    with _backend("local") as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module", params=["local", backend_param("docker")])
+def backend(request):
+    """Each sandbox backend a harness runs on: local (bubblewrap), docker (marked `docker`)."""
+    with _backend(request.param) as backend:
+        yield backend
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +122,22 @@ def _fix_command(instance) -> str:
 
 
 @pytest.mark.parametrize("harness", ["claude-code", "codex"])
-def test_harness_fixes_the_instance_in_the_sandbox(tok, tmp_path, local_backend, swe_data, harness):
+def test_the_sandbox_runs_the_native_binary_not_the_npm_launcher(harness, tmp_path):
+    """What a sandbox mounts and runs is the platform package's ELF binary (no node needed); an
+    install without it is refused naming the command that reinstalls it."""
     _installed(harness)
-    env = HarnessEnv(
-        harness=harness, data=str(swe_data), backend=local_backend, max_turns=8, time_limit_s=300
-    )
+    folder, path = native(install_root(harness), harness)
+    with open(folder / path, "rb") as f:
+        assert f.read(4) == b"\x7fELF", folder / path
+    assert "node_modules/.bin" not in str(folder)
+    with pytest.raises(RuntimeError, match=f"palaestra harness install {harness}@"):
+        native(tmp_path / f"{harness}@0.0.0", harness)
+
+
+@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+def test_harness_fixes_the_instance_in_the_sandbox(tok, tmp_path, backend, swe_data, harness):
+    _installed(harness)
+    env = HarnessEnv(harness=harness, data=str(swe_data), backend=backend, max_turns=8, time_limit_s=300)
     instance = next(i for i in env.tasks(0) if i.bug_kind != "missing_case")
     script = ShellScript(tok, harness, _fix_command(instance))
     with stack(tok, tmp_path, script) as (gw, engine):
@@ -171,14 +197,14 @@ class LoopScript(ShellScript):
 
 
 def test_harness_sandbox_reaches_only_its_own_session_and_its_turn_budget_ends_it(
-    tok, tmp_path, local_backend, swe_data
+    tok, tmp_path, backend, swe_data
 ):
     """From inside the sandbox, by the harness's own shell tool: the host's loopback ports and any
     other address are unreachable; through the tunnel, another session's routes, the session and
     admin API and every spelling that climbs out of its own prefix are 403 and counted; its own
     route is reached. Then the agent loops, and the turn budget (3 model calls) stops it."""
     _installed("claude-code")
-    env = HarnessEnv(harness="claude-code", data=str(swe_data), backend=local_backend, max_turns=3)
+    env = HarnessEnv(harness="claude-code", data=str(swe_data), backend=backend, max_turns=3)
     instance = env.tasks(0)[0]
     script = LoopScript(tok, "claude-code", "")
     with stack(tok, tmp_path, script) as (gw, engine):
