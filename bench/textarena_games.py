@@ -61,7 +61,9 @@ def main() -> int:
             print(f"{gid:40s} {outcome[gid]}")
     counts = collections.Counter(outcome.values())
     playable = sum(v for k, v in counts.items() if k.startswith("playable"))
-    print(f"{len(ids)} registered game ids probed in {time.perf_counter() - t0:.0f} s: {playable} playable here")
+    print(
+        f"{len(ids)} registered game ids probed in {time.perf_counter() - t0:.0f} s: {playable} playable here"
+    )
     for label, n in sorted(counts.items(), key=lambda kv: (not kv[0].startswith("playable"), -kv[1])):
         print(f"  {n:4d}  {label}")
     return 0
