@@ -221,19 +221,24 @@ def ensure_image(client: Any, name: str, force: bool = False, base: str | None =
             client.images.get(tag).tag(spec.repository, "latest")
             return tag
         start = time.monotonic()
-        # network_mode none: the build never needs a network and must not reach one.
-        client.images.build(
-            path=str(ctx),
-            tag=tag,
-            buildargs={"BASE": base},
-            rm=True,
-            forcerm=True,
-            pull=False,
-            network_mode="none",
-        )
+        _build(client, ctx, tag, base)
     client.images.get(tag).tag(spec.repository, "latest")
     _log(f"built {tag} in {time.monotonic() - start:.1f} s")
     return tag
+
+
+def _build(client: Any, ctx: Path, tag: str, base: str) -> None:
+    """``docker build`` of ``ctx`` as ``tag`` FROM ``base``, offline: network_mode none (the build
+    never needs a network and must not reach one), never pulling."""
+    client.images.build(
+        path=str(ctx),
+        tag=tag,
+        buildargs={"BASE": base},
+        rm=True,
+        forcerm=True,
+        pull=False,
+        network_mode="none",
+    )
 
 
 def ensure_layer(client: Any, image: str, directories: list[tuple[str, str]]) -> str:
@@ -251,15 +256,7 @@ def ensure_layer(client: Any, image: str, directories: list[tuple[str, str]]) ->
         if _exists(client, tag):
             return tag
         start = time.monotonic()
-        client.images.build(
-            path=str(ctx),
-            tag=tag,
-            buildargs={"BASE": image},
-            rm=True,
-            forcerm=True,
-            pull=False,
-            network_mode="none",
-        )
+        _build(client, ctx, tag, image)
     _log(
         f"built {tag} ({', '.join(t for _, t in directories)} on {image}) in {time.monotonic() - start:.1f} s"
     )

@@ -138,16 +138,6 @@ def test_code_env_scripted_agents(tok, tmp_path, backend):
 # ------------------------------------------------------------------------------------ swe_agent
 
 
-@pytest.fixture(scope="module")
-def swe_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("swe") / "swe.jsonl"
-    instances = asyncio.run(
-        generate(out, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4)
-    )
-    assert instances, "no instance generated"
-    return out
-
-
 def _fix_calls(instance):
     """The tool calls that apply the reference fix with str_replace (one per changed hunk)."""
     base = instance.base()

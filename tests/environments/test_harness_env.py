@@ -12,7 +12,6 @@ the episode is graded by swe's hidden tests in a fresh sandbox.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
@@ -23,10 +22,8 @@ import pytest
 
 from palaestra.environments.harness.env import HarnessEnv
 from palaestra.environments.harness.install import HARNESSES, binary, install_root, native
-from palaestra.environments.swe_agent.generate import generate
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.parsers import render_tool_call_text
-from tests.support.doubles import SubprocessBackendForTests
 from tests.support.sandbox import SANDBOX_BACKENDS, backend_param
 from tests.support.servers import ENV_KEY, ScriptedEngine, ThreadServer, gateway_server
 from tests.support.sessions import AUTH, new_session, rollouts, trajectory
@@ -66,16 +63,6 @@ def backend(request):
     """Each sandbox backend a harness runs on: local (bubblewrap), docker (marked `docker`)."""
     with _backend(request.param) as backend:
         yield backend
-
-
-@pytest.fixture(scope="module")
-def swe_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("swe") / "swe.jsonl"
-    instances = asyncio.run(
-        generate(out, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4)
-    )
-    assert instances, "no instance generated"
-    return out
 
 
 class ShellScript:
