@@ -11,7 +11,7 @@ up), what it starts is watched: child processes by their command line, a Ray ini
 process, a docker client. A test that started one of these without its marker fails, naming the
 marker to add, so a new test cannot slip an engine into the unit tier.
 
-Parallel (`make test` / `make test-fast` run `pytest -n 2 --dist loadgroup`): the tests of one
+Parallel (`make test` runs `pytest -n 2 --dist loadgroup`, `make test-fast` `-n 3`): the tests of one
 module stay on one worker (its module fixtures start once), except that every `ray` test is on one
 worker, one at a time (two train runs never share the 2 cores with each other), and so are the
 `docker` ones (they build the same images, and measure their containers' memory), and the other
