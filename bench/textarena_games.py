@@ -25,8 +25,9 @@ from palaestra.environments.textarena.games import GameUnavailable, game_ids, pr
 
 def why(message: str) -> str:
     """A short class for a GameUnavailable message."""
-    if "NLTK data" in message:
-        return "needs NLTK data: " + ", ".join(sorted(set(re.findall(r"'([a-z_]+)'", message.split("needs the NLTK data", 1)[1].split("which")[0]))))  # fmt: skip
+    if "NLTK data" in message:  # "... needs the NLTK data 'words', 'x', which it would download ..."
+        listed = message.split("needs the NLTK data", 1)[1].split("which", 1)[0]
+        return "needs NLTK data: " + ", ".join(sorted(set(re.findall(r"'([a-z_]+)'", listed))))
     if re.search(r"api[_ ]?key|OPENAI|OPENROUTER|ANTHROPIC", message, re.I):
         return "needs an API key"
     if "SyntaxError" in message:
