@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from palaestra import lifeline
+
 __all__ = [
     "ServerProcess",
     "ServerStartError",
@@ -191,7 +193,7 @@ class ServerProcess:
 
     def _start_once(self, *, append: bool) -> ServerProcess:
         assert self.log_path is not None
-        env = {**os.environ, **self.env} if self.env is not None else None
+        env = lifeline.child_env({**os.environ, **(self.env or {})})
         began = time.monotonic()
         with open(self.log_path, "ab" if append else "wb") as log:
             self._proc = subprocess.Popen(
