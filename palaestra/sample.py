@@ -6,6 +6,11 @@ the environment or the chat template inserted (tool results, turn delimiters: lo
 0). A session whose history stops being an append-only extension forks into several samples of
 the same group; each fork records its reason.
 
+A mixture-of-experts policy's sample can carry the experts the rollout engine routed each token
+to (`routed_experts`: [tokens, layers, top_k] over prompt and response, packed as the smallest
+unsigned integer type that holds the expert ids, base64 in JSON), which the trainer replays
+(`trainer.routing_replay: r3`) so that training uses the experts that sampled.
+
 The schema is versioned (`SCHEMA_VERSION`); `Sample.from_dict` refuses other major versions with a
 clear error. Invariants are checked on construction and on every append, with the actual lengths
 in the message.
@@ -13,11 +18,14 @@ in the message.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = "1.0"
+import numpy as np
+
+SCHEMA_VERSION = "1.1"  # 1.1: routed_experts
 Status = Literal["completed", "truncated", "aborted", "failed"]
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 
@@ -51,6 +59,9 @@ class Sample:
     fork_reason: str | None = None  # why this sample started (None for the first)
     teacher_logprobs: list[float] | None = None  # per response token, filled by teacher scoring
     teacher: str | None = None
+    # {"shape": [n, layers, top_k], "dtype": "uint8" | "uint16" | "int32", "data": base64}: the
+    # rollout engine's expert choice per token (MoE policies with routing replay); see `routing()`.
+    routed_experts: dict[str, Any] | None = None
     schema_version: str = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -78,6 +89,8 @@ class Sample:
             raise SampleError(
                 f"teacher_logprobs has {len(self.teacher_logprobs)} entries for {n} response tokens"
             )
+        if self.routed_experts is not None:
+            self._check_routing_shape(self.routed_experts.get("shape"))
         if any(m not in (0, 1) for m in self.loss_mask):
             raise SampleError("loss_mask entries must be 0 or 1")
         if self.status not in STATUSES:
@@ -102,6 +115,48 @@ class Sample:
         self.loss_mask.extend([1 if sampled else 0] * len(tokens))
         self.rollout_logprobs.extend(logprobs if sampled else [0.0] * len(tokens))
         self.weight_versions.extend([weight_version if sampled else ""] * len(tokens))
+
+    def _check_routing_shape(self, shape: Any) -> None:
+        """Routing covers every position that a trained token's logprob depends on: a token at
+        position p is predicted from positions 0..p-1, so the rows must reach the last sampled
+        token's position (the engine never runs the last token it sampled through the model)."""
+        need = self.prompt_len + max((i for i, m in enumerate(self.loss_mask) if m), default=-1)
+        if not (
+            isinstance(shape, (list, tuple))
+            and len(shape) == 3
+            and all(isinstance(d, int) for d in shape)
+            and need <= shape[0] <= len(self.tokens)
+        ):
+            raise SampleError(
+                f"routed_experts has shape {list(shape) if isinstance(shape, (list, tuple)) else shape} "
+                f"for {len(self.tokens)} tokens; expected [n, layers, top_k] with {max(need, 0)} <= n <= "
+                f"{len(self.tokens)} (sample {self.sample_id})"
+            )
+
+    def set_routing(self, routing: np.ndarray) -> None:
+        """Stores the per-position expert ids [n, layers, top_k] (the first n positions of
+        `tokens`) in the smallest unsigned type they fit."""
+        routing = np.asarray(routing)
+        self._check_routing_shape(list(routing.shape))
+        if routing.size and (routing.min() < 0):
+            raise SampleError(f"routing holds a negative expert id (sample {self.sample_id})")
+        top = int(routing.max()) if routing.size else 0
+        dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.int32
+        packed = np.ascontiguousarray(routing, dtype=dtype)
+        self.routed_experts = {
+            "shape": list(routing.shape),
+            "dtype": np.dtype(dtype).name,
+            "data": base64.b64encode(packed.tobytes()).decode("ascii"),
+        }
+
+    def routing(self) -> np.ndarray | None:
+        """The expert ids [n, layers, top_k] as int64 (n <= len(tokens): positions past n follow the
+        trainer's own routing), or None when the sample carries none."""
+        if self.routed_experts is None:
+            return None
+        raw = base64.b64decode(self.routed_experts["data"])
+        flat = np.frombuffer(raw, dtype=np.dtype(self.routed_experts["dtype"]))
+        return flat.reshape(self.routed_experts["shape"]).astype(np.int64)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from palaestra.sample import SCHEMA_VERSION, Sample, SampleError, sample_id_for
@@ -49,3 +50,45 @@ def test_ids_are_deterministic_and_versions_checked():
     with pytest.raises(SampleError, match="not readable"):
         Sample.from_dict(data)
     assert make().schema_version == SCHEMA_VERSION
+
+
+def _moe_sample() -> Sample:
+    # 3 prompt tokens, then 2 sampled, 1 inserted (a turn delimiter), 1 sampled
+    sample = Sample("s-0", "s", "g", "math", "t", tokens=[1, 2, 3], prompt_len=3)
+    sample.append([4, 5], sampled=True, logprobs=[-0.1, -0.2], weight_version="0")
+    sample.append([6], sampled=False)
+    sample.append([7], sampled=True, logprobs=[-0.3], weight_version="0")
+    return sample
+
+
+def test_routing_round_trips_through_json_in_the_smallest_type():
+    import json
+
+    sample = _moe_sample()
+    routing = np.arange(6 * 4 * 2).reshape(6, 4, 2) % 8  # the last sampled token is never run
+    sample.set_routing(routing)
+    assert sample.routed_experts["dtype"] == "uint8"
+    back = Sample.from_dict(json.loads(json.dumps(sample.to_dict())))
+    assert back.routing().tolist() == routing.tolist()
+    wide = _moe_sample()
+    wide.set_routing(np.full((7, 1, 1), 300))
+    assert wide.routed_experts["dtype"] == "uint16" and int(wide.routing().max()) == 300
+
+
+def test_routing_that_does_not_cover_the_trained_tokens_is_refused_naming_the_sample():
+
+    sample = _moe_sample()
+    with pytest.raises(SampleError, match=r"shape \[5, 4, 2\] for 7 tokens.*6 <= n <= 7 \(sample s-0\)"):
+        sample.set_routing(np.zeros((5, 4, 2), dtype=np.int64))
+    with pytest.raises(SampleError, match="shape"):
+        sample.set_routing(np.zeros((8, 4, 2), dtype=np.int64))
+    with pytest.raises(SampleError, match="negative"):
+        sample.set_routing(-np.ones((6, 4, 2), dtype=np.int64))
+    data = sample.to_dict()
+    data["routed_experts"] = {"shape": [2, 4], "dtype": "uint8", "data": ""}
+    with pytest.raises(SampleError, match="routed_experts has shape"):
+        Sample.from_dict(data)
+
+
+def test_a_sample_without_routing_reads_as_none():
+    assert _moe_sample().routing() is None
