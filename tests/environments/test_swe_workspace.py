@@ -84,7 +84,8 @@ def test_both_environments_grade_a_real_package_instance_alike(envs):
 def test_the_harness_sandbox_runs_the_tests_in_the_instances_environment(envs, tmp_path):
     """The harness's own sandbox (its binary and run directory mounted) has the instance's
     environment, and the harness's environment variables put it first: the task's test command
-    runs a PASS_TO_PASS test there, from the repository."""
+    runs a PASS_TO_PASS test there, from the repository (its hidden test module written in, as an
+    agent writes a test of its own: the agent's copy has no test of inflection's)."""
     h = HARNESSES["claude-code"]
     if binary("claude-code") is None:
         pytest.skip(f"{h.package}@{h.version} is not installed: run `make install`")
@@ -94,6 +95,8 @@ def test_the_harness_sandbox_runs_the_tests_in_the_instances_environment(envs, t
     async def run():
         box, harness_binary = await env.start(task, str(tmp_path), EpisodeLog())
         async with box:
+            for path, data in apply_patch({}, task.test_patch).items():
+                await box.sandbox.upload(f"repo/{path}", data)
             config = env.config(box, harness_binary, "s-test", "k-test")
             variables = [f"{k}={v}" for k, v in config["env"].items()]
             command = f"cd {config['cwd']} && python -c 'import sys; print(sys.prefix)' && "
