@@ -73,6 +73,8 @@ OUTPUT_TAIL = 2000
 
 class HarnessEnv(Environment):
     name = "harness"
+    temperature = HARNESS_TEMPERATURE
+    """What its episodes sample at (the harness's own; a run asking another is refused)."""
 
     def __init__(
         self,
