@@ -2,17 +2,20 @@
 
     palaestra rollout --env harness --env-args '{"harness": "claude-code", "backend": "local"}' --tasks 2
 
-Tasks, validation and grading are the swe environment's (`SweAgentEnv`: the generated set or a
-SWE-bench-style JSONL; hidden tests run on the agent's diff in a fresh sandbox). Only the agent
+Tasks, the task's sandbox and grading are the swe environment's: both compose a `SweWorkspace`
+(environments/swe_agent/workspace.py: the generated set or a SWE-bench-style JSONL, the instance's
+environment at /venv, hidden tests run on the agent's diff in a fresh sandbox). Only the agent
 differs: instead of `ToolLoop`, the harness binary runs unchanged, headless, in the task's sandbox.
 
 One episode:
 1. the episode's run directory on the host: `SessionTunnel`'s unix socket (this session's
    `/s/<id>/v1/` routes, nothing else, at most `max_turns` model calls) and `forward.py`;
 2. a sandbox with the repository in /work/repo, the harness's native binary's folder (`native`:
-   no npm launcher, so no node) read-only at /opt/harness/NAME@VERSION and the run directory
+   no npm launcher, so no node) read-only at /opt/harness/NAME@VERSION, the run directory
    read-only and live at /run/palaestra (the docker backend copies the binary into an image layer
-   once, and bind-mounts the run directory). The sandbox has no network;
+   once, and bind-mounts the run directory) and the instance's environment, when it needs one, at
+   /venv (first on the harness's PATH: its shell runs the tests as the grader does). The sandbox
+   has no network;
 3. one exec: `forward.py` listens on 127.0.0.1:8080 of the sandbox's own network namespace, relays
    to the tunnel's socket, and runs the harness pointed at ``http://127.0.0.1:8080/s/<id>/v1`` with
    the session's token (configure.command), its home in /work/home;
@@ -38,18 +41,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from palaestra.environments.episode import EpisodeLog
+from palaestra.environments.episode import EpisodeLog, resolve_backend
 from palaestra.environments.harness import configure
 from palaestra.environments.harness.install import HARNESSES, native, shared_root
 from palaestra.environments.harness.tunnel import SessionTunnel
-from palaestra.environments.swe_agent.env import SweAgentEnv
-from palaestra.environments.swe_agent.grading import grade
 from palaestra.environments.swe_agent.instance import SweInstance
-from palaestra.environments.swe_agent.snapshot import agent_copy_tar, diff_snapshots, unpack_tar
-from palaestra.environments.swe_agent.testrun import upload_tree
-from palaestra.environments.swe_agent.tools import download_repo
-from palaestra.sandbox.base import WORKDIR, ExecResult, Limits, Mount, Sandbox, SandboxError
-from palaestra.sdk.environment import Reward
+from palaestra.environments.swe_agent.repo_env import EnvOptions, activate
+from palaestra.environments.swe_agent.workspace import SweWorkspace, TaskSandbox
+from palaestra.sandbox.base import WORKDIR, ExecResult, Limits, Mount, SandboxError
+from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session
 
 __all__ = ["HarnessEnv"]
@@ -66,13 +66,15 @@ HARNESS_TEMPERATURE = 1.0
 """What the harnesses sample at: neither sends a temperature, and both APIs' default is 1."""
 PROMPT = (
     "{problem}\n\nThe repository is your working directory. Fix the bug in the library, not in the "
-    "tests; run the tests with `python3 -m unittest` to check. Stop when the fix is done."
+    "tests; run the tests with `{test_cmd}` to check. Stop when the fix is done."
 )
 OUTPUT_TAIL = 2000
 
 
-class HarnessEnv(SweAgentEnv):
+class HarnessEnv(Environment):
     name = "harness"
+    temperature = HARNESS_TEMPERATURE
+    """What its episodes sample at (the harness's own; a run asking another is refused)."""
 
     def __init__(
         self,
@@ -84,18 +86,28 @@ class HarnessEnv(SweAgentEnv):
         memory_mb: int = 4096,
         cache_dir: str | None = None,
         generate_seed: int = 0,
+        env_cache_dir: str | None = None,
+        find_links: list[str] | None = None,
+        index: bool = True,
     ):
         """`harness` NAME or NAME@VERSION (`palaestra harness install` it first); `data` a
         SWE-bench-style JSONL (default: swe's generated set); `backend` a sandbox spec or a
         `Backend` that can mount (local, docker); `max_turns` the harness's model calls per episode;
         `time_limit_s` its wall clock; `memory_mb` the sandbox's memory (and address space: the
-        harness runtimes reserve GiBs)."""
+        harness runtimes reserve GiBs). `cache_dir`, `generate_seed`, `env_cache_dir`, `find_links`
+        and `index` are swe's (`SweAgentEnv`): the tasks and how their environments are built."""
         name = harness.partition("@")[0]
         if name not in HARNESSES:
             raise ValueError(f"unknown harness {harness!r}: one of {', '.join(sorted(HARNESSES))}")
         if max_turns < 1 or not time_limit_s > 0:
             raise ValueError(f"max_turns and time_limit_s must be positive; got {max_turns}, {time_limit_s}")
-        super().__init__(data=data, backend=backend, cache_dir=cache_dir, generate_seed=generate_seed)
+        self.workspace = SweWorkspace(
+            data,
+            resolve_backend(backend),
+            cache_dir=cache_dir,
+            generate_seed=generate_seed,
+            env_options=EnvOptions(env_cache_dir, tuple(find_links or ()), index),
+        )
         self.harness, self.harness_name = harness, name
         self.max_turns, self.time_limit_s = max_turns, float(time_limit_s)
         self.box_limits = Limits(
@@ -108,6 +120,9 @@ class HarnessEnv(SweAgentEnv):
         )
         self._root: Path | None = None
 
+    def tasks(self, seed: int) -> list[SweInstance]:
+        return self.workspace.tasks(seed)
+
     def _install(self) -> tuple[Mount, str]:
         """(the mount of the native binary's folder, from an install every user can enter; the
         binary's path in the sandbox)."""
@@ -117,6 +132,37 @@ class HarnessEnv(SweAgentEnv):
         inside = f"{HARNESS_DIR}/{self._root.name}"
         return Mount(str(folder), inside), f"{inside}/{binary}"
 
+    async def start(self, task: SweInstance, run_dir: str, episode: EpisodeLog) -> tuple[TaskSandbox, str]:
+        """The harness's sandbox for `task` (the workspace's, with the harness's binary and the run
+        directory `run_dir` mounted); returns it and the binary's path in it."""
+        harness_mount, binary = await asyncio.to_thread(self._install)
+        mounts = (harness_mount, Mount(run_dir, RUN_DIR, live=True))
+        return await self.workspace.start(task, self.box_limits, episode, mounts), binary
+
+    def config(self, box: TaskSandbox, binary: str, session_id: str, api_key: str) -> dict[str, Any]:
+        """What forward.py reads on its stdin: the tunnel's socket, its port, the stop file, and
+        the harness's command, environment (the instance's environment first on PATH, when it has
+        one) and working directory, for session `session_id` with its token `api_key`."""
+        env, argv = configure.command(
+            self.harness_name,
+            binary,
+            f"http://127.0.0.1:{PORT}/s/{session_id}/v1",
+            api_key,
+            self.model,
+            PROMPT.format(problem=box.task.problem_statement, test_cmd=box.task.test_cmd),
+        )
+        if box.has_env:
+            env = activate(env)
+        return {
+            "socket": f"{RUN_DIR}/tunnel.sock",
+            "port": PORT,
+            "stop": f"{RUN_DIR}/stop",
+            "argv": argv,
+            "env": env,
+            "cwd": f"{WORKDIR}/repo",
+            "mkdirs": [env[k] for k in configure.HOME_DIRS if k in env],
+        }
+
     async def rollout(self, session: Session, task: SweInstance) -> Reward:
         temperature = dict(session.sampling).get("temperature", HARNESS_TEMPERATURE)
         if temperature != HARNESS_TEMPERATURE:
@@ -124,10 +170,7 @@ class HarnessEnv(SweAgentEnv):
                 f"a harness samples at its own temperature ({HARNESS_TEMPERATURE}); this run asks for "
                 f"{temperature}: set trainer.temperature={HARNESS_TEMPERATURE} for harness environments"
             )
-        await self._check(task)
-        harness_mount, binary = await asyncio.to_thread(self._install)
         episode = EpisodeLog()
-        base = await asyncio.to_thread(task.base)
         gateway_url = session.base_url.removesuffix(f"/s/{session.session_id}/v1")
         metrics: dict[str, float] = {}
         with tempfile.TemporaryDirectory(prefix="palaestra-harness-") as run_dir:
@@ -138,76 +181,31 @@ class HarnessEnv(SweAgentEnv):
             )
             await tunnel.start()
             try:
-                mounts = (harness_mount, Mount(run_dir, RUN_DIR, live=True))
-                async with episode.timed("sandbox"):
-                    box: Sandbox = await self.backend.create("python", self.box_limits, mounts)
+                box, binary = await self.start(task, run_dir, episode)
                 try:
-                    agent_tree = await self._run(
-                        box, session, task, base, binary, run_dir, tunnel, episode, metrics
-                    )
+                    async with box:
+                        await self._run(box, session, binary, run_dir, tunnel, episode, metrics)
+                        agent_tree = await box.take_out()
                 except SandboxError:
                     episode.fail("sandbox_error")
                     return Reward(0.0, episode.metrics(resolved=0.0, **metrics, **_tunnel_metrics(tunnel)))
-                finally:
-                    await box.close()
             finally:
                 await tunnel.stop()
         metrics |= _tunnel_metrics(tunnel)
-        model_patch = diff_snapshots(base, agent_tree)
-        try:
-            async with episode.timed("grade"):
-                result = await grade(task, model_patch, self.backend, base)
-        except (SandboxError, RuntimeError):
-            episode.fail("grader_error")
-            return Reward(0.0, episode.metrics(resolved=0.0, **metrics))
-        if result.reason.startswith(("tests_did_not_finish", "test_command_failed")):
-            episode.fail("grader_error")
-        return Reward(
-            result.reward,
-            episode.metrics(
-                resolved=result.reward,
-                f2p_passed=result.f2p_passed / max(len(result.fail_to_pass), 1),
-                p2p_passed=result.p2p_passed / max(len(result.pass_to_pass), 1),
-                patch_applies=float(not result.reason.startswith("patch_does_not_apply")),
-                patch_lines=float(model_patch.count("\n")),
-                **metrics,
-            ),
-        )
+        return await self.workspace.grade(task, box.base, agent_tree, episode, **metrics)
 
     async def _run(
         self,
-        box: Sandbox,
+        box: TaskSandbox,
         session: Session,
-        task: SweInstance,
-        base: Any,
         binary: str,
         run_dir: str,
         tunnel: SessionTunnel,
         episode: EpisodeLog,
         metrics: dict[str, float],
-    ) -> Any:
-        """Runs the harness in `box` on `task`; returns the repository as the harness left it."""
-        async with episode.timed("sandbox"):
-            unpacked = await upload_tree(box, await asyncio.to_thread(agent_copy_tar, base))
-        if not unpacked.ok:
-            raise SandboxError(f"could not unpack the repository: {unpacked.stderr[-300:]}")
-        env, argv = configure.command(
-            self.harness_name,
-            binary,
-            f"http://127.0.0.1:{PORT}/s/{session.session_id}/v1",
-            session.api_key,
-            self.model,
-            PROMPT.format(problem=task.problem_statement),
-        )
-        config = {
-            "socket": f"{RUN_DIR}/tunnel.sock",
-            "port": PORT,
-            "stop": f"{RUN_DIR}/stop",
-            "argv": argv,
-            "env": env,
-            "cwd": f"{WORKDIR}/repo",
-            "mkdirs": [env[k] for k in configure.HOME_DIRS if k in env],
-        }
+    ) -> None:
+        """Runs the harness in `box` on its task, to its end or its budget."""
+        config = self.config(box, binary, session.session_id, session.api_key)
         async with episode.timed("model"):  # the harness's run: its model calls and its tools
             result = await self._exec_harness(box, config, run_dir, tunnel)
         stopped = tunnel.spent.is_set()
@@ -226,16 +224,14 @@ class HarnessEnv(SweAgentEnv):
                 result.detail,
                 tail,
             )
-        async with episode.timed("sandbox"):
-            return unpack_tar(await download_repo(box))
 
     async def _exec_harness(
-        self, box: Sandbox, config: dict[str, Any], run_dir: str, tunnel: SessionTunnel
+        self, box: TaskSandbox, config: dict[str, Any], run_dir: str, tunnel: SessionTunnel
     ) -> ExecResult:
         """forward.py + the harness as one exec; stopped through the stop file when the tunnel's
         turn budget is spent (the exec's own timeout is the time budget)."""
         run = asyncio.ensure_future(
-            box.exec(["python3", "-I", "-S", f"{RUN_DIR}/forward.py"], stdin=json.dumps(config))
+            box.sandbox.exec(["python3", "-I", "-S", f"{RUN_DIR}/forward.py"], stdin=json.dumps(config))
         )
         spent = asyncio.ensure_future(tunnel.spent.wait())
         try:

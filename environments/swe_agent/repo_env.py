@@ -49,6 +49,7 @@ __all__ = [
     "EnvOptions",
     "EnvSpec",
     "RepoEnvError",
+    "activate",
     "ensure_env",
     "env_spec",
     "files_spec",
@@ -63,6 +64,14 @@ ACTIVATE = (
     f'if [ -d {SANDBOX_ENV}/bin ]; then export PATH="{SANDBOX_ENV}/bin:$PATH" VIRTUAL_ENV={SANDBOX_ENV}; fi; '
 )
 """Shell prefix of every command run for an instance: its environment, when mounted, comes first."""
+
+
+def activate(env: dict[str, str]) -> dict[str, str]:
+    """A sandbox process's environment variables with the instance's environment first on
+    ``PATH`` (what `ACTIVATE` does in a shell, for a process started without one)."""
+    return {**env, "PATH": f"{SANDBOX_ENV}/bin:{env.get('PATH', '')}", "VIRTUAL_ENV": SANDBOX_ENV}
+
+
 RECIPE_VERSION = 1
 """Bumped when the way an environment is built changes, so older builds are not reused."""
 TEST_EXTRAS = ("test", "tests", "testing")

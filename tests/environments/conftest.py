@@ -20,3 +20,30 @@ def swe_data(tmp_path_factory):
     )
     assert instances, "no instance generated"
     return out
+
+
+@pytest.fixture(scope="module")
+def swe_real(tmp_path_factory):
+    """`palaestra swe generate --real`'s path over inflection's sdist (its own pytest suite), on the
+    local (bubblewrap) backend, with environments built offline from `palaestra swe fetch`'s
+    packages in a fresh cache: (the JSONL, the `EnvOptions` to build its environments with)."""
+    from palaestra.environments.swe_agent.generate import sdist_source
+    from palaestra.environments.swe_agent.repo_env import EnvOptions, packages_dir
+    from tests.support.sandbox_backends import backend_for
+
+    sdist = packages_dir() / "inflection-0.5.1.tar.gz"
+    if not sdist.exists() or not list(packages_dir().glob("pytest-*.whl")):
+        pytest.skip(
+            f"no inflection sdist or pytest wheel in {packages_dir()}: run `palaestra swe fetch` (make install does)"
+        )
+    tmp = tmp_path_factory.mktemp("swe-real")
+    options = EnvOptions(str(tmp / "envs"), (str(packages_dir()),), index=False)
+    out = tmp / "real.jsonl"
+    with backend_for("local") as local:
+        made = asyncio.run(
+            generate(
+                out, local, sources=[sdist_source(sdist)], per_kind=1, tries_per_kind=2, env_options=options
+            )
+        )
+    assert made, "no instance generated from inflection"
+    return out, options
