@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -30,6 +31,12 @@ __all__ = ["Draw", "Entry", "WeightedMix"]
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+
+def _placeholder(hint: Any) -> str:
+    """How an entry's shape shows a field in an error: ``name: {weight: w, config: {...}}``."""
+    kind = typing.get_origin(hint) or hint
+    return "{...}" if kind is dict else "[...]" if kind is list else "..."
 
 
 class Entry(NamedTuple, Generic[T]):
@@ -92,11 +99,12 @@ class WeightedMix(Generic[T]):
         if not items:
             raise error(f"{key}: name at least one {what} (e.g. {example})")
         takes = ["weight", *(f.name for f in fields(options))]  # type: ignore[arg-type]
+        hints = typing.get_type_hints(options)
+        shape = ", ".join(["weight: w", *(f"{name}: {_placeholder(hints[name])}" for name in takes[1:])])
         entries = []
         for name, given in items:
             given = {} if given is None else given
             if not isinstance(name, str) or not isinstance(given, Mapping):
-                shape = ", ".join(f"{k}: ..." for k in takes)
                 raise error(f"{key}: each entry is a name or name: {{{shape}}}; got {name!r}: {given!r}")
             unknown = sorted(set(given) - set(takes), key=str)
             if unknown:

@@ -62,9 +62,9 @@ def test_a_name_a_list_and_a_mapping_are_one_mix():
         (5, "things: a list of thing names or a mapping of name to options; got 5"),
         (
             {"a": [1]},
-            "things: each entry is a name or name: {weight: ..., config: ..., players: ...}; got 'a': [1]",
+            "things: each entry is a name or name: {weight: w, config: {...}, players: ...}; got 'a': [1]",
         ),
-        ([7], "things: each entry is a name or name: {weight: ..., config: ..., players: ...}; got 7: {}"),
+        ([7], "things: each entry is a name or name: {weight: w, config: {...}, players: ...}; got 7: {}"),
         (
             {"a": {"wieght": 2}},
             "things.a: unknown keys ['wieght']; each takes 'weight' and 'config' and 'players'",
