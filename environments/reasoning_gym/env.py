@@ -150,8 +150,9 @@ class ReasoningGymEnv(Environment):
             ReasoningGymOptions,
             {"datasets": mix, "size": size, "max_tokens": max_tokens, "system_prompt": system_prompt},
         )
-        self.datasets, self.size, self.max_tokens = mix, size, max_tokens
-        self.system = SYSTEM_PROMPTS[system_prompt]
+        options = self.options
+        self.datasets, self.size, self.max_tokens = options.datasets, options.size, options.max_tokens
+        self.system = SYSTEM_PROMPTS[options.system_prompt]
         self._built: dict[tuple[str, int], Any] = {}
         for entry in self.datasets:  # every dataset builds, and yields its first item, now
             dataset = self._dataset(entry, 0)

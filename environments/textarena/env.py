@@ -19,7 +19,9 @@ seat in the task's group (`Environment.seats`), so a two-player game's group of 
 policy plays seat 0 only and the function, ``(observation: str, seat: int, game_id: str) -> str``,
 plays the others (a scripted player; a fixed model behind it works the same way).
 
-An episode ends when the game does, after `max_turns` model calls per seat (reward 0, metric
+Each seat the policy plays is a `Seat` (its session, conversation, log, turns and step numbers);
+a model move is one `episode.model_turn`, the move played through `Game`'s typed calls. An
+episode ends (`End`) when the game does, after `max_turns` model calls per seat (reward 0, metric
 ``truncated``), or when a conversation outgrows the model's context (reward 0,
 ``failure/context_exceeded``). A game that raises mid-episode fails the episode with the game's
 error (`games.GameError`). Every game is made and reset when the environment is built, so an
@@ -189,11 +191,16 @@ class TextArenaEnv(Environment):
         )
         self.games = self.options.games
         self.opponent: Callable[[str, int, str], str] | None = None
-        if opponent != "self":
+        if self.options.opponent != "self":
             from palaestra.plugins import load_object
 
-            self.opponent = load_object(opponent, "TextArena opponent", callable_=True)
-        self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
+            self.opponent = load_object(self.options.opponent, "TextArena opponent", callable_=True)
+        options = self.options
+        self.max_turns, self.max_tokens, self.temperature = (
+            options.max_turns,
+            options.max_tokens,
+            options.temperature,
+        )
 
     def tasks(self, seed: int) -> Iterator[TextArenaTask]:
         for draw in self.games.draws(seed):
