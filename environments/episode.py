@@ -1,6 +1,7 @@
-"""What the tool-using environments (math-tool, code_sandbox, swe_agent) share: the tool-calling
-loop (`ToolLoop`), the record of one episode — what went wrong, by name, and where the time went
-(`EpisodeLog`) — and the sampling arguments of a session.
+"""What the model-calling environments (math-tool, code_sandbox, swe_agent, textarena) share: one
+model turn (`model_turn`), the tool-calling loop built on it (`ToolLoop`), the record of one
+episode — what went wrong, by name, and where the time went (`EpisodeLog`) — and the sampling
+arguments of a session.
 
 An environment that gives the model tools is its tools, its prompt and its reward:
 
@@ -60,6 +61,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import openai
 
 if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessage
+
     from palaestra.sandbox.base import ExecResult
 
 __all__ = [
@@ -73,6 +76,7 @@ __all__ = [
     "check_arguments",
     "format_exec",
     "looks_like_a_tool_call",
+    "model_turn",
     "resolve_backend",
     "sampling",
 ]
@@ -133,6 +137,41 @@ def sampling(session: Any, **defaults: Any) -> dict[str, Any]:
     """Keyword arguments for ``chat.completions.create``: the environment's defaults (temperature),
     overridden by what the run chose for this episode (``session.sampling``: seed, temperature)."""
     return {**defaults, **dict(session.sampling)}
+
+
+async def model_turn(
+    session: Any,
+    messages: list[dict[str, Any]],
+    *,
+    model: str,
+    max_tokens: int,
+    log: EpisodeLog,
+    temperature: float | None = None,
+    tools: Sequence[dict[str, Any]] = (),
+) -> ChatCompletionMessage | None:
+    """One model call on the conversation `messages`: the reply appended to them and returned.
+    Timed as ``time/model_s``; the run's sampling over the environment's `temperature`; None when
+    the conversation outgrew the model's context (``failure/context_exceeded`` counted: the caller
+    ends the episode there). Every other error of the call leaves it."""
+    extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    defaults = {} if temperature is None else {"temperature": temperature}
+    try:
+        async with log.timed("model"):
+            reply = await session.client.chat.completions.create(
+                model=model,
+                messages=messages,
+                **extra,
+                max_tokens=max_tokens,
+                **sampling(session, **defaults),
+            )
+    except openai.BadRequestError as exc:
+        if getattr(exc, "code", None) != "context_length_exceeded":
+            raise
+        log.fail("context_exceeded")
+        return None
+    message = reply.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    return message
 
 
 # -- tools -----------------------------------------------------------------------------------------
@@ -271,25 +310,19 @@ class ToolLoop:
     ) -> Episode:
         """Runs the episode from `messages` (appended to in place) on `session`'s client."""
         by_name = {t["function"]["name"]: t for t in self.tools}
-        defaults = {} if self.temperature is None else {"temperature": self.temperature}
         log.count("tool_calls", 0)  # in the metrics even when the model called none
         for _ in range(self.max_turns):
-            try:
-                async with log.timed("model"):
-                    reply = await session.client.chat.completions.create(
-                        model=model,
-                        messages=messages,
-                        tools=list(self.tools),
-                        max_tokens=self.max_tokens,
-                        **sampling(session, **defaults),
-                    )
-            except openai.BadRequestError as exc:
-                if getattr(exc, "code", None) != "context_length_exceeded":
-                    raise
-                log.fail("context_exceeded")
+            message = await model_turn(
+                session,
+                messages,
+                model=model,
+                max_tokens=self.max_tokens,
+                log=log,
+                temperature=self.temperature,
+                tools=self.tools,
+            )
+            if message is None:
                 return Episode(messages, "context_exceeded")
-            message = reply.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:
                 if looks_like_a_tool_call(message.content):
                     log.fail("tool_call_parse")  # no call id to answer: say it as the user

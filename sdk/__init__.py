@@ -5,6 +5,8 @@ Must not know about tokens or the trainer: an environment talks to the model onl
 """
 
 from palaestra.sdk.environment import Environment, Reward, Task
+from palaestra.sdk.mix import WeightedMix
+from palaestra.sdk.options import OptionError, read_options
 from palaestra.sdk.registry import load_environment
 from palaestra.sdk.runner import RolloutResult, RolloutSummary, run_rollouts, wilson_interval
 from palaestra.sdk.session import GatewayClient, GatewayError, Session
@@ -13,12 +15,15 @@ __all__ = [
     "Environment",
     "GatewayClient",
     "GatewayError",
+    "OptionError",
     "Reward",
     "RolloutResult",
     "RolloutSummary",
     "Session",
     "Task",
+    "WeightedMix",
     "load_environment",
+    "read_options",
     "run_rollouts",
     "wilson_interval",
 ]

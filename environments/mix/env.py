@@ -9,7 +9,8 @@
           textarena: {args: {games: [FrozenLake-v0]}}
 
 Each entry is an environment name (a built-in or ``package.module:Class``) with its ``weight``
-(default 1) and constructor ``args``, all built when the run's config is checked. Task ``i`` of
+(default 1) and constructor ``args`` (`MemberOptions`; a list of names gives each weight 1 and its
+default arguments), all built when the run's config is checked (`palaestra.sdk.mix.WeightedMix`). Task ``i`` of
 ``tasks(seed)`` draws its environment by weight from a generator seeded with (seed, i) and takes
 that environment's next task of ``tasks(seed)``; its id is ``<name>/<task_id>`` and its ``kind``
 the environment's name, so evaluations report accuracy per family (``eval/accuracy/<name>``) and
@@ -19,16 +20,15 @@ training the reward per family (``rollout/reward_mean/<name>``). Episodes are th
 
 from __future__ import annotations
 
-import hashlib
-import random
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.sdk.environment import Environment, check_task
+from palaestra.sdk.mix import Entry, WeightedMix
 from palaestra.sdk.session import Session
 
-__all__ = ["MixEnv", "MixTask"]
+__all__ = ["MemberOptions", "MixEnv", "MixTask"]
 
 
 @dataclass(frozen=True)
@@ -41,48 +41,49 @@ class MixTask:
     """The member environment's own task."""
 
 
+@dataclass(frozen=True)
+class MemberOptions:
+    """A member's entry in `environments` besides its weight."""
+
+    args: dict[str, Any] = field(default_factory=dict)
+    """The member's constructor arguments (its ``env.args``)."""
+
+
 class MixEnv(Environment):
     name = "mix"
 
-    def __init__(self, environments: Mapping[str, Any]):
-        """`environments`: {name: {weight: w, args: {...}}} (module docstring)."""
+    def __init__(self, environments: Mapping[str, Any] | Sequence[str]):
+        """`environments`: {name: {weight: w, args: {...}}}, or a list of names (module docstring)."""
+        mix = WeightedMix.parse(
+            environments,
+            MemberOptions,
+            key="environments",
+            what="environment",
+            example="{math: {weight: 2}, reasoning-gym: {}}",
+            salt=self.name,
+        )
+        if self.name in mix.names:
+            raise ValueError("environments: a mix cannot hold another mix")
+        self.members: WeightedMix[Environment] = mix.map(self._build)
+
+    @staticmethod
+    def _build(entry: Entry[MemberOptions]) -> Environment:
         from palaestra.sdk.registry import load_environment
 
-        if not isinstance(environments, Mapping) or not environments:
-            raise ValueError("environments: a mapping of environment name to {weight, args}, at least one")
-        self.members: list[tuple[str, float, Environment]] = []
-        for name, options in environments.items():
-            options = dict(options or {})
-            unknown = sorted(set(options) - {"weight", "args"})
-            if unknown:
-                raise ValueError(
-                    f"environments.{name}: unknown keys {unknown}; each takes 'weight' and 'args'"
-                )
-            weight = float(options.get("weight", 1.0))
-            if weight <= 0:
-                raise ValueError(f"environments.{name}.weight: must be positive; got {weight}")
-            if name == self.name:
-                raise ValueError("environments: a mix cannot hold another mix")
-            try:
-                env = load_environment(name, **dict(options.get("args") or {}))
-            except Exception as exc:
-                raise ValueError(f"environments.{name}: {type(exc).__name__}: {exc}") from exc
-            self.members.append((name, weight, env))
+        try:
+            return load_environment(entry.name, **entry.value.args)
+        except Exception as exc:
+            raise ValueError(f"environments.{entry.name}: {type(exc).__name__}: {exc}") from exc
 
     def tasks(self, seed: int) -> Iterator[MixTask]:
         streams = [iter(env.tasks(seed)) for _, _, env in self.members]
-        weights = [w for _, w, _ in self.members]
-        index = 0
-        while streams:
-            digest = hashlib.sha256(f"mix/{seed}/{index}".encode()).digest()
-            k = random.Random(digest).choices(range(len(self.members)), weights)[0]
-            index += 1
-            name, _, env = self.members[k]
+        for draw in self.members.draws(seed):
+            name, _, env = draw.entry
             try:
-                task = next(streams[k])
+                task = next(streams[draw.position])
             except StopIteration:  # a finite member starts its list again
-                streams[k] = iter(env.tasks(seed))
-                task = next(streams[k])
+                streams[draw.position] = iter(env.tasks(seed))
+                task = next(streams[draw.position])
             yield MixTask(f"{name}/{check_task(env, task)}", name, task)
 
     def _member(self, task: MixTask) -> Environment:

@@ -25,16 +25,23 @@ is reported when a run's config is checked, naming the dataset and its error.
 
 from __future__ import annotations
 
-import hashlib
-import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.sdk.environment import Environment, Reward
+from palaestra.sdk.mix import Entry, WeightedMix
+from palaestra.sdk.options import OptionError, read_options
 from palaestra.sdk.session import Session
 
-__all__ = ["DatasetError", "ReasoningGymEnv", "RGTask", "dataset_names"]
+__all__ = [
+    "DatasetError",
+    "DatasetOptions",
+    "ReasoningGymEnv",
+    "ReasoningGymOptions",
+    "RGTask",
+    "dataset_names",
+]
 
 
 class DatasetError(ValueError):
@@ -62,39 +69,34 @@ class RGTask:
 
 
 @dataclass(frozen=True)
-class _Spec:
-    name: str
-    weight: float
-    config: dict[str, Any]
+class DatasetOptions:
+    """A dataset's entry in `datasets` besides its weight."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    """The dataset's own config fields (e.g. countdown's ``min_numbers``), passed to
+    ``create_dataset``."""
 
 
-def _specs(datasets: Sequence[str] | Mapping[str, Any]) -> list[_Spec]:
-    if isinstance(datasets, str):
-        datasets = [datasets]
-    if isinstance(datasets, Mapping):
-        items = list(datasets.items())
-    else:
-        items = [(name, {}) for name in datasets]
-    if not items:
-        raise DatasetError("datasets: name at least one dataset (e.g. ['chain_sum'])")
-    specs = []
-    for name, options in items:
-        options = options or {}
-        if not isinstance(name, str) or not isinstance(options, Mapping):
-            raise DatasetError(
-                f"datasets: each entry is a name or name: {{weight: w, config: {{...}}}}; got {name!r}: {options!r}"
+@dataclass(frozen=True)
+class ReasoningGymOptions:
+    """`ReasoningGymEnv`'s arguments, checked (module docstring)."""
+
+    datasets: WeightedMix[DatasetOptions]
+    size: int = 10_000
+    """Items per dataset and seed: the task stream wraps after them."""
+    max_tokens: int = 512
+    system_prompt: str = "default"
+    """One of reasoning-gym's prompts (default, simple, direct, DeepSeekZero, chain_of_draft)."""
+
+    def __post_init__(self) -> None:
+        from reasoning_gym.utils import SYSTEM_PROMPTS
+
+        if self.system_prompt not in SYSTEM_PROMPTS:
+            raise OptionError(
+                "system_prompt", f"one of {', '.join(SYSTEM_PROMPTS)}; got {self.system_prompt!r}"
             )
-        unknown = sorted(set(options) - {"weight", "config"})
-        if unknown:
-            raise DatasetError(f"datasets.{name}: unknown keys {unknown}; each takes 'weight' and 'config'")
-        weight = options.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
-            raise DatasetError(f"datasets.{name}.weight: must be a positive number; got {weight!r}")
-        config = options.get("config") or {}
-        if not isinstance(config, Mapping):
-            raise DatasetError(f"datasets.{name}.config: must be a mapping of the dataset's config fields")
-        specs.append(_Spec(name, float(weight), dict(config)))
-    return specs
+        if self.size < 1:
+            raise OptionError("size", f"must be >= 1; got {self.size}")
 
 
 def build_dataset(name: str, config: Mapping[str, Any], seed: int, size: int) -> Any:
@@ -131,54 +133,57 @@ class ReasoningGymEnv(Environment):
         max_tokens: int = 512,
         system_prompt: str = "default",
     ):
-        """`datasets` a list of names or {name: {weight, config}} (module docstring); `size` items
-        per dataset and seed (the task stream wraps after them); `system_prompt` one of
-        reasoning-gym's prompts (default, simple, direct, DeepSeekZero, chain_of_draft)."""
+        """`datasets` a list of names or {name: {weight, config}} (module docstring); the others
+        are `ReasoningGymOptions`' fields."""
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
-        if system_prompt not in SYSTEM_PROMPTS:
-            raise ValueError(f"system_prompt: one of {', '.join(SYSTEM_PROMPTS)}; got {system_prompt!r}")
-        if size < 1:
-            raise ValueError(f"size: must be >= 1; got {size}")
-        self.specs = _specs(datasets)
-        self.size, self.max_tokens = size, max_tokens
-        self.system = SYSTEM_PROMPTS[system_prompt]
-        self._datasets: dict[tuple[str, int], Any] = {}
-        for spec in self.specs:  # every dataset builds, and yields its first item, now
-            dataset = self._dataset(spec, 0)
+        mix = WeightedMix.parse(
+            datasets,
+            DatasetOptions,
+            key="datasets",
+            what="dataset",
+            example="['chain_sum']",
+            salt=self.name,
+            error=DatasetError,
+        )
+        self.options = read_options(
+            ReasoningGymOptions,
+            {"datasets": mix, "size": size, "max_tokens": max_tokens, "system_prompt": system_prompt},
+        )
+        options = self.options
+        self.datasets, self.size, self.max_tokens = options.datasets, options.size, options.max_tokens
+        self.system = SYSTEM_PROMPTS[options.system_prompt]
+        self._built: dict[tuple[str, int], Any] = {}
+        for entry in self.datasets:  # every dataset builds, and yields its first item, now
+            dataset = self._dataset(entry, 0)
             try:
                 dataset[0]
             except Exception as exc:
                 raise DatasetError(
-                    f"reasoning-gym dataset {spec.name!r} built but failed to generate a task: "
+                    f"reasoning-gym dataset {entry.name!r} built but failed to generate a task: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
 
-    def _dataset(self, spec: _Spec, seed: int) -> Any:
-        key = (spec.name, seed)
-        if key not in self._datasets:
-            self._datasets[key] = build_dataset(spec.name, spec.config, seed, self.size)
-        return self._datasets[key]
+    def _dataset(self, entry: Entry[DatasetOptions], seed: int) -> Any:
+        key = (entry.name, seed)
+        if key not in self._built:
+            self._built[key] = build_dataset(entry.name, entry.value.config, seed, self.size)
+        return self._built[key]
 
     def tasks(self, seed: int) -> Iterator[RGTask]:
-        weights = [s.weight for s in self.specs]
-        taken = dict.fromkeys(range(len(self.specs)), 0)
-        index = 0
-        while True:
-            digest = hashlib.sha256(f"reasoning-gym/{seed}/{index}".encode()).digest()
-            k = random.Random(digest).choices(range(len(self.specs)), weights)[0]
-            spec, item = self.specs[k], taken[k] % self.size
-            taken[k] += 1
-            index += 1
-            entry = self._dataset(spec, seed)[item]
-            yield RGTask(f"{spec.name}-s{seed}-{item}", spec.name, entry["question"], seed, entry)
+        taken = [0] * len(self.datasets)
+        for draw in self.datasets.draws(seed):
+            item = taken[draw.position] % self.size
+            taken[draw.position] += 1
+            name, entry = draw.entry.name, self._dataset(draw.entry, seed)[item]
+            yield RGTask(f"{name}-s{seed}-{item}", name, entry["question"], seed, entry)
 
     def score(self, task: RGTask, reply: str) -> Reward:
         """The reward of `reply` (the model's text): its ``<answer>`` scored by the dataset."""
         from reasoning_gym.utils import extract_answer
 
         answer = extract_answer(reply)
-        dataset = self._datasets[(task.kind, task.seed)]
+        dataset = self._built[(task.kind, task.seed)]
         value = float(dataset.score_answer(answer, task.entry)) if answer is not None else 0.0
         return Reward(value, {"correct": float(value >= 1.0), "answered": float(answer is not None)})
 

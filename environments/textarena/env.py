@@ -19,7 +19,9 @@ seat in the task's group (`Environment.seats`), so a two-player game's group of 
 policy plays seat 0 only and the function, ``(observation: str, seat: int, game_id: str) -> str``,
 plays the others (a scripted player; a fixed model behind it works the same way).
 
-An episode ends when the game does, after `max_turns` model calls per seat (reward 0, metric
+Each seat the policy plays is a `Seat` (its session, conversation, log, turns and step numbers);
+a model move is one `episode.model_turn`, the move played through `Game`'s typed calls. An
+episode ends (`End`) when the game does, after `max_turns` model calls per seat (reward 0, metric
 ``truncated``), or when a conversation outgrows the model's context (reward 0,
 ``failure/context_exceeded``). A game that raises mid-episode fails the episode with the game's
 error (`games.GameError`). Every game is made and reset when the environment is built, so an
@@ -29,20 +31,35 @@ word lists of Wordle, Hangman, ...) or an API key, is reported when a run's conf
 
 from __future__ import annotations
 
-import hashlib
-import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import openai
-
-from palaestra.environments.episode import EpisodeLog, sampling
-from palaestra.environments.textarena.games import Game, GameError, GameUnavailable, game_ids, probe
+from palaestra.environments.episode import EpisodeLog, model_turn
+from palaestra.environments.textarena.games import (
+    Game,
+    GameError,
+    GameUnavailable,
+    Outcome,
+    game_ids,
+    probe,
+)
 from palaestra.sdk.environment import Environment, Reward
+from palaestra.sdk.mix import WeightedMix
+from palaestra.sdk.options import OptionError, read_options
 from palaestra.sdk.session import Session
 
-__all__ = ["TextArenaEnv", "TextArenaTask", "render"]
+__all__ = [
+    "End",
+    "GameOptions",
+    "Seat",
+    "TextArenaEnv",
+    "TextArenaOptions",
+    "TextArenaTask",
+    "render",
+    "GameError",
+    "GameUnavailable",
+]
 
 SYSTEM = (
     "You are playing a text game. Follow the game's instructions and reply with your move in exactly "
@@ -73,6 +90,70 @@ def render(observation: Sequence[tuple[int, str, Any]], seat: int) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class GameOptions:
+    """A game's entry in `games` besides its weight."""
+
+    players: int | None = None
+    """Players the game is played with (None: the fewest it accepts here, 1 to 6)."""
+
+
+@dataclass(frozen=True)
+class TextArenaOptions:
+    """`TextArenaEnv`'s arguments, checked (module docstring)."""
+
+    games: WeightedMix[int]
+    """The games, each entry's value the number of players it is played with."""
+    opponent: str = "self"
+    """"self" (the policy plays every seat) or the import path of a scripted player."""
+    max_turns: int = 32
+    """Model calls per seat, at most."""
+    max_tokens: int = 128
+    temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise OptionError("max_turns", f"must be >= 1; got {self.max_turns}")
+
+
+End = Literal["done", "truncated", "context_exceeded"]
+"""Why an episode ended: the game ended; a seat reached `max_turns`; a seat's conversation outgrew
+the model's context."""
+
+
+@dataclass
+class Seat:
+    """A seat the policy plays: its session, its conversation and what it has done so far."""
+
+    session: Session
+    messages: list[dict[str, Any]] = field(default_factory=lambda: [{"role": "system", "content": SYSTEM}])
+    log: EpisodeLog = field(default_factory=EpisodeLog)
+    turns: int = 0
+    """Model calls made."""
+    steps: dict[str, float] = field(default_factory=dict)
+    """The numbers the game reported in this seat's steps, summed as ``step/<key>``."""
+
+    def add_step(self, info: Mapping[str, Any]) -> None:
+        for key, value in info.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.steps[f"step/{key}"] = self.steps.get(f"step/{key}", 0.0) + float(value)
+
+    def reward(self, position: int, end: End, outcome: Outcome, players: int) -> Reward:
+        """Seat `position`'s reward and metrics (module docstring) once the episode has ended."""
+        value = outcome.rewards.get(position, 0.0)
+        won = end == "done" and (value > 0 if players > 1 else value >= 1.0)
+        metrics = {
+            "correct": float(won),
+            "win": float(won),
+            "draw": float(end == "done" and players > 1 and value == 0),
+            "invalid_move": float(bool(outcome.info.get(position, {}).get("invalid_move"))),
+            "turns": float(self.turns),
+            "truncated": float(end == "truncated"),
+            **self.steps,
+        }
+        return Reward(value, self.log.metrics(**metrics))
+
+
 class TextArenaEnv(Environment):
     name = "textarena"
 
@@ -84,43 +165,47 @@ class TextArenaEnv(Environment):
         max_tokens: int = 128,
         temperature: float | None = None,
     ):
-        """`games` a list of game ids or {id: {weight: w, players: n}}; `opponent` "self" or an
-        import path of a scripted player (module docstring); `max_turns` model calls per seat."""
-        if isinstance(games, str):
-            games = [games]
-        items = list(games.items()) if isinstance(games, Mapping) else [(g, {}) for g in games]
-        if not items:
-            raise ValueError("games: name at least one TextArena game id, e.g. ['FrozenLake-v0']")
+        """`games` a list of game ids or {id: {weight: w, players: n}}; the others are
+        `TextArenaOptions`' fields (module docstring)."""
+        mix = WeightedMix.parse(
+            games,
+            GameOptions,
+            key="games",
+            what="TextArena game id",
+            example="['FrozenLake-v0']",
+            salt=self.name,
+        )
         known = game_ids()
-        self.games: list[tuple[str, float, int]] = []
-        for game, options in items:
-            options = dict(options or {})
-            if game not in known:
-                raise ValueError(f"unknown TextArena game {game!r}; the games are: {', '.join(known)}")
-            unknown = sorted(set(options) - {"weight", "players"})
-            if unknown:
-                raise ValueError(f"games.{game}: unknown keys {unknown}; each takes 'weight' and 'players'")
-            weight = float(options.get("weight", 1.0))
-            if weight <= 0:
-                raise ValueError(f"games.{game}.weight: must be positive; got {weight}")
-            self.games.append((game, weight, probe(game, options.get("players"))))
+        for entry in mix:
+            if entry.name not in known:
+                raise ValueError(f"unknown TextArena game {entry.name!r}; the games are: {', '.join(known)}")
+        self.options = read_options(
+            TextArenaOptions,
+            {
+                "games": mix.map(lambda entry: probe(entry.name, entry.value.players)),
+                "opponent": opponent,
+                "max_turns": max_turns,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+            },
+        )
+        self.games = self.options.games
         self.opponent: Callable[[str, int, str], str] | None = None
-        if opponent != "self":
+        if self.options.opponent != "self":
             from palaestra.plugins import load_object
 
-            self.opponent = load_object(opponent, "TextArena opponent", callable_=True)
-        if max_turns < 1:
-            raise ValueError(f"max_turns: must be >= 1; got {max_turns}")
-        self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
+            self.opponent = load_object(self.options.opponent, "TextArena opponent", callable_=True)
+        options = self.options
+        self.max_turns, self.max_tokens, self.temperature = (
+            options.max_turns,
+            options.max_tokens,
+            options.temperature,
+        )
 
     def tasks(self, seed: int) -> Iterator[TextArenaTask]:
-        weights = [w for _, w, _ in self.games]
-        index = 0
-        while True:
-            rng = random.Random(hashlib.sha256(f"textarena/{seed}/{index}".encode()).digest())
-            game, _, players = self.games[rng.choices(range(len(self.games)), weights)[0]]
-            game_seed = rng.randrange(2**31)
-            index += 1
+        for draw in self.games.draws(seed):
+            game, _, players = draw.entry
+            game_seed = draw.rng.randrange(2**31)
             yield TextArenaTask(f"{game}-s{game_seed}", game, game, game_seed, players)
 
     def seats(self, task: TextArenaTask) -> int:
@@ -136,65 +221,36 @@ class TextArenaEnv(Environment):
         """The game from reset to its end: seat i < len(sessions) is the policy on sessions[i], the
         others the scripted opponent."""
         game = Game(task.game, task.players, task.seed)
-        logs = [EpisodeLog() for _ in sessions]
-        chats: list[list[dict[str, Any]]] = [[{"role": "system", "content": SYSTEM}] for _ in sessions]
-        turns = [0] * len(sessions)
-        steps: list[dict[str, float]] = [{} for _ in range(task.players)]
-        ended = ""
-        while not ended:
-            seat, observation = game.call("get_observation")
-            text = render(observation, seat)
-            if seat >= len(sessions):
-                move = self.opponent(text, seat, task.game)  # type: ignore[misc]
-            elif turns[seat] >= self.max_turns:
-                ended = "truncated"
-                break
+        seats = [Seat(session) for session in sessions]
+        end: End | None = None
+        while end is None:
+            observation = game.observe()
+            text = render(observation.messages, observation.seat)
+            if observation.seat >= len(seats):
+                move = self.opponent(text, observation.seat, task.game)  # type: ignore[misc]
+                end = "done" if game.step(move).done else None  # its step info is not reported
             else:
-                chats[seat].append({"role": "user", "content": text})
-                try:
-                    async with logs[seat].timed("model"):
-                        reply = await sessions[seat].client.chat.completions.create(
-                            model=self.model,
-                            messages=chats[seat],
-                            max_tokens=self.max_tokens,
-                            **sampling(
-                                sessions[seat],
-                                **({} if self.temperature is None else {"temperature": self.temperature}),
-                            ),
-                        )
-                except openai.BadRequestError as exc:
-                    if getattr(exc, "code", None) != "context_length_exceeded":
-                        raise
-                    logs[seat].fail("context_exceeded")
-                    ended = "context_exceeded"
-                    break
-                turns[seat] += 1
-                message = reply.choices[0].message
-                chats[seat].append(message.model_dump(exclude_none=True))
-                move = message.content or ""
-            done, info = game.call("step", move)
-            for key, value in (info or {}).items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    steps[seat][f"step/{key}"] = steps[seat].get(f"step/{key}", 0.0) + float(value)
-            if done:
-                ended = "done"
-        rewards, info = game.call("close") if ended == "done" else (None, game.state.game_info)
-        out = []
-        for seat, log in enumerate(logs):
-            value = float((rewards or {}).get(seat, 0.0))
-            seat_info = (info or {}).get(seat, {})
-            won = ended == "done" and (value > 0 if task.players > 1 else value >= 1.0)
-            metrics = {
-                "correct": float(won),
-                "win": float(won),
-                "draw": float(ended == "done" and task.players > 1 and value == 0),
-                "invalid_move": float(bool(seat_info.get("invalid_move"))),
-                "turns": float(turns[seat]),
-                "truncated": float(ended == "truncated"),
-                **steps[seat],
-            }
-            out.append(Reward(value, log.metrics(**metrics)))
-        return out
+                seat = seats[observation.seat]
+                end = await self._model_move(game, seat, text)
+        outcome = game.close() if end == "done" else game.unfinished()
+        return [seat.reward(i, end, outcome, task.players) for i, seat in enumerate(seats)]
 
-
-__all__ += ["GameError", "GameUnavailable"]
+    async def _model_move(self, game: Game, seat: Seat, text: str) -> End | None:
+        """`seat`'s model shown `text` and its reply played; why the episode ended, or None."""
+        if seat.turns >= self.max_turns:
+            return "truncated"
+        seat.messages.append({"role": "user", "content": text})
+        message = await model_turn(
+            seat.session,
+            seat.messages,
+            model=self.model,
+            max_tokens=self.max_tokens,
+            log=seat.log,
+            temperature=self.temperature,
+        )
+        if message is None:
+            return "context_exceeded"
+        seat.turns += 1
+        step = game.step(message.content or "")
+        seat.add_step(step.info)
+        return "done" if step.done else None

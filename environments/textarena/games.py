@@ -20,7 +20,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Game", "GameError", "GameUnavailable", "game_ids", "make_game", "no_downloads", "probe"]
+__all__ = [
+    "Game",
+    "GameError",
+    "GameUnavailable",
+    "Observation",
+    "Outcome",
+    "Step",
+    "game_ids",
+    "make_game",
+    "no_downloads",
+    "probe",
+]
 
 MAX_PLAYERS = 6
 NLTK_PLACES = ("corpora", "taggers", "tokenizers", "chunkers", "models", "grammars", "misc")
@@ -93,9 +104,36 @@ def make_game(game_id: str) -> Any:
         ) from exc
 
 
+@dataclass(frozen=True)
+class Observation:
+    """Whose move it is and what that player has been shown since its last move."""
+
+    seat: int
+    messages: list[tuple[int, str, Any]]
+    """``(sender, text, kind)``: sender -1 is the game, otherwise a player's seat."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a move did: whether the game ended, and the numbers and flags the game reported."""
+
+    done: bool
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Each seat's reward (empty while the game has not ended) and the game's notes per seat
+    (``invalid_move``, ``reason``, ...)."""
+
+    rewards: dict[int, float]
+    info: dict[int, dict[str, Any]]
+
+
 @dataclass
 class Game:
-    """One episode's game with its own random state (module docstring)."""
+    """One episode's game with its own random state (module docstring): `observe`, `step` and
+    `close` are the game's own calls, typed."""
 
     game_id: str
     players: int
@@ -108,8 +146,28 @@ class Game:
         self._state = random.Random(self.seed).getstate()
         self.call("reset", num_players=self.players, seed=self.seed)
 
+    def observe(self) -> Observation:
+        """The player to move and its new observations."""
+        seat, messages = self.call("get_observation")
+        return Observation(seat, list(messages))
+
+    def step(self, move: str) -> Step:
+        """`move` played by the player to move, as written."""
+        done, info = self.call("step", move)
+        return Step(bool(done), dict(info or {}))
+
+    def close(self) -> Outcome:
+        """The ended game's rewards; call it once `step` said done."""
+        rewards, info = self.call("close")
+        return Outcome({int(k): float(v) for k, v in (rewards or {}).items()}, dict(info or {}))
+
+    def unfinished(self) -> Outcome:
+        """The notes of a game stopped before its end (no rewards)."""
+        return Outcome({}, dict(self.env.state.game_info or {}))
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``env.<method>(...)`` with this game's random state; what it raises is a `GameError`."""
+        """``env.<method>(...)`` with this game's random state; what it raises is a `GameError`.
+        The typed calls above go through it (a test double may wrap it)."""
         outer = random.getstate()
         random.setstate(self._state)
         try:
@@ -135,7 +193,7 @@ def probe(game_id: str, players: int | None = None) -> int:
     errors = []
     for n in counts:
         try:
-            Game(game_id, n, seed=0).call("get_observation")
+            Game(game_id, n, seed=0).observe()
             return n
         except GameUnavailable:
             raise
