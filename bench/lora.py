@@ -78,8 +78,8 @@ def sync_bench(model: str, ranks: list[int], rounds: int) -> None:
     from safetensors.torch import load_file
 
     from palaestra.engine.cli import engine_process
-    from palaestra.engine.lora import base_checksum
     from palaestra.trainer.weight_sync import WeightSync
+    from palaestra.weights_format import base_checksum
 
     model_dir = resolve_model(model)
     named = [

@@ -1,14 +1,11 @@
 """LoRA adapters in the embedded engine, served the way SGLang serves them (docs/engine-protocol.md,
 "LoRA adapters").
 
-* Files: PEFT's layout, which `peft`, SGLang and the trainer's export share — a directory with
-  ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ...) and
-  ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight`` [r, in] and
-  ``...lora_B.weight`` [out, r] per adapted projection). `read_adapter` reads and checks them.
+* Files: PEFT's layout, which `peft`, SGLang and the trainer's export share, read and checked by
+  `palaestra.weights_format.read_adapter` (the format is described there).
 * Base model: an adapter written by the trainer carries the checksum of the base weights it was
-  trained on (`base_checksum`, in the safetensors metadata under `BASE_CHECKSUM_KEY`); loading it
-  onto an engine whose weights have another checksum is refused. Files without one (PEFT's own)
-  are checked by shape only.
+  trained on (`palaestra.weights_format.base_checksum`); loading it onto an engine whose weights
+  have another checksum is refused. Files without one (PEFT's own) are checked by shape only.
 * Math: every adapted ``nn.Linear`` of the transformers model gets a forward hook adding
   (α/r)·B·(A·x) — scale α/√r with ``use_rslora`` — for the rows of the batch whose request names
   that adapter (`LoraManager.rows`): one decode step serves requests of several adapters and of the
@@ -21,7 +18,7 @@ keys KV by it (an adapter's KV is not the base model's), so loading an adapter n
 Loading is cheap where it can be, so that a sync's swap inside a pause is short: the base checksum
 is computed once per version of the base weights (`LoraManager.weights_changed` forgets it), and a
 load of files already resident under another name — the same directory, unchanged since
-(`files_stamp`) — shares that adapter's factors instead of reading them again. The trainer's sync
+(`palaestra.weights_format.files_stamp`) — shares that adapter's factors instead of reading them again. The trainer's sync
 loads each new version under a name of its own while the engine still generates, then swaps the
 served name to it inside the pause (trainer/lora_sync.py).
 """
@@ -29,12 +26,9 @@ served name to it inside the pause (trainer/lora_sync.py).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
-import math
-import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,169 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from palaestra.engine.protocol import RequestError
+from palaestra.weights_format import AdapterFiles, base_checksum
 
-__all__ = [
-    "BASE_CHECKSUM_KEY",
-    "NOT_ENABLED",
-    "AdapterFiles",
-    "LoraAdapter",
-    "LoraManager",
-    "base_checksum",
-    "files_stamp",
-    "parse_lora_paths",
-    "read_adapter",
-    "write_adapter",
-]
-
-BASE_CHECKSUM_KEY = "palaestra_base_checksum"
-"""The safetensors metadata key of the base model's checksum (`base_checksum`)."""
+__all__ = ["NOT_ENABLED", "LoraAdapter", "LoraManager", "parse_lora_paths"]
 
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 """SGLang's answer to a LoRA call on a server started without LoRA (word for word)."""
-
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-_PREFIX = "base_model.model."
-
-
-def base_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A checksum of model weights by HF name: each tensor's name, shape and 4096 evenly spaced
-    values (as float32). The trainer and the engine compute the same one from the same weights
-    (whatever dtype they were stored in), in milliseconds for a 135 M model; a different base
-    model — or the same one fine-tuned — differs in every sampled tensor."""
-    digest = hashlib.sha256()
-    for name, t in sorted(named, key=lambda kv: kv[0]):
-        flat = t.detach().reshape(-1)
-        n = flat.numel()
-        # float64: float32 positions round past the end beyond 2**24 values (an embedding)
-        idx = torch.linspace(0, max(n - 1, 0), steps=min(n, 4096), dtype=torch.float64).round().long()
-        digest.update(f"{name}{tuple(t.shape)}".encode())
-        digest.update(flat[idx].to(torch.float32).cpu().numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
-@dataclass
-class AdapterFiles:
-    """A PEFT LoRA adapter as read from disk: module path (``model.layers.0.self_attn.q_proj``) ->
-    (A [r, in], B [out, r])."""
-
-    path: str
-    rank: int
-    alpha: float
-    scale: float
-    targets: list[str]
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    base_checksum: str | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
-
-def read_adapter(path: str | Path) -> AdapterFiles:
-    """Reads and checks a PEFT LoRA directory; a RequestError says what is wrong with it."""
-    from safetensors import safe_open
-
-    p = Path(path)
-    cfg_file, weights_file = p / CONFIG_FILE, p / WEIGHTS_FILE
-    if not cfg_file.is_file() or not weights_file.is_file():
-        raise RequestError(
-            f"lora_path {str(p)!r} is not a PEFT LoRA adapter directory (it needs {CONFIG_FILE} and "
-            f"{WEIGHTS_FILE})"
-        )
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except ValueError as exc:
-        raise RequestError(f"{cfg_file}: not JSON: {exc}") from None
-    if str(cfg.get("peft_type", "")).upper() != "LORA":
-        raise RequestError(
-            f"{cfg_file}: peft_type is {cfg.get('peft_type')!r}; only LORA adapters are served"
-        )
-    for key, allowed in (
-        ("use_dora", (False, None)),
-        ("bias", ("none", None)),
-        ("modules_to_save", (None, [])),
-    ):
-        if cfg.get(key) not in allowed:
-            raise RequestError(f"{cfg_file}: {key}={cfg.get(key)!r} is not supported (LoRA factors only)")
-    rank = cfg.get("r")
-    alpha = cfg.get("lora_alpha", rank)
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise RequestError(f"{cfg_file}: r must be a positive integer and lora_alpha a number")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise RequestError(f"{cfg_file}: per-module rank_pattern/alpha_pattern is not supported")
-    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(str(weights_file), framework="pt") as f:
-            checksum = (f.metadata() or {}).get(BASE_CHECKSUM_KEY)
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if not key.startswith(_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
-                    raise RequestError(f"{weights_file}: unexpected tensor {key!r} (LoRA factors only)")
-                module, factor = key[len(_PREFIX) :].rsplit(".lora_", 1)
-                pairs.setdefault(module, {})[factor[0]] = f.get_tensor(key)
-    except RequestError:
-        raise
-    except Exception as exc:  # a corrupt file is the caller's error
-        raise RequestError(f"cannot read {weights_file}: {exc}") from None
-    weights = {}
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise RequestError(f"{weights_file}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
-        a, b = ab["A"], ab["B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise RequestError(
-                f"{weights_file}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                f"rank {rank} needs [r, in] and [out, r]"
-            )
-        weights[module] = (a, b)
-    if not weights:
-        raise RequestError(f"{weights_file}: no LoRA factors")
-    targets = cfg.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    return AdapterFiles(str(p), rank, float(alpha), scale, targets, weights, checksum, cfg)
-
-
-def write_adapter(
-    path: str | Path,
-    config: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    base_checksum: str | None = None,
-) -> Path:
-    """Writes a PEFT LoRA directory (config + safetensors with PEFT's names), atomically: into
-    ``<path>.tmp`` first, renamed into place."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    metadata = {"format": "pt"}
-    if base_checksum is not None:
-        metadata[BASE_CHECKSUM_KEY] = base_checksum
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        str(tmp / WEIGHTS_FILE),
-        metadata=metadata,
-    )
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
-
-
-def files_stamp(path: str | Path) -> tuple[int, ...] | None:
-    """The identity of a PEFT directory's two files (inode, size, modification time of each); None
-    when either is missing. Equal stamps: the same bytes as when the stamp was taken (a writer that
-    replaces the files, as `write_adapter` does, changes the inodes)."""
-    p = Path(path)
-    try:
-        stats = (os.stat(p / CONFIG_FILE), os.stat(p / WEIGHTS_FILE))
-    except OSError:
-        return None
-    return tuple(x for s in stats for x in (s.st_ino, s.st_size, s.st_mtime_ns))
 
 
 def parse_lora_paths(items: Sequence[str]) -> list[tuple[str, str]]:

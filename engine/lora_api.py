@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from palaestra.engine.lora import NOT_ENABLED, files_stamp, read_adapter
+from palaestra.engine.lora import NOT_ENABLED
 from palaestra.engine.protocol import RequestError
+from palaestra.weights_format import FormatError, files_stamp, read_adapter
 
 if TYPE_CHECKING:
     from palaestra.engine.server import EngineServer
@@ -69,7 +70,10 @@ async def load(server: EngineServer, name: str, path: str, pinned: bool = False)
     if same is not None:  # these files are resident under another name: share its factors
         files, weights = same.files, same.weights
     else:
-        files = await asyncio.to_thread(read_adapter, path)
+        try:
+            files = await asyncio.to_thread(read_adapter, path)
+        except FormatError as exc:  # the request named a bad adapter: the client's error
+            raise RequestError(str(exc)) from None
         weights = await asyncio.to_thread(lora.prepare, files)
     await asyncio.wrap_future(
         server.engine.call(lambda: lora.add(name, files, pinned, weights=weights, stamp=stamp))

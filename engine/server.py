@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from palaestra.engine import lora_api
 from palaestra.engine.core import Engine, EngineRequest
-from palaestra.engine.lora import LoraManager, parse_lora_paths, read_adapter
+from palaestra.engine.lora import LoraManager, parse_lora_paths
 from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, parse_generate
 from palaestra.engine.weight_group import UpdateGroups
-from palaestra.engine.weights import deserialize_named_tensors
+from palaestra.weights_format import FormatError, deserialize_named_tensors, read_adapter
 
 log = logging.getLogger("palaestra.engine")
 VERSION = "palaestra-embedded-0.1.0"
@@ -461,7 +461,7 @@ class EngineServer:
                 named = await asyncio.to_thread(
                     deserialize_named_tensors, body.get("serialized_named_tensors"), body.get("load_format")
                 )
-            except RequestError as exc:
+            except FormatError as exc:
                 return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
             return await server._apply_weights(lambda: server.engine.load_weights(named), body, "tensor")
 

@@ -7,78 +7,21 @@
 
 The trainer is rank 0 of a process group of its own; every engine rank joins at ``rank_offset``
 (the embedded engine has one rank). For each update call the engine receives the listed tensors
-in order by broadcast from rank 0, then loads them like any other update. `new_update_group` builds
-the group the way SGLang does (TCP-store rendezvous, a prefix store named after the group, torch's
-process-group helper), so a trainer built against SGLang and this engine agree on the store keys;
-the trainer uses the same function for its side. On CPU the backend is gloo; nccl needs CUDA.
+in order by broadcast from rank 0, then loads them like any other update. Both ends join with
+`palaestra.update_group.new_update_group`. On CPU the backend is gloo; nccl needs CUDA.
 """
 
 from __future__ import annotations
 
-import datetime
 import threading
 from typing import Any
 
 import torch
 
 from palaestra.engine.protocol import RequestError
+from palaestra.update_group import DEFAULT_GROUP, drop_update_group, new_update_group
 
-__all__ = ["DEFAULT_GROUP", "UpdateGroups", "drop_update_group", "new_update_group"]
-
-DEFAULT_GROUP = "weight_update_group"
-
-
-def new_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str = DEFAULT_GROUP,
-    backend: str = "gloo",
-    timeout_s: float = 300.0,
-):
-    """A process group outside the default one, joined the way SGLang's engines join it.
-
-    Rank 0 hosts the TCP store, on `master_address` only. Collectives on it name their source by group rank
-    (``dist.broadcast(t, group=g, group_src=0)``): a process without a default group has no
-    global ranks to translate.
-    """
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper
-
-    from palaestra.rendezvous import tcp_store
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    # Rank 0's store listens on `master_address` only (torch's tcp:// rendezvous would take every
-    # interface); its keys are those of SGLang's `tcp://` rendezvous, so SGLang engines join it.
-    store = tcp_store(master_address, master_port, rank, world_size, timeout)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-    )
-    return group
-
-
-def drop_update_group(group) -> None:
-    """Shuts a group from `new_update_group` down and forgets it.
-
-    torch's `destroy_process_group` expects a group-rank table that its helper does not fill for a
-    group without global ranks; it shuts the group down first and then fails on that table, so the
-    remaining bookkeeping is finished here.
-    """
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    try:
-        dist.destroy_process_group(group)
-    except KeyError:
-        world = c10d._world
-        for table in (
-            world.pg_group_ranks,
-            world.pg_backend_config,
-            world.pg_coalesce_state,
-            world.pg_to_tag,
-        ):
-            table.pop(group, None)
-        c10d._unregister_process_group(group.group_name)
+__all__ = ["UpdateGroups"]
 
 
 def _field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:

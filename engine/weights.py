@@ -1,4 +1,4 @@
-"""Weight payloads for `/update_weights_from_disk` and `/update_weights_from_tensor`.
+"""Loading `/update_weights_from_disk` and `/update_weights_from_tensor` payloads into the model.
 
 Disk: a directory (or one file) of safetensors with HF parameter names, as `save_pretrained` writes.
 `load_safetensors_into` reads each tensor's bytes straight into the model's parameter (one copy,
@@ -7,84 +7,33 @@ writes the file into /dev/shm (`palaestra.trainer.shm_sync`). It checks every na
 and offset against the model and the file size before it changes anything.
 
 Tensor (in-host): `serialized_named_tensors` is a list of base64 strings, one per TP rank (the
-embedded engine has one rank, so exactly one string). Each string is the base64 of a `torch.save`
-archive of either
+embedded engine has one rank, so exactly one string), decoded by
+`palaestra.weights_format.deserialize_named_tensors` (the layout is described there). SGLang itself
+pickles CUDA IPC handles here (zero-copy between processes on one GPU); a CPU engine has no such
+handles, so it takes the bytes.
 
-* a list of `(name, tensor)` pairs (`load_format` null or `"direct"`), or
-* for `load_format: "flattened_bucket"`, a dict `{"flattened_tensor": 1-D tensor, "metadata":
-  [{"name", "shape", "dtype", "start_idx", "end_idx", "numel"}, ...]}` — SGLang's bucket layout.
-
-SGLang itself pickles CUDA IPC handles here (zero-copy between processes on one GPU); a CPU engine
-has no such handles, so it takes the bytes. Reading uses `torch.load(weights_only=True)`: a payload
-cannot run code.
+The safetensors dtype table and the file formats both sides share live in
+`palaestra.weights_format`.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import mmap
 import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from palaestra.engine.protocol import RequestError
-
-
-def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
-    files = _safetensors_files(path)
-    named: list[tuple[str, torch.Tensor]] = []
-    for f in files:
-        try:
-            named.extend(load_file(str(f)).items())
-        except Exception as exc:  # corrupt/unsafe file: a client error, not a crash
-            raise RequestError(f"cannot read {f}: {exc}") from None
-    return named
-
-
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-"""safetensors' dtype codes (the "dtype" of a header entry) and their torch dtypes: the one table
-that the reader here and the trainer's writers (`trainer/shm_sync.py`, `trainer/snapshot_tiers.py`)
-use."""
-
-_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
-
-
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """The safetensors code of a torch dtype (``torch.bfloat16`` -> ``"BF16"``); a ValueError for a
-    dtype safetensors cannot hold."""
-    try:
-        return _CODES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"dtype {dtype} cannot be written to safetensors (it holds {', '.join(SAFETENSORS_DTYPES)})"
-        ) from None
+from palaestra.weights_format import SAFETENSORS_DTYPES, FormatError, safetensors_files
 
 
 def _safetensors_files(path: str | Path) -> list[Path]:
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise RequestError(f"no *.safetensors files in {p}")
-        return files
-    if p.is_file():
-        return [p]
-    raise RequestError(f"model_path {str(p)!r} does not exist")
+    try:
+        return safetensors_files(path)
+    except FormatError as exc:  # a request naming a missing or empty path: the client's error
+        raise RequestError(str(exc)) from None
 
 
 def _read_header(f, path: Path) -> tuple[int, dict[str, dict]]:
@@ -211,64 +160,3 @@ def _check_names(header: dict[str, dict], params: dict[str, torch.Tensor]) -> No
             raise RequestError(
                 f"shape mismatch for {name}: got {tuple(info['shape'])}, model has {tuple(params[name].shape)}"
             )
-
-
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], flattened: bool = False) -> str:
-    """Encodes tensors the way `/update_weights_from_tensor` expects them (one rank)."""
-    buf = io.BytesIO()
-    if flattened:
-        metadata, flats, offset = [], [], 0
-        for name, t in named:
-            flat = t.detach().reshape(-1)
-            metadata.append(
-                {
-                    "name": name,
-                    "shape": list(t.shape),
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "start_idx": offset,
-                    "end_idx": offset + flat.numel(),
-                    "numel": flat.numel(),
-                }
-            )
-            flats.append(flat)
-            offset += flat.numel()
-        dtypes = {f.dtype for f in flats}
-        if len(dtypes) > 1:  # one flat tensor has one dtype: mixed buckets go up to float32
-            flats = [f.to(torch.float32) for f in flats]
-        torch.save({"flattened_tensor": torch.cat(flats), "metadata": metadata}, buf)
-    else:
-        torch.save([(name, t.detach().contiguous()) for name, t in named], buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(payload: list[str], load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    if not isinstance(payload, list) or len(payload) != 1 or not isinstance(payload[0], str):
-        raise RequestError("serialized_named_tensors must be a list with one base64 string (tp_size is 1)")
-    try:
-        obj = torch.load(io.BytesIO(base64.b64decode(payload[0], validate=True)), weights_only=True)
-    except Exception as exc:
-        raise RequestError(f"cannot decode serialized_named_tensors: {exc}") from None
-    if load_format == "flattened_bucket":
-        if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
-            raise RequestError(
-                "flattened_bucket payload must be {'flattened_tensor': ..., 'metadata': [...]}"
-            )
-        flat = obj["flattened_tensor"]
-        out = []
-        for m in obj["metadata"]:
-            dtype = getattr(torch, m.get("dtype", "float32"))
-            out.append((m["name"], flat[m["start_idx"] : m["end_idx"]].reshape(m["shape"]).to(dtype)))
-        return out
-    if load_format not in (None, "direct"):
-        raise RequestError(
-            f"load_format {load_format!r} is not supported (null, 'direct', 'flattened_bucket')"
-        )
-    if not isinstance(obj, (list, tuple)) or not all(
-        isinstance(x, (list, tuple))
-        and len(x) == 2
-        and isinstance(x[0], str)
-        and isinstance(x[1], torch.Tensor)
-        for x in obj
-    ):
-        raise RequestError("payload must be a list of (name, tensor) pairs")
-    return [(name, t) for name, t in obj]

@@ -14,7 +14,7 @@ From a checkpoint (no Megatron, no model built: the files are converted):
 
 An HF directory holds ``model.safetensors`` plus the base model's config, generation config and
 tokenizer files, so `from_pretrained` and `palaestra engine serve --model DIR` read it. The
-adapter's safetensors metadata carries the base model's checksum (`engine.lora.base_checksum`):
+adapter's safetensors metadata carries the base model's checksum (`weights_format.base_checksum`):
 the embedded engine refuses it on another base.
 
 `export_adapter(trainer, dir)` is the same PEFT directory from a live trainer (`Trainer.export_adapter`).
@@ -59,7 +59,7 @@ def export_adapter(trainer: Trainer, path: Path) -> Path:
     """The trainer's adapters as a PEFT directory at `path` (every rank calls; rank 0 writes)."""
     import torch.distributed as dist
 
-    from palaestra.engine.lora import write_adapter
+    from palaestra.weights_format import write_adapter
 
     if trainer.lora is None:
         raise ValueError("export_adapter needs trainer.lora (rank > 0); export_hf writes the full model")
@@ -98,11 +98,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merged: bool = Fa
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from palaestra.engine.lora import base_checksum, write_adapter
-    from palaestra.engine.weights import read_safetensors
     from palaestra.trainer.config import TrainerConfig
     from palaestra.trainer.convert import HFArchitecture, megatron_to_hf
     from palaestra.trainer.lora import Adapters, LoraOptions
+    from palaestra.weights_format import base_checksum, read_safetensors, write_adapter
 
     ckpt = _checkpoint_dir(Path(checkpoint))
     state = json.loads((ckpt / "trainer_state.json").read_text())

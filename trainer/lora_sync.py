@@ -27,27 +27,32 @@ engine's uid), so the base model's prefix cache survives every adapter sync.
 SGLang's unload waits until no request holding the adapter is in flight, and requests paused in
 place hold it: an adapter sync needs generation drained first (`palaestra train` drains the
 gateway before every sync, in every run mode), or ``sync_pause_mode: abort``.
+
+`AdapterTransport` is this sync as a weight-sync transport (`WeightSync.push_adapter` runs it);
+`swap_adapter` is its step 2, which `WeightSync.load_adapter_directory` runs alone.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
-import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import torch
 
-if TYPE_CHECKING:
-    from palaestra.trainer.weight_sync import SyncReport, WeightSync
+from palaestra.trainer.shm_sync import default_shm_root
+from palaestra.trainer.sync_transport import Clock, Engines, TransportOptions, WeightSyncError
+from palaestra.weights_format import write_adapter
 
 log = logging.getLogger("palaestra.trainer.weight_sync")
 
-__all__ = ["AdapterStage", "check_lora_support", "load_adapter_directory", "push_adapter"]
+__all__ = ["Adapter", "AdapterStage", "AdapterTransport", "check_lora_support", "swap_adapter"]
 
 
 def _flags(backend: str, rank: int, targets: list[str]) -> str:
@@ -61,14 +66,12 @@ def _flags(backend: str, rank: int, targets: list[str]) -> str:
 
 
 def check_lora_support(
-    client: httpx.Client, sync: WeightSync, url: str, rank: int, targets: list[str]
+    engines: Engines, url: str, rank: int, targets: list[str], client: httpx.Client | None = None
 ) -> bool:
     """Raises `WeightSyncError` naming the flag to add when the engine at `url` cannot take an
     adapter of `rank` on `targets` (read from its /server_info). Returns whether to stage on it:
-    an embedded engine with room for a second adapter (`push_adapter`)."""
-    from palaestra.trainer.weight_sync import WeightSyncError
-
-    info = sync._call(client, url, "read server_info", "GET", "/server_info").json()
+    an embedded engine with room for a second adapter (`AdapterTransport`)."""
+    info = engines.server_info(url, client=client)
     backend = "embedded" if info.get("engine") == "palaestra-embedded" else "sglang"
     if not info.get("enable_lora") and not info.get("lora_paths"):
         raise WeightSyncError(
@@ -96,14 +99,10 @@ class AdapterStage:
     """Where the adapter directories go: ``sync_dir`` or a directory of our own in /dev/shm."""
 
     def __init__(self, root: str | Path | None):
-        from palaestra.trainer.shm_sync import default_shm_root
-
         if root is not None:
             self.root = Path(root)
             self._cleanup = None
         else:  # named like the shm weights file: an orphan of a killed process is removed the same way
-            import os
-
             self.root = default_shm_root() / f"palaestra-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -117,8 +116,6 @@ class AdapterStage:
         tensors: dict[str, torch.Tensor],
         checksum: str | None,
     ) -> Path:
-        from palaestra.engine.lora import write_adapter
-
         return write_adapter(self.root / f"{name}-v{version}", config, tensors, checksum)
 
     def keep_only(self, path: Path) -> None:
@@ -140,37 +137,10 @@ def _error(r: httpx.Response) -> str:
         return r.text
 
 
-def _stage(sync: WeightSync, client: httpx.Client, urls: list[str], staged: str, path: Path, clock) -> None:
-    """Step 0's load of `path` as `staged` on `urls` (a name left by an interrupted sync is
-    unloaded first)."""
-    from palaestra.trainer.weight_sync import WeightSyncError
-
-    def one_engine(url: str) -> None:
-        body = {"lora_name": staged, "lora_path": str(path)}
-        r = client.post(url + "/load_lora_adapter", json=body)
-        if r.status_code != 200 and "already exists" in _error(r):
-            client.post(url + "/unload_lora_adapter", json={"lora_name": staged})
-            r = client.post(url + "/load_lora_adapter", json=body)
-        if r.status_code != 200:
-            raise WeightSyncError(f"engine {url}: load_lora_adapter {staged!r} failed: {_error(r)[:300]}")
-
-    clock.step("stage_load", sync._each(one_engine, urls))
-
-
-def _unstage(sync: WeightSync, client: httpx.Client, urls: list[str], staged: str, clock) -> None:
-    """Step 5: the staged name goes; the served name holds the same factors."""
-
-    def one_engine(url: str) -> None:
-        r = client.post(url + "/unload_lora_adapter", json={"lora_name": staged})
-        if r.status_code != 200:  # harmless (one more resident name), but said
-            log.warning("engine %s: unloading the staged adapter %r failed: %s", url, staged, _error(r)[:300])
-
-    clock.step("unstage", sync._each(one_engine, urls))
-
-
-def _swap(sync: WeightSync, client: httpx.Client, name: str, path: Path, version: str, clock) -> None:
-    """Step 2 of the module docstring on every engine at once."""
-    from palaestra.trainer.weight_sync import WeightSyncError
+def swap_adapter(engines: Engines, name: str, path: Path, version: str, clock: Clock) -> None:
+    """Step 2 of the module docstring on every engine at once: `name` serves `path` at `version`."""
+    client = engines.client
+    engines.changing()
 
     def one_engine(url: str) -> None:
         r = client.post(url + "/unload_lora_adapter", json={"lora_name": name})
@@ -178,79 +148,100 @@ def _swap(sync: WeightSync, client: httpx.Client, name: str, path: Path, version
             message = _error(r)
             if "does not exist" not in message:  # not loaded yet: the first sync, a restarted engine
                 raise WeightSyncError(f"engine {url}: unload_lora_adapter {name!r} failed: {message[:300]}")
-        answer = sync._call(client, url, "load_lora_adapter", "POST", "/load_lora_adapter",
-                            {"lora_name": name, "lora_path": str(path)}).json()  # fmt: skip
+        answer = engines.call(url, "load_lora_adapter", "POST", "/load_lora_adapter",
+                              {"lora_name": name, "lora_path": str(path)}).json()  # fmt: skip
         if isinstance(answer, dict) and answer.get("success") is False:
             raise WeightSyncError(f"engine {url}: load_lora_adapter failed: {answer.get('error_message')}")
-        sync._call(client, url, "update_weight_version", "POST", "/update_weight_version",
-                   {"new_version": version, "abort_all_requests": False})  # fmt: skip
+        engines.call(url, "update_weight_version", "POST", "/update_weight_version",
+                     {"new_version": version, "abort_all_requests": False})  # fmt: skip
 
-    clock.step("update", sync._each(one_engine))
+    clock.step("update", engines.each(one_engine))
 
 
-def push_adapter(
-    sync: WeightSync,
-    name: str,
-    config: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    version: int | str,
-    checksum: str | None,
-) -> SyncReport:
-    """Sends the adapter `tensors` (PEFT names, whole) as `name` at `version` (module docstring)."""
-    from palaestra.trainer.weight_sync import SyncReport, _Clock
+@dataclass(frozen=True)
+class Adapter:
+    """What an adapter sync sends: the adapter `tensors` (PEFT names, whole) to serve as `name`."""
 
-    v = str(version)
-    started = time.perf_counter()
-    clock = _Clock()
-    client = sync.client
-    with clock.phase("stage"):
-        if sync._adapter_stage is None:
-            targets = list(config["target_modules"])
-            sync._adapter_staging = [
-                url for url in sync.urls if check_lora_support(client, sync, url, int(config["r"]), targets)
-            ]
-            sync._adapter_stage = AdapterStage(sync.disk_dir)
-        path = sync._adapter_stage.write(name, v, config, tensors, checksum)
-    staging = [u for u in sync._adapter_staging if u in sync.urls]
-    if staging:
-        _stage(sync, client, staging, path.name, path, clock)
+    name: str
+    config: dict[str, Any]  # adapter_config.json
+    tensors: dict[str, torch.Tensor]
+    base_checksum: str | None = None
 
-    def update() -> int:
-        _swap(sync, client, name, path, v, clock)
+
+@dataclass(frozen=True)
+class _Staged:
+    name: str
+    path: Path  # the version's PEFT directory
+    staging: list[str]  # engines that loaded it under its own name (`path.name`) before the pause
+
+
+class AdapterTransport:
+    """LoRA: only the adapter goes to the engines (module docstring). The adapter directories are
+    written under ``sync_dir`` if given, else in /dev/shm."""
+
+    def __init__(self, engines: Engines, options: TransportOptions):
+        self.engines = engines
+        self.root = options.disk_dir
+        self.stage_dir: AdapterStage | None = None  # made by the first sync
+        self.staging: list[str] = []  # engines that load each version before the pause
+
+    def stage(self, adapter: Adapter, version: str, clock: Clock) -> _Staged:
+        engines = self.engines
+        with clock.phase("stage"):
+            if self.stage_dir is None:
+                targets = list(adapter.config["target_modules"])
+                rank = int(adapter.config["r"])
+                self.staging = [u for u in engines.urls if check_lora_support(engines, u, rank, targets)]
+                self.stage_dir = AdapterStage(self.root)
+            path = self.stage_dir.write(adapter.name, version, adapter.config, adapter.tensors,
+                                        adapter.base_checksum)  # fmt: skip
+        staging = [u for u in self.staging if u in engines.urls]
+        if staging:
+            self._load_staged(staging, path, clock)
+        return _Staged(adapter.name, path, staging)
+
+    def _load_staged(self, urls: list[str], path: Path, clock: Clock) -> None:
+        """Step 0's load of `path` under its own name on `urls` (a name left by an interrupted sync
+        is unloaded first)."""
+        client, staged = self.engines.client, path.name
+
+        def one_engine(url: str) -> None:
+            body = {"lora_name": staged, "lora_path": str(path)}
+            r = client.post(url + "/load_lora_adapter", json=body)
+            if r.status_code != 200 and "already exists" in _error(r):
+                client.post(url + "/unload_lora_adapter", json={"lora_name": staged})
+                r = client.post(url + "/load_lora_adapter", json=body)
+            if r.status_code != 200:
+                raise WeightSyncError(f"engine {url}: load_lora_adapter {staged!r} failed: {_error(r)[:300]}")
+
+        clock.step("stage_load", self.engines.each(one_engine, urls))
+
+    def send(self, staged: _Staged, version: str, clock: Clock) -> int:
+        swap_adapter(self.engines, staged.name, staged.path, version, clock)
         return 1
 
-    _, pause_s = sync._paused(client, update, v, clock)
-    if staging:
-        _unstage(sync, client, staging, path.name, clock)
-    sync._adapter_stage.keep_only(path)
-    sync._adapter_name = name
-    return SyncReport(
-        version=v,
-        bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        seconds=time.perf_counter() - started,
-        buckets=1,
-        engines=len(sync.urls),
-        pause_seconds=pause_s,
-        phases=clock.phases,
-        engine_seconds=clock.engines,
-    )
+    def done(self, staged: _Staged, version: str, clock: Clock) -> None:
+        """Step 5: the staged name goes (the served name holds the same factors); older versions'
+        directories too."""
+        client, name = self.engines.client, staged.path.name
 
+        def one_engine(url: str) -> None:
+            r = client.post(url + "/unload_lora_adapter", json={"lora_name": name})
+            if r.status_code != 200:  # harmless (one more resident name), but said
+                log.warning(
+                    "engine %s: unloading the staged adapter %r failed: %s", url, name, _error(r)[:300]
+                )
 
-def load_adapter_directory(sync: WeightSync, path: str | Path, name: str, version: int | str) -> SyncReport:
-    """Every engine serves the PEFT directory `path` as adapter `name` at `version` (an engine
-    restarted mid-run gets the adapter the others hold); the same steps as `push_adapter`."""
-    from palaestra.trainer.weight_sync import SyncReport, _Clock
+        if staged.staging:
+            clock.step("unstage", self.engines.each(one_engine, staged.staging))
+        assert self.stage_dir is not None
+        self.stage_dir.keep_only(staged.path)
 
-    v = str(version)
-    started = time.perf_counter()
-    clock = _Clock()
-    client = sync.client
+    def directory(self, version: str) -> Path | None:
+        """The adapter's PEFT directory the engines hold (`WeightSync.load_adapter_directory`)."""
+        return self.stage_dir.current if self.stage_dir is not None else None
 
-    def update() -> int:
-        _swap(sync, client, name, Path(path), v, clock)
-        return 1
-
-    _, pause_s = sync._paused(client, update, v, clock)
-    return SyncReport(
-        v, 0, time.perf_counter() - started, 1, len(sync.urls), pause_s, clock.phases, clock.engines
-    )
+    def close(self) -> None:
+        if self.stage_dir is not None:
+            self.stage_dir.close()
+            self.stage_dir = None

@@ -1,4 +1,4 @@
-"""SGLang's two non-disk weight-update paths, trainer side: a broadcast group, and CUDA IPC handles.
+"""SGLang's non-disk weight-update paths, trainer side: a broadcast group, CUDA IPC handles, bytes.
 
 **Distributed** (``sync_mode: distributed``; decoupled placement, engines on other GPUs or nodes).
 The trainer's global rank 0 and every engine rank form one process group of their own:
@@ -12,7 +12,7 @@ The trainer's global rank 0 and every engine rank form one process group of thei
    in that order from rank 0. The engines answer once they have received every tensor.
 3. ``POST /destroy_weights_update_group`` on `close`.
 
-The group is built the way SGLang builds its side (`palaestra.engine.weight_group.new_update_group`:
+The group is built the way SGLang builds its side (`palaestra.update_group.new_update_group`:
 a TCP-store rendezvous at ``tcp://master_address:master_port``, a prefix store named after the
 group, then torch's process group helper), so both ends agree on the store keys. ``backend`` is ``nccl`` on GPUs and ``gloo``
 on CPU (the embedded engine implements the same endpoints with gloo). The master port is the one
@@ -26,6 +26,13 @@ trainer's memory, nothing is copied through the host. The tensors must stay aliv
 answers, which `WeightSync.push` guarantees by holding them for the call. Every TP rank's entry
 is the same full tensors here (SGLang's loader shards them), which is right for one engine GPU per
 trainer GPU; with a multi-GPU engine each entry should come from the trainer rank on that GPU.
+
+**Tensor** (``sync_mode: tensor``; the embedded engine over HTTP, any host). The same call with the
+bytes themselves, a ``torch.save`` payload per bucket in base64 (`weights_format.serialize_named_tensors`):
+slow (JSON + base64), but it needs nothing shared.
+
+`DistributedTransport`, `IpcTransport` and `TensorTransport` are these three as weight-sync
+transports (trainer/weight_sync.py).
 """
 
 from __future__ import annotations
@@ -34,13 +41,17 @@ import base64
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from palaestra.engine.weight_group import DEFAULT_GROUP, drop_update_group, new_update_group
+from palaestra.trainer.sync_transport import Clock, Engines, TransportOptions, WeightSyncError, make_buckets
+from palaestra.update_group import DEFAULT_GROUP, drop_update_group, new_update_group
+from palaestra.weights_format import serialize_named_tensors
 
-__all__ = ["DistributedUpdate", "ipc_payload"]
+__all__ = ["DistributedTransport", "DistributedUpdate", "IpcTransport", "TensorTransport", "ipc_payload"]
 
 log = logging.getLogger("palaestra.trainer.sglang_sync")
 
@@ -90,7 +101,7 @@ def ipc_payload(
 class DistributedUpdate:
     """The trainer's end of ``update_weights_from_distributed`` (module docstring).
 
-    `call(url, step, path, body) -> dict` is the caller's retried HTTP POST (`WeightSync._call`),
+    `call(url, step, path, body) -> dict` is the caller's HTTP POST (`Engines.post_once`),
     answering the parsed JSON body.
     """
 
@@ -212,3 +223,119 @@ class DistributedUpdate:
         drop_update_group(self.group)
         self.group = None
         self._pool.shutdown(wait=False)
+
+
+_FLATTENED = "flattened_bucket"
+
+
+class TensorTransport:
+    """``sync_mode: tensor`` (module docstring): buckets serialized before the pause, one
+    ``/update_weights_from_tensor`` per bucket inside it."""
+
+    def __init__(self, engines: Engines, options: TransportOptions):
+        self.engines = engines
+        self.bucket_bytes = options.bucket_bytes
+
+    def stage(
+        self, named: Sequence[tuple[str, torch.Tensor]], version: str, clock: Clock
+    ) -> list[tuple[str, dict[str, Any]]]:
+        with clock.phase("stage"):
+            return [
+                (
+                    "/update_weights_from_tensor",
+                    {
+                        "serialized_named_tensors": [serialize_named_tensors(b, flattened=True)],
+                        "load_format": _FLATTENED,
+                    },
+                )
+                for b in make_buckets(named, self.bucket_bytes)
+            ]
+
+    def send(self, calls: list[tuple[str, dict[str, Any]]], version: str, clock: Clock) -> int:
+        return self.engines.update_each(calls, version, clock)
+
+    def done(self, staged: object, version: str, clock: Clock) -> None:
+        pass
+
+    def directory(self, version: str) -> Path | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class IpcTransport(TensorTransport):
+    """``sync_mode: ipc`` (module docstring): the same calls as `TensorTransport`, carrying CUDA IPC
+    handles to the trainer's memory, which the staged `IpcCalls` hold until `send` has returned."""
+
+    def stage(self, named: Sequence[tuple[str, torch.Tensor]], version: str, clock: Clock) -> IpcCalls:
+        import torch.multiprocessing as tmp
+
+        with clock.phase("stage"):
+            if torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+            elif tmp.get_sharing_strategy() == "file_system":
+                device = torch.device("cpu")  # shared-memory files stand in for CUDA IPC handles
+            else:
+                raise WeightSyncError(
+                    "sync_mode 'ipc' hands CUDA IPC handles to a colocated SGLang; without CUDA use 'shm' "
+                    "(CPU tensors can only be shared across processes with "
+                    "torch.multiprocessing.set_sharing_strategy('file_system'))"
+                )
+            tp = self.engines.tp_size(self.engines.urls[0])
+            staged = IpcCalls()
+            for b in make_buckets(named, self.bucket_bytes):
+                entries, shared = ipc_payload([(n, t.to(device)) for n, t in b], tp_size=tp, flattened=True)
+                body = {"serialized_named_tensors": entries, "load_format": _FLATTENED}
+                staged.calls.append(("/update_weights_from_tensor", body))
+                staged.memory.append(shared)
+            return staged
+
+    def send(self, staged: IpcCalls, version: str, clock: Clock) -> int:  # type: ignore[override]
+        return self.engines.update_each(staged.calls, version, clock)
+
+
+@dataclass
+class IpcCalls:
+    """The update calls of an IPC sync and the memory their handles point into (alive while held)."""
+
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    memory: list[Any] = field(default_factory=list)
+
+
+class DistributedTransport:
+    """``sync_mode: distributed`` (module docstring): the group is joined on the first sync (before
+    the pause); inside it every bucket is broadcast."""
+
+    def __init__(self, engines: Engines, options: TransportOptions):
+        from palaestra.net import address_towards, free_port
+
+        self.engines = engines
+        self.bucket_bytes = options.bucket_bytes
+        address = options.group_address or address_towards(engines.urls)
+        self.group = DistributedUpdate(
+            engines.urls, address, options.group_port or free_port(address), timeout_s=engines.timeout_s
+        )
+
+    def stage(
+        self, named: Sequence[tuple[str, torch.Tensor]], version: str, clock: Clock
+    ) -> list[list[tuple[str, torch.Tensor]]]:
+        with clock.phase("stage"):
+            buckets = make_buckets(named, self.bucket_bytes)
+            self.group.connect([self.engines.tp_size(u) for u in self.engines.urls], self.engines.post_once)
+            return buckets
+
+    def send(self, buckets: list[list[tuple[str, torch.Tensor]]], version: str, clock: Clock) -> int:
+        with clock.phase("update"):
+            self.engines.changing()
+            self.group.send(buckets, version, self.engines.post_once)
+        return len(buckets)
+
+    def done(self, staged: object, version: str, clock: Clock) -> None:
+        pass
+
+    def directory(self, version: str) -> Path | None:
+        return None
+
+    def close(self) -> None:
+        self.group.close(self.engines.post_once)

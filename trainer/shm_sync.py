@@ -27,6 +27,10 @@ waits for all threads to be scheduled).
 
 In-host only: an engine on another node cannot see this host's /dev/shm; use ``sync_mode:
 distributed`` there (`palaestra.trainer.sglang_sync`).
+
+`ShmTransport` is ``sync_mode: shm`` (trainer/weight_sync.py): the file is written inside the
+pause, then every engine gets ``/update_weights_from_disk`` of its directory, with ``load_format
+"mmap"`` for the embedded engine (it shares the file's pages) and ``"safetensors"`` for SGLang.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ from pathlib import Path
 
 import torch
 
-from palaestra.engine.weights import safetensors_dtype
+from palaestra.net import is_this_host
+from palaestra.trainer.sync_transport import Clock, Engines, TransportOptions
+from palaestra.weights_format import safetensors_dtype
 
-__all__ = ["SharedWeightsFile", "default_shm_root"]
+__all__ = ["SharedWeightsFile", "ShmTransport", "default_shm_root"]
 
 
 def default_shm_root() -> Path:
@@ -167,3 +173,59 @@ class SharedWeightsFile:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class ShmTransport:
+    """``sync_mode: shm`` (module docstring): one `SharedWeightsFile` on this host, made by the
+    first push and rewritten in place by every later one."""
+
+    def __init__(self, engines: Engines, options: TransportOptions):
+        elsewhere = [u for u in engines.urls if not is_this_host(u)]
+        if elsewhere:
+            raise ValueError(
+                f"sync_mode 'shm' needs every engine on this host (its /dev/shm); {elsewhere[0]} is "
+                "not: use sync_mode 'distributed' for engines on other nodes"
+            )
+        self.engines = engines
+        self.root = options.disk_dir  # None: /dev/shm (a directory of its own, e.g. for tests)
+        self.file: SharedWeightsFile | None = None
+        self._formats: dict[str, str] = {}  # load_format per engine URL
+
+    def stage(self, named: Sequence[tuple[str, torch.Tensor]], version: str, clock: Clock) -> Sequence:
+        with clock.phase("stage"):  # nothing to do: the file is written inside the pause
+            return named
+
+    def send(self, named: Sequence[tuple[str, torch.Tensor]], version: str, clock: Clock) -> int:
+        """Writes the file (an embedded engine's weights are its pages), then every engine loads it."""
+        with clock.phase("write"):
+            if self.file is None:
+                self.file = SharedWeightsFile(self.root)
+            self.engines.changing()
+            directory = str(self.file.write(named))
+        body = {"model_path": directory, "flush_cache": True, "weight_version": version}
+
+        def update(url: str) -> None:
+            self.engines.call(url, "update 1/1", "POST", "/update_weights_from_disk",
+                              {**body, "load_format": self._format(url)})  # fmt: skip
+
+        clock.step("update", self.engines.each(update))
+        return 1
+
+    def _format(self, url: str) -> str:
+        """ "mmap" for the embedded engine (it shares the file's pages: no copy), else "safetensors"."""
+        if url not in self._formats:
+            embedded = self.engines.server_info(url).get("engine") == "palaestra-embedded"
+            self._formats[url] = "mmap" if embedded else "safetensors"
+        return self._formats[url]
+
+    def done(self, staged: object, version: str, clock: Clock) -> None:
+        pass
+
+    def directory(self, version: str) -> Path | None:
+        """The file's directory (rewritten only inside the next push)."""
+        return self.file.path.parent if self.file is not None and self.file.path is not None else None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None

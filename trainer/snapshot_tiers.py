@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from palaestra.engine.weights import safetensors_dtype
+from palaestra.weights_format import safetensors_dtype
 
 __all__ = ["DeviceStaging", "Layout", "read_spill", "spill_path", "write_spill"]
 

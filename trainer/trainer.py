@@ -490,8 +490,8 @@ class Trainer:
         return {k: v.cpu() for k, v in self.lora.gather(self.lora.local_state(), self.tp()[0]).items()}
 
     def _base_checksum(self) -> str:
-        """`engine.lora.base_checksum` of the base weights (what an adapter of this trainer needs)."""
-        from palaestra.engine.lora import base_checksum
+        """`weights_format.base_checksum` of the base weights (what an adapter of this trainer needs)."""
+        from palaestra.weights_format import base_checksum
 
         return base_checksum(self.hf_state().items())
 
@@ -510,7 +510,7 @@ class Trainer:
 
     def load_hf_weights(self, model_dir: str | Path) -> None:
         """Reads HF safetensors from `model_dir` into the live model (converted to Megatron names)."""
-        from palaestra.engine.weights import read_safetensors
+        from palaestra.weights_format import read_safetensors
 
         self.load_megatron_state(hf_to_megatron(dict(read_safetensors(model_dir)), self.arch))
         if hasattr(self, "snapshots"):

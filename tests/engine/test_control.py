@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from palaestra.engine.weights import serialize_named_tensors
+from palaestra.weights_format import serialize_named_tensors
 
 pytestmark = pytest.mark.engine  # every test talks to the module's engine
 

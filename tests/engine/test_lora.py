@@ -18,9 +18,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from palaestra.engine import lora_api
-from palaestra.engine.lora import base_checksum, read_adapter, write_adapter
 from palaestra.engine.server import EngineConfig, EngineServer
-from palaestra.engine.weights import serialize_named_tensors
+from palaestra.weights_format import base_checksum, read_adapter, serialize_named_tensors, write_adapter
 
 PROMPTS = [[5, 77, 301, 12, 999, 45, 8, 1200], [9, 400, 33, 2048, 17], [100, 200, 300, 400, 500, 600]]
 RANK, ALPHA = 4, 8.0

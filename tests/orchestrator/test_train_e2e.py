@@ -265,11 +265,11 @@ def test_a_lora_run_serves_and_syncs_only_the_adapter_and_exports_it(ray_local, 
     gateway samples every token through it (the trainer's recomputed logprobs equal the engine's),
     each sync sends the adapter's bytes only, and the run's checkpoint exports as PEFT's layout."""
     from palaestra.cli import main
-    from palaestra.engine.lora import read_adapter
     from palaestra.models import resolve_model
     from palaestra.train import train
     from palaestra.trainer.convert import HFArchitecture
     from palaestra.trainer.lora import projection_shapes
+    from palaestra.weights_format import read_adapter
 
     out = tmp_path / "lora"
     # a high lr: after one step the adapter is far from the base, so a gateway that sampled

@@ -160,7 +160,7 @@ def test_palaestra_export_writes_the_adapter_and_a_merged_model(tiny_model_dir, 
     from transformers import AutoModelForCausalLM
 
     from palaestra.cli import main
-    from palaestra.engine.lora import read_adapter
+    from palaestra.weights_format import read_adapter
 
     t = trained["t"]
     t.save(tmp_path / "ckpt")
@@ -232,7 +232,7 @@ def test_an_engine_that_cannot_take_the_adapter_is_refused_with_the_flag(tiny_mo
         server = EngineServer(EngineConfig(model_path=str(tiny_model_dir), **config))
         try:
             with TestClient(server.app) as c, pytest.raises(WeightSyncError, match=message):
-                check_lora_support(c, sync, url, 8, ["q_proj", "v_proj"])
+                check_lora_support(sync.engines, url, 8, ["q_proj", "v_proj"], client=c)
         finally:
             server.engine.shutdown()
 
@@ -244,7 +244,7 @@ def test_an_engine_that_cannot_take_the_adapter_is_refused_with_the_flag(tiny_mo
         with pytest.raises(
             WeightSyncError, match=r"--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj"
         ):
-            check_lora_support(c, sync, url, 8, ["q_proj", "v_proj"])
+            check_lora_support(sync.engines, url, 8, ["q_proj", "v_proj"], client=c)
     sync.close()
 
 
@@ -256,9 +256,9 @@ def test_an_adapter_sync_reads_and_checks_the_adapter_before_the_pause(trained, 
     from fastapi.testclient import TestClient
 
     from palaestra.engine import lora_api
-    from palaestra.engine.lora import read_adapter
     from palaestra.engine.server import EngineConfig, EngineServer
     from palaestra.trainer.weight_sync import WeightSync, WeightSyncError
+    from palaestra.weights_format import read_adapter
 
     t = trained["t"]
     server = EngineServer(EngineConfig(model_path=str(t.model_dir), enable_lora=True))
@@ -269,10 +269,10 @@ def test_an_adapter_sync_reads_and_checks_the_adapter_before_the_pause(trained, 
         return read_adapter(path)
 
     monkeypatch.setattr(lora_api, "read_adapter", counted_read)
-    sync = WeightSync(["http://testserver"], mode="disk", disk_dir=tmp_path)
+    sync = None
     try:
         with TestClient(server.app) as client:
-            sync._client = client
+            sync = WeightSync(["http://testserver"], mode="disk", disk_dir=tmp_path, client=client)
             adapter, config = t.adapter_state(), t.lora.peft_config(str(t.model_dir))
             for version in ("1", "2"):
                 report = sync.push_adapter("policy", config, adapter, version, t.base_checksum)
@@ -289,5 +289,6 @@ def test_an_adapter_sync_reads_and_checks_the_adapter_before_the_pause(trained, 
             info = client.get("/server_info").json()
             assert info["weight_version"] == "2" and set(info["loaded_lora_adapters"]) == {"policy"}
     finally:
-        sync.close()
+        if sync is not None:
+            sync.close()
         server.engine.shutdown()

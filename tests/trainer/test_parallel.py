@@ -51,7 +51,7 @@ WORKER = textwrap.dedent(
         cfg = TrainerConfig(**{**CONFIG, **extra}, megatron=megatron, dist_init_method=rdzv, dp_size=dp)
         t = Trainer(cfg, model_dir)
         import torch.distributed as dist
-        from palaestra.engine.weights import read_safetensors
+        from palaestra.weights_format import read_safetensors
         rank = dist.get_rank()
         batch = samples() if rank == 0 else []
         full = t._broadcast(batch)

@@ -13,16 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from palaestra.engine.protocol import RequestError
-from palaestra.engine.weights import (
+from palaestra.engine.weights import SharedSafetensors, load_safetensors_into
+from palaestra.trainer.shm_sync import SharedWeightsFile
+from palaestra.trainer.weight_sync import WeightSync, make_buckets
+from palaestra.weights_format import (
     SAFETENSORS_DTYPES,
-    SharedSafetensors,
     deserialize_named_tensors,
-    load_safetensors_into,
     safetensors_dtype,
     serialize_named_tensors,
 )
-from palaestra.trainer.shm_sync import SharedWeightsFile
-from palaestra.trainer.weight_sync import WeightSync, make_buckets
 
 
 def named_mixed() -> list[tuple[str, torch.Tensor]]:
@@ -159,15 +158,17 @@ class RecordingEngines:
     """Test double (not an engine): answers the SGLang weight-sync calls of several engine URLs in
     process through httpx.MockTransport and records (engine, path) in arrival order. A pause is
     answered only once all `n` engines' pauses have arrived (a barrier; engines asked one after
-    another would time out). `fail_update` names an engine whose update answers 400."""
+    another would time out). `fail_update` names an engine whose update answers 400, `fail_pause`
+    one whose pause answers 500."""
 
-    def __init__(self, n: int, fail_update: str | None = None):
+    def __init__(self, n: int, fail_update: str | None = None, fail_pause: str | None = None):
         import threading
 
         self.pauses = threading.Barrier(n)
         self.calls: list[tuple[str, str]] = []
         self.versions: dict[str, str] = {}
         self.fail_update = fail_update
+        self.fail_pause = fail_pause
         self._lock = threading.Lock()
 
     def __call__(self, request):
@@ -184,6 +185,8 @@ class RecordingEngines:
                 self.pauses.wait(timeout=10)
             except threading.BrokenBarrierError:
                 return httpx.Response(500, text="pauses did not arrive together")
+            if engine == self.fail_pause:
+                return httpx.Response(500, text="cannot pause")
         if path.startswith("/update_weights"):
             if engine == self.fail_update:
                 return httpx.Response(400, json={"success": False, "message": "bad tensor"})
@@ -197,11 +200,13 @@ class RecordingEngines:
 def _sync_with(engines: RecordingEngines, tmp_path, n: int = 3) -> WeightSync:
     import httpx
 
-    sync = WeightSync(
-        [f"http://127.0.0.1:{9000 + i}" for i in range(n)], mode="disk", disk_dir=tmp_path, retries=1
+    return WeightSync(
+        [f"http://127.0.0.1:{9000 + i}" for i in range(n)],
+        mode="disk",
+        disk_dir=tmp_path,
+        retries=1,
+        client=httpx.Client(transport=httpx.MockTransport(engines)),  # instead of the pooled client
     )
-    sync._client = httpx.Client(transport=httpx.MockTransport(engines))  # the pooled client, replaced
-    return sync
 
 
 def test_each_step_reaches_every_engine_before_the_next_step_starts(tmp_path):
@@ -228,3 +233,55 @@ def test_a_failed_update_names_the_engine_and_no_engine_continues(tmp_path):
     paths = [path for _, path in engines.calls]
     assert paths.count("/pause_generation") == 3 and paths.count("/update_weights_from_disk") == 3
     assert "/continue_generation" not in paths and "/get_weight_version" not in paths  # left paused
+
+
+class FailingTransport:
+    """Test double (not a transport of the code): its `send` raises, after telling the engines it
+    is changing their weights (`touch`) or before doing anything."""
+
+    def __init__(self, engines, touch: bool):
+        self.engines, self.touch = engines, touch
+
+    def stage(self, payload, version, clock):
+        return payload
+
+    def send(self, staged, version, clock):
+        if self.touch:
+            self.engines.changing()
+        raise OSError("no space left on device")
+
+    def done(self, staged, version, clock):
+        raise AssertionError("a failed sync is not done")
+
+    def directory(self, version):
+        return None
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("touch", [False, True])
+def test_a_transport_that_fails_before_touching_an_engine_leaves_none_paused(tmp_path, touch):
+    engines = RecordingEngines(3)
+    with _sync_with(engines, tmp_path) as sync:
+        sync.transport = FailingTransport(sync.engines, touch)
+        with pytest.raises(OSError, match="no space left"):
+            sync.push(named_mixed(), 9)
+    paths = [path for _, path in engines.calls]
+    assert paths.count("/pause_generation") == 3 and "/get_weight_version" not in paths
+    # untouched: every engine holds its old weights and generates again; touched: left paused
+    assert paths.count("/continue_generation") == (0 if touch else 3)
+    assert paths[-3:] == (["/pause_generation"] * 3 if touch else ["/continue_generation"] * 3)
+
+
+def test_an_engine_that_does_not_pause_fails_the_sync_and_the_others_stay_paused(tmp_path):
+    from palaestra.trainer.weight_sync import WeightSyncError
+
+    engines = RecordingEngines(3, fail_pause="http://127.0.0.1:9002")
+    with (
+        _sync_with(engines, tmp_path) as sync,
+        pytest.raises(WeightSyncError, match="127.0.0.1:9002: pause"),
+    ):
+        sync.push(named_mixed(), 10)
+    paths = [path for _, path in engines.calls]
+    assert paths == ["/pause_generation"] * 3  # not resumed with a version the trainer has left behind
