@@ -7,7 +7,9 @@ the per-expert load in /metrics, weight updates under per-expert checkpoint name
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -18,23 +20,34 @@ from palaestra.engine.protocol import RequestError, parse_generate
 from palaestra.engine.weights import serialize_named_tensors
 
 FLAG = "--enable-return-routed-experts"
+PRESETS = ("tiny-moe", "tiny-glm-moe")
 PROMPT = [5, 17, 300, 42, 1024, 7, 99, 2048, 13, 640, 11, 12]
 
 
-@pytest.fixture(scope="module", params=["tiny-moe", "tiny-glm-moe"])
-def moe(request):
-    """(preset, its transformers model, a client of `palaestra engine serve --model <preset> FLAG`)."""
+@pytest.fixture(scope="module")
+def engines():
+    """`palaestra engine serve --model <preset> FLAG` for both presets, started side by side."""
+    from palaestra.engine.cli import engine_process
+
+    procs = {name: engine_process(name, extra_args=["--num-threads", "1", FLAG]) for name in PRESETS}
+    with contextlib.ExitStack() as stack:
+        for proc in procs.values():  # stopped even if the other one fails to start
+            stack.callback(proc.stop)
+        with ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(lambda proc: proc.start(), procs.values()))
+        yield {name: proc.url for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def moe(request, engines):
+    """(preset, its transformers model, a client of its engine)."""
     from transformers import AutoModelForCausalLM
 
-    from palaestra.engine.cli import engine_process
     from palaestra.models import resolve_model
 
     name = request.param
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32).eval()
-    with (
-        engine_process(name, extra_args=["--num-threads", "1", FLAG]) as proc,
-        httpx.Client(base_url=proc.url, timeout=120, trust_env=False) as client,
-    ):
+    with httpx.Client(base_url=engines[name], timeout=120, trust_env=False) as client:
         yield name, model, client
 
 
