@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -152,6 +153,27 @@ def test_batched_requests_route_each_sequence(moe):
         np.testing.assert_array_equal(_sorted(_decode_routing(answer["meta_info"], model)), routing[:-1])
     plain = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     assert "routed_experts" not in plain.json()["meta_info"]
+    assert client.get("/server_info").json()["enable_return_routed_experts"] is True
+
+
+@pytest.mark.engine
+def test_streaming_answers_routing_in_the_final_chunk(moe):
+    _, model, client = moe
+    body = {
+        "input_ids": PROMPT[2:],
+        "stream": True,
+        "return_routed_experts": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+    }
+    with client.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) == 4
+    assert all("routed_experts" not in c["meta_info"] for c in chunks[:-1])
+    _, routing = _reference(model, PROMPT[2:] + chunks[-1]["output_ids"])
+    np.testing.assert_array_equal(_sorted(_decode_routing(chunks[-1]["meta_info"], model)), routing[:-1])
 
 
 def _expert_load(client) -> dict[tuple[int, int], float]:
