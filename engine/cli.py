@@ -44,6 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_loaded_loras=args.max_loaded_loras,
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=args.lora_target_modules,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     server = EngineServer(config)
     print(
@@ -95,6 +96,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="MoE models: answer requests with return_routed_experts (SGLang's flag; docs/engine.md)",
     )
     lora = p.add_argument_group("LoRA adapters (SGLang's flags; docs/engine.md)")
     lora.add_argument(

@@ -69,6 +69,7 @@ class EngineRequest:
     row: int | None = None
     constraint: Any = None  # engine.grammar.Constraint of a json_schema / regex / ebnf request
     adapter: Any = None  # engine.lora.LoraAdapter named by lora_path (None: the base model)
+    routing: torch.Tensor | None = None  # MoE, when asked: int32 [forwarded tokens, layers, top_k]
 
     @property
     def rid(self) -> str:
@@ -108,6 +109,9 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.weight_version = weight_version
         self.metrics = metrics or EngineMetrics()
+        if self.runner.routing is not None:
+            routing = self.runner.routing
+            self.metrics.watch_expert_load(lambda: routing.load.clone().tolist())
         self.batch = self.runner.new_batch()
         self.running: list[EngineRequest] = []  # index == row in self.batch
         self.waiting: deque[EngineRequest] = deque()
@@ -196,8 +200,7 @@ class Engine:
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copies HF-named tensors into the model; validates everything before changing anything."""
-        params = dict(self.runner.model.named_parameters())
-        params.update(dict(self.runner.model.named_buffers()))
+        params = self.runner.named_tensors()
         updates = []
         for name, tensor in named:
             if name not in params:
@@ -221,11 +224,13 @@ class Engine:
         bytes (`weights.SharedSafetensors`; load_format "mmap")."""
         from palaestra.engine.weights import SharedSafetensors, load_safetensors_into
 
-        params = dict(self.runner.model.named_parameters())
-        params.update(dict(self.runner.model.named_buffers()))
         self._base_weights_change()  # before: a load that fails half-way has changed some
         if not share:
-            return load_safetensors_into(path, params)
+            return load_safetensors_into(path, self.runner.named_tensors())
+        # Shared, the parameters become the file's bytes: only whole tensors under the model's own
+        # names (an MoE's fused expert tensors, not the per-expert views) can be shared.
+        params = dict(self.runner.model.named_parameters())
+        params.update(dict(self.runner.model.named_buffers()))
         if self.shared_weights is None:
             self.shared_weights = SharedSafetensors()
         return self.shared_weights.share(path, params)
@@ -371,6 +376,7 @@ class Engine:
             self._record_input_logprobs(seq, logits[:-1] if len(logits) > 1 else logits[:0], start)
         if spec.params.max_new_tokens == 0:
             self.prefix_cache.insert(ids, kv, key)
+            self._keep_routing(seq, kv)
             self._finish(seq, {"type": "length", "length": 0})
             return
         result = sample(logits[-1:].clone(), [self._row_state(seq)])
@@ -382,7 +388,14 @@ class Engine:
             self._progress(seq)
         else:
             self.prefix_cache.insert(ids, kv, key)
+            self._keep_routing(seq, kv)
             self._finish(seq, reason)
+
+    @staticmethod
+    def _keep_routing(seq: EngineRequest, kv: SeqKV) -> None:
+        """The routing of every token forwarded for `seq` (cached prefix included), if it asked."""
+        if seq.spec.return_routed_experts:
+            seq.routing = kv.routing
 
     def _record_input_logprobs(self, seq: EngineRequest, logits: torch.Tensor, start: int) -> None:
         ids = seq.spec.input_ids
@@ -498,6 +511,7 @@ class Engine:
         if seq.row is not None:
             kv: SeqKV = self.batch.extract(seq.row)
             self.prefix_cache.insert(seq.spec.input_ids + seq.output_ids, kv, self._cache_key(seq))
+            self._keep_routing(seq, kv)
             moved = self.batch.remove(seq.row)
             last = self.running.pop()
             if moved is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -10,6 +12,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 disable_created_metrics()  # the *_created series only add noise to scrapes
 
@@ -72,5 +76,30 @@ class EngineMetrics:
         self.weight_version.labels(version=version).set(1)
         self._version = version
 
+    def watch_expert_load(self, load: Callable[[], list[list[int]]]) -> None:
+        """Export an MoE model's per-expert load: `load()` gives, per layer, the tokens routed to
+        each expert so far (engine/model_runner.py `Routing.load`); read at every scrape."""
+        self.registry.register(_ExpertLoad(load))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ExpertLoad(Collector):
+    """``palaestra_engine_moe_expert_tokens_total{layer, expert}``: tokens routed to each expert.
+    Layers without experts (GLM's dense first layer) have no series."""
+
+    def __init__(self, load: Callable[[], list[list[int]]]) -> None:
+        self._load = load
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            f"{PREFIX}_moe_expert_tokens",
+            "Tokens routed to each expert, by layer",
+            labels=["layer", "expert"],
+        )
+        for layer, counts in enumerate(self._load()):
+            if any(counts):
+                for expert, count in enumerate(counts):
+                    family.add_metric([str(layer), str(expert)], count)
+        yield family

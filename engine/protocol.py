@@ -81,6 +81,8 @@ _TOP_LEVEL = {
     "background",
     "model",  # sglang-router 0.3.2 re-serialises /generate bodies with "model": null
     "lora_path",  # the name of a loaded LoRA adapter (engine/lora.py), or one per prompt
+    "return_routed_experts",  # MoE models under --enable-return-routed-experts (engine/model_runner.py)
+    "routed_experts_start_len",
 }
 # Known SGLang fields the embedded engine does not implement: accepted only when unset.
 _UNSUPPORTED_TOP_LEVEL = {
@@ -92,8 +94,6 @@ _UNSUPPORTED_TOP_LEVEL = {
     "session_params",
     "session_id",
     "return_hidden_states",
-    "return_routed_experts",
-    "routed_experts_start_len",
     "custom_logit_processor",
     "bootstrap_host",
     "bootstrap_port",
@@ -226,6 +226,8 @@ class PromptSpec:
     return_prompt_token_ids: bool
     index: int  # position in the expanded batch (stream `index`)
     lora_path: str | None = None  # the LoRA adapter's name (SGLang's lora_path); None: the base model
+    return_routed_experts: bool = False  # answer meta_info.routed_experts (SGLang's format)
+    routed_experts_start_len: int = 0  # the first position whose routing is returned, in [0, prompt]
 
 
 @dataclass
@@ -244,9 +246,18 @@ def _per_item(value: Any, i: int, count: int, name: str) -> Any:
 
 
 def parse_generate(
-    body: Any, *, tokenize, vocab_size: int, context_length: int, defaults: dict[str, Any]
+    body: Any,
+    *,
+    tokenize,
+    vocab_size: int,
+    context_length: int,
+    defaults: dict[str, Any],
+    routed_experts_unavailable: str | None = None,
 ) -> GenerateRequest:
-    """Validates a `/generate` body and expands it into one PromptSpec per sequence to sample."""
+    """Validates a `/generate` body and expands it into one PromptSpec per sequence to sample.
+
+    `routed_experts_unavailable` says why this server cannot return routed experts (a dense model,
+    or no --enable-return-routed-experts); None: it can."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for key, value in body.items():
@@ -303,6 +314,16 @@ def parse_generate(
         or (isinstance(lora, list) and all(x is None or isinstance(x, str) for x in lora))
     ):
         raise RequestError("lora_path must be an adapter name, or a list of names (or null) per prompt")
+    routed = body.get("return_routed_experts", False)
+    if not isinstance(routed, bool):
+        raise RequestError("return_routed_experts must be a boolean")
+    if routed and routed_experts_unavailable is not None:
+        raise RequestError(f"return_routed_experts: {routed_experts_unavailable}")
+    routed_start = body.get("routed_experts_start_len", 0)
+    if routed_start is None:
+        routed_start = 0
+    if not isinstance(routed_start, int) or isinstance(routed_start, bool) or routed_start < 0:
+        raise RequestError("routed_experts_start_len must be a non-negative integer")
     specs: list[PromptSpec] = []
     raw_sampling = body.get("sampling_params")
     for i, ids in enumerate(prompts):
@@ -318,6 +339,10 @@ def parse_generate(
             )
         if start > len(ids):
             raise RequestError(f"logprob_start_len ({start}) is beyond the prompt ({len(ids)} tokens)")
+        if routed_start > len(ids):
+            raise RequestError(
+                f"routed_experts_start_len ({routed_start}) is beyond the prompt ({len(ids)} tokens)"
+            )
         item_rid = _per_item(rid, i, count, "rid") if isinstance(rid, list) else rid
         base = item_rid if item_rid is not None else uuid.uuid4().hex
         if isinstance(rid, str) and (batched or params.n > 1):
@@ -339,6 +364,8 @@ def parse_generate(
                     return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
                     index=len(specs),
                     lora_path=item_lora,
+                    return_routed_experts=routed,
+                    routed_experts_start_len=routed_start,
                 )
             )
     return GenerateRequest(specs=specs, batched=batched or len(specs) > 1, stream=stream)

@@ -7,6 +7,7 @@ lists what is implemented and what is not. Run it with `palaestra engine serve -
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -52,6 +53,7 @@ class EngineConfig:
     max_loaded_loras: int | None = None
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
+    enable_return_routed_experts: bool = False  # MoE models: answer return_routed_experts requests
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -123,8 +125,21 @@ class EngineServer:
         self.engine.metrics.set_weight_version(config.weight_version)
         self.update_groups = UpdateGroups()  # /init_weights_update_group and friends
         self.served_name = config.served_model_name or config.model_path
+        self.routed_experts_unavailable = self._routed_experts_unavailable()
         self.started = time.time()
         self.app = self._build_app()
+
+    def _routed_experts_unavailable(self) -> str | None:
+        """Why a request may not ask for its routed experts (None: it may)."""
+        if self.engine.runner.routing is None:
+            arch = (getattr(self.model_config, "architectures", None) or ["?"])[0]
+            return (
+                f"this model ({arch}) is not a mixture-of-experts model: it has no routed experts to "
+                f"return (--enable-return-routed-experts serves them for MoE models)"
+            )
+        if not self.config.enable_return_routed_experts:
+            return "this server was not started with --enable-return-routed-experts"
+        return None
 
     # -- answers --------------------------------------------------------------------------------
     def _tok_text(self, tid: int, want: bool) -> str | None:
@@ -179,10 +194,25 @@ class EngineServer:
             if spec.token_ids_logprob:
                 meta["output_token_ids_logprobs"] = self._tops(seq.output_ids_lp[since:n], want)
                 meta["input_token_ids_logprobs"] = self._tops(seq.input_ids_lp, want)
+        if final and spec.return_routed_experts:
+            meta["routed_experts"] = self._routed_experts(seq, n)
         answer: dict[str, Any] = {"text": text, "output_ids": out[since:], "meta_info": meta}
         if spec.return_prompt_token_ids:
             answer["prompt_token_ids"] = spec.input_ids
         return answer
+
+    def _routed_experts(self, seq: EngineRequest, n: int) -> str:
+        """SGLang's ``meta_info.routed_experts``: base64 of the int32 array [tokens, layers, top_k]
+        of positions ``routed_experts_start_len`` up to the last forwarded one (prompt + n - 1:
+        the last sampled token never went through the model)."""
+        routing = self.engine.runner.routing
+        assert routing is not None  # parse_generate refused the request otherwise
+        rows = seq.routing
+        if rows is None:  # finished before its prefill (aborted while waiting)
+            rows = torch.zeros(0, routing.num_layers, routing.top_k, dtype=torch.int32)
+        end = len(seq.spec.input_ids) + n - 1
+        rows = rows[seq.spec.routed_experts_start_len : max(end, 0)].contiguous()
+        return base64.b64encode(rows.numpy().astype("<i4").tobytes()).decode("ascii")
 
     # -- /generate ------------------------------------------------------------------------------
     async def generate(self, request: Request) -> Response:
@@ -198,6 +228,7 @@ class EngineServer:
                 vocab_size=self.engine.runner.vocab_size,
                 context_length=self.engine.runner.context_length,
                 defaults=self.defaults,
+                routed_experts_unavailable=self.routed_experts_unavailable,
             )
         except RequestError as exc:
             return _error(str(exc), exc.status)

