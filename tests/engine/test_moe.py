@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from palaestra.engine.protocol import RequestError, parse_generate
-from palaestra.engine.weights import serialize_named_tensors
+from palaestra.weights_format import serialize_named_tensors
 
 FLAG = "--enable-return-routed-experts"
 PRESETS = ("tiny-moe", "tiny-glm-moe")
