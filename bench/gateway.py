@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/gateway.py [--calls 300] [--turns 64] [--sessions 24] [--parts overhead,growth,paired,load]
 
-Everything runs against a zero-work engine (palaestra/engine/zero.py), so only the layers in front of it
+Everything runs against a zero-work engine (palaestra/testing/zero.py), so only the layers in front of it
 are measured:
 * per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
@@ -29,9 +29,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from palaestra.engine import zero as zero_engine  # noqa: E402
 from palaestra.engine.router import RouterProcess  # noqa: E402
 from palaestra.gateway.cli import gateway_process  # noqa: E402
+from palaestra.testing import zero as zero_engine  # noqa: E402
 
 KEY = {"Authorization": "Bearer bench"}
 ENV = {"PALAESTRA_API_KEY": "bench", "PALAESTRA_ADMIN_KEY": "bench-admin"}

@@ -3,7 +3,7 @@
     .venv/bin/python bench/journal.py [--sessions 20] [--turns 16]
 
 Four gateway cores (`GatewayService`, in this process) over one zero-work engine
-(`python -m palaestra.engine.zero`): without a journal (its writes replaced by no-ops, for this measurement
+(`python -m palaestra.testing.zero`): without a journal (its writes replaced by no-ops, for this measurement
 only), and with `journal_fsync` off, batch (50 ms) and always. Sessions of `--turns` chat turns
 (the history grows, each turn bridged onto the last) run interleaved session by session, so the
 machine's noise hits every variant alike. Printed: the median wall time and process CPU time per
@@ -26,12 +26,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from palaestra.engine import zero as zero_engine  # noqa: E402
 from palaestra.gateway.config import GatewayConfig  # noqa: E402
 from palaestra.gateway.engine_client import EngineClient  # noqa: E402
 from palaestra.gateway.routes import OPENAI_CHAT  # noqa: E402
 from palaestra.gateway.service import GatewayService  # noqa: E402
 from palaestra.gateway.spool import SampleSpool  # noqa: E402
+from palaestra.testing import zero as zero_engine  # noqa: E402
 
 VARIANTS = ("none", "off", "batch", "always")
 

@@ -4,7 +4,7 @@ and 1,000 concurrent sessions, with the ratios between them.
     .venv/bin/python bench/load.py [--levels 10 100 1000] [--turns 3]
 
 A `palaestra gateway serve` subprocess (the `tiny` preset's tokenizer) over the zero-work engine
-(`palaestra.engine.zero`, alphabet mode), both on 127.0.0.1, so only the gateway is measured. At
+(`palaestra.testing.zero`, alphabet mode), both on 127.0.0.1, so only the gateway is measured. At
 each level, that many agents (tests/support/load_agents.py, the same ones tests/gateway/test_load.py verifies) open
 their sessions, all before the first turn, chat `--turns` turns each and reward them; each agent
 checks every answer is the one its engine produced for its session. Each level runs two such

@@ -4,8 +4,8 @@
     flock /tmp/palaestra-heavy.lock .venv/bin/python bench/routing.py --engines 16 --scaling 4,16,64
     flock /tmp/palaestra-heavy.lock .venv/bin/python bench/routing.py --trace runs/recorded.jsonl --scale 40
 
-Each policy gets fresh simulated engines (`palaestra.engine.sim`: Llama-3-8B on one H100 each, the
-parameter table in engine/sim_model.py) behind a fresh real sglang-router (`palaestra router
+Each policy gets fresh simulated engines (`palaestra.testing.sim`: Llama-3-8B on one H100 each, the
+parameter table in palaestra/testing/sim_model.py) behind a fresh real sglang-router (`palaestra router
 serve`, 127.0.0.1), and the same trace (bench/routing_trace.py: GRPO groups in bursts, long tool
 sessions, harness-like episodes; or a recorded `palaestra train` run scaled up). The replay keeps
 each env's sessions in flight up to its cap (a rollout runner's concurrency), sends each turn
@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import routing_trace  # noqa: E402
 
-from palaestra.engine import sim as sim_engine  # noqa: E402
 from palaestra.engine.router import RouterProcess  # noqa: E402
 from palaestra.gateway.placement import Call, Placement, PlacementConfig, Route  # noqa: E402
+from palaestra.testing import sim as sim_engine  # noqa: E402
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "manual min_load")
 # the router's flags for each row (its `manual` policy: a routing key sticks to the worker it was

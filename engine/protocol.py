@@ -23,6 +23,18 @@ class RequestError(ValueError):
         self.status = status
 
 
+def error_body(message: str, status: int = 400) -> dict[str, Any]:
+    """The JSON body of an error answer: both SGLang shapes at once, the validation one (top-level)
+    and the handler one (`error`)."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError" if status < 500 else "InternalServerError",
+        "code": status,
+        "error": {"message": message, "code": status},
+    }
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from palaestra.engine import lora_api
 from palaestra.engine.core import Engine, EngineRequest
 from palaestra.engine.lora import LoraManager, parse_lora_paths, read_adapter
-from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, parse_generate
+from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, error_body, parse_generate
 from palaestra.engine.weight_group import UpdateGroups
 from palaestra.engine.weights import deserialize_named_tensors
 
@@ -55,15 +55,7 @@ class EngineConfig:
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
-    # Both SGLang shapes at once: the validation one (top-level) and the handler one ("error").
-    body = {
-        "object": "error",
-        "message": message,
-        "type": "BadRequestError" if status < 500 else "InternalServerError",
-        "code": status,
-        "error": {"message": message, "code": status},
-    }
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, status), status_code=status)
 
 
 def load_model(model_path: str):
