@@ -8,7 +8,7 @@
 `--task worked_steps` is where per-token credit matters: "Start with 7, add 5, multiply by 3,
 subtract 9. Show each step." answered one line per step (23-29 tokens) and rewarded only on the
 final answer, from the worked-steps warm start (`demo-steps-student`, teacher `demo-steps-teacher`:
-palaestra/models/warmstart.py) with up to 48 new tokens per answer. `--task sums` is the demo's:
+environments/math/warmstart.py) with up to 48 new tokens per answer. `--task sums` is the demo's:
 single-digit sums whose answers are one or two tokens, so a per-token teacher has nothing to add
 over the per-answer reward.
 

@@ -99,10 +99,6 @@ class SyncReport:
     phases: dict[str, float] = field(default_factory=dict)  # step -> wall seconds (module docstring)
     engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # url -> step -> seconds
 
-    def breakdown(self) -> str:
-        """One line: milliseconds per phase, e.g. ``pause 1.2 | write 40.3 | update 3.1 | ...``."""
-        return " | ".join(f"{k} {v * 1e3:.1f}" for k, v in self.phases.items())
-
 
 def make_buckets(
     named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
