@@ -86,15 +86,17 @@ def median(rows: Iterable[dict], value: Callable[[dict], float]) -> float:
 
 
 # -- the table ----------------------------------------------------------------------------------
-def table(title: str, columns: Sequence[tuple[str, str]], rows: dict[str, dict[str, object]]) -> str:
-    """Runs side by side: one line per run (its name first), one column per `(name, format)`;
-    a value a run lacks prints as `-`."""
+def table(
+    title: str, columns: Sequence[tuple[str, str]], rows: dict[str, dict[str, object]], key: str = "run"
+) -> str:
+    """Runs side by side: one line per run (its name first, under `key`), one column per
+    `(name, format)`; a value a run lacks prints as `-`."""
     cells = {run: [format(v[c], f) if c in v else "-" for c, f in columns] for run, v in rows.items()}
     widths = [max([len(c), *(len(cs[i]) for cs in cells.values())]) for i, (c, _) in enumerate(columns)]
-    first = max([4, *map(len, rows)])
+    first = max([len(key), *map(len, rows)])
     lines = [
         title,
-        f"{'run':{first}s} " + " ".join(f"{c:>{w}s}" for (c, _), w in zip(columns, widths, strict=True)),
+        f"{key:{first}s} " + " ".join(f"{c:>{w}s}" for (c, _), w in zip(columns, widths, strict=True)),
     ]
     for run, cs in cells.items():
         lines.append(f"{run:{first}s} " + " ".join(f"{x:>{w}s}" for x, w in zip(cs, widths, strict=True)))

@@ -134,6 +134,28 @@ def per_step(runs: dict[str, list[dict]]) -> dict[str, dict[str, object]]:
     return out
 
 
+FORMATS = {"loop s": ".1f", "samples/s": ".2f", "vs sync": "s", "tokens/s": ".0f", "reward/s": ".3f",
+           "steps@": "d", "lag mean": ".2f", "lag max": ".0f", "dropped": ".0f", "|Δlogp|": ".1e",
+           "mis-KL": ".1e", "TIS clip": ".3f"}  # fmt: skip
+
+
+def report(runs: dict[str, list[dict]], title: str) -> str:
+    """The two tables: throughput per mode (`steps@`: the steps within the shortest loop time), and
+    the median phases of a step."""
+    rates = throughput(runs)
+    columns = [(c, FORMATS.get(c, ".3f")) for c in next(iter(rates.values()))]  # reward@T, last 5: .3f
+    phases = [(n, ".2f") for n, _ in PHASES] + [
+        ("wait/wall", ".2f"),
+        ("longest/wall", ".2f"),
+        ("longest tok/s", ".1f"),
+    ]
+    return "\n\n".join([
+        common.table(title, columns, rates, key="mode"),
+        common.table("per step, median seconds of the steps after the first (gen, gateway, longest overlap "
+                     "the others)", phases, per_step(runs), key="mode"),
+    ])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__doc__)
     ap.add_argument(
@@ -155,28 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     where = f"{work.config.relative_to(common.ROOT)} {' '.join(args.overrides)}"
-    rates = throughput(runs)
-    formats = {
-        "vs sync": "s",
-        "steps@": "d",
-        "lag max": ".0f",
-        "dropped": ".0f",
-        "|Δlogp|": ".1e",
-        "mis-KL": ".1e",
-    }
-    columns = [
-        (c, formats.get(c, ".2f" if not c.endswith("/s") else ".1f")) for c in next(iter(rates.values()))
-    ]
-    print("\n" + common.table(f"== {steps} steps per mode, {where}", columns, rates))
-    print(
-        "\n"
-        + common.table(
-            "per step, median seconds of the steps after the first (gen, gateway, longest overlap the others)",
-            [(n, ".2f") for n, _ in PHASES]
-            + [("wait/wall", ".2f"), ("longest/wall", ".2f"), ("longest tok/s", ".1f")],
-            per_step(runs),
-        )
-    )
+    print("\n" + report(runs, f"== {steps} steps per mode, {where}"))
     return 0
 
 

@@ -55,3 +55,23 @@ def test_no_bench_patches_sys_path_or_builds_its_own_parser():
         if re.search(r"sys\.path\.insert|ArgumentParser\(", p.read_text()) and p.name != "common.py"
     }
     assert not offenders, offenders
+
+
+def test_modes_compares_at_the_shortest_loop_time():
+    """bench.modes' report from two runs' rows: async twice as fast; the shortest loop (async's,
+    10 s) is the horizon at which both rewards are read."""
+    from bench import modes
+
+    def step(wall: float, reward: float) -> dict:
+        return {"perf/step_wall_s": wall, "rollout/samples": 4.0, "rollout/reward_mean": reward}
+
+    runs = {"sync": [step(10, 0.5), step(10, 1.0)], "async": [step(5, 0.0), step(5, 0.25)]}
+    rates = modes.throughput(runs)
+    assert rates["async"]["vs sync"] == "2.00x" and rates["sync"]["vs sync"] == "1.00x"
+    assert rates["sync"]["reward@10s"] == 0.5 and rates["sync"]["steps@"] == 1
+    assert rates["async"]["reward@10s"] == 0.125 and rates["async"]["steps@"] == 2
+    lines = modes.report(runs, "== t").splitlines()
+    assert lines[1].split()[:4] == ["mode", "loop", "s", "samples/s"]
+    assert lines[2].split()[:4] == ["sync", "20.0", "0.40", "1.00x"]
+    assert lines[3].split()[:4] == ["async", "10.0", "0.80", "2.00x"]
+    assert modes.per_step(runs)["sync"]["wall"] == 10
