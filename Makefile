@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 # torch and transformers, and each pytest process ~7 s more rewriting the tests' asserts.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-fast demo chat-demo lint bench gpu-check clean sandbox-images compose-plugin fleet
+.PHONY: install test test-fast demo chat-demo lint bench bench-engine gpu-check clean sandbox-images compose-plugin fleet
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,11 +67,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-bench: install
-	$(PY) bench/engine.py
+bench: install  # what each benchmark answers; run one with $(PY) -m bench.NAME (make bench-engine: the engine's)
+	$(PY) -m bench
+
+bench-engine: install
+	$(PY) -m bench.engine
 
 gpu-check: install  # run first on a GPU host: CUDA torch, NCCL, trainer DP steps, logprobs, weight sync
-	$(PY) bench/gpu_check.py
+	$(PY) -m bench.gpu_check
 
 # The docker images, built offline from this host's files (cached by content: seconds when unchanged).
 sandbox-images: install

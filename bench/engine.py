@@ -1,6 +1,6 @@
 """Embedded-engine benchmark: batching, prefix cache and router overhead, as ratios from one run.
 
-    .venv/bin/python bench/engine.py [--model tiny] [--tokens 128] [--batch 16]
+    .venv/bin/python -m bench.engine [--model tiny] [--tokens 128] [--batch 16]
 
 Prints:
 * decode tokens/s at batch 1 vs batch N (the ratio shows that concurrent requests share forwards);
@@ -11,20 +11,16 @@ Absolute numbers depend on this machine's load; the ratios are what to compare b
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.engine.cli import engine_process  # noqa: E402
-from palaestra.engine.router import RouterProcess  # noqa: E402
+from bench import common
+from palaestra.engine.cli import engine_process
+from palaestra.engine.router import RouterProcess
 
 
 def decode_throughput(c: httpx.Client, url: str, batch: int, tokens: int, vocab: int) -> float:
@@ -51,7 +47,7 @@ def ttft(c: httpx.Client, url: str, ids: list[int]) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--model", default="tiny", help="preset or HF directory (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per request in the decode test")
     ap.add_argument("--batch", type=int, default=16, help="concurrent requests in the batched decode test")

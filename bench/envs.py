@@ -2,8 +2,8 @@
 at concurrency 1 and 16 on the local (bubblewrap) sandbox backend, and where an episode's time
 goes (model calls, sandbox work, grading).
 
-    .venv/bin/python bench/envs.py [--code-episodes 32] [--swe-episodes 16] [--backend local]
-    .venv/bin/python bench/envs.py --swe-data real.jsonl --find-links ~/.cache/palaestra/swe/packages --no-index
+    .venv/bin/python -m bench.envs [--code-episodes 32] [--swe-episodes 16] [--backend local]
+    .venv/bin/python -m bench.envs --swe-data real.jsonl --find-links ~/.cache/palaestra/swe/packages --no-index
 
 The model is a scripted engine (a test double from tests/support/servers.py that answers /generate
 with the token ids of a correct agent's turns: one tool round trip, then the answer; for swe:
@@ -13,30 +13,27 @@ without model compute, and the figures say what the environments and sandboxes c
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from transformers import AutoTokenizer
 
-from transformers import AutoTokenizer  # noqa: E402
-
-from palaestra.environments.code_sandbox.env import CodeSandboxEnv  # noqa: E402
-from palaestra.environments.episode import resolve_backend  # noqa: E402
-from palaestra.environments.swe_agent.env import SweAgentEnv  # noqa: E402
-from palaestra.environments.swe_agent.generate import generate  # noqa: E402
-from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths  # noqa: E402
-from palaestra.gateway.app import create_app  # noqa: E402
-from palaestra.gateway.config import GatewayConfig  # noqa: E402
-from palaestra.gateway.parsers import render_tool_call_text  # noqa: E402
-from palaestra.models import resolve_model  # noqa: E402
-from palaestra.sdk import GatewayClient, run_rollouts  # noqa: E402
-from palaestra.sdk.runner import take_tasks  # noqa: E402
-from tests.support.servers import ScriptedEngine, ThreadServer  # noqa: E402
+from bench import common
+from palaestra.environments.code_sandbox.env import CodeSandboxEnv
+from palaestra.environments.episode import resolve_backend
+from palaestra.environments.swe_agent.env import SweAgentEnv
+from palaestra.environments.swe_agent.generate import generate
+from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
+from palaestra.gateway.app import create_app
+from palaestra.gateway.config import GatewayConfig
+from palaestra.gateway.parsers import render_tool_call_text
+from palaestra.models import resolve_model
+from palaestra.sdk import GatewayClient, run_rollouts
+from palaestra.sdk.runner import take_tasks
+from tests.support.servers import ScriptedEngine, ThreadServer
 
 
 def call(name: str, **arguments: str) -> str:
@@ -121,7 +118,7 @@ def report(name: str, runs: dict[int, tuple]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--code-episodes", type=int, default=32)
     ap.add_argument("--swe-episodes", type=int, default=16)
     ap.add_argument("--backend", default="local")

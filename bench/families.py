@@ -1,7 +1,7 @@
 """Episodes per second of the library families (reasoning-gym, TextArena single-player and self-play)
 at concurrency 1 and 16, one run, through the real gateway.
 
-    .venv/bin/python bench/families.py [--episodes 32]
+    .venv/bin/python -m bench.families [--episodes 32]
 
 The model is a scripted engine (a TEST DOUBLE from tests/support/servers.py answering /generate
 with a correct agent's token ids: the dataset's reference answer; GuessTheNumber's secret; the
@@ -11,24 +11,20 @@ the SDK runner cost per episode, without model compute.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from transformers import AutoTokenizer
 
-from transformers import AutoTokenizer  # noqa: E402
-
-from palaestra.environments.reasoning_gym.env import ReasoningGymEnv  # noqa: E402
-from palaestra.environments.textarena.env import TextArenaEnv, TextArenaTask  # noqa: E402
-from palaestra.environments.textarena.games import Game  # noqa: E402
-from palaestra.models import resolve_model  # noqa: E402
-from palaestra.sdk import GatewayClient, run_rollouts  # noqa: E402
-from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server  # noqa: E402
+from bench import common
+from palaestra.environments.reasoning_gym.env import ReasoningGymEnv
+from palaestra.environments.textarena.env import TextArenaEnv, TextArenaTask
+from palaestra.environments.textarena.games import Game
+from palaestra.models import resolve_model
+from palaestra.sdk import GatewayClient, run_rollouts
+from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
 
 def families(n: int):
@@ -64,7 +60,7 @@ def families(n: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--episodes", type=int, default=32, help="episodes per family and concurrency")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))

@@ -1,8 +1,8 @@
 """Gateway benchmark, one run, ratios: per-call overhead, per-turn CPU growth, turns/s under concurrency.
 
-    .venv/bin/python bench/gateway.py [--calls 300] [--turns 64] [--sessions 24] [--parts overhead,growth,paired,load]
+    .venv/bin/python -m bench.gateway [--calls 300] [--turns 64] [--sessions 24] [--parts overhead,growth,paired,load]
 
-Everything runs against a zero-work engine (palaestra/engine/zero.py), so only the layers in front of it
+Everything runs against a zero-work engine (palaestra/testing/zero.py), so only the layers in front of it
 are measured:
 * per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
@@ -17,21 +17,18 @@ are measured:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.engine import zero as zero_engine  # noqa: E402
-from palaestra.engine.router import RouterProcess  # noqa: E402
-from palaestra.gateway.cli import gateway_process  # noqa: E402
+from bench import common
+from palaestra.engine.router import RouterProcess
+from palaestra.gateway.cli import gateway_process
+from palaestra.testing import zero as zero_engine
 
 KEY = {"Authorization": "Bearer bench"}
 ENV = {"PALAESTRA_API_KEY": "bench", "PALAESTRA_ADMIN_KEY": "bench-admin"}
@@ -47,15 +44,6 @@ def cpu_seconds(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
             continue
     return total / 1e9
-
-
-def median_latency(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def paired_cost(
@@ -129,7 +117,7 @@ def paired_cost(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--calls", type=int, default=300, help="calls per path in the overhead test")
     ap.add_argument("--turns", type=int, default=64, help="turns per session in the CPU-growth test")
     ap.add_argument("--sessions", type=int, default=24, help="sessions in the CPU-growth test")

@@ -1,7 +1,7 @@
 """GPU readiness: run this first on a GPU host. One table, one verdict; no network needed.
 
-    .venv/bin/python bench/gpu_check.py            # or: make gpu-check
-    .venv/bin/python bench/gpu_check.py --cpu      # the same checks on CPU (gloo), to try the script
+    .venv/bin/python -m bench.gpu_check            # or: make gpu-check
+    .venv/bin/python -m bench.gpu_check --cpu      # the same checks on CPU (gloo), to try the script
 
 Checks, in order (a failed check marks the ones that need it as skipped, with the reason):
 
@@ -33,9 +33,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from bench import common
 
 STEPS_CONFIG = dict(megatron_optimizer={"optimizer": "adam", "lr": 1e-3}, max_tokens_per_microbatch=512)
 
@@ -122,7 +122,7 @@ class Table:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--cpu", action="store_true", help="run the checks on CPU (gloo, DP = 2)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per trainer rank")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

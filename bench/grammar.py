@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pip install --no-deps --target /tmp/gram \\
         xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 outlines-core==0.2.14   # throwaway, not in pyproject
-    .venv/bin/python bench/grammar.py --extra-path /tmp/gram [--models tiny,tiny-qwen2.5] [--reps 10]
+    .venv/bin/python -m bench.grammar --extra-path /tmp/gram [--models tiny,tiny-qwen2.5] [--reps 10]
 
 For each model preset's tokenizer (`tiny`: a 4096-token BPE; `tiny-qwen2.5`: Qwen2.5's real ~150k
 vocabulary) and each library (llguidance, which engine/grammar.py uses; xgrammar; outlines-core):
@@ -23,16 +23,14 @@ import prints "not available: <reason>". Only CPU is used (the embedded engine m
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common
 
 SCHEMA = {
     "type": "object",
@@ -215,7 +213,7 @@ def measure(lib: Library, tokenizer: Any, vocab_size: int, eos: int, reps: int) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--extra-path", default="", help="a folder with the candidate libraries (pip --target)")
     ap.add_argument("--models", default="tiny,tiny-qwen2.5", help="model presets whose tokenizers to use")
     ap.add_argument("--reps", type=int, default=10, help="generations per library (cold compile each)")

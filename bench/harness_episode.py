@@ -1,7 +1,7 @@
 """A long episode of a real harness (Claude Code or Codex) in the harness environment: the gateway's
 cost per turn as the episode grows, and the engine's prefix-cache hit rate over it. One run, ratios.
 
-    .venv/bin/python bench/harness_episode.py [--harness claude-code] [--turns 20] [--output-chars 1500]
+    .venv/bin/python -m bench.harness_episode [--harness claude-code] [--turns 20] [--output-chars 1500]
 
 The harness binary runs unchanged in the local sandbox on a swe instance (environments/harness),
 through its session's tunnel, against a gateway subprocess. A random model would not call tools,
@@ -25,11 +25,9 @@ real engine's `cached_tokens` over the prompt. Printed:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -37,19 +35,18 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.gateway import cpu_seconds  # noqa: E402
-from palaestra.engine.cli import engine_process  # noqa: E402
-from palaestra.environments.harness.env import HarnessEnv  # noqa: E402
-from palaestra.environments.swe_agent.generate import generate  # noqa: E402
-from palaestra.gateway.cli import gateway_process  # noqa: E402
-from palaestra.gateway.parsers import render_tool_call_text  # noqa: E402
-from palaestra.models import resolve_model  # noqa: E402
-from palaestra.sandbox.local import LocalBackend  # noqa: E402
-from tests.support.doubles import SubprocessBackendForTests  # noqa: E402
-from tests.support.servers import ScriptedEngine, ThreadServer  # noqa: E402
-from tests.support.sessions import rollouts  # noqa: E402
+from bench import common
+from bench.gateway import cpu_seconds
+from palaestra.engine.cli import engine_process
+from palaestra.environments.harness.env import HarnessEnv
+from palaestra.environments.swe_agent.generate import generate
+from palaestra.gateway.cli import gateway_process
+from palaestra.gateway.parsers import render_tool_call_text
+from palaestra.models import resolve_model
+from palaestra.sandbox.local import LocalBackend
+from tests.support.doubles import SubprocessBackendForTests
+from tests.support.servers import ScriptedEngine, ThreadServer
+from tests.support.sessions import rollouts
 
 KEY = "bench"
 ENV = {"PALAESTRA_API_KEY": KEY, "PALAESTRA_ADMIN_KEY": "bench-admin"}
@@ -105,7 +102,7 @@ def metric(text: str, name: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--harness", default="claude-code", choices=sorted(SHELL))
     ap.add_argument("--model", default="tiny-qwen3", help="a preset with a real vocabulary (prompt lengths)")
     ap.add_argument("--turns", type=int, default=20, help="tool calls before the final answer")

@@ -1,6 +1,6 @@
 """What the gateway's input guards cost per call, as ratios to the JSON parse they follow (one run).
 
-    .venv/bin/python bench/input_guards.py [--repeat 2000]
+    .venv/bin/python -m bench.input_guards [--repeat 2000]
 
 For a short first-turn body and a 64-turn tool conversation (the bodies bench/gateway.py's agents
 send), it times, interleaved:
@@ -13,19 +13,15 @@ Prints each path's median per call as a ratio to the parse alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.gateway.guards import MAX_JSON_DEPTH, read_json  # noqa: E402
+from bench import common
+from palaestra.gateway.guards import MAX_JSON_DEPTH, read_json
 
 TOOL = {
     "type": "function",
@@ -68,7 +64,7 @@ def walk_depth(value: object) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--repeat", type=int, default=2000, help="calls of each path per body")
     args = ap.parse_args()
     rejected = Counter("rejected", "unused", ["reason"], registry=CollectorRegistry())

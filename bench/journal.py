@@ -1,9 +1,9 @@
 """Session journal benchmark, one run, ratios: what journaling every turn costs the gateway.
 
-    .venv/bin/python bench/journal.py [--sessions 20] [--turns 16]
+    .venv/bin/python -m bench.journal [--sessions 20] [--turns 16]
 
 Four gateway cores (`GatewayService`, in this process) over one zero-work engine
-(`python -m palaestra.engine.zero`): without a journal (its writes replaced by no-ops, for this measurement
+(`python -m palaestra.testing.zero`): without a journal (its writes replaced by no-ops, for this measurement
 only), and with `journal_fsync` off, batch (50 ms) and always. Sessions of `--turns` chat turns
 (the history grows, each turn bridged onto the last) run interleaved session by session, so the
 machine's noise hits every variant alike. Printed: the median wall time and process CPU time per
@@ -18,20 +18,18 @@ import argparse
 import asyncio
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.engine import zero as zero_engine  # noqa: E402
-from palaestra.gateway.config import GatewayConfig  # noqa: E402
-from palaestra.gateway.engine_client import EngineClient  # noqa: E402
-from palaestra.gateway.routes import OPENAI_CHAT  # noqa: E402
-from palaestra.gateway.service import GatewayService  # noqa: E402
-from palaestra.gateway.spool import SampleSpool  # noqa: E402
+from bench import common
+from palaestra.gateway.config import GatewayConfig
+from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.routes import OPENAI_CHAT
+from palaestra.gateway.service import GatewayService
+from palaestra.gateway.spool import SampleSpool
+from palaestra.testing import zero as zero_engine
 
 VARIANTS = ("none", "off", "batch", "always")
 
@@ -125,7 +123,7 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--sessions", type=int, default=20, help="sessions per variant")
     ap.add_argument("--turns", type=int, default=16, help="turns per session")
     ap.add_argument("--dir", default="runs", help="where the spool directories go (the disk measured)")

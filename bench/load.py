@@ -1,10 +1,10 @@
 """Gateway load benchmark, one run: sessions/s, per-call latency and the gateway's memory at 10, 100
 and 1,000 concurrent sessions, with the ratios between them.
 
-    .venv/bin/python bench/load.py [--levels 10 100 1000] [--turns 3]
+    .venv/bin/python -m bench.load [--levels 10 100 1000] [--turns 3]
 
 A `palaestra gateway serve` subprocess (the `tiny` preset's tokenizer) over the zero-work engine
-(`palaestra.engine.zero`, alphabet mode), both on 127.0.0.1, so only the gateway is measured. At
+(`palaestra.testing.zero`, alphabet mode), both on 127.0.0.1, so only the gateway is measured. At
 each level, that many agents (tests/support/load_agents.py, the same ones tests/gateway/test_load.py verifies) open
 their sessions, all before the first turn, chat `--turns` turns each and reward them; each agent
 checks every answer is the one its engine produced for its session. Each level runs two such
@@ -20,19 +20,15 @@ absolute times. Stops by itself; the spool goes to a temporary directory that is
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.gateway.cli import gateway_process  # noqa: E402
-from tests.support.load_agents import (  # noqa: E402
+from bench import common
+from palaestra.gateway.cli import gateway_process
+from tests.support.load_agents import (
     ZeroReplies,
     fds_needed,
     peak_rss_while,
@@ -93,7 +89,7 @@ def run_level(url: str, pid: int, n: int, turns: int, replies: ZeroReplies) -> L
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--levels", type=int, nargs="+", default=[10, 100, 1000], help="concurrent sessions")
     ap.add_argument("--turns", type=int, default=3, help="chat turns per session")
     args = ap.parse_args()

@@ -1,5 +1,6 @@
-"""The long-horizon workload of bench/long_horizon.py: episodes of heavy-tailed length whose
-turns wait on a tool, the shape of agentic coding rollouts without their cost on two cores.
+"""The long-horizon workload of `python -m bench.modes --config long_horizon`: episodes of
+heavy-tailed length whose turns wait on a tool, the shape of agentic coding rollouts without their
+cost on two cores.
 
 A task fixes its episode: the number of turns (1 to `max_turns`, P(turns >= k) = 1/k, so most
 episodes are short and one in `max_turns` runs the whole way), for each turn about how many tokens

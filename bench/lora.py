@@ -1,6 +1,6 @@
 """LoRA benchmark: adapter-only weight sync vs the whole model, and a trainer step, LoRA vs full.
 
-    .venv/bin/python bench/lora.py [--models tiny,smollm2-135m] [--ranks 8,16,64] [--parts sync,step]
+    .venv/bin/python -m bench.lora [--models tiny,smollm2-135m] [--ranks 8,16,64] [--parts sync,step]
 
 Prints, from one run:
 * sync: per model, one embedded engine started with --enable-lora, and in each round (interleaved,
@@ -21,14 +21,13 @@ Prints, from one run:
   accuracy every --eval-every steps. `--arms full` and `--arms lora` run one arm each (to keep each
   run short); the curves of earlier runs are compared by step.
 
-    .venv/bin/python bench/lora.py --parts learn --arms lora --train-steps 30 --eval-every 10
+    .venv/bin/python -m bench.lora --parts learn --arms lora --train-steps 30 --eval-every 10
 
 Absolute numbers depend on this machine's load; the ratios are what to compare between runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import resource
@@ -40,10 +39,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.models import resolve_model  # noqa: E402
-from palaestra.sample import Sample  # noqa: E402
+from bench import common
+from palaestra.models import resolve_model
+from palaestra.sample import Sample
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -234,8 +232,7 @@ def learn(
 ) -> None:
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from demo_runs import train_demo
+    from bench.common import train_demo
 
     overrides = [f"run.steps={steps}", f"env.eval_every={eval_every}", f"env.eval_tasks={eval_tasks}", *extra]
     if arm == "lora":
@@ -263,7 +260,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one-trainer":
         one_trainer(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--models", default="tiny,smollm2-135m", help="presets or HF directories (default: %(default)s)"
     )

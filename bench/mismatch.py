@@ -1,7 +1,7 @@
 """Train–inference mismatch over a real run: mean |logprob_train − logprob_rollout| per token.
 
-    .venv/bin/python bench/mismatch.py                       # sync, 10 steps of configs/demo.yaml
-    .venv/bin/python bench/mismatch.py --steps 20 --modes sync,one_step_off,async
+    .venv/bin/python -m bench.mismatch                       # sync, 10 steps of configs/demo.yaml
+    .venv/bin/python -m bench.mismatch --steps 20 --modes sync,one_step_off,async
 
 Runs `palaestra train` (the Python API, the same code path as the CLI) with configs/demo.yaml —
 2 embedded engines behind sglang-router, the gateway, the math environment, the Megatron trainer
@@ -20,33 +20,28 @@ difference is then the policy lag itself (what TIS/RS correct), printed for cont
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
-from demo_runs import CONFIG, train_demo
+from bench import common
+from bench.common import CONFIG, train_demo
 
 GOAL = 1e-6
 
 
 def run(mode: str, steps: int, out: Path, extra: list[str]) -> list[dict]:
     overrides = [f"run.mode={mode}", f"run.steps={steps}", "env.eval_tasks=0", *extra]
-    rows = train_demo(out, f"mismatch-{mode}", overrides).state.rows
-    return [r for r in rows if "mismatch/logprob_abs_diff" in r]
+    return common.step_rows(train_demo(out, f"mismatch-{mode}", overrides), "mismatch/logprob_abs_diff")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10, help="training steps per mode (default: %(default)s)")
-    ap.add_argument(
-        "--modes", default="sync", help="comma-separated: sync, one_step_off, async (default: %(default)s)"
-    )
-    ap.add_argument("overrides", nargs="*", help="more dotted config overrides, e.g. env.tasks_per_step=8")
-    args = ap.parse_args(argv)  # fmt: skip
+    ap = common.parser(__doc__)
+    common.add_run_args(ap, steps=10, modes=("sync",))
+    args = ap.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-mismatch-") as tmp:
-        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        for mode in common.csv(args.modes):
             started = time.perf_counter()
             rows = run(mode, args.steps, Path(tmp) / mode, args.overrides)
             tokens = [r.get("rollout/sampled_tokens", 1.0) for r in rows]

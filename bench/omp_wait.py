@@ -1,6 +1,6 @@
 """Small torch ops under OpenMP settings: what a loaded machine does to the trainer's attention calls.
 
-    .venv/bin/python bench/omp_wait.py            # defaults, OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS=1
+    .venv/bin/python -m bench.omp_wait            # defaults, OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS=1
 
 Each setting runs in its own process (OpenMP reads its environment once): 96 causal
 `scaled_dot_product_attention` calls the way `trainer/packed_attention.py` makes them for a packed
@@ -12,10 +12,11 @@ spin for cores that are not there (docs/opd.md).
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
+
+from bench import common
 
 WORKER = """
 import statistics, sys, time, torch, torch.nn.functional as F
@@ -39,7 +40,7 @@ SETTINGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--reps", type=int, default=10, help="timed repetitions per setting (default: %(default)s)"
     )

@@ -1,7 +1,7 @@
 """Does each OPD granularity lower the exact reverse KL of a real model, and at what batch size?
 
-    .venv/bin/python bench/opd_estimators.py                     # sampled, topk, full at lr 3e-4
-    .venv/bin/python bench/opd_estimators.py --granularities sampled --lrs 1e-4,3e-4,1e-3 \\
+    .venv/bin/python -m bench.opd_estimators                     # sampled, topk, full at lr 3e-4
+    .venv/bin/python -m bench.opd_estimators --granularities sampled --lrs 1e-4,3e-4,1e-3 \\
         --samples 16,64,256
 
 No engines and no Ray: the Megatron trainer (`Trainer`, CPU) is the whole experiment, so one arm
@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench import common
 from palaestra.models import resolve_model
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig
@@ -146,7 +147,7 @@ def run_arm(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--granularities", default="sampled,topk,full", help="comma-separated (default: %(default)s)"
     )

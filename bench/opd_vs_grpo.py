@@ -1,14 +1,14 @@
 """GRPO against on-policy distillation at each granularity, and GRPO+OPD: samples and seconds to target.
 
-    .venv/bin/python bench/opd_vs_grpo.py --task worked_steps --steps 60 --eval-every 10 \
+    .venv/bin/python -m bench.opd_vs_grpo --task worked_steps --steps 60 --eval-every 10 \
         trainer.megatron_optimizer.lr=3e-4                       # the five arms (docs/opd.md)
-    .venv/bin/python bench/opd_vs_grpo.py --arms opd-full,grpo --steps 100
-    .venv/bin/python bench/opd_vs_grpo.py --task sums            # the demo's task
+    .venv/bin/python -m bench.opd_vs_grpo --arms opd-full,grpo --steps 100
+    .venv/bin/python -m bench.opd_vs_grpo --task sums            # the demo's task
 
 `--task worked_steps` is where per-token credit matters: "Start with 7, add 5, multiply by 3,
 subtract 9. Show each step." answered one line per step (23-29 tokens) and rewarded only on the
 final answer, from the worked-steps warm start (`demo-steps-student`, teacher `demo-steps-teacher`:
-palaestra/models/warmstart.py) with up to 48 new tokens per answer. `--task sums` is the demo's:
+environments/math/warmstart.py) with up to 48 new tokens per answer. `--task sums` is the demo's:
 single-digit sums whose answers are one or two tokens, so a per-token teacher has nothing to add
 over the per-answer reward.
 
@@ -36,15 +36,14 @@ evaluation).
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo_runs import CONFIG, train_demo
-
+from bench import common
+from bench.common import CONFIG, train_demo
 from palaestra.config import load_config
 
 OPD = ["trainer.advantage_estimator=none"]
@@ -111,7 +110,7 @@ def _ratio(what: str, a: float | None, b: float | None, b_bound: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     ap.add_argument(
         "--task", choices=sorted(TASKS), default="worked_steps", help="task family (default: %(default)s)"
@@ -150,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    common = [f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
+    shared = [f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
               f"env.eval_tasks={args.eval_tasks}", *args.overrides]  # fmt: skip
-    cfg = load_config(CONFIG, [*task, *common])
+    cfg = load_config(CONFIG, [*task, *shared])
     per_step = cfg.env.tasks_per_step * cfg.env.samples_per_task
     results: dict[str, Arm] = {}
     with tempfile.TemporaryDirectory(prefix="bench-opd-") as tmp:
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         target = args.target_acc if args.target_acc is not None else args.target * teacher_acc
         print(f"teacher held-out accuracy {teacher_acc:.3f} -> target {target:.3f}", flush=True)
         for arm in arms:
-            results[arm] = run(arm, Path(tmp) / arm, [*task, *ARMS[arm], *common])
+            results[arm] = run(arm, Path(tmp) / arm, [*task, *ARMS[arm], *shared])
             print(f"{arm}: {' '.join(f'{s}:{a:.3f}' for s, a in results[arm].curve)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({a: r.rows for a, r in results.items()}))

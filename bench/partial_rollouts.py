@@ -1,6 +1,6 @@
 """How long a weight sync holds generation up, as answers grow: draining vs interrupting.
 
-    .venv/bin/python bench/partial_rollouts.py [--lengths 64,256,1024] [--calls 4]
+    .venv/bin/python -m bench.partial_rollouts [--lengths 64,256,1024] [--calls 4]
 
 The embedded engine serves `tiny`, the gateway (a subprocess) is in front of it. For each answer
 length L, `--calls` chat calls of exactly L sampled tokens (min_tokens = max_tokens = L) are
@@ -21,21 +21,18 @@ Goal: interrupt's pause flat in L and <= 100 ms.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.engine.cli import engine_process  # noqa: E402
-from palaestra.gateway.cli import gateway_process  # noqa: E402
-from palaestra.models import resolve_model  # noqa: E402
+from bench import common
+from palaestra.engine.cli import engine_process
+from palaestra.gateway.cli import gateway_process
+from palaestra.models import resolve_model
 
 KEY = {"Authorization": "Bearer bench"}
 ADMIN = {"Authorization": "Bearer bench-admin"}
@@ -66,7 +63,7 @@ def one_sync(c: httpx.Client, gw: str, engine: str, weights: str, version: str, 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--lengths", default="64,256,1024", help="answer lengths in tokens (default: %(default)s)"
     )

@@ -1,11 +1,11 @@
 """Routing benchmark, one run: sglang-router's own policies vs the placement layer, same trace.
 
-    flock /tmp/palaestra-heavy.lock .venv/bin/python bench/routing.py
-    flock /tmp/palaestra-heavy.lock .venv/bin/python bench/routing.py --engines 16 --scaling 4,16,64
-    flock /tmp/palaestra-heavy.lock .venv/bin/python bench/routing.py --trace runs/recorded.jsonl --scale 40
+    flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing
+    flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing --engines 16 --scaling 4,16,64
+    flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing --trace runs/recorded.jsonl --scale 40
 
-Each policy gets fresh simulated engines (`palaestra.engine.sim`: Llama-3-8B on one H100 each, the
-parameter table in engine/sim_model.py) behind a fresh real sglang-router (`palaestra router
+Each policy gets fresh simulated engines (`palaestra.testing.sim`: Llama-3-8B on one H100 each, the
+parameter table in palaestra/testing/sim_model.py) behind a fresh real sglang-router (`palaestra router
 serve`, 127.0.0.1), and the same trace (bench/routing_trace.py: GRPO groups in bursts, long tool
 sessions, harness-like episodes; or a recorded `palaestra train` run scaled up). The replay keeps
 each env's sessions in flight up to its cap (a rollout runner's concurrency), sends each turn
@@ -27,7 +27,6 @@ the engines' timers fired, and the unmodelled time per call (HTTP, router, clien
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -43,14 +42,10 @@ import httpx
 import numpy as np
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import routing_trace  # noqa: E402
-
-from palaestra.engine import sim as sim_engine  # noqa: E402
-from palaestra.engine.router import RouterProcess  # noqa: E402
-from palaestra.gateway.placement import Call, Placement, PlacementConfig, Route  # noqa: E402
+from bench import common, routing_trace
+from palaestra.engine.router import RouterProcess
+from palaestra.gateway.placement import Call, Placement, PlacementConfig, Route
+from palaestra.testing import sim as sim_engine
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "manual min_load")
 # the router's flags for each row (its `manual` policy: a routing key sticks to the worker it was
@@ -521,7 +516,7 @@ def print_costs(r: RunResult, time_scale: float) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--engines", type=int, default=16, help="engines of the main table (default: %(default)s)"
     )

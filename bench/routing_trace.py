@@ -1,7 +1,7 @@
 """Traces of rollout traffic for bench/routing.py: generated from our environments' shapes, or recorded.
 
-    .venv/bin/python bench/routing_trace.py generate --engines 16 --out runs/routing-trace.jsonl
-    .venv/bin/python bench/routing_trace.py convert runs/demo-routing.jsonl --out runs/recorded-trace.jsonl
+    .venv/bin/python -m bench.routing_trace generate --engines 16 --out runs/routing-trace.jsonl
+    .venv/bin/python -m bench.routing_trace convert runs/demo-routing.jsonl --out runs/recorded-trace.jsonl
 
 A trace is JSONL, one **group** per line (a GRPO group: sessions that start from the same prompt):
 
@@ -33,12 +33,11 @@ builds the history up to that turn without calling the engine), so a run of a fe
 the contexts of a steady state rather than a cluster that just started.
 
 `convert` turns a gateway's routing record (`--routing-trace PATH`, docs/routing.md: one line per
-engine call) into this format; `bench/routing.py --trace` replays it, `--scale K` times over.
+engine call) into this format; `python -m bench.routing --trace` replays it, `--scale K` times over.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -47,6 +46,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from bench import common
 
 __all__ = ["Group", "Session", "Turn", "convert_record", "generate", "read", "scaled", "write"]
 
@@ -290,7 +291,7 @@ def _lines(path: str | Path) -> Iterator[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("generate", help="a synthetic trace of our environments' traffic")
     gen.add_argument("--engines", type=int, default=16)

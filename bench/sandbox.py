@@ -1,6 +1,6 @@
 """Sandbox exec benchmark, one run, ratios: warm-exec latency and throughput per backend.
 
-    .venv/bin/python bench/sandbox.py [--execs 200] [--rounds 4] [--cmd echo ok]
+    .venv/bin/python -m bench.sandbox [--execs 200] [--rounds 4] [--cmd echo ok]
                                       [--compose-url http://127.0.0.1:8100 --compose-key KEY]
 
 For each backend, 8 warm sandboxes from a pool; the same command is run at concurrency 1 (one
@@ -21,7 +21,6 @@ warm exec p50 <= 15 ms.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -34,11 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.net import ServerProcess, free_port  # noqa: E402
-from palaestra.sandbox import Backend, Limits, SandboxError, SandboxPool  # noqa: E402
-from palaestra.sandbox.local import LocalBackend  # noqa: E402
+from bench import common
+from palaestra.net import ServerProcess, free_port
+from palaestra.sandbox import Backend, Limits, SandboxError, SandboxPool
+from palaestra.sandbox.local import LocalBackend
 
 CONCURRENCY = (1, 8)  # the loop in bench() knows these two
 LABEL = "palaestra-bench"
@@ -213,7 +211,7 @@ def report(results, runners, skipped, cmd, args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--execs", type=int, default=200, help="execs per backend and concurrency, over all rounds"
     )

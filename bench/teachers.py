@@ -1,7 +1,7 @@
 """Teacher snapshots under a tight host budget: what prefetch hides, and each tier's bandwidth.
 
-    .venv/bin/python bench/teachers.py                  # 128 MB of weights, 6 steps
-    .venv/bin/python bench/teachers.py --mb 256 --steps 8
+    .venv/bin/python -m bench.teachers                  # 128 MB of weights, 6 steps
+    .venv/bin/python -m bench.teachers --mb 256 --steps 8
 
 A step of a two-teacher OPD run switches the model to teacher/a, scores, switches to teacher/b,
 scores, switches back to the actor and trains (`SnapshotStore.plan` tells the store that order).
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench import common
 from palaestra.trainer.snapshot_tiers import Layout, read_spill, spill_path, write_spill
 from palaestra.trainer.snapshots import SnapshotStore
 
@@ -177,7 +178,7 @@ def tier_bench(args: argparse.Namespace, root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--mb", type=int, default=128, help="MB of weights per copy (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=6, help="measured steps per arm (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=256, help="rows per forward pass (default: %(default)s)")

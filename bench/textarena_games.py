@@ -1,6 +1,6 @@
 """Which of TextArena's registered games can be played on this machine, and with how many players.
 
-    .venv/bin/python bench/textarena_games.py [--list]
+    .venv/bin/python -m bench.textarena_games [--list]
 
 Probes every registered id (without its ``-raw``/``-train`` variants) the way the environment does
 when a run's config is checked (`environments/textarena/games.probe`: made with no download
@@ -11,16 +11,12 @@ download, an API key, an error at reset, ...). `--list` prints every id with its
 
 from __future__ import annotations
 
-import argparse
 import collections
 import re
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.environments.textarena.games import GameUnavailable, game_ids, probe  # noqa: E402
+from bench import common
+from palaestra.environments.textarena.games import GameUnavailable, game_ids, probe
 
 
 def why(message: str) -> str:
@@ -43,7 +39,7 @@ def why(message: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--list", action="store_true", help="print every id with its outcome")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Trainer benchmark: throughput, packing, DP balance, snapshot and weight-sync bandwidth, as ratios.
 
-    .venv/bin/python bench/trainer.py [--model tiny] [--samples 64] [--ranks 8]
+    .venv/bin/python -m bench.trainer [--model tiny] [--samples 64] [--ranks 8]
 
 Prints, from one run:
 * forward+backward tokens/s of the Megatron model on packed micro-batches, against HF transformers
@@ -17,27 +17,24 @@ Prints, from one run:
   pause alone (the time the engine does not generate), with the median milliseconds per phase
   (stage, pause, write, update, version, continue).
 
-    .venv/bin/python bench/trainer.py --parts balance,sync     # only those sections
+    .venv/bin/python -m bench.trainer --parts balance,sync     # only those sections
 Absolute numbers depend on this machine's load; the ratios are what to compare between runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from palaestra.models import resolve_model  # noqa: E402
-from palaestra.sample import Sample  # noqa: E402
-from palaestra.trainer import Trainer, TrainerConfig  # noqa: E402
-from palaestra.trainer.packing import round_robin, schedule, sequence_flops  # noqa: E402
+from bench import common
+from palaestra.models import resolve_model
+from palaestra.sample import Sample
+from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer.packing import round_robin, schedule, sequence_flops
 
 
 def long_tailed_samples(n: int, seed: int, vocab: int, max_len: int) -> list[Sample]:
@@ -70,7 +67,7 @@ def memcpy_seconds(nbytes: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--model", default="tiny", help="preset or HF directory (default: %(default)s)")
     ap.add_argument("--samples", type=int, default=64, help="samples in the throughput batch")
     ap.add_argument("--max-tokens", type=int, default=2048, help="max_tokens_per_microbatch")

@@ -1,7 +1,7 @@
 """Two domains, two teachers: the per-domain panel against either teacher alone, per domain.
 
-    .venv/bin/python bench/two_domains.py                        # 3 arms x 40 steps, eval every 20
-    .venv/bin/python bench/two_domains.py --steps 60 --eval-tasks 400
+    .venv/bin/python -m bench.two_domains                        # 3 arms x 40 steps, eval every 20
+    .venv/bin/python -m bench.two_domains --steps 60 --eval-tasks 400
 
 The student (`demo-mixed-student`: tiny after 300 SFT steps on both kinds in turn) learns two
 math task kinds in one run: `arithmetic` ("What is 3 + 4?", answered ``\\boxed{7}``) and
@@ -26,13 +26,13 @@ only teacher is the other kind's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
 
-from demo_runs import train_demo
+from bench import common
+from bench.common import train_demo
 
 KINDS = ("arithmetic", "worked_steps")
 TEACHERS = {"arithmetic": "demo-teacher", "worked_steps": "demo-steps-teacher"}
@@ -79,7 +79,7 @@ def run(name: str, out: Path, overrides: list[str]) -> tuple[list[dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     ap.add_argument("--steps", type=int, default=40, help="training steps per arm (default: %(default)s)")
     ap.add_argument(
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    common = [*COMMON, f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
+    shared = [*COMMON, f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
               f"env.eval_tasks={args.eval_tasks}", *args.overrides]  # fmt: skip
     results: dict[str, tuple[list[dict[str, float]], float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-two-domains-") as tmp:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         for arm in arms:
-            results[arm] = run(arm, Path(tmp) / arm, [*ARMS[arm], *common])
+            results[arm] = run(arm, Path(tmp) / arm, [*ARMS[arm], *shared])
             last = results[arm][0][-1]
             print(f"{arm}: " + " ".join(f"{k} {last[f'eval/accuracy/{k}']:.3f}" for k in KINDS), flush=True)
 

@@ -19,14 +19,15 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from palaestra.engine.server import EngineConfig, EngineServer
-    from palaestra.models import resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("palaestra.engine").warning(
             "binding %s: the engine has no auth; keep it on a private network", args.host
         )
-    model_path = str(resolve_model(args.model))
+    # `palaestra` (palaestra/cli.py) turns a preset name into its directory: the presets live above
+    # the engine, which takes a HF-format directory.
+    model_path = args.model_dir or args.model
     config = EngineConfig(
         model_path=model_path,
         host=args.host,
@@ -164,7 +165,7 @@ def register(groups) -> None:
         "/server_info, /model_info, /v1/models and Prometheus /metrics. See docs/engine.md.",
     )
     add_serve_arguments(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, model_dir=None)  # model_dir: filled from --model by palaestra/cli.py
 
 
 def engine_process(

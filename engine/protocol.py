@@ -23,6 +23,18 @@ class RequestError(ValueError):
         self.status = status
 
 
+def error_body(message: str, status: int = 400) -> dict[str, Any]:
+    """The JSON body of an error answer: both SGLang shapes at once, the validation one (top-level)
+    and the handler one (`error`)."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError" if status < 500 else "InternalServerError",
+        "code": status,
+        "error": {"message": message, "code": status},
+    }
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -260,12 +272,37 @@ def parse_generate(
     or no --enable-return-routed-experts); None: it can."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    _check_keys(body)
+    prompts, batched = _prompts(body, tokenize, vocab_size)
+    options = _Options.parse(body, vocab_size, routed_experts_unavailable)
+    specs: list[PromptSpec] = []
+    raw_sampling = body.get("sampling_params")
+    for i, ids in enumerate(prompts):
+        params = parse_sampling(
+            _per_item(raw_sampling, i, len(prompts), "sampling_params"), defaults, vocab_size
+        )
+        _check_length(ids, params, options.logprob_start_len, context_length)
+        if options.routed_experts_start_len > len(ids):
+            raise RequestError(
+                f"routed_experts_start_len ({options.routed_experts_start_len}) is beyond the prompt "
+                f"({len(ids)} tokens)"
+            )
+        specs += options.specs(i, len(prompts), ids, params, batched, first_index=len(specs))
+    return GenerateRequest(specs=specs, batched=batched or len(specs) > 1, stream=options.stream)
+
+
+def _check_keys(body: dict[str, Any]) -> None:
+    """Unknown top-level keys, and set ones the embedded engine does not implement, are a 400."""
     for key, value in body.items():
         if key in _UNSUPPORTED_TOP_LEVEL:
             if value not in (None, False, [], {}, 0, ""):
                 raise RequestError(f"{key!r} is not supported by the embedded engine")
         elif key not in _TOP_LEVEL:
             raise RequestError(f"unknown field {key!r}")
+
+
+def _prompts(body: dict[str, Any], tokenize, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids (`text` tokenized), and whether the body was a batch."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise RequestError("Either text, input_ids or input_embeds should be provided.")
@@ -282,90 +319,110 @@ def parse_generate(
             ):
                 raise RequestError("input_ids must hold non-empty lists of integers")
             _check_ids("input_ids", ids, vocab_size)
-    else:
-        batched = isinstance(text, list)
-        texts = text if batched else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError("text must be a string or a non-empty list of strings")
-        prompts = [tokenize(t) for t in texts]
-        if any(not ids for ids in prompts):
-            raise RequestError("text tokenizes to an empty prompt")
-    count = len(prompts)
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, (str, list)):
-        raise RequestError("rid must be a string or a list of strings")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be a boolean")
-    start = body.get("logprob_start_len", -1)
-    top_n = body.get("top_logprobs_num", 0) or 0
-    if not isinstance(start, int) or isinstance(start, bool):
-        raise RequestError("logprob_start_len must be an integer")
-    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
-        raise RequestError("top_logprobs_num must be a non-negative integer")
-    ids_lp = body.get("token_ids_logprob")
-    if ids_lp is not None:
-        if not isinstance(ids_lp, list) or not all(isinstance(i, int) for i in ids_lp):
-            raise RequestError("token_ids_logprob must be a list of integers")
-        _check_ids("token_ids_logprob", ids_lp, vocab_size)
-    lora = body.get("lora_path")
-    if lora is not None and not (
-        isinstance(lora, str)
-        or (isinstance(lora, list) and all(x is None or isinstance(x, str) for x in lora))
-    ):
-        raise RequestError("lora_path must be an adapter name, or a list of names (or null) per prompt")
-    routed = body.get("return_routed_experts", False)
-    if not isinstance(routed, bool):
-        raise RequestError("return_routed_experts must be a boolean")
-    if routed and routed_experts_unavailable is not None:
-        raise RequestError(f"return_routed_experts: {routed_experts_unavailable}")
-    routed_start = body.get("routed_experts_start_len", 0)
-    if routed_start is None:
-        routed_start = 0
-    if not isinstance(routed_start, int) or isinstance(routed_start, bool) or routed_start < 0:
-        raise RequestError("routed_experts_start_len must be a non-negative integer")
-    specs: list[PromptSpec] = []
-    raw_sampling = body.get("sampling_params")
-    for i, ids in enumerate(prompts):
-        params = parse_sampling(_per_item(raw_sampling, i, count, "sampling_params"), defaults, vocab_size)
-        if len(ids) >= context_length:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; the context length is {context_length} tokens"
-            )
-        if len(ids) + params.max_new_tokens > context_length:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context length of {context_length} tokens"
-            )
-        if start > len(ids):
-            raise RequestError(f"logprob_start_len ({start}) is beyond the prompt ({len(ids)} tokens)")
-        if routed_start > len(ids):
-            raise RequestError(
-                f"routed_experts_start_len ({routed_start}) is beyond the prompt ({len(ids)} tokens)"
-            )
+        return prompts, batched
+    batched = isinstance(text, list)
+    texts = text if batched else [text]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise RequestError("text must be a string or a non-empty list of strings")
+    prompts = [tokenize(t) for t in texts]
+    if any(not ids for ids in prompts):
+        raise RequestError("text tokenizes to an empty prompt")
+    return prompts, batched
+
+
+def _check_length(
+    ids: list[int], params: SamplingParams, logprob_start_len: int, context_length: int
+) -> None:
+    if len(ids) >= context_length:
+        raise RequestError(f"the prompt has {len(ids)} tokens; the context length is {context_length} tokens")
+    if len(ids) + params.max_new_tokens > context_length:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+            f"context length of {context_length} tokens"
+        )
+    if logprob_start_len > len(ids):
+        raise RequestError(
+            f"logprob_start_len ({logprob_start_len}) is beyond the prompt ({len(ids)} tokens)"
+        )
+
+
+@dataclass
+class _Options:
+    """The body's fields besides the prompts and sampling: one value, or one per prompt."""
+
+    body: dict[str, Any]
+    rid: Any
+    stream: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    token_ids_logprob: list[int] | None
+    lora_path: Any
+    return_routed_experts: bool
+    routed_experts_start_len: int
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], vocab_size: int, routed_experts_unavailable: str | None) -> _Options:
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, (str, list)):
+            raise RequestError("rid must be a string or a list of strings")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("stream must be a boolean")
+        start = body.get("logprob_start_len", -1)
+        top_n = body.get("top_logprobs_num", 0) or 0
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise RequestError("logprob_start_len must be an integer")
+        if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+            raise RequestError("top_logprobs_num must be a non-negative integer")
+        ids_lp = body.get("token_ids_logprob")
+        if ids_lp is not None:
+            if not isinstance(ids_lp, list) or not all(isinstance(i, int) for i in ids_lp):
+                raise RequestError("token_ids_logprob must be a list of integers")
+            _check_ids("token_ids_logprob", ids_lp, vocab_size)
+        lora = body.get("lora_path")
+        if lora is not None and not (
+            isinstance(lora, str)
+            or (isinstance(lora, list) and all(x is None or isinstance(x, str) for x in lora))
+        ):
+            raise RequestError("lora_path must be an adapter name, or a list of names (or null) per prompt")
+        routed = body.get("return_routed_experts", False)
+        if not isinstance(routed, bool):
+            raise RequestError("return_routed_experts must be a boolean")
+        if routed and routed_experts_unavailable is not None:
+            raise RequestError(f"return_routed_experts: {routed_experts_unavailable}")
+        routed_start = body.get("routed_experts_start_len", 0)
+        if routed_start is None:
+            routed_start = 0
+        if not isinstance(routed_start, int) or isinstance(routed_start, bool) or routed_start < 0:
+            raise RequestError("routed_experts_start_len must be a non-negative integer")
+        return cls(body, rid, stream, start, top_n, ids_lp, lora, routed, routed_start)
+
+    def specs(
+        self, i: int, count: int, ids: list[int], params: SamplingParams, batched: bool, first_index: int
+    ) -> list[PromptSpec]:
+        """Prompt `i` of `count`, one PromptSpec per sample (`n`), with its own rid."""
+        rid = self.rid
         item_rid = _per_item(rid, i, count, "rid") if isinstance(rid, list) else rid
         base = item_rid if item_rid is not None else uuid.uuid4().hex
         if isinstance(rid, str) and (batched or params.n > 1):
             base = f"{rid}_{i}"
-        return_logprob = bool(_per_item(body.get("return_logprob", False), i, count, "return_logprob"))
-        item_lora = _per_item(lora, i, count, "lora_path") or None
-        for j in range(params.n):
-            child = base if params.n == 1 else f"{base}_{j}"
-            specs.append(
-                PromptSpec(
-                    rid=child,
-                    input_ids=list(ids),
-                    params=params,
-                    return_logprob=return_logprob,
-                    logprob_start_len=start,
-                    top_logprobs_num=top_n,
-                    token_ids_logprob=ids_lp,
-                    return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-                    return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
-                    index=len(specs),
-                    lora_path=item_lora,
-                    return_routed_experts=routed,
-                    routed_experts_start_len=routed_start,
-                )
+        return_logprob = bool(_per_item(self.body.get("return_logprob", False), i, count, "return_logprob"))
+        item_lora = _per_item(self.lora_path, i, count, "lora_path") or None
+        return [
+            PromptSpec(
+                rid=base if params.n == 1 else f"{base}_{j}",
+                input_ids=list(ids),
+                params=params,
+                return_logprob=return_logprob,
+                logprob_start_len=self.logprob_start_len,
+                top_logprobs_num=self.top_logprobs_num,
+                token_ids_logprob=self.token_ids_logprob,
+                return_text_in_logprobs=bool(self.body.get("return_text_in_logprobs", False)),
+                return_prompt_token_ids=bool(self.body.get("return_prompt_token_ids", False)),
+                index=first_index + j,
+                lora_path=item_lora,
+                return_routed_experts=self.return_routed_experts,
+                routed_experts_start_len=self.routed_experts_start_len,
             )
-    return GenerateRequest(specs=specs, batched=batched or len(specs) > 1, stream=stream)
+            for j in range(params.n)
+        ]

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from palaestra.engine import lora_api
 from palaestra.engine.core import Engine, EngineRequest
 from palaestra.engine.lora import LoraManager, parse_lora_paths
-from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, parse_generate
+from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, error_body, parse_generate
 from palaestra.engine.weight_group import UpdateGroups
 from palaestra.weights_format import FormatError, deserialize_named_tensors, read_adapter
 
@@ -57,15 +57,21 @@ class EngineConfig:
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
-    # Both SGLang shapes at once: the validation one (top-level) and the handler one ("error").
-    body = {
-        "object": "error",
-        "message": message,
-        "type": "BadRequestError" if status < 500 else "InternalServerError",
-        "code": status,
-        "error": {"message": message, "code": status},
-    }
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, status), status_code=status)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    """A control endpoint's body: an object, or {} when empty (RequestError otherwise)."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
 
 
 def load_model(model_path: str):
@@ -377,6 +383,19 @@ class EngineServer:
         app = FastAPI(title="palaestra embedded engine (SGLang protocol)", lifespan=lifespan)
         app.add_api_route("/generate", self.generate, methods=["POST", "PUT"])
         lora_api.register(app, self)
+        self._add_probes(app)
+        self._add_controls(app)
+        self._add_weight_updates(app)
+
+        @app.exception_handler(RequestError)
+        async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+            return _error(str(exc), exc.status)
+
+        return app
+
+    def _add_probes(self, app: FastAPI) -> None:
+        """Health, model and server info, the weight version, /v1/models, /metrics."""
+        server = self
 
         @app.get("/health")
         async def health() -> Response:
@@ -421,31 +440,19 @@ class EngineServer:
         async def metrics() -> Response:
             return Response(server.engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-        async def json_body(request: Request) -> dict[str, Any]:
-            raw = await request.body()
-            if not raw.strip():
-                return {}
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"malformed JSON body: {exc}") from None
-            if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
-            return body
-
-        @app.exception_handler(RequestError)
-        async def request_error(_: Request, exc: RequestError) -> JSONResponse:
-            return _error(str(exc), exc.status)
+    def _add_controls(self, app: FastAPI) -> None:
+        """Abort, pause and continue generation, flush the prefix cache."""
+        server = self
 
         @app.post("/abort_request")
         async def abort_request(request: Request) -> Response:
-            body = await json_body(request)
+            body = await _json_body(request)
             server.engine.abort(str(body.get("rid", "") or ""), bool(body.get("abort_all", False)))
             return Response(status_code=200)
 
         @app.post("/pause_generation")
         async def pause_generation(request: Request) -> dict[str, str]:
-            mode = (await json_body(request)).get("mode", "abort")
+            mode = (await _json_body(request)).get("mode", "abort")
             if mode not in ("abort", "retract", "in_place"):
                 raise RequestError(f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
             await server._control(lambda: server.engine.pause(mode))
@@ -456,7 +463,7 @@ class EngineServer:
 
         @app.post("/continue_generation")
         async def continue_generation(request: Request) -> dict[str, str]:
-            await json_body(request)
+            await _json_body(request)
             await server._control(server.engine.resume)
             return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -468,9 +475,13 @@ class EngineServer:
                 "Cache not flushed: there are running or waiting requests.\n", status_code=400
             )
 
+    def _add_weight_updates(self, app: FastAPI) -> None:
+        """Weights from disk, from tensors, over a torch.distributed group; the weight version."""
+        server = self
+
         @app.post("/update_weights_from_disk")
         async def update_from_disk(request: Request) -> JSONResponse:
-            body = await json_body(request)
+            body = await _json_body(request)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise RequestError("model_path is required")
@@ -487,7 +498,7 @@ class EngineServer:
 
         @app.post("/update_weights_from_tensor")
         async def update_from_tensor(request: Request) -> JSONResponse:
-            body = await json_body(request)
+            body = await _json_body(request)
             try:
                 named = await asyncio.to_thread(
                     deserialize_named_tensors, body.get("serialized_named_tensors"), body.get("load_format")
@@ -498,7 +509,7 @@ class EngineServer:
 
         @app.post("/init_weights_update_group")
         async def init_weights_update_group(request: Request) -> JSONResponse:
-            body = await json_body(request)
+            body = await _json_body(request)
             try:  # blocks until every rank has joined: off the event loop
                 message = await asyncio.to_thread(server.update_groups.init, body)
             except RequestError as exc:
@@ -507,7 +518,7 @@ class EngineServer:
 
         @app.post("/update_weights_from_distributed")
         async def update_from_distributed(request: Request) -> JSONResponse:
-            body = await json_body(request)
+            body = await _json_body(request)
             try:
                 named = await asyncio.to_thread(server.update_groups.receive, body)
             except RequestError as exc:
@@ -516,7 +527,7 @@ class EngineServer:
 
         @app.post("/destroy_weights_update_group")
         async def destroy_weights_update_group(request: Request) -> JSONResponse:
-            body = await json_body(request)
+            body = await _json_body(request)
             try:
                 message = await asyncio.to_thread(server.update_groups.destroy, body)
             except RequestError as exc:
@@ -525,7 +536,7 @@ class EngineServer:
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request) -> dict[str, Any]:
-            body = await json_body(request)
+            body = await _json_body(request)
             version = body.get("new_version")
             if not isinstance(version, str) or not version:
                 raise RequestError("new_version (a non-empty string) is required")
@@ -533,5 +544,3 @@ class EngineServer:
                 server.engine.abort("", True, message="aborted for a weight version update")
             await server._control(lambda: server.engine.set_weight_version(version))
             return {"success": True, "message": "Weight version updated.", "new_version": version}
-
-        return app

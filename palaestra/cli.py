@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     accepts_extra = getattr(args, "accepts_extra", False)
     if extra and not accepts_extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(args, "model_dir") and args.model_dir is None:
+        # A command that loads a model (`model_dir` among its defaults: `engine serve`) gets the
+        # directory of its --model here, a preset built on first use: the engine below does not
+        # import the preset table.
+        from palaestra.models import resolve_model
+
+        args.model_dir = str(resolve_model(args.model))
     if accepts_extra:
         return int(args.func(args, extra) or 0)
     return int(args.func(args) or 0)

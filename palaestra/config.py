@@ -30,7 +30,7 @@ import dataclasses
 import difflib
 import logging
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -397,13 +397,37 @@ def validate(cfg: RunConfig, env_args_from: ArgsOrigin | None = None) -> None:
 
     `env_args_from` says where each `env.args` key was set (the file or an override, as
     `load_config` knows), so that an error can say which keys to drop and how."""
-    problems: list[str] = []
-    tr, env, run = cfg.trainer, cfg.env, cfg.run
+    problems = _Problems()
+    _check_rollouts(cfg, problems.need)
+    _check_run(cfg, problems.need)
+    _check_training(cfg, problems.need)
+    if cfg.trainer.lora.enabled:  # the engines must serve it: found at config load, not minutes later
+        _check_lora_serving(cfg, problems.need)
+    problems += _env_arg_problems(cfg.env, env_args_from)
+    problems += _owned("engines.engine", cfg.engines.engine, OWNED_ENGINE_OPTIONS, "the run sets it")
+    problems += _owned("engines.sglang", cfg.engines.sglang, OWNED_SGLANG_OPTIONS, "the run sets it")
+    problems += _owned("router", cfg.router, OWNED_ROUTER_OPTIONS, "the run sets it (consistent_hashing)")
+    if not problems:
+        problems += _check_with_parser("engines.engine", cfg.engines.serve_flags(), _engine_parser(), "--")
+        problems += _check_with_parser("router", cfg.router_flags(), _router_parser(), "--router-")
+    if problems:
+        raise ConfigError(list(problems))
 
-    def need(ok: bool, message: str) -> None:
+
+class _Problems(list):
+    """The problems found so far; `need(ok, message)` adds `message` when `ok` is false."""
+
+    def need(self, ok: bool, message: str) -> None:
         if not ok:
-            problems.append(message)
+            self.append(message)
 
+
+_Need = Callable[[bool, str], None]
+
+
+def _check_rollouts(cfg: RunConfig, need: _Need) -> None:
+    """What a step samples: engines, tasks, groups."""
+    tr, env = cfg.trainer, cfg.env
     need(cfg.engines.count >= 1, f"engines.count: need at least 1 engine, got {cfg.engines.count}")
     need(env.tasks_per_step >= 1, f"env.tasks_per_step: must be >= 1, got {env.tasks_per_step}")
     need(env.concurrency >= 1, f"env.concurrency: must be >= 1, got {env.concurrency}")
@@ -419,6 +443,11 @@ def validate(cfg: RunConfig, env_args_from: ArgsOrigin | None = None) -> None:
         "env.filter_zero_variance_groups: a group of 1 sample always has zero variance; "
         "need env.samples_per_task >= 2",
     )
+
+
+def _check_run(cfg: RunConfig, need: _Need) -> None:
+    """The run's loop: steps, staleness per mode, checkpoints, timeouts, its name, its resources."""
+    tr, run = cfg.trainer, cfg.run
     need(run.steps >= 0, f"run.steps: must be >= 0, got {run.steps}")
     need(run.max_staleness >= 0, f"run.max_staleness: must be >= 0, got {run.max_staleness}")
     need(
@@ -442,6 +471,19 @@ def validate(cfg: RunConfig, env_args_from: ArgsOrigin | None = None) -> None:
     )
     need(cfg.logging.console_every >= 1, "logging.console_every: must be >= 1")
     need(
+        set(run.resources) <= {"trainer", "engines", "services"},
+        f"run.resources: keys must be trainer, engines, services; got {sorted(run.resources)}",
+    )
+    need(
+        all(isinstance(v, (int, float)) and v >= 0 for d in run.resources.values() for v in d.values()),
+        "run.resources: every demand must be a number >= 0",
+    )
+
+
+def _check_training(cfg: RunConfig, need: _Need) -> None:
+    """The teacher, data parallelism and how weights reach the engines."""
+    tr = cfg.trainer
+    need(
         cfg.model.teacher is None or tr.teacher_model in (None, cfg.model.teacher),
         f"trainer.teacher_model {tr.teacher_model!r} disagrees with model.teacher "
         f"{cfg.model.teacher!r}; set only model.teacher",
@@ -451,42 +493,29 @@ def validate(cfg: RunConfig, env_args_from: ArgsOrigin | None = None) -> None:
         "trainer.sync_mode: SGLang's /update_weights_from_tensor takes CUDA IPC handles, not bytes; use "
         "shm (same host), ipc (colocated GPUs), distributed (other GPUs or nodes) or disk",
     )
-    need(
-        set(run.resources) <= {"trainer", "engines", "services"},
-        f"run.resources: keys must be trainer, engines, services; got {sorted(run.resources)}",
-    )
-    need(
-        all(isinstance(v, (int, float)) and v >= 0 for d in run.resources.values() for v in d.values()),
-        "run.resources: every demand must be a number >= 0",
-    )
     need(tr.dp_size >= 1, f"trainer.dp_size: must be >= 1, got {tr.dp_size}")
     need(
         tr.sync_mode != "disk" or bool(tr.sync_dir),
         "trainer.sync_dir: sync_mode 'disk' needs a directory every engine can read",
     )
-    if tr.lora.enabled:  # the engines must serve the adapter (found at config load, not minutes later)
-        section = "engines.engine" if cfg.engines.backend == "embedded" else "engines.sglang"
-        given = cfg.engines.engine if cfg.engines.backend == "embedded" else cfg.engines.sglang
-        need(
-            given.get("enable_lora", True) not in (False, "false"),
-            f"{section}.enable_lora: false, but trainer.lora.rank {tr.lora.rank} trains an adapter the "
-            f"engines must serve; drop {section}.enable_lora (the run turns it on) or set trainer.lora.rank=0",
-        )
-        max_rank = given.get("max_lora_rank")
-        need(
-            not isinstance(max_rank, int) or max_rank >= tr.lora.rank,
-            f"{section}.max_lora_rank {max_rank} is below trainer.lora.rank {tr.lora.rank}; raise it or "
-            "drop it (the run sets it to the rank)",
-        )
-    problems += _env_arg_problems(cfg.env, env_args_from)
-    problems += _owned("engines.engine", cfg.engines.engine, OWNED_ENGINE_OPTIONS, "the run sets it")
-    problems += _owned("engines.sglang", cfg.engines.sglang, OWNED_SGLANG_OPTIONS, "the run sets it")
-    problems += _owned("router", cfg.router, OWNED_ROUTER_OPTIONS, "the run sets it (consistent_hashing)")
-    if not problems:
-        problems += _check_with_parser("engines.engine", cfg.engines.serve_flags(), _engine_parser(), "--")
-        problems += _check_with_parser("router", cfg.router_flags(), _router_parser(), "--router-")
-    if problems:
-        raise ConfigError(problems)
+
+
+def _check_lora_serving(cfg: RunConfig, need: _Need) -> None:
+    """A LoRA run: the engines must serve an adapter of the trained rank."""
+    tr = cfg.trainer
+    section = "engines.engine" if cfg.engines.backend == "embedded" else "engines.sglang"
+    given = cfg.engines.engine if cfg.engines.backend == "embedded" else cfg.engines.sglang
+    need(
+        given.get("enable_lora", True) not in (False, "false"),
+        f"{section}.enable_lora: false, but trainer.lora.rank {tr.lora.rank} trains an adapter the "
+        f"engines must serve; drop {section}.enable_lora (the run turns it on) or set trainer.lora.rank=0",
+    )
+    max_rank = given.get("max_lora_rank")
+    need(
+        not isinstance(max_rank, int) or max_rank >= tr.lora.rank,
+        f"{section}.max_lora_rank {max_rank} is below trainer.lora.rank {tr.lora.rank}; raise it or "
+        "drop it (the run sets it to the rank)",
+    )
 
 
 def _env_arg_problems(env: EnvOptions, origin: ArgsOrigin | None) -> list[str]:

@@ -12,7 +12,7 @@ trainer/estimators.py names (`advantage_estimator: grpo`), the signature a user'
 * `sft`: Â_i = 1 for every sample; rewards and groups are ignored. With one optimizer step per
   call the PPO ratio is 1 (old = the weights being trained), so the gradient is exactly that of the
   mean negative log-likelihood of the loss-mask tokens: supervised fine-tuning on given responses
-  (`palaestra.models.warmstart` uses it to warm-start the demo's teacher and student).
+  (`palaestra.environments.math.warmstart` uses it to warm-start the demo's teacher and student).
 * `none`: Â_i = 0; only the per-token terms below remain — with `opd_kl_coef` > 0 that is pure
   on-policy distillation (rewards ignored).
 

@@ -116,10 +116,6 @@ class SyncReport:
     phases: dict[str, float] = field(default_factory=dict)  # step -> wall seconds (module docstring)
     engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # url -> step -> seconds
 
-    def breakdown(self) -> str:
-        """One line: milliseconds per phase, e.g. ``pause 1.2 | write 40.3 | update 3.1 | ...``."""
-        return " | ".join(f"{k} {v * 1e3:.1f}" for k, v in self.phases.items())
-
 
 class WeightSync:
     """The trainer's side of weight sync to `urls` (module docstring); `close()` when done.

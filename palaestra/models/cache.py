@@ -1,6 +1,6 @@
 """The model cache: where built models live, and how one is built exactly once.
 
-Every recipe (palaestra/models/tiny.py, smollm2.py, real_vocab.py, warmstart.py) writes into
+Every recipe (palaestra/models/tiny.py, smollm2.py, real_vocab.py, environments/math/warmstart.py) writes into
 ``<cache>/models/<name>-v<VERSION>`` through `build_once`: the build runs in a temporary directory
 beside the target, under a file lock, and is renamed into place, so concurrent processes build a
 model once and an existing directory is always complete. `write_marker` writes the file whose

@@ -37,7 +37,7 @@ class Preset:
 
 _TINY = "palaestra.models.tiny:resolve"
 _REAL_VOCAB = "palaestra.models.real_vocab:resolve"
-_WARM_START = "palaestra.models.warmstart:resolve"
+_WARM_START = "palaestra.environments.math.warmstart:resolve"
 _MOE = "palaestra.models.moe:resolve"
 
 PRESETS: dict[str, Preset] = {

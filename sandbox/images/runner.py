@@ -128,12 +128,26 @@ def _child_setup(spec: dict) -> None:
             raise OSError(ctypes.get_errno(), f"prctl{args[:1]}: {os.strerror(ctypes.get_errno())}")
 
 
-def run(spec: dict, stdin_data: bytes) -> dict:
-    limit = int(spec["output_bytes"])
-    kill_at = limit * int(spec["output_kill_factor"])
-    timeout = float(spec["timeout"])
-    oom_before = oom_kills()
-    start = time.monotonic()
+class _Output:
+    """What an exec's stdout and stderr produced: the first `limit` bytes of each, and how many came."""
+
+    def __init__(self, out_r: int, err_r: int, limit: int) -> None:
+        self.limit = limit
+        self.kept = {out_r: bytearray(), err_r: bytearray()}
+        self.seen = {out_r: 0, err_r: 0}
+
+    def take(self, fd: int, chunk: bytes) -> int:
+        """Keeps what fits of `chunk`; returns how many bytes `fd` has produced so far."""
+        room = self.limit - len(self.kept[fd])
+        if room > 0:
+            self.kept[fd] += chunk[:room]
+        self.seen[fd] += len(chunk)
+        return self.seen[fd]
+
+
+def _spawn(spec: dict) -> tuple[int, int, int, int, bytes]:
+    """Forks and execs the command with its stdin, stdout and stderr on pipes: (pid, stdin's write
+    end, stdout's and stderr's read ends, the start error: what failed before exec, or b"")."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -141,8 +155,10 @@ def run(spec: dict, stdin_data: bytes) -> dict:
     fail_r, fail_w = os.pipe2(os.O_CLOEXEC)
     try:
         pid = os.fork()
-    except OSError as exc:
-        return {"exit_code": None, "start_error": f"fork failed: {exc}"}
+    except OSError:
+        for fd in (in_r, in_w, out_r, out_w, err_r, err_w, fail_r, fail_w):
+            os.close(fd)
+        raise
     if pid == 0:
         try:
             os.dup2(in_r, 0)
@@ -161,12 +177,17 @@ def run(spec: dict, stdin_data: bytes) -> dict:
     while chunk := os.read(fail_r, 4096):
         start_error += chunk
     os.close(fail_r)
-    kept = {out_r: bytearray(), err_r: bytearray()}
-    seen = {out_r: 0, err_r: 0}
+    return pid, in_w, out_r, err_r, start_error
+
+
+def _pump(pid: int, in_w: int, output: _Output, stdin_data: bytes, deadline: float, kill_at: int):
+    """Feeds stdin and reads stdout/stderr until both close, the deadline passes or the output
+    passes `kill_at` bytes; then waits for the command. Returns (why it was killed or "", the
+    command's wait status, its rusage)."""
     pending = memoryview(stdin_data)
     sel = selectors.DefaultSelector()
-    sel.register(out_r, selectors.EVENT_READ)
-    sel.register(err_r, selectors.EVENT_READ)
+    for fd in output.kept:
+        sel.register(fd, selectors.EVENT_READ)
     # A pidfd turns readable when the child exits, so a background process still holding the
     # pipes open cannot keep us waiting (Linux >= 5.3; else we poll every 50 ms).
     try:
@@ -175,7 +196,7 @@ def run(spec: dict, stdin_data: bytes) -> dict:
     except (AttributeError, OSError):
         child_fd = -1
     # Every descriptor this exec opened is closed by its end: PID 1 serves many execs.
-    owned = {fd for fd in (in_w, out_r, err_r, child_fd) if fd >= 0}
+    owned = {fd for fd in (in_w, *output.kept, child_fd) if fd >= 0}
     if pending:
         os.set_blocking(in_w, False)
         sel.register(in_w, selectors.EVENT_WRITE)
@@ -184,7 +205,6 @@ def run(spec: dict, stdin_data: bytes) -> dict:
         owned.discard(in_w)
     reason = ""
     status_wait = None
-    deadline = start + timeout
     while set(sel.get_map()) - {child_fd}:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -211,11 +231,7 @@ def run(spec: dict, stdin_data: bytes) -> dict:
             if not chunk:
                 sel.unregister(fd)
                 continue
-            seen[fd] += len(chunk)
-            room = limit - len(kept[fd])
-            if room > 0:
-                kept[fd] += chunk[:room]
-            if seen[fd] > kill_at:
+            if output.take(fd, chunk) > kill_at:
                 reason = "output_limit"
         if reason:
             break
@@ -232,22 +248,30 @@ def run(spec: dict, stdin_data: bytes) -> dict:
         _, status, usage = os.wait4(pid, 0)
         status_wait = (status, usage)
     reap()
+    # Everything is dead now: what is left in the pipes is read to EOF.
     for fd in list(sel.get_map()):
         if fd in (child_fd, in_w):
             continue
-        while True:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            room = limit - len(kept[fd])
-            if room > 0:
-                kept[fd] += chunk[:room]
-            seen[fd] += len(chunk)
+        while chunk := os.read(fd, 1 << 16):
+            output.take(fd, chunk)
     sel.close()
     for fd in owned:
         os.close(fd)
+    return reason, *status_wait
+
+
+def run(spec: dict, stdin_data: bytes) -> dict:
+    """One command: started, fed, read and waited for under the spec's limits; the raw observations."""
+    oom_before = oom_kills()
+    start = time.monotonic()
+    try:
+        pid, in_w, out_r, err_r, start_error = _spawn(spec)
+    except OSError as exc:
+        return {"exit_code": None, "start_error": f"fork failed: {exc}"}
+    output = _Output(out_r, err_r, int(spec["output_bytes"]))
+    kill_at = output.limit * int(spec["output_kill_factor"])
+    reason, status, usage = _pump(pid, in_w, output, stdin_data, start + float(spec["timeout"]), kill_at)
     duration = time.monotonic() - start
-    status, usage = status_wait
     code = os.waitstatus_to_exitcode(status)
     cpu_used = usage.ru_utime + usage.ru_stime
     oom_after = oom_kills()
@@ -266,10 +290,10 @@ def run(spec: dict, stdin_data: bytes) -> dict:
         # Any OOM kill in the container during the exec is the command's doing (a sandbox runs
         # one exec at a time), also when it hit a child and the command itself exited normally.
         "oom_killed": oom_after > oom_before >= 0,
-        "stdout": kept[out_r].decode("latin-1"),
-        "stdout_total": seen[out_r],
-        "stderr": kept[err_r].decode("latin-1"),
-        "stderr_total": seen[err_r],
+        "stdout": output.kept[out_r].decode("latin-1"),
+        "stdout_total": output.seen[out_r],
+        "stderr": output.kept[err_r].decode("latin-1"),
+        "stderr_total": output.seen[err_r],
         "duration_s": round(duration, 6),
     }
 

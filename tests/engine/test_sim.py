@@ -1,4 +1,4 @@
-"""The simulated engine over HTTP (engine/sim.py), alone and behind the real sglang-router.
+"""The simulated engine over HTTP (palaestra/testing/sim.py), alone and behind the real sglang-router.
 
 Checks the protocol and the router's worker targeting the placement layer relies on; no timing:
 modelled latencies are compared with the model's own arithmetic, never with the wall clock.
@@ -9,9 +9,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from palaestra.engine import sim
+from palaestra.engine.protocol import RequestError, error_body, parse_generate
 from palaestra.engine.router import RouterProcess
-from palaestra.engine.sim_model import SimParams
+from palaestra.testing import sim
+from palaestra.testing.sim_model import SimParams
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +53,46 @@ def test_answers_depend_on_prompt_and_seed_not_on_the_engine(engines):
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("body", "named"),
     [
         ({"text": "hello"}, "input_ids"),
         ({"input_ids": [[1, 2], [3]]}, "input_ids"),
         ({"input_ids": [1, 2], "stream": True}, "stream"),
         ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
-        ({"input_ids": list(range(600_000))}, "input_ids"),
+        ({"input_ids": [7] * 600_000}, "context length"),
     ],
 )
-def test_what_it_does_not_simulate_is_a_400_naming_the_field(engines, body, param):
+def test_what_it_does_not_simulate_is_a_400_naming_the_field(engines, body, named):
     r = httpx.post(engines.urls[3] + "/generate", json=body, timeout=60, trust_env=False)
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == param
+    assert named in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input_ids": [1, 2], "bogus": 1},
+        {"input_ids": [1, 2], "sampling_params": {"top_p": 2}},
+        {"input_ids": [1, 200_000]},
+        {"input_ids": []},
+        {"input_ids": [1, 2], "image_data": "x"},
+        [1, 2],
+    ],
+)
+def test_a_bad_body_gets_the_real_engines_400(engines, body):
+    """The same parser as the embedded engine (engine/protocol.py): the same message, the same shape."""
+    with pytest.raises(RequestError) as real:
+        parse_generate(
+            body,
+            tokenize=list,
+            vocab_size=sim.VOCAB_SIZE,
+            context_length=SimParams().kv_capacity_tokens,
+            defaults={},
+        )
+    r = httpx.post(engines.urls[3] + "/generate", json=body, timeout=60, trust_env=False)
+    assert r.status_code == real.value.status == 400
+    assert r.json() == error_body(str(real.value), 400)
 
 
 def test_target_worker_header_picks_the_router_listed_worker(engines):

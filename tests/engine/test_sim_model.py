@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from palaestra.engine.sim_model import (
+from palaestra.testing.sim_model import (
     PARAM_SOURCES,
     BlockCache,
     SimParams,

@@ -5,7 +5,7 @@ summaries (gateway/finished.py) and the trajectory's ids and logprobs are read b
 spool. Here a session with a bridged turn, a branched retry, a prefix_changed fork and a raw
 completion (four samples) is read before and after its reward; the two answers must be equal.
 Where the samples are gone from the spool the summaries still answer, with null token lists.
-The engine is the zero-work engine (`palaestra.engine.zero`, alphabet mode: answers derived from
+The engine is the zero-work engine (`palaestra.testing.zero`, alphabet mode: answers derived from
 the session id and prompt length), the gateway and the `tiny` tokenizer are real.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from palaestra.engine.zero import make_app
+from palaestra.testing.zero import make_app
 from tests.support.servers import ThreadServer, gateway_server
 
 AUTH = {"Authorization": "Bearer k-test"}

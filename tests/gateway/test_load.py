@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/gateway/test_load.py -s
 
 The gateway (`palaestra gateway serve`, a subprocess on 127.0.0.1) serves the `tiny` preset's
-tokenizer over the zero-work engine (`palaestra.engine.zero`, alphabet mode): every answer is
+tokenizer over the zero-work engine (`palaestra.testing.zero`, alphabet mode): every answer is
 derived from the session id and the prompt length, so for each session the test knows what its
 engine produced (tests/support/load_agents.py). 1,000 agents open their sessions, chat 3 turns each, all
 sessions open at once, and reward them. The test then checks, per session, that

@@ -1,7 +1,7 @@
 """The demo's warm start: the `sft` estimator, the SFT chats, and the exported model in an engine.
 
 CI-sized: a handful of chats and a few steps (the real recipe is
-`palaestra.models.warmstart.RECIPES`, measured in its module docstring).
+`palaestra.environments.math.warmstart.RECIPES`, measured in its module docstring).
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from palaestra.environments.math.env import SYSTEM
+from palaestra.environments.math.warmstart import (
+    answer_text,
+    demo_tasks,
+    prompt_messages,
+    sft_sample,
+    warm_start,
+)
 from palaestra.gateway.renderer import ChatRenderer, normalize_messages
-from palaestra.models.warmstart import answer_text, demo_tasks, prompt_messages, sft_sample, warm_start
 from palaestra.trainer import Trainer, TrainerConfig
 from palaestra.trainer import advantages as adv
 from palaestra.trainer.packing import build_micro_batch
@@ -105,7 +111,8 @@ def test_demo_presets_build_teacher_and_student_in_one_run(tmp_path, monkeypatch
     """`demo-student` and `demo-teacher` are presets; asking for the student first runs the
     teacher's recipe once and exports the student at its step on the way (recipes shrunk to 4 and
     2 steps here; the schedule and everything else as in the real ones)."""
-    from palaestra.models import PRESETS, resolve_model, warmstart
+    from palaestra.environments.math import warmstart
+    from palaestra.models import PRESETS, resolve_model
 
     assert {"demo-teacher", "demo-student"} <= set(PRESETS)
     small = {

@@ -3,7 +3,7 @@
 Used by tests/gateway/test_load.py, which then checks what the gateway recorded, and by bench/load.py,
 which times the same agents (so the benchmark loads exactly what the test verifies).
 
-The engine (`palaestra.engine.zero` in its alphabet mode) answers every call with ids derived from
+The engine (`palaestra.testing.zero` in its alphabet mode) answers every call with ids derived from
 the call's routing key (the session id) and its prompt length. Each agent checks, turn by turn,
 that the content it received is the text of the ids the engine derives for *its* session at the
 prompt length the gateway reported (`usage.prompt_tokens`): an answer meant for another session
@@ -25,9 +25,9 @@ from typing import Any
 
 import aiohttp
 
-from palaestra.engine import zero as zero_engine
-from palaestra.engine.zero import derived_reply
 from palaestra.net import ServerProcess
+from palaestra.testing import zero as zero_engine
+from palaestra.testing.zero import derived_reply
 
 REPLY_LEN = 8
 """Ids per engine answer before the stop id."""

@@ -17,7 +17,7 @@ PY = sys.executable
         ([PY, "-m", "palaestra.cli", "engine", "serve", "--model", "tiny"], {"engine"}),
         ([PY, "-m", "sglang.launch_server", "--model-path", "m"], {"engine"}),
         ([PY, "-m", "palaestra.cli", "gateway", "serve", "--model", "tiny"], set()),
-        ([PY, "-m", "palaestra.engine.zero", "--port", "1"], set()),  # the zero-work TEST DOUBLE
+        ([PY, "-m", "palaestra.testing.zero", "--port", "1"], set()),  # the zero-work TEST DOUBLE
         ([PY, "-m", "palaestra.cli", "train", "configs/demo.yaml"], {"ray"}),
         (["palaestra", "train", "--help"], set()),
         ([PY, "-c", "from palaestra.orchestrator.cluster import init_ray; init_ray()"], {"ray"}),

@@ -1,6 +1,6 @@
 """The simulated engine's model: its parameter table, a block prefix cache and an SGLang-like scheduler.
 
-No HTTP and no clock here: `SimScheduler` is driven by whoever owns the time (`engine/sim.py`
+No HTTP and no clock here: `SimScheduler` is driven by whoever owns the time (`palaestra/testing/sim.py`
 sleeps on asyncio in wall time; the unit tests step a virtual clock), so what it decides is a pure
 function of the requests and the times they arrive. It models what matters for placing sessions
 on many engines, nothing else:
@@ -49,7 +49,7 @@ class SimParams:
     """One engine: Llama-3-8B (bf16; Llama-3.1-8B has the same shape) on one H100, as SGLang serves it.
 
     Every figure's origin is in `PARAM_SOURCES` and in docs/routing.md. Times are modelled
-    seconds; `engine/sim.py --time-scale` stretches them in wall time, not here.
+    seconds; `palaestra/testing/sim.py --time-scale` stretches them in wall time, not here.
     """
 
     decode_step_s: float = 0.00735

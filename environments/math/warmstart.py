@@ -1,8 +1,8 @@
 """Warm starts for the demo: a strong teacher and a weak student, by SFT with the trainer itself.
 
-    python -m palaestra.models.warmstart teacher   # prints the HF directory (built once, then cached)
-    palaestra model build demo-teacher             # the same, as a preset
-    palaestra train configs/demo.yaml              # model.student: demo-student, model.teacher: demo-teacher
+    python -m palaestra.environments.math.warmstart teacher  # prints the HF directory (built once, then cached)
+    palaestra model build demo-teacher                        # the same, as a preset
+    palaestra train configs/demo.yaml        # model.student: demo-student, model.teacher: demo-teacher
 
 Both start from the `tiny` preset (random weights) and are trained by `palaestra.trainer.Trainer`
 with ``advantage_estimator="sft"`` (advantage 1 on every answer token: the NLL gradient) on chats
@@ -312,7 +312,7 @@ def resolve(name: str, cache_dir: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m palaestra.models.warmstart", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m palaestra.environments.math.warmstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("kind", choices=sorted(RECIPES), help="which model to build (or find in the cache)")
     ap.add_argument(

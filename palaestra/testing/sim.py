@@ -1,16 +1,16 @@
 """A simulated engine: SGLang's /generate answered after a modelled latency, sleeping, never computing.
 
-    python -m palaestra.engine.sim --port 31001                      # one engine
-    python -m palaestra.engine.sim --port 31001 31002 31003 31004    # four engines, one process
-    python -m palaestra.engine.sim --print-params                    # the parameter table and sources
-    python -m palaestra.engine.sim --port 31001 --time-scale 4 --param kv_capacity_tokens=200000
+    python -m palaestra.testing.sim --port 31001                      # one engine
+    python -m palaestra.testing.sim --port 31001 31002 31003 31004    # four engines, one process
+    python -m palaestra.testing.sim --print-params                    # the parameter table and sources
+    python -m palaestra.testing.sim --port 31001 --time-scale 4 --param kv_capacity_tokens=200000
 
 Each engine is its own HTTP server on its own port (the router sees separate workers) with its
-own scheduler, prefix cache and KV capacity (`engine/sim_model.py`: the model and the parameter
+own scheduler, prefix cache and KV capacity (`palaestra/testing/sim_model.py`: the model and the parameter
 table for Llama-3-8B on one H100, with the source of every figure). An engine waits on asyncio
 timers until the modelled end of each prefill or decode iteration, so dozens of them run in one
 process on two cores: it is for benchmarks of what stands in front (router, placement), like the
-zero-work engine (`engine/zero.py`), but its answers take the time an engine would take.
+zero-work engine (`palaestra/testing/zero.py`), but its answers take the time an engine would take.
 
 `--time-scale S` stretches every modelled time by S in wall time (answers report modelled times):
 use it when the machine cannot keep up with many engines at full speed.
@@ -19,8 +19,10 @@ Protocol: `POST /generate` with `input_ids` (one prompt) and `sampling_params.ma
 (default 128) answers exactly that many ids, chosen by the prompt and `sampling_params.sampling_seed`
 alone; `meta_info` has `prompt_tokens`, `completion_tokens`, `cached_tokens` (prompt tokens found
 in its prefix cache), `e2e_latency` (modelled seconds), `output_token_logprobs` with
-`return_logprob`, and `sim` (this engine's name, modelled queue/prefill/total seconds). Text
-prompts, batches, `n` > 1 and streaming are a 400 naming the field. It serves the probes the
+`return_logprob`, and `sim` (this engine's name, modelled queue/prefill/total seconds). A body is
+checked by the real engine's parser (`engine/protocol.py`: the same 400s for bad bodies, a prompt
+longer than `kv_capacity_tokens` included); text prompts, batches, `n` > 1, streaming and
+`max_new_tokens` 0 are a 400 naming the field. It serves the probes the
 router needs (`/health`, `/server_info`, `/model_info`, `/v1/models`), `POST /flush_cache`, and
 `GET /sim/stats` (counters, current load, timer lag).
 """
@@ -37,7 +39,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from palaestra.engine.sim_model import PARAM_SOURCES, SimParams, SimRequest, SimScheduler
+from palaestra.engine.protocol import PromptSpec, RequestError, error_body, parse_generate
+from palaestra.testing.sim_model import PARAM_SOURCES, SimParams, SimRequest, SimScheduler
 
 __all__ = ["SimEngine", "make_app", "process", "serve"]
 
@@ -115,13 +118,45 @@ class SimEngine:
         }
 
 
-def _bad(message: str, param: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param}}
-    return web.Response(status=400, body=orjson.dumps(body), content_type="application/json")
+# Llama-3's vocabulary: the real engine's parser checks prompt ids against it.
+VOCAB_SIZE = 128_256
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(error_body(message, status)), content_type="application/json"
+    )
 
 
 def _json(data: Any) -> web.Response:
     return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+
+def _no_text(_: str) -> list[int]:
+    raise RequestError("the simulated engine takes token ids (input_ids), not text")
+
+
+def parse(raw: bytes, params: SimParams) -> PromptSpec:
+    """One `/generate` body checked by the real engine's parser (`engine/protocol.parse_generate`,
+    the same 400s), then refused where it asks for what is not simulated: one prompt, one sample,
+    no streaming, at least one new token (RequestError, naming the field)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+    request = parse_generate(
+        body, tokenize=_no_text, vocab_size=VOCAB_SIZE, context_length=params.kv_capacity_tokens, defaults={}
+    )
+    if request.stream:
+        raise RequestError("stream: the simulated engine does not stream")
+    spec = request.specs[0]
+    if spec.params.n != 1:
+        raise RequestError("sampling_params.n > 1 is not simulated")
+    if request.batched:
+        raise RequestError("input_ids: one prompt per call (batches are not simulated)")
+    if spec.params.max_new_tokens < 1:
+        raise RequestError("sampling_params.max_new_tokens must be >= 1 for the simulated engine")
+    return spec
 
 
 def make_app(engine_ref: dict[str, SimEngine], name: str) -> web.Application:
@@ -131,35 +166,11 @@ def make_app(engine_ref: dict[str, SimEngine], name: str) -> web.Application:
     async def generate(request: web.Request) -> web.Response:
         engine = engine_ref["engine"]
         try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            return _bad(f"the body is not JSON: {exc}", "body")
-        if not isinstance(body, dict):
-            return _bad("the body must be a JSON object", "body")
-        ids = body.get("input_ids")
-        if body.get("text") is not None or ids is None:
-            return _bad(
-                "the simulated engine takes one prompt as input_ids (token ids), not text", "input_ids"
-            )
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return _bad("input_ids must be one list of token ids (batches are not simulated)", "input_ids")
-        if body.get("stream"):
-            return _bad("the simulated engine does not stream", "stream")
-        sampling = body.get("sampling_params") or {}
-        if not isinstance(sampling, dict):
-            return _bad("sampling_params must be an object", "sampling_params")
-        if (sampling.get("n") or 1) != 1:
-            return _bad("n > 1 is not simulated", "sampling_params.n")
-        max_new = sampling.get("max_new_tokens", 128)
-        seed = sampling.get("sampling_seed") or 0
-        if not isinstance(max_new, int) or max_new < 1:
-            return _bad("max_new_tokens must be an integer >= 1", "sampling_params.max_new_tokens")
-        if not isinstance(seed, int):
-            return _bad("sampling_seed must be an integer", "sampling_params.sampling_seed")
-        try:
-            req = await engine.generate(ids, max_new, seed)
-        except ValueError as exc:
-            return _bad(str(exc), "input_ids")
+            spec = parse(await request.read(), engine.params)
+            ids, max_new = spec.input_ids, spec.params.max_new_tokens
+            req = await engine.generate(ids, max_new, spec.params.sampling_seed or 0)
+        except (RequestError, ValueError) as exc:  # ValueError: the scheduler cannot fit it
+            return _bad(str(exc), getattr(exc, "status", 400))
         assert req.finished is not None and req.admitted is not None and req.first_token is not None
         engine._ids += 1
         meta: dict[str, Any] = {
@@ -182,7 +193,7 @@ def make_app(engine_ref: dict[str, SimEngine], name: str) -> web.Application:
                 "retractions": req.retractions,
             },
         }
-        if body.get("return_logprob"):
+        if spec.return_logprob:
             meta["output_token_logprobs"] = [[-0.1, t, None] for t in req.output]
         return _json({"text": "", "output_ids": req.output, "meta_info": meta})
 
@@ -265,7 +276,7 @@ def process(count: int, *, time_scale: float = 1.0, params: dict[str, float] | N
     argv = [
         sys.executable,
         "-m",
-        "palaestra.engine.sim",
+        "palaestra.testing.sim",
         "--port",
         *map(str, ports),
         "--time-scale",

@@ -1,7 +1,7 @@
 """A zero-work engine: answers SGLang's /generate at once, with no model behind it.
 
-    python -m palaestra.engine.zero --port 31000 --reply-ids 1234 2            # every answer the same
-    python -m palaestra.engine.zero --port 31000 --alphabet 67 68 69 --stop-id 2 --reply-len 8
+    python -m palaestra.testing.zero --port 31000 --reply-ids 1234 2            # every answer the same
+    python -m palaestra.testing.zero --port 31000 --alphabet 67 68 69 --stop-id 2 --reply-len 8
 
 It does no model work, so what a benchmark or a load test measures through it is the layers in front
 (router, gateway). Two kinds of answer:
@@ -39,7 +39,7 @@ def process(*flags: str) -> Any:
     from palaestra.net import ServerProcess, free_port
 
     port = free_port()
-    argv = [sys.executable, "-m", "palaestra.engine.zero", "--port", str(port), *flags]
+    argv = [sys.executable, "-m", "palaestra.testing.zero", "--port", str(port), *flags]
     return ServerProcess(argv, f"http://127.0.0.1:{port}", name="zero-engine", free_ports=["--port"])
 
 

@@ -1,0 +1,103 @@
+"""What the benchmarks share: their command line, one `palaestra train` run of a config, its metrics
+rows, and a side-by-side table.
+
+Benchmarks are run from the repository root as modules, `.venv/bin/python -m bench.NAME`, so
+`bench.*` and `tests.support.*` import without touching `sys.path`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from palaestra.config import load_config
+from palaestra.orchestrator.loop import RunResult
+from palaestra.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "demo.yaml"
+MODES = ("sync", "one_step_off", "async")
+
+
+# -- the command line ---------------------------------------------------------------------------
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its module docstring is the --help text, printed as written."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_run_args(
+    ap: argparse.ArgumentParser, steps: int | None, modes: Sequence[str] = MODES, what: str = "mode"
+) -> None:
+    """`--steps` (None: the benchmark picks), `--modes` and trailing dotted config overrides, for
+    benchmarks of training runs."""
+    default = "the config's" if steps is None else "%(default)s"
+    ap.add_argument(
+        "--steps", type=int, default=steps, help=f"training steps per {what} (default: {default})"
+    )
+    ap.add_argument(
+        "--modes",
+        default=",".join(modes),
+        help="comma-separated: sync, one_step_off, async (default: %(default)s)",
+    )
+    ap.add_argument("overrides", nargs="*", help="more dotted config overrides, e.g. env.tasks_per_step=8")
+
+
+def csv(text: str) -> list[str]:
+    """A comma-separated option as a list, blanks dropped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+# -- a run and its metrics ----------------------------------------------------------------------
+def train_config(config: Path, out: Path, name: str, overrides: Sequence[str]) -> RunResult:
+    """`config` with `overrides`, written to `out`: only the last step checkpointed, no TensorBoard.
+    The per-step metrics (what metrics.jsonl holds) are `result.state.rows`; held-out accuracy is
+    in the rows that carry `eval/accuracy` (step 0: before training)."""
+    settings = [f"run.output_dir={out}", f"run.name=bench-{name}", "run.checkpoint_every=0",
+                "logging.tensorboard_dir=null"]  # fmt: skip
+    return train(load_config(config, [*settings, *overrides]))
+
+
+def train_demo(out: Path, name: str, overrides: Sequence[str]) -> RunResult:
+    """configs/demo.yaml through `train_config`."""
+    return train_config(CONFIG, out, name, overrides)
+
+
+def step_rows(result: RunResult, key: str = "perf/step_wall_s") -> list[dict]:
+    """The metrics rows of the training steps (those carrying `key`), in order."""
+    return [row for row in result.state.rows if key in row]
+
+
+def total(rows: Iterable[dict], key: str) -> float:
+    return sum(row.get(key, 0.0) for row in rows)
+
+
+def mean(rows: Iterable[dict], key: str) -> float:
+    """The mean of `key` over the rows that have it (NaNs left out); NaN when none has."""
+    vals = [row[key] for row in rows if key in row and not math.isnan(row[key])]
+    return statistics.fmean(vals) if vals else float("nan")
+
+
+def median(rows: Iterable[dict], value: Callable[[dict], float]) -> float:
+    vals = [value(row) for row in rows]
+    return statistics.median(vals) if vals else float("nan")
+
+
+# -- the table ----------------------------------------------------------------------------------
+def table(
+    title: str, columns: Sequence[tuple[str, str]], rows: dict[str, dict[str, object]], key: str = "run"
+) -> str:
+    """Runs side by side: one line per run (its name first, under `key`), one column per
+    `(name, format)`; a value a run lacks prints as `-`."""
+    cells = {run: [format(v[c], f) if c in v else "-" for c, f in columns] for run, v in rows.items()}
+    widths = [max([len(c), *(len(cs[i]) for cs in cells.values())]) for i, (c, _) in enumerate(columns)]
+    first = max([len(key), *map(len, rows)])
+    lines = [
+        title,
+        f"{key:{first}s} " + " ".join(f"{c:>{w}s}" for (c, _), w in zip(columns, widths, strict=True)),
+    ]
+    for run, cs in cells.items():
+        lines.append(f"{run:{first}s} " + " ".join(f"{x:>{w}s}" for x, w in zip(cs, widths, strict=True)))
+    return "\n".join(lines)

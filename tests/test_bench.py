@@ -1,0 +1,77 @@
+"""bench/: what the benchmarks share (bench/common.py) and the listing `make bench` prints
+(bench/__main__.py). The benchmarks themselves are run by hand, not here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from bench import common
+from bench.__main__ import benchmarks
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_the_table_aligns_runs_and_marks_what_a_run_lacks():
+    text = common.table(
+        "== title",
+        [("loop s", ".1f"), ("vs sync", "s")],
+        {"sync": {"loop s": 44.25, "vs sync": "1.00x"}, "one_step_off": {"loop s": 9.0}},
+    )
+    assert text.splitlines() == [
+        "== title",
+        "run          loop s vs sync",
+        "sync           44.2   1.00x",
+        "one_step_off    9.0       -",
+    ]
+
+
+def test_metrics_helpers_skip_missing_and_nan():
+    rows = [{"a": 1.0, "b": 2.0}, {"a": float("nan")}, {"a": 3.0}]
+    assert common.total(rows, "b") == 2.0
+    assert common.mean(rows, "a") == 2.0
+    assert common.mean(rows, "missing") != common.mean(rows, "missing")  # NaN
+    assert common.median(rows, lambda r: r.get("b", 0.0)) == 0.0
+    assert common.csv(" sync, ,async ") == ["sync", "async"]
+
+
+def test_the_listing_names_every_runnable_bench_with_its_question():
+    listed = benchmarks()
+    runnable = {
+        f"bench.{p.stem}"
+        for p in BENCH.glob("*.py")
+        if not p.stem.startswith("_") and 'if __name__ == "__main__":' in p.read_text()
+    }
+    assert set(listed) == runnable and "bench.modes" in listed and "bench.common" not in listed
+    assert all(question and question != "(no docstring)" for question in listed.values())
+
+
+def test_no_bench_patches_sys_path_or_builds_its_own_parser():
+    """Benchmarks run as `python -m bench.NAME` from the repository root: nothing to patch; their
+    --help comes from common.parser (the module docstring, as written)."""
+    offenders = {
+        p.name
+        for p in BENCH.glob("*.py")
+        if re.search(r"sys\.path\.insert|ArgumentParser\(", p.read_text()) and p.name != "common.py"
+    }
+    assert not offenders, offenders
+
+
+def test_modes_compares_at_the_shortest_loop_time():
+    """bench.modes' report from two runs' rows: async twice as fast; the shortest loop (async's,
+    10 s) is the horizon at which both rewards are read."""
+    from bench import modes
+
+    def step(wall: float, reward: float) -> dict:
+        return {"perf/step_wall_s": wall, "rollout/samples": 4.0, "rollout/reward_mean": reward}
+
+    runs = {"sync": [step(10, 0.5), step(10, 1.0)], "async": [step(5, 0.0), step(5, 0.25)]}
+    rates = modes.throughput(runs)
+    assert rates["async"]["vs sync"] == "2.00x" and rates["sync"]["vs sync"] == "1.00x"
+    assert rates["sync"]["reward@10s"] == 0.5 and rates["sync"]["steps@"] == 1
+    assert rates["async"]["reward@10s"] == 0.125 and rates["async"]["steps@"] == 2
+    lines = modes.report(runs, "== t").splitlines()
+    assert lines[1].split()[:4] == ["mode", "loop", "s", "samples/s"]
+    assert lines[2].split()[:4] == ["sync", "20.0", "0.40", "1.00x"]
+    assert lines[3].split()[:4] == ["async", "10.0", "0.80", "2.00x"]
+    assert modes.per_step(runs)["sync"]["wall"] == 10
