@@ -41,7 +41,7 @@ PHASES = ("wait", "teacher", "score", "update", "drain", "sync", "gen", "gateway
 def run(mode: str, steps: int, out: Path, extra: list[str]) -> list[dict]:
     overrides = [f"run.mode={mode}", f"run.steps={steps}", "env.eval_tasks=0"]
     if mode == "async":  # scored with the current weights: correct the lag with TIS, as docs advise
-        overrides += ["trainer.use_tis=true"]
+        overrides += ["trainer.tis.enabled=true"]
     rows = train_demo(out, mode, [*overrides, *extra]).state.rows
     return [r for r in rows if "perf/step_wall_s" in r]
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from palaestra.models import resolve_model  # noqa: E402
 from palaestra.sample import Sample  # noqa: E402
 from palaestra.trainer import Trainer, TrainerConfig  # noqa: E402
+from palaestra.trainer.config import KlOptions  # noqa: E402
 from palaestra.trainer.packing import round_robin, schedule, sequence_flops  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 
-    config = TrainerConfig(max_tokens_per_microbatch=args.max_tokens, kl_coef=0.01)
+    config = TrainerConfig(max_tokens_per_microbatch=args.max_tokens, kl=KlOptions(coef=0.01))
     trainer = Trainer(config, resolve_model(args.model))
     vocab = trainer.arch.vocab_size
 
