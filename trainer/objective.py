@@ -8,7 +8,7 @@ Per response token t, with w_t = loss_mask_t · rs_keep_t:
 
     lp_t   = log_softmax(logits / T)[x_t]                      (differentiable)
     ℓ_t    = PPO-clip(lp_t, old_t, Â_t) · tis_t                 (tis_t = 1 without TIS)
-           + β_kl · kl(lp_t, ref_t)                             (kl_mode "loss" only)
+           + β_kl · kl(lp_t, ref_t)                             (kl.mode "loss" only)
            + β_T · D_t                  (rows of a topk or full teacher T: opd_kl.py, docs/opd.md)
     loss   = Σ_mb Σ_t w_t ℓ_t / Σ_mb n_mb                       (token_mean; seq_mean per sequence)
 
@@ -43,7 +43,7 @@ def token_inputs(mb: MicroBatch, per_sample: torch.Tensor, c: TrainerConfig) -> 
     """Fills `mb.advantages`, `loss_weight` and the TIS fields from the estimator's advantage of each
     sample (`per_sample`, [N] over the step's samples) and the logprobs already in `mb`:
     Â_t = A_i, then the OPD term of sampled-granularity rows and the KL-reward term; w_t =
-    loss_mask · rs_keep; TIS weights with use_tis."""
+    loss_mask · rs_keep; TIS weights with tis.enabled."""
     assert mb.old_logprobs is not None
     lengths = torch.tensor(
         [b - a for a, b in zip(mb.response_offsets[:-1], mb.response_offsets[1:], strict=True)]
