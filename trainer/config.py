@@ -270,20 +270,37 @@ SECTIONS: dict[str, type] = {
 """TrainerConfig's sections: field name -> its dataclass."""
 
 RENAMED: dict[str, str] = {
-    **{f"kl_{k}": f"kl.{k}" for k in ("coef", "estimator", "mode")},
+    "kl_coef": "kl.coef",
+    "kl_estimator": "kl.estimator",
+    "kl_mode": "kl.mode",
     "opd_kl_coef": "opd.kl_coef",
-    **{
-        f"teacher_{k}": f"opd.teacher_{k}"
-        for k in ("mode", "model", "urls", "concurrency", "routing", "mixtures")
-    },
+    "teacher_mode": "opd.teacher_mode",
+    "teacher_model": "opd.teacher_model",
+    "teacher_urls": "opd.teacher_urls",
+    "teacher_concurrency": "opd.teacher_concurrency",
+    "teacher_routing": "opd.teacher_routing",
+    "teacher_mixtures": "opd.teacher_mixtures",
     "teachers": "opd.teachers",
-    **{f"opd_{k}": f"opd.{k}" for k in ("granularity", "topk", "full_chunk_rows")},
+    "opd_granularity": "opd.granularity",
+    "opd_topk": "opd.topk",
+    "opd_full_chunk_rows": "opd.full_chunk_rows",
     "use_tis": "tis.enabled",
-    **{f"tis_{k}": f"tis.{k}" for k in ("clip_low", "clip_high")},
-    **{f"rs_{k}": f"rs.{k}" for k in ("mode", "low", "high")},
-    **{f"sync_{k}": f"sync.{k}" for k in ("mode", "bucket_mb", "retries", "timeout_s", "dir")},
-    **{f"sync_{k}": f"sync.{k}" for k in ("group_address", "group_port", "pause_mode")},
-    **{f"snapshot_{k}": f"snapshot.{k}" for k in ("host_budget_gb", "spill_dir", "prefetch")},
+    "tis_clip_low": "tis.clip_low",
+    "tis_clip_high": "tis.clip_high",
+    "rs_mode": "rs.mode",
+    "rs_low": "rs.low",
+    "rs_high": "rs.high",
+    "sync_mode": "sync.mode",
+    "sync_bucket_mb": "sync.bucket_mb",
+    "sync_retries": "sync.retries",
+    "sync_timeout_s": "sync.timeout_s",
+    "sync_dir": "sync.dir",
+    "sync_group_address": "sync.group_address",
+    "sync_group_port": "sync.group_port",
+    "sync_pause_mode": "sync.pause_mode",
+    "snapshot_host_budget_gb": "snapshot.host_budget_gb",
+    "snapshot_spill_dir": "snapshot.spill_dir",
+    "snapshot_prefetch": "snapshot.prefetch",
 }
 """The flat keys of earlier releases -> their key in a section (read with a deprecation warning)."""
 
