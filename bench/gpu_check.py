@@ -13,7 +13,7 @@ Checks, in order (a failed check marks the ones that need it as skipped, with th
    the same sampled tokens — max and mean |Δ logprob|. A large gap means the trainer and the
    engine do not compute the same model (TF32 matmuls, a wrong conversion, ...).
 4. Weight sync: the trainer pushes its whole model to the embedded engine through the shm path
-   (`sync_mode: shm`); bandwidth as a fraction of a memcpy of the same bytes, and the pause.
+   (`sync.mode: shm`); bandwidth as a fraction of a memcpy of the same bytes, and the pause.
 
 The `tiny` preset builds offline (local tokenizer, random weights), so nothing is downloaded.
 Exit status 0 when every check passes.

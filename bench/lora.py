@@ -151,9 +151,12 @@ def one_trainer(model: str, rank: int, samples: int) -> None:
     """In this process: a trainer (LoRA if rank > 0) of `model` that steps on the batch each time
     a line ``step`` arrives on stdin (printing the seconds), and on ``done`` prints its memory."""
     from palaestra.trainer import Trainer, TrainerConfig
+    from palaestra.trainer.config import KlOptions
 
     torch.set_num_threads(1)
-    cfg = TrainerConfig(kl_coef=0.01, lora={"rank": rank} if rank else {}, megatron_optimizer={"lr": 1e-5})
+    cfg = TrainerConfig(
+        lora={"rank": rank} if rank else {}, megatron_optimizer={"lr": 1e-5}, kl=KlOptions(coef=0.01)
+    )
     t0 = time.perf_counter()
     t = Trainer(cfg, resolve_model(model))
     build_s = time.perf_counter() - t0

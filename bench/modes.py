@@ -59,7 +59,7 @@ class Workload:
 
 
 CONFIGS = {
-    "demo": Workload(common.CONFIG, 20, ("env.eval_tasks=0",), ("trainer.use_tis=true",)),
+    "demo": Workload(common.CONFIG, 20, ("env.eval_tasks=0",), ("trainer.tis.enabled=true",)),
     "long_horizon": Workload(common.ROOT / "configs" / "long_horizon.yaml", 8),
 }
 PHASES = (

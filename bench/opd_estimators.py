@@ -39,6 +39,7 @@ from bench import common
 from palaestra.models import resolve_model
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer.config import OpdOptions
 from palaestra.trainer.opd_panel import snapshot_tag
 from palaestra.trainer.packing import build_micro_batch
 
@@ -119,9 +120,9 @@ def run_arm(
     last evaluation, seconds per step) rows."""
     estimator = "opd_estimators:constant_baseline" if args.baseline else "none"
     cfg = TrainerConfig(
-        temperature=1.0, advantage_estimator=estimator, opd_kl_coef=1.0, teacher_mode="megatron",
-        teacher_model=str(teacher), opd_granularity=granularity, opd_topk=args.topk,
-        megatron_optimizer={"lr": lr, "optimizer": args.optimizer},
+        temperature=1.0, advantage_estimator=estimator, megatron_optimizer={"lr": lr, "optimizer": args.optimizer},
+        opd=OpdOptions(kl_coef=1.0, teacher_mode="megatron", teacher_model=str(teacher), granularity=granularity,
+                       topk=args.topk),
     )  # fmt: skip
     t = Trainer(cfg, str(student))
     rng, g = random.Random(args.seed), torch.Generator().manual_seed(args.seed)

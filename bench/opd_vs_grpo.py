@@ -17,10 +17,10 @@ configs/demo.yaml — the warm-started student on 2 embedded engines behind sgla
 gateway, the math environment's agents, the Megatron trainer, all on a local Ray — with the same
 seeds and task order, from the same student weights. Only the objective differs:
 
-* `grpo`: GRPO advantages, no teacher (model.teacher=null, trainer.opd_kl_coef=0);
+* `grpo`: GRPO advantages, no teacher (model.teacher=null, trainer.opd.kl_coef=0);
 * `opd`, `opd-topk`, `opd-full`: on-policy distillation alone (advantage_estimator=none: rewards
   ignored) at granularity `sampled` (Â_t = −β·(log π_student − log π_teacher) of the sampled
-  token), `topk` (the exact reverse KL over the student's top trainer.opd_topk tokens) or `full`
+  token), `topk` (the exact reverse KL over the student's top trainer.opd.topk tokens) or `full`
   (over the vocabulary);
 * `grpo+opd`: GRPO advantages plus the `full` distillation term.
 
@@ -48,12 +48,12 @@ from palaestra.config import load_config
 
 OPD = ["trainer.advantage_estimator=none"]
 ARMS = {
-    "grpo": ["model.teacher=null", "trainer.opd_kl_coef=0", "trainer.teacher_mode=null",
-             "trainer.teacher_model=null"],
-    "opd": [*OPD, "trainer.opd_granularity=sampled"],
-    "opd-topk": [*OPD, "trainer.opd_granularity=topk"],
-    "opd-full": [*OPD, "trainer.opd_granularity=full"],
-    "grpo+opd": ["trainer.opd_granularity=full"],
+    "grpo": ["model.teacher=null", "trainer.opd.kl_coef=0", "trainer.opd.teacher_mode=null",
+             "trainer.opd.teacher_model=null"],
+    "opd": [*OPD, "trainer.opd.granularity=sampled"],
+    "opd-topk": [*OPD, "trainer.opd.granularity=topk"],
+    "opd-full": [*OPD, "trainer.opd.granularity=full"],
+    "grpo+opd": ["trainer.opd.granularity=full"],
 }  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from bench import common
 from palaestra.models import resolve_model
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer.config import KlOptions
 from palaestra.trainer.packing import round_robin, schedule, sequence_flops
 
 
@@ -81,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 
-    config = TrainerConfig(max_tokens_per_microbatch=args.max_tokens, kl_coef=0.01)
+    config = TrainerConfig(max_tokens_per_microbatch=args.max_tokens, kl=KlOptions(coef=0.01))
     trainer = Trainer(config, resolve_model(args.model))
     vocab = trainer.arch.vocab_size
 

@@ -43,18 +43,18 @@ def _panel(teachers: dict[str, str], granularity: str = "full") -> str:
         f"{name}: {{mode: megatron, model: {model}, granularity: {granularity}}}"
         for name, model in teachers.items()
     )
-    return f"trainer.teachers={{{inner}}}"
+    return f"trainer.opd.teachers={{{inner}}}"
 
 
 ARMS = {
-    "panel": [_panel(TEACHERS), "trainer.teacher_routing=palaestra.environments.math.routing:by_kind"],
+    "panel": [_panel(TEACHERS), "trainer.opd.teacher_routing=palaestra.environments.math.routing:by_kind"],
     "sums-teacher": [_panel({"default": TEACHERS["arithmetic"]})],
     "steps-teacher": [_panel({"default": TEACHERS["worked_steps"]})],
 }
 COMMON = [
     "model.student=demo-mixed-student",
     "model.teacher=null",
-    "trainer.teacher_mode=null",
+    "trainer.opd.teacher_mode=null",
     "env.args.kinds=[arithmetic,worked_steps]",
     "env.args.max_tokens=48",
     "gateway.default_max_tokens=48",
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         teachers = {}
         for kind, model in TEACHERS.items():  # each teacher's own accuracy per kind (0 steps)
             rows, _ = run(f"teacher-{kind}", Path(tmp) / f"teacher-{kind}",
-                          [*COMMON, f"model.student={model}", "trainer.opd_kl_coef=0", "run.steps=0", f"env.eval_tasks={args.eval_tasks}"])  # fmt: skip
+                          [*COMMON, f"model.student={model}", "trainer.opd.kl_coef=0", "run.steps=0", f"env.eval_tasks={args.eval_tasks}"])  # fmt: skip
             teachers[model] = rows[0]
             print(
                 f"teacher {model}: " + " ".join(f"{k} {rows[0][f'eval/accuracy/{k}']:.3f}" for k in KINDS),

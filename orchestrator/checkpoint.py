@@ -91,11 +91,11 @@ def commit_checkpoint(cfg: RunConfig, state: RunState, ckpt: Path) -> None:
 
 def _warn_off_policy(cfg: RunConfig) -> None:
     tr = cfg.trainer
-    if cfg.run.mode != "sync" and not (tr.keep_old_actor or tr.use_tis or tr.rs_mode):
+    if cfg.run.mode != "sync" and not (tr.keep_old_actor or tr.tis.enabled or tr.rs.mode):
         log.warning(
             "run.mode=%s trains on samples up to %d version(s) old, but trainer.keep_old_actor, "
-            "trainer.use_tis and trainer.rs_mode are all off: the PPO ratio then treats them as "
-            "on-policy. keep_old_actor=true fits one_step_off; use_tis=true fits async.",
+            "trainer.tis.enabled and trainer.rs.mode are all off: the PPO ratio then treats them as "
+            "on-policy. keep_old_actor=true fits one_step_off; tis.enabled=true fits async.",
             cfg.run.mode,
             cfg.run.max_staleness,
         )

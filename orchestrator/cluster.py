@@ -365,13 +365,13 @@ class Cluster:
         version, directory = self.engine_weights or ("", None)
         if not version:
             return "its start-up weights are the run's (no weight sync yet)"
-        if directory is None:  # no file of the synced weights (sync_mode tensor / distributed)
+        if directory is None:  # no file of the synced weights (sync.mode tensor / distributed)
             directory = f"{self.log_dir}/recovery-weights-v{version}"
             self._get_all(self.trainer_call("export_hf", directory), "exporting the weights")
         tr = self.cfg.trainer
         # mode "tensor": no shared file of its own to set up; load_directory is the same in every mode
         with WeightSync(
-            [box.url], mode="tensor", retries=tr.sync_retries, timeout_s=tr.sync_timeout_s
+            [box.url], mode="tensor", retries=tr.sync.retries, timeout_s=tr.sync.timeout_s
         ) as sync:
             if tr.lora.enabled:  # the base is the engine's own: only the adapter the others hold
                 sync.load_adapter_directory(directory, tr.lora.name, version)
@@ -386,9 +386,9 @@ class Cluster:
         tr = self.cfg.trainer
         return WeightSync(
             [b.url for b in self.engines],
-            retries=tr.sync_retries,
-            timeout_s=tr.sync_timeout_s,
-            pause_mode=tr.sync_pause_mode,
+            retries=tr.sync.retries,
+            timeout_s=tr.sync.timeout_s,
+            pause_mode=tr.sync.pause_mode,
         )
 
     def engine_versions(self) -> list[str]:
@@ -490,7 +490,7 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
     engines in abort mode (the interrupted calls come back with their tokens; the gateway goes on)."""
     options = cfg.trainer.to_dict()
     if interrupting(cfg):
-        options["sync_pause_mode"] = "abort"
+        options["sync"]["pause_mode"] = "abort"
     return options
 
 
@@ -521,7 +521,7 @@ def build_models(cfg: RunConfig) -> None:
     the first time) here, with progress on the console, before any actor asks for them."""
     from palaestra.models import PRESETS, resolve_model
 
-    for name in dict.fromkeys([cfg.model.student, cfg.model.teacher, cfg.trainer.teacher_model]):
+    for name in dict.fromkeys([cfg.model.student, cfg.model.teacher, cfg.trainer.opd.teacher_model]):
         if name in PRESETS:
             t0 = time.perf_counter()
             path = resolve_model(name)

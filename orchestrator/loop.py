@@ -454,8 +454,8 @@ class Run:
         sync: pause, update, flush, version check). Only a megatron-mode teacher has the student's
         architecture; any failure is a warning, never the run's end."""
         cfg = self.cfg
-        if cfg.trainer.teacher_mode != "megatron":
-            log.info("teacher not evaluated: trainer.teacher_mode is %s", cfg.trainer.teacher_mode)
+        if cfg.trainer.opd.teacher_mode != "megatron":
+            log.info("teacher not evaluated: trainer.opd.teacher_mode is %s", cfg.trainer.opd.teacher_mode)
             return None
         if cfg.trainer.lora.enabled:  # every call names the adapter, which would adapt the teacher too
             log.info("teacher not evaluated: with trainer.lora the gateway serves the policy adapter on "

@@ -192,7 +192,7 @@ def no_signal_message(step: int, metrics: Mapping[str, Any]) -> str:
         "nothing. To get a signal: more samples per task (env.samples_per_task) so a group's rewards can "
         "differ; a task mix the model sometimes solves and sometimes fails (easier tasks if every "
         "reward is the lowest, harder ones if every reward is the highest; or check the verifier); "
-        "a teacher (on-policy distillation: model.teacher and trainer.opd_kl_coef > 0); or another "
+        "a teacher (on-policy distillation: model.teacher and trainer.opd.kl_coef > 0); or another "
         "trainer.advantage_estimator. Warned once; both metrics are in every step's row."
     )
 

@@ -68,12 +68,13 @@ class TrainerWorker:
                 MASTER_PORT=str(master[1]),
             )
 
-        config = dict(config)
-        if config.get("teacher_model"):
-            config["teacher_model"] = str(resolve_model(config["teacher_model"]))
-        config["teachers"] = {  # a panel's megatron teachers too
+        opd = dict(config.get("opd") or {})
+        config = {**config, "opd": opd}
+        if opd.get("teacher_model"):
+            opd["teacher_model"] = str(resolve_model(opd["teacher_model"]))
+        opd["teachers"] = {  # a panel's megatron teachers too
             name: {**spec, "model": str(resolve_model(spec["model"]))} if spec.get("model") else spec
-            for name, spec in (config.get("teachers") or {}).items()
+            for name, spec in (opd.get("teachers") or {}).items()
         }
         self.trainer = Trainer(TrainerConfig.from_dict(config), resolve_model(model), engine_urls=engine_urls)
         return self.ready()
@@ -107,7 +108,7 @@ class TrainerWorker:
 
     def synced_weights_dir(self) -> str | None:
         """Where the weights of the last sync lie as a safetensors directory an engine can load
-        (sync_mode shm: the shared-memory file; disk: that version's directory), or None. The
+        (sync.mode shm: the shared-memory file; disk: that version's directory), or None. The
         driver reads it after every sync, so an engine restarted later gets exactly the weights the
         others hold, even while the trainer is busy with the next step."""
         sync = self.trainer.sync

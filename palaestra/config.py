@@ -16,7 +16,7 @@ Checked when the config loads, before anything starts: `env.args` against the en
 constructor (unknown and missing keys named, and for each whether it came from the file or an
 override: `env.name=code` on configs/demo.yaml keeps the file's math arguments, and the override
 `env.args=null` drops them), and the teacher: `model.teacher=null` turns on-policy distillation
-off (trainer.opd_kl_coef 0, no teacher_mode), said in one log line.
+off (trainer.opd.kl_coef 0, no opd.teacher_mode), said in one log line.
 
 This file is the schema and its validation; reading YAML, overrides, type checks and help text
 are the generic machinery of `palaestra.typed_config`.
@@ -80,8 +80,8 @@ class ModelOptions:
 
     teacher: str | None = None
     """Teacher for on-policy distillation (preset or HF directory); also the default of
-    trainer.teacher_model. null = no teacher: set explicitly (`model.teacher=null`), it also turns
-    distillation off (trainer.opd_kl_coef 0, trainer.teacher_mode null), so one override takes
+    trainer.opd.teacher_model. null = no teacher: set explicitly (`model.teacher=null`), it also turns
+    distillation off (trainer.opd.kl_coef 0, trainer.opd.teacher_mode null), so one override takes
     the teacher out of a config that has one."""
 
 
@@ -177,7 +177,7 @@ class RunOptions:
     """async: a weight sync interrupts the engines' generations in flight (SGLang's pause-abort) and
     the gateway continues each from its last token with the new weights, so a sync never waits for a
     long answer (each token keeps the version that sampled it). false: the gateway drains its calls
-    in flight before the sync (trainer.sync_pause_mode then applies)."""
+    in flight before the sync (trainer.sync.pause_mode then applies)."""
 
     checkpoint_every: int = 10
     """Steps between checkpoints (each with this config saved beside it); 0 = only the last step."""
@@ -295,14 +295,14 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     violated constraint, `env.args` keys the environment does not take among them (each said to
     come from the file or an override).
     """
-    from_file = read_mapping(RunConfig, path)
+    from_file = read_mapping(RunConfig, path)  # an old flat trainer key moved to its section here
+    overridden = read_mapping(RunConfig, None, overrides)  # the overrides alone: what they set
     raw = copy.deepcopy(from_file)
     for item in overrides:
         apply_override(RunConfig, raw, item)
     _resolve_teacher(raw)
     _resolve_old_actor(raw)
     cfg = build(RunConfig, raw)
-    overridden = read_mapping(RunConfig, None, overrides)  # the overrides alone: what they set
     validate(cfg, env_args_from=_args_origin(path, from_file, overridden))
     return cfg
 
@@ -338,39 +338,41 @@ def _args_origin(
 
 
 def _resolve_teacher(raw: dict[str, Any]) -> None:
-    """trainer.teacher_model defaults to model.teacher, so that one place names the teacher.
+    """trainer.opd.teacher_model defaults to model.teacher, so that one place names the teacher.
 
     `model.teacher: null`, set explicitly, is the one switch that turns the teacher off: with no
-    other teacher given (trainer.teacher_model, a teachers panel, or sglang teacher_urls), OPD goes
-    off with it (opd_kl_coef 0, teacher_mode null), said in one log line. OPD in megatron mode with
-    no teacher anywhere fails here, saying how to turn the teacher on and how to turn it off."""
+    other teacher given (trainer.opd.teacher_model, a teachers panel, or sglang teacher_urls), OPD
+    goes off with it (opd.kl_coef 0, opd.teacher_mode null), said in one log line. OPD in megatron
+    mode with no teacher anywhere fails here, saying how to turn the teacher on and how to turn it
+    off. Runs after `move_renamed`: the trainer's old flat keys are in `opd` by now."""
     model, trainer = raw.get("model"), raw.get("trainer")
     if not isinstance(model, dict | None) or not isinstance(trainer, dict | None):
         return  # reported as type errors by build()
+    if trainer is not None and not isinstance(trainer.get("opd"), dict | None):
+        return  # reported as a type error by build()
     model = model or {}
     teacher = model.get("teacher")
     trainer = raw.setdefault("trainer", {}) if trainer is None else trainer
-    if teacher is not None and trainer.get("teacher_model") is None:
-        trainer["teacher_model"] = teacher
-    opd = trainer.get("opd_kl_coef")
-    wants_opd = isinstance(opd, int | float) and not isinstance(opd, bool) and opd > 0
-    mode = trainer.get("teacher_mode")
-    no_other_teacher = (
-        trainer.get("teacher_model") is None and mode != "sglang" and not trainer.get("teachers")
-    )
+    opd = trainer.setdefault("opd", {}) if trainer.get("opd") is None else trainer["opd"]
+    if teacher is not None and opd.get("teacher_model") is None:
+        opd["teacher_model"] = teacher
+    coef = opd.get("kl_coef")
+    wants_opd = isinstance(coef, int | float) and not isinstance(coef, bool) and coef > 0
+    mode = opd.get("teacher_mode")
+    no_other_teacher = opd.get("teacher_model") is None and mode != "sglang" and not opd.get("teachers")
     if "teacher" in model and teacher is None and no_other_teacher and (wants_opd or mode is not None):
-        trainer["opd_kl_coef"], trainer["teacher_mode"] = 0.0, None
+        opd["kl_coef"], opd["teacher_mode"] = 0.0, None
         log.info(
-            "model.teacher=null: no teacher, on-policy distillation off (trainer.opd_kl_coef %s -> 0, "
-            "trainer.teacher_mode %s -> null)",
-            opd if opd is not None else 0,
+            "model.teacher=null: no teacher, on-policy distillation off (trainer.opd.kl_coef %s -> 0, "
+            "trainer.opd.teacher_mode %s -> null)",
+            coef if coef is not None else 0,
             mode,
         )
-    elif mode == "megatron" and trainer.get("teacher_model") is None:
+    elif mode == "megatron" and opd.get("teacher_model") is None:
         needs = (
-            "trainer.opd_kl_coef > 0 (on-policy distillation, teacher_mode megatron)"
+            "trainer.opd.kl_coef > 0 (on-policy distillation, teacher_mode megatron)"
             if wants_opd
-            else "trainer.teacher_mode megatron"
+            else "trainer.opd.teacher_mode megatron"
         )
         raise ConfigError(
             [
@@ -433,10 +435,10 @@ def _check_rollouts(cfg: RunConfig, need: _Need) -> None:
     need(env.concurrency >= 1, f"env.concurrency: must be >= 1, got {env.concurrency}")
     need(env.eval_tasks >= 0 and env.eval_every >= 0, "env.eval_tasks and env.eval_every must be >= 0")
     need(
-        env.samples_per_task >= 2 or (env.samples_per_task == 1 and tr.opd_kl_coef > 0),
+        env.samples_per_task >= 2 or (env.samples_per_task == 1 and tr.opd.kl_coef > 0),
         f"env.samples_per_task: {env.samples_per_task}, but trainer.advantage_estimator "
         f"{tr.advantage_estimator!r} baselines each reward on its group's mean, so a group needs >= 2 "
-        "samples (1 is allowed only for pure OPD, trainer.opd_kl_coef > 0)",
+        "samples (1 is allowed only for pure OPD, trainer.opd.kl_coef > 0)",
     )
     need(
         not env.filter_zero_variance_groups or env.samples_per_task >= 2,
@@ -454,7 +456,11 @@ def _check_run(cfg: RunConfig, need: _Need) -> None:
         not tr.keep_old_actor or run.mode == "one_step_off",
         f"trainer.keep_old_actor: true scores each batch with the previous step's weights, which "
         f"sampled it only in run.mode=one_step_off (in {run.mode!r} mode "
-        + ("the current weights sampled it" if run.mode == "sync" else "the lag varies: use trainer.use_tis")
+        + (
+            "the current weights sampled it"
+            if run.mode == "sync"
+            else "the lag varies: use trainer.tis.enabled"
+        )
         + "); leave it unset to follow run.mode",
     )
     need(
@@ -484,19 +490,19 @@ def _check_training(cfg: RunConfig, need: _Need) -> None:
     """The teacher, data parallelism and how weights reach the engines."""
     tr = cfg.trainer
     need(
-        cfg.model.teacher is None or tr.teacher_model in (None, cfg.model.teacher),
-        f"trainer.teacher_model {tr.teacher_model!r} disagrees with model.teacher "
+        cfg.model.teacher is None or tr.opd.teacher_model in (None, cfg.model.teacher),
+        f"trainer.opd.teacher_model {tr.opd.teacher_model!r} disagrees with model.teacher "
         f"{cfg.model.teacher!r}; set only model.teacher",
     )
     need(
-        cfg.engines.backend != "sglang" or tr.sync_mode != "tensor",
-        "trainer.sync_mode: SGLang's /update_weights_from_tensor takes CUDA IPC handles, not bytes; use "
+        cfg.engines.backend != "sglang" or tr.sync.mode != "tensor",
+        "trainer.sync.mode: SGLang's /update_weights_from_tensor takes CUDA IPC handles, not bytes; use "
         "shm (same host), ipc (colocated GPUs), distributed (other GPUs or nodes) or disk",
     )
     need(tr.dp_size >= 1, f"trainer.dp_size: must be >= 1, got {tr.dp_size}")
     need(
-        tr.sync_mode != "disk" or bool(tr.sync_dir),
-        "trainer.sync_dir: sync_mode 'disk' needs a directory every engine can read",
+        tr.sync.mode != "disk" or bool(tr.sync.dir),
+        "trainer.sync.dir: sync.mode 'disk' needs a directory every engine can read",
     )
 
 

@@ -16,12 +16,19 @@ dict) and documented by a docstring under each field:
 
 YAML is read as YAML 1.2 reads numbers (``1e-5`` is a float). Dict-typed fields accept any key
 (backend options passed through under their own names); dataclass fields only their own.
+
+Renamed keys: a dataclass may list the keys of an earlier release in a class attribute
+``RENAMED = {"old_key": "section.new_key"}`` (paths relative to it). Such a key is still read, in
+a YAML file, an override and `build`'s mapping alike, with a one-line `FutureWarning`
+(``trainer.sync_mode is deprecated: use trainer.sync.mode``); setting both the old and the new key
+is an error (`move_renamed`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -29,6 +36,7 @@ import re
 import textwrap
 import types
 import typing
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +50,7 @@ __all__ = [
     "build",
     "dump_yaml",
     "field_docs",
+    "move_renamed",
     "options_help",
     "read_mapping",
     "to_flags",
@@ -108,9 +117,19 @@ def _is_dataclass_type(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
-def unknown_key(path: str, key: str, known: Sequence[str], *, list_known: bool = True) -> str:
-    """``path.key: unknown key (did you mean ...?)``, and with `list_known` the keys there are."""
-    close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+def unknown_key(
+    path: str,
+    key: str,
+    known: Sequence[str],
+    *,
+    list_known: bool = True,
+    renamed: Mapping[str, str] | None = None,
+) -> str:
+    """``path.key: unknown key (did you mean ...?)``, and with `list_known` the keys there are.
+    A close match among the `renamed` keys (old -> new) is suggested under its new name."""
+    renamed = renamed or {}
+    close = difflib.get_close_matches(key, [*known, *renamed], n=3, cutoff=0.6)
+    close = list(dict.fromkeys(renamed.get(c, c) for c in close))
     message = f"{_join(path, key)}: unknown key"
     if close:
         message += f" (did you mean {', '.join(repr(_join(path, c)) for c in close)}?)"
@@ -214,16 +233,27 @@ def read_mapping(cls: type, path: str | Path | None, overrides: Sequence[str] = 
             raise ConfigError(
                 [f"{path}: expected a mapping of sections at the top, got {type(raw).__name__}"]
             )
+        problems = move_renamed(cls, raw)
+        if problems:
+            raise ConfigError([f"{path}: {p}" for p in problems])
+    spelled: dict[str, tuple[str, str]] = {}  # resolved key path -> (key path as written, override)
     for item in overrides:
-        apply_override(cls, raw, item)
+        resolved = apply_override(cls, raw, item)
+        written = item.split("=", 1)[0].strip()
+        earlier = spelled.setdefault(resolved, (written, item))
+        if earlier[0] != written:  # the old and the new name of one key
+            raise ConfigError(
+                [f"overrides {earlier[1]!r} and {item!r} both set {resolved}; keep only {resolved}=..."]
+            )
     return raw
 
 
 def build(cls: type, raw: Mapping[str, Any]) -> Any:
     """An instance of dataclass `cls` from a raw mapping; a ConfigError lists every unknown key
     (with close matches), type error and failed ``__post_init__`` check, each with its key path."""
-    problems: list[str] = []
-    instance = _build(cls, dict(raw), "", problems)
+    raw = copy.deepcopy(dict(raw))
+    problems = move_renamed(cls, raw)
+    instance = _build(cls, raw, "", problems)
     if problems:
         raise ConfigError(problems)
     return instance
@@ -243,7 +273,7 @@ def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
     for key, value in data.items():
         key_path = _join(path, str(key))
         if key not in names:
-            problems.append(unknown_key(path, str(key), names))
+            problems.append(unknown_key(path, str(key), names, renamed=_renamed(cls)))
             ok = False
             continue
         hint = hints[key]
@@ -279,8 +309,67 @@ def _post_init_problem(path: str, message: str, names: list[str]) -> str:
     return f"{path or 'config'}: {message}"
 
 
-def apply_override(cls: type, raw: dict[str, Any], item: str) -> None:
+def _renamed(cls: type) -> dict[str, str]:
+    return dict(getattr(cls, "RENAMED", {}))
+
+
+def _deprecated(path: str, old: str, new: str) -> None:
+    warnings.warn(f"{_join(path, old)} is deprecated: use {_join(path, new)}", FutureWarning, stacklevel=2)
+
+
+def move_renamed(cls: type, raw: dict[str, Any], path: str = "") -> list[str]:
+    """Moves the renamed keys of `raw` (a mapping of dataclass `cls`; its sections' too) to their
+    new places, in place, each with a deprecation warning. Returns the problems: a key set both
+    under its old and its new name (the old one is dropped)."""
+    problems: list[str] = []
+    for old, new in _renamed(cls).items():
+        if old not in raw:
+            continue
+        *sections, leaf = new.split(".")
+        node = raw
+        for section in sections:
+            if node.get(section) is None:
+                node[section] = {}
+            node = node[section]
+            if not isinstance(node, dict):
+                break  # reported by _build as the section's type error
+        else:
+            if leaf in node:
+                del raw[old]
+                problems.append(
+                    f"{_join(path, old)}: set as well as its new name {_join(path, new)}; keep only {_join(path, new)}"
+                )
+            else:
+                _deprecated(path, old, new)
+                node[leaf] = raw.pop(old)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if _is_dataclass_type(hints[f.name]) and isinstance(raw.get(f.name), dict):
+            problems += move_renamed(hints[f.name], raw[f.name], _join(path, f.name))
+    return problems
+
+
+def _resolve_renamed(cls: type, keys: list[str]) -> list[str]:
+    """The key path `keys` (of a `cls`) with each renamed key replaced by its new path, warning."""
+    keys = list(keys)
+    i = 0
+    while i < len(keys):
+        renamed = _renamed(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        if keys[i] not in names and keys[i] in renamed:
+            _deprecated(".".join(keys[:i]), keys[i], renamed[keys[i]])
+            keys[i : i + 1] = renamed[keys[i]].split(".")
+            continue  # the new path's first key, from this class
+        hint = typing.get_type_hints(cls).get(keys[i]) if keys[i] in names else None
+        if not _is_dataclass_type(hint):
+            break
+        cls, i = hint, i + 1
+    return keys
+
+
+def apply_override(cls: type, raw: dict[str, Any], item: str) -> str:
     """Applies one `a.b.c=value` to the raw mapping of a `cls`, checking the path against `cls`.
+    Returns the key path set (a renamed key's new path).
 
     The value is parsed as YAML; a string field keeps the text as written (``run.name=2024``)."""
     if "=" not in item:
@@ -289,13 +378,14 @@ def apply_override(cls: type, raw: dict[str, Any], item: str) -> None:
     keys = dotted.strip().split(".")
     if not all(keys):
         raise ConfigError([f"override {item!r}: empty key in {dotted!r}"])
+    keys = _resolve_renamed(cls, keys)
     value = _yaml(text, f"override {dotted}")
     node = raw
     for i, key in enumerate(keys):
         path = ".".join(keys[:i])
         names = [f.name for f in dataclasses.fields(cls) if f.init]
         if key not in names:
-            raise ConfigError([unknown_key(path, key, names)])
+            raise ConfigError([unknown_key(path, key, names, renamed=_renamed(cls))])
         hint = typing.get_type_hints(cls)[key]
         last = i == len(keys) - 1
         if _is_dataclass_type(hint) and not last:
@@ -313,7 +403,7 @@ def apply_override(cls: type, raw: dict[str, Any], item: str) -> None:
                     child[sub] = {}
                 child = child[sub]
             child[keys[-1]] = value
-            return
+            return ".".join(keys)
         if not last:
             raise ConfigError([f"override {item!r}: {_join(path, key)} is {type_text(hint)}, not a section"])
         if isinstance(value, int | float | bool) and _accepts_str(hint):
@@ -322,6 +412,7 @@ def apply_override(cls: type, raw: dict[str, Any], item: str) -> None:
             except _Mismatch:
                 value = text.strip()  # run.name=2024 is the string "2024"
         node[key] = value
+    return ".".join(keys)
 
 
 def _accepts_str(hint: Any) -> bool:

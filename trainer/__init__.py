@@ -8,8 +8,9 @@ sync (`weight_sync`) and checkpoints (`checkpoint`). `Trainer` (in `trainer`) ti
 see docs/trainer.md. Must not speak HTTP to environments (only to inference engines).
 
     from palaestra.trainer import Trainer, TrainerConfig
-    trainer = Trainer(TrainerConfig(opd_kl_coef=0.5, teacher_mode="sglang", teacher_urls=[...]),
-                      "tiny", engine_urls=["http://127.0.0.1:30001"])
+    from palaestra.trainer.config import OpdOptions
+    opd = OpdOptions(kl_coef=0.5, teacher_mode="sglang", teacher_urls=[...])
+    trainer = Trainer(TrainerConfig(opd=opd), "tiny", engine_urls=["http://127.0.0.1:30001"])
     metrics = trainer.step(samples)
 
 Importing this package is cheap; megatron-core is imported when a `Trainer` is built.

@@ -13,7 +13,7 @@ trainer/estimators.py names (`advantage_estimator: grpo`), the signature a user'
   call the PPO ratio is 1 (old = the weights being trained), so the gradient is exactly that of the
   mean negative log-likelihood of the loss-mask tokens: supervised fine-tuning on given responses
   (`palaestra.environments.math.warmstart` uses it to warm-start the demo's teacher and student).
-* `none`: Â_i = 0; only the per-token terms below remain — with `opd_kl_coef` > 0 that is pure
+* `none`: Â_i = 0; only the per-token terms below remain — with `opd.kl_coef` > 0 that is pure
   on-policy distillation (rewards ignored).
 
 Groups and forks. A group's statistics are over its *sessions*, not its samples: a session whose
@@ -25,7 +25,7 @@ compare with). std_g is the sample standard deviation (Bessel-corrected, torch.s
 
 Per-token terms (applied after the estimator, to every response token, orthogonal to it):
 
-* `opd_adjust`: Â_t = A_t − β·(log πθ(x_t) − log π_teacher(x_t)), β = `opd_kl_coef`
+* `opd_adjust`: Â_t = A_t − β·(log πθ(x_t) − log π_teacher(x_t)), β = `opd.kl_coef`
   (on-policy distillation; A = 0 is pure distillation by reverse KL).
 * `kl_reward_adjust`: Â_t = A_t − β_kl·kl_t, the KL to the reference policy as a reward penalty.
 """
@@ -148,7 +148,7 @@ def sft(num_samples: int) -> torch.Tensor:
 
 
 def zero(num_samples: int) -> torch.Tensor:
-    """`none`: no sequence-level advantage (pure on-policy distillation with opd_kl_coef > 0)."""
+    """`none`: no sequence-level advantage (pure on-policy distillation with opd.kl_coef > 0)."""
     return torch.zeros(num_samples, dtype=torch.float32)
 
 

@@ -14,7 +14,7 @@ and the adapters take the weights' place: ``adapter.pt`` (whole factors by PEFT 
 ``old_adapter.pt`` (keep_old_actor), the optimizer files holding the adapters' moments.
 
 The `ref` and `teacher` snapshots are not stored: they are read again from `model_dir` and
-`teacher_model`, which the saved config names. Writing goes to ``<dir>.tmp`` and is renamed into
+`opd.teacher_model`, which the saved config names. Writing goes to ``<dir>.tmp`` and is renamed into
 place once every rank has written, so a crash never leaves a half checkpoint under the real name.
 
 `export_hf` writes ``model.safetensors`` with HF names plus the model directory's config,

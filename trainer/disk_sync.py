@@ -1,7 +1,7 @@
-"""``sync_mode: disk``: one safetensors directory per version under ``sync_dir``, which every engine
+"""``sync.mode: disk``: one safetensors directory per version under ``sync.dir``, which every engine
 reads (a shared filesystem), loaded with ``/update_weights_from_disk``.
 
-The directory is written while the engines still generate (``<sync_dir>/.v<version>.tmp``, renamed
+The directory is written while the engines still generate (``<sync.dir>/.v<version>.tmp``, renamed
 to ``v<version>`` when complete) and the directories of older versions are removed once every engine
 holds the new one. The fallback that works with any engine that sees the directory.
 """
@@ -21,11 +21,11 @@ __all__ = ["DiskTransport"]
 
 
 class DiskTransport:
-    """``sync_mode: disk`` (module docstring)."""
+    """``sync.mode: disk`` (module docstring)."""
 
     def __init__(self, engines: Engines, options: TransportOptions):
         if options.disk_dir is None:
-            raise ValueError("sync_mode 'disk' needs sync_dir (a directory every engine can read)")
+            raise ValueError("sync.mode 'disk' needs sync.dir (a directory every engine can read)")
         self.engines = engines
         self.root = Path(options.disk_dir)
 

@@ -87,7 +87,7 @@ ESTIMATORS: dict[str, str] = {
     "dr_grpo": f"{_BUILTIN}:dr_grpo_estimator",  # r − mean_g
     "reinforce_pp_baseline": f"{_BUILTIN}:reinforce_pp_estimator",  # r − mean_g, whitened over tokens
     "sft": f"{_BUILTIN}:sft_estimator",  # 1 (supervised fine-tuning on the given responses)
-    "none": f"{_BUILTIN}:zero_estimator",  # 0 (pure on-policy distillation with opd_kl_coef > 0)
+    "none": f"{_BUILTIN}:zero_estimator",  # 0 (pure on-policy distillation with opd.kl_coef > 0)
 }
 """Name -> ``package.module:function`` of each built-in estimator (an `Estimator`)."""
 

@@ -5,7 +5,7 @@ whole model:
 
 0. Staging, while the engines still generate: the adapter is written as a PEFT directory
    (``adapter_config.json`` + ``adapter_model.safetensors``, the base model's checksum in its
-   metadata) under ``sync_dir`` (sync_mode disk: a directory every engine reads) or in /dev/shm
+   metadata) under ``sync.dir`` (sync.mode disk: a directory every engine reads) or in /dev/shm
    (shm: engines on this host), one directory per version (``<name>-v<version>``). On the first
    sync every engine's ``/server_info`` is read: an engine started without LoRA support fails
    the sync with the flag to add. Embedded engines then load the directory under its own name
@@ -26,7 +26,7 @@ engine's uid), so the base model's prefix cache survives every adapter sync.
 
 SGLang's unload waits until no request holding the adapter is in flight, and requests paused in
 place hold it: an adapter sync needs generation drained first (`palaestra train` drains the
-gateway before every sync, in every run mode), or ``sync_pause_mode: abort``.
+gateway before every sync, in every run mode), or ``sync.pause_mode: abort``.
 
 `AdapterTransport` is this sync as a weight-sync transport (`WeightSync.push_adapter` runs it);
 `swap_adapter` is its step 2, which `WeightSync.load_adapter_directory` runs alone.
@@ -96,7 +96,7 @@ def check_lora_support(
 
 
 class AdapterStage:
-    """Where the adapter directories go: ``sync_dir`` or a directory of our own in /dev/shm."""
+    """Where the adapter directories go: ``sync.dir`` or a directory of our own in /dev/shm."""
 
     def __init__(self, root: str | Path | None):
         if root is not None:
@@ -177,7 +177,7 @@ class _Staged:
 
 class AdapterTransport:
     """LoRA: only the adapter goes to the engines (module docstring). The adapter directories are
-    written under ``sync_dir`` if given, else in /dev/shm."""
+    written under ``sync.dir`` if given, else in /dev/shm."""
 
     def __init__(self, engines: Engines, options: TransportOptions):
         self.engines = engines

@@ -8,7 +8,7 @@ Per response token t, with w_t = loss_mask_t · rs_keep_t:
 
     lp_t   = log_softmax(logits / T)[x_t]                      (differentiable)
     ℓ_t    = PPO-clip(lp_t, old_t, Â_t) · tis_t                 (tis_t = 1 without TIS)
-           + β_kl · kl(lp_t, ref_t)                             (kl_mode "loss" only)
+           + β_kl · kl(lp_t, ref_t)                             (kl.mode "loss" only)
            + β_T · D_t                  (rows of a topk or full teacher T: opd_kl.py, docs/opd.md)
     loss   = Σ_mb Σ_t w_t ℓ_t / Σ_mb n_mb                       (token_mean; seq_mean per sequence)
 
@@ -43,7 +43,7 @@ def token_inputs(mb: MicroBatch, per_sample: torch.Tensor, c: TrainerConfig) -> 
     """Fills `mb.advantages`, `loss_weight` and the TIS fields from the estimator's advantage of each
     sample (`per_sample`, [N] over the step's samples) and the logprobs already in `mb`:
     Â_t = A_i, then the OPD term of sampled-granularity rows and the KL-reward term; w_t =
-    loss_mask · rs_keep; TIS weights with use_tis."""
+    loss_mask · rs_keep; TIS weights with tis.enabled."""
     assert mb.old_logprobs is not None
     lengths = torch.tensor(
         [b - a for a, b in zip(mb.response_offsets[:-1], mb.response_offsets[1:], strict=True)]
@@ -51,18 +51,18 @@ def token_inputs(mb: MicroBatch, per_sample: torch.Tensor, c: TrainerConfig) -> 
     a = per_sample[mb.sample_indices].repeat_interleave(lengths) if mb.sample_indices else mb.old_logprobs * 0
     if mb.opd_coef_sampled is not None:  # sampled-granularity teachers: the advantage term
         a = adv.opd_adjust(a, mb.old_logprobs, mb.teacher_logprobs, mb.opd_coef_sampled)
-    if c.kl_coef > 0 and c.kl_mode == "reward":
-        kl = losses.kl_estimate(mb.old_logprobs, mb.ref_logprobs, c.kl_estimator)
-        a = adv.kl_reward_adjust(a, kl, c.kl_coef)
+    if c.kl.coef > 0 and c.kl.mode == "reward":
+        kl = losses.kl_estimate(mb.old_logprobs, mb.ref_logprobs, c.kl.estimator)
+        a = adv.kl_reward_adjust(a, kl, c.kl.coef)
     mb.advantages = a
     keep = torch.ones_like(mb.loss_mask)
-    if c.rs_mode is not None:
+    if c.rs.mode is not None:
         keep = losses.rs_keep_mask(
-            mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, mb.seq_index, c.rs_low, c.rs_high, c.rs_mode
+            mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, mb.seq_index, c.rs.low, c.rs.high, c.rs.mode
         )
     mb.loss_weight = mb.loss_mask * keep
-    if c.use_tis:
-        w, clipped = losses.tis_weights(mb.old_logprobs, mb.rollout_logprobs, c.tis_clip_low, c.tis_clip_high)
+    if c.tis.enabled:
+        w, clipped = losses.tis_weights(mb.old_logprobs, mb.rollout_logprobs, c.tis.clip_low, c.tis.clip_high)
         mb.tis_weight, mb.tis_clipped = w, clipped.float()
     mb.check()
 
@@ -89,7 +89,7 @@ def distill_terms(
         coef = mb.opd_coef_topk.to(dev)
         term, value, active = term + coef * d, torch.where(coef > 0, d.detach(), value), active | (coef > 0)
     if mb.opd_full_teacher is not None:
-        d = opd_kl.full_reverse_kl(rows, mb.opd_full_teacher, c.temperature, c.opd_full_chunk_rows, group)
+        d = opd_kl.full_reverse_kl(rows, mb.opd_full_teacher, c.temperature, c.opd.full_chunk_rows, group)
         coef = mb.opd_coef_full.to(dev)
         term, value, active = term + coef * d, torch.where(coef > 0, d.detach(), value), active | (coef > 0)
     return term, value, active
@@ -108,12 +108,12 @@ def microbatch_loss(
     entropy = losses.vocab_parallel_entropy(rows, c.temperature)
     old, a = mb.old_logprobs.to(dev), mb.advantages.to(dev)
     pl = losses.policy_loss(lp, old, a, c.eps_clip, c.eps_clip_high, c.dual_clip_c)
-    token_loss = pl.loss * mb.tis_weight.to(dev) if c.use_tis else pl.loss
+    token_loss = pl.loss * mb.tis_weight.to(dev) if c.tis.enabled else pl.loss
     kl = torch.zeros_like(lp)
-    if c.kl_coef > 0:
-        kl = losses.kl_estimate(lp, mb.ref_logprobs.to(dev), c.kl_estimator)
-        if c.kl_mode == "loss":
-            token_loss = token_loss + c.kl_coef * kl
+    if c.kl.coef > 0:
+        kl = losses.kl_estimate(lp, mb.ref_logprobs.to(dev), c.kl.estimator)
+        if c.kl.mode == "loss":
+            token_loss = token_loss + c.kl.coef * kl
     direct = distill_terms(mb, rows, c)
     if direct is not None:
         token_loss = token_loss + direct[0]
@@ -140,7 +140,7 @@ def microbatch_loss(
             "mask_tokens": m.sum(),
             "abs_diff": ((old - roll).abs() * m).sum(),
             "mismatch_kl": (losses.kl_estimate(roll, old, "k3") * m).sum(),
-            "tis_clipped": (mb.tis_clipped.to(dev) * m).sum() if c.use_tis else zero,
+            "tis_clipped": (mb.tis_clipped.to(dev) * m).sum() if c.tis.enabled else zero,
             "rs_masked": ((1 - weight) * m).sum(),
             "opd_rkl": ((old - teacher) * m).sum() if teacher is not None else zero,
             "teacher_tokens": m.sum() if teacher is not None else zero,
@@ -183,7 +183,7 @@ def step_metrics(sums: torch.Tensor, c: TrainerConfig) -> dict[str, float]:
         "mismatch/tis_clip_frac": s["tis_clipped"] / mask,
         "mismatch/rs_mask_frac": s["rs_masked"] / mask,
     }
-    if c.opd_enabled:
+    if c.opd.enabled:
         metrics["opd/reverse_kl"] = s["opd_rkl"] / max(s["teacher_tokens"], 1.0)
-        metrics["opd/kl_coef"] = c.opd_kl_coef
+        metrics["opd/kl_coef"] = c.opd.kl_coef
     return metrics

@@ -1,14 +1,15 @@
 """The teacher panel of on-policy distillation: named teachers, and which one(s) score each sample.
 
     trainer:
-      opd_kl_coef: 0.5                        # default β of every teacher
-      teachers:
-        math:  {mode: megatron, model: /ckpt/math-teacher, granularity: topk, topk: 8}
-        words: {mode: sglang, urls: ["http://10.0.0.7:30000"], opd_kl_coef: 0.2}
-        big:   {mode: megatron, model: /ckpt/generalist, granularity: full}
-      teacher_routing: env                    # or "my_pkg.routes:route" (an import path)
-      teacher_mixtures:                       # optional: a weighted mixture for one domain
-        code: {math: 0.3, big: 0.7}
+      opd:
+        kl_coef: 0.5                          # default β of every teacher
+        teachers:
+          math:  {mode: megatron, model: /ckpt/math-teacher, granularity: topk, topk: 8}
+          words: {mode: sglang, urls: ["http://10.0.0.7:30000"], opd_kl_coef: 0.2}
+          big:   {mode: megatron, model: /ckpt/generalist, granularity: full}
+        teacher_routing: env                  # or "my_pkg.routes:route" (an import path)
+        teacher_mixtures:                     # optional: a weighted mixture for one domain
+          code: {math: 0.3, big: 0.7}
 
 Routing (`TeacherPanel.route`) gives each sample a `Route` — teacher names with weights summing
 to 1 — by, in order: ``teacher_mixtures[sample.env]``; the teacher named like ``sample.env``;
@@ -52,7 +53,7 @@ def snapshot_tag(name: str) -> str:
 
 @dataclass(frozen=True)
 class TeacherSpec:
-    """One teacher of the panel (an entry of `TrainerConfig.teachers`)."""
+    """One teacher of the panel (an entry of `TrainerConfig.opd.teachers`)."""
 
     name: str
     mode: Literal["megatron", "sglang"]

@@ -61,7 +61,7 @@ def load_teacher_tensors(teacher_dir: str | Path, student: HFArchitecture) -> di
         raise TeacherError(
             f"megatron-mode teacher {teacher_dir} must have the student's architecture "
             f"(it is swapped into the same model); teacher {teacher}, student {student}. "
-            "Use teacher_mode='sglang' for a teacher of another size."
+            "Use opd.teacher_mode='sglang' for a teacher of another size."
         )
     files = sorted(Path(teacher_dir).glob("*.safetensors"))
     if not files:

@@ -191,7 +191,7 @@ class MicroBatch:
     """log π_old(x_t), the PPO ratio's denominator (the pre-update or `old_actor` weights), [R]."""
 
     ref_logprobs: torch.Tensor | None = None
-    """log π_ref(x_t) of the `ref` snapshot (kl_coef > 0), [R]."""
+    """log π_ref(x_t) of the `ref` snapshot (kl.coef > 0), [R]."""
 
     teacher_logprobs: torch.Tensor | None = None
     """log π_teacher(x_t) of the row's route, temperature 1 (OPD: opd_step.py), [R]."""
@@ -205,10 +205,10 @@ class MicroBatch:
     """w_t = loss_mask · rs_keep: what the row's loss counts for (0 = context or RS-masked), [R]."""
 
     tis_weight: torch.Tensor | None = None
-    """clip(exp(old − roll), tis_clip_low, tis_clip_high), the row's TIS factor (use_tis), [R]."""
+    """clip(exp(old − roll), tis.clip_low, tis.clip_high), the row's TIS factor (tis.enabled), [R]."""
 
     tis_clipped: torch.Tensor | None = None
-    """1.0 where the TIS weight was clipped (strictly outside the bounds), else 0.0 (use_tis), [R]."""
+    """1.0 where the TIS weight was clipped (strictly outside the bounds), else 0.0 (tis.enabled), [R]."""
 
     # -- on-policy distillation: opd_step.Distiller.score ---------------------------------------
     opd_coef_sampled: torch.Tensor | None = None

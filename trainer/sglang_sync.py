@@ -1,6 +1,6 @@
 """SGLang's non-disk weight-update paths, trainer side: a broadcast group, CUDA IPC handles, bytes.
 
-**Distributed** (``sync_mode: distributed``; decoupled placement, engines on other GPUs or nodes).
+**Distributed** (``sync.mode: distributed``; decoupled placement, engines on other GPUs or nodes).
 The trainer's global rank 0 and every engine rank form one process group of their own:
 
 1. ``POST /init_weights_update_group`` to every engine at once — ``master_address``,
@@ -18,7 +18,7 @@ group, then torch's process group helper), so both ends agree on the store keys.
 on CPU (the embedded engine implements the same endpoints with gloo). The master port is the one
 inter-node port this path opens (on the trainer's rank-0 host).
 
-**IPC** (``sync_mode: ipc``; colocated placement, trainer and engine on the same GPUs).
+**IPC** (``sync.mode: ipc``; colocated placement, trainer and engine on the same GPUs).
 ``POST /update_weights_from_tensor`` whose ``serialized_named_tensors`` holds, per engine TP rank,
 the base64 of a torch-multiprocessing pickle of ``[(name, tensor), ...]`` (or of a
 ``flattened_bucket`` dict). For CUDA tensors that pickle is a CUDA IPC handle: the engine maps the
@@ -27,7 +27,7 @@ answers, which `WeightSync.push` guarantees by holding them for the call. Every 
 is the same full tensors here (SGLang's loader shards them), which is right for one engine GPU per
 trainer GPU; with a multi-GPU engine each entry should come from the trainer rank on that GPU.
 
-**Tensor** (``sync_mode: tensor``; the embedded engine over HTTP, any host). The same call with the
+**Tensor** (``sync.mode: tensor``; the embedded engine over HTTP, any host). The same call with the
 bytes themselves, a ``torch.save`` payload per bucket in base64 (`weights_format.serialize_named_tensors`):
 slow (JSON + base64), but it needs nothing shared.
 
@@ -229,7 +229,7 @@ _FLATTENED = "flattened_bucket"
 
 
 class TensorTransport:
-    """``sync_mode: tensor`` (module docstring): buckets serialized before the pause, one
+    """``sync.mode: tensor`` (module docstring): buckets serialized before the pause, one
     ``/update_weights_from_tensor`` per bucket inside it."""
 
     def __init__(self, engines: Engines, options: TransportOptions):
@@ -265,7 +265,7 @@ class TensorTransport:
 
 
 class IpcTransport(TensorTransport):
-    """``sync_mode: ipc`` (module docstring): the same calls as `TensorTransport`, carrying CUDA IPC
+    """``sync.mode: ipc`` (module docstring): the same calls as `TensorTransport`, carrying CUDA IPC
     handles to the trainer's memory, which the staged `IpcCalls` hold until `send` has returned."""
 
     def stage(self, named: Sequence[tuple[str, torch.Tensor]], version: str, clock: Clock) -> IpcCalls:
@@ -278,7 +278,7 @@ class IpcTransport(TensorTransport):
                 device = torch.device("cpu")  # shared-memory files stand in for CUDA IPC handles
             else:
                 raise WeightSyncError(
-                    "sync_mode 'ipc' hands CUDA IPC handles to a colocated SGLang; without CUDA use 'shm' "
+                    "sync.mode 'ipc' hands CUDA IPC handles to a colocated SGLang; without CUDA use 'shm' "
                     "(CPU tensors can only be shared across processes with "
                     "torch.multiprocessing.set_sharing_strategy('file_system'))"
                 )
@@ -304,7 +304,7 @@ class IpcCalls:
 
 
 class DistributedTransport:
-    """``sync_mode: distributed`` (module docstring): the group is joined on the first sync (before
+    """``sync.mode: distributed`` (module docstring): the group is joined on the first sync (before
     the pause); inside it every bucket is broadcast."""
 
     def __init__(self, engines: Engines, options: TransportOptions):

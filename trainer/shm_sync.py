@@ -25,10 +25,10 @@ or allocated again: a write is one memcpy per tensor into page-cache pages, on t
 (a multi-threaded copy per tensor measured several times slower on a loaded host: every tensor
 waits for all threads to be scheduled).
 
-In-host only: an engine on another node cannot see this host's /dev/shm; use ``sync_mode:
+In-host only: an engine on another node cannot see this host's /dev/shm; use ``sync.mode:
 distributed`` there (`palaestra.trainer.sglang_sync`).
 
-`ShmTransport` is ``sync_mode: shm`` (trainer/weight_sync.py): the file is written inside the
+`ShmTransport` is ``sync.mode: shm`` (trainer/weight_sync.py): the file is written inside the
 pause, then every engine gets ``/update_weights_from_disk`` of its directory, with ``load_format
 "mmap"`` for the embedded engine (it shares the file's pages) and ``"safetensors"`` for SGLang.
 """
@@ -176,15 +176,15 @@ class SharedWeightsFile:
 
 
 class ShmTransport:
-    """``sync_mode: shm`` (module docstring): one `SharedWeightsFile` on this host, made by the
+    """``sync.mode: shm`` (module docstring): one `SharedWeightsFile` on this host, made by the
     first push and rewritten in place by every later one."""
 
     def __init__(self, engines: Engines, options: TransportOptions):
         elsewhere = [u for u in engines.urls if not is_this_host(u)]
         if elsewhere:
             raise ValueError(
-                f"sync_mode 'shm' needs every engine on this host (its /dev/shm); {elsewhere[0]} is "
-                "not: use sync_mode 'distributed' for engines on other nodes"
+                f"sync.mode 'shm' needs every engine on this host (its /dev/shm); {elsewhere[0]} is "
+                "not: use sync.mode 'distributed' for engines on other nodes"
             )
         self.engines = engines
         self.root = options.disk_dir  # None: /dev/shm (a directory of its own, e.g. for tests)

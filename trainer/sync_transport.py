@@ -1,9 +1,9 @@
 """What every weight-sync transport is given and gives back (trainer/weight_sync.py runs them).
 
 `Engines` is the HTTP side of a sync: every engine's URL, one pooled client, each call retried
-(``sync_retries`` attempts, growing back-off), and one step issued to all engines at once (one
+(``sync.retries`` attempts, growing back-off), and one step issued to all engines at once (one
 thread per engine), returning only when every engine has answered. `Clock` collects the seconds of
-each phase and each engine's share of it. `Transport` is the protocol of one ``sync_mode``: how the
+each phase and each engine's share of it. `Transport` is the protocol of one ``sync.mode``: how the
 weights travel (shm file, disk directory, tensor bytes, CUDA IPC handles, broadcast, LoRA adapter),
 while `WeightSync` keeps the pause -> update -> version check -> continue around it.
 """
@@ -60,7 +60,7 @@ class TransportOptions:
     bucket_bytes: int = 512 * 1024 * 1024
     """tensor, ipc, distributed: the most bytes of tensors in one update call (`make_buckets`)."""
     disk_dir: Path | None = None
-    """disk: the directory every engine reads (``sync_dir``); shm and the adapter: where their
+    """disk: the directory every engine reads (``sync.dir``); shm and the adapter: where their
     files go instead of /dev/shm."""
     group_address: str | None = None
     """distributed: the address the engines reach the trainer's rendezvous at (None: the one
@@ -90,7 +90,7 @@ def make_buckets(
 
 
 class Transport(Protocol):
-    """One ``sync_mode``: how a payload (HF-named tensors; for the adapter transport a LoRA adapter)
+    """One ``sync.mode``: how a payload (HF-named tensors; for the adapter transport a LoRA adapter)
     reaches every engine. `WeightSync` calls, per sync: `stage` before the pause, `send` inside
     it, `done` after the engines continued; `directory` and `close` whenever."""
 

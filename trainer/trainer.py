@@ -27,7 +27,7 @@ with the reason. With several processes every rank calls `step`; rank 0's sample
 
 The trainer owns the weight version: `step` adds one per optimizer step, and the engines get
 exactly that number with the weights; whoever drives it reads `weight_version`, never counts.
-`model_dir` (and a megatron-mode `teacher_model`) are HF directories: resolving a preset name to
+`model_dir` (and a megatron-mode `opd.teacher_model`) are HF directories: resolving a preset name to
 its directory is the caller's job (in a `palaestra train` run, the trainer's Ray actor does it).
 """
 
@@ -98,11 +98,12 @@ class Trainer:
         self.config = config
         self.model_dir = _model_directory(model_dir, "model_dir")
         self.estimator = load_estimator(config.advantage_estimator)
-        panel = config.panel() if config.opd_enabled else None
+        panel = config.opd.panel() if config.opd.enabled else None
         for name, spec in (panel.specs if panel is not None else {}).items():  # fail before building
             if spec.mode == "megatron":
                 _model_directory(
-                    spec.model, "teacher_model" if not config.teachers else f"teachers.{name}.model"
+                    spec.model,
+                    "opd.teacher_model" if not config.opd.teachers else f"opd.teachers.{name}.model",
                 )
         self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
@@ -134,16 +135,16 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**config.megatron_optimizer), [self.model])
         self._wire_megatron_schedule()
 
-        budget = config.snapshot_host_budget_gb
+        budget = config.snapshot.host_budget_gb
         self.snapshots = SnapshotStore(
             self.gpt,
             live_tag="actor",
             host_budget_bytes=None if budget is None else int(budget * 1e9),
-            spill_dir=config.snapshot_spill_dir,
-            prefetch=config.snapshot_prefetch,
+            spill_dir=config.snapshot.spill_dir,
+            prefetch=config.snapshot.prefetch,
             params=self.base_parameters(),  # with LoRA the base only: the adapters are swapped apart
         )
-        if config.kl_coef > 0 and self.lora is None:  # with LoRA the reference is the frozen base
+        if config.kl.coef > 0 and self.lora is None:  # with LoRA the reference is the frozen base
             self.snapshots.save("ref")
         if config.keep_old_actor:
             self._save_old_actor()
@@ -152,14 +153,14 @@ class Trainer:
         self.sync = (
             WeightSync(
                 engine_urls,
-                mode=config.sync_mode,
-                bucket_mb=config.sync_bucket_mb,
-                retries=config.sync_retries,
-                timeout_s=config.sync_timeout_s,
-                disk_dir=config.sync_dir,
-                pause_mode=config.sync_pause_mode,
-                group_address=config.sync_group_address,
-                group_port=config.sync_group_port,
+                mode=config.sync.mode,
+                bucket_mb=config.sync.bucket_mb,
+                retries=config.sync.retries,
+                timeout_s=config.sync.timeout_s,
+                disk_dir=config.sync.dir,
+                pause_mode=config.sync.pause_mode,
+                group_address=config.sync.group_address,
+                group_port=config.sync.group_port,
             )
             if engine_urls
             else None
@@ -185,7 +186,7 @@ class Trainer:
         samples = self._broadcast(list(samples))
         mbs, plan_metrics = self._schedule(samples)
         routes = self.distiller.route(samples) if self.distiller is not None else []
-        ref = ["ref"] if self.config.kl_coef > 0 else []
+        ref = ["ref"] if self.config.kl.coef > 0 else []
         old_policy = "old_actor" if self.config.keep_old_actor else "actor"
         teachers = self.distiller.snapshot_order(routes) if self.distiller is not None else []
         plan = [t for t in [old_policy, *teachers, *ref, "actor"] if t in self.snapshots]  # LoRA: no ref/old
@@ -199,7 +200,7 @@ class Trainer:
             self.distiller.score(samples, mbs, routes, topk_ids) if self.distiller is not None else {}
         )
         t_score = time.perf_counter()
-        if self.config.kl_coef > 0:
+        if self.config.kl.coef > 0:
             self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
         signal_metrics = self._advantages(samples, mbs)
         if self.config.keep_old_actor:

@@ -8,7 +8,7 @@ have left behind:
    parameters *are* that file's pages).
 1. ``POST /pause_generation {"mode": "in_place"}`` on every engine (running requests freeze with
    their KV; new ones wait — the gateway keeps accepting and queues meanwhile).
-2. The weights, on every engine, by ``sync_mode`` (one `Transport` per mode, `TRANSPORTS`):
+2. The weights, on every engine, by ``sync.mode`` (one `Transport` per mode, `TRANSPORTS`):
 
    ========== ================================================ =====================================
    mode       engine calls                                     where
@@ -26,8 +26,8 @@ have left behind:
    tensor     ``/update_weights_from_tensor`` with the bytes    the embedded engine over HTTP, any
               in a ``torch.save`` payload per bucket (base64;   host (slow: JSON + base64)
               `sglang_sync.TensorTransport`)
-   disk       ``/update_weights_from_disk`` of a directory      any engine that sees ``sync_dir``
-              written once per version under ``sync_dir``       (shared filesystem); the fallback
+   disk       ``/update_weights_from_disk`` of a directory      any engine that sees ``sync.dir``
+              written once per version under ``sync.dir``       (shared filesystem); the fallback
               (`disk_sync.DiskTransport`)
    ========== ================================================ =====================================
 
@@ -54,7 +54,7 @@ With LoRA only the adapter is sent (`push_adapter`; the adapter transport, train
 SGLang's /unload_lora_adapter + /load_lora_adapter of a PEFT directory in the same pause (an
 embedded engine has read and checked the directory before it, under a staged name).
 
-Every call is retried (``sync_retries`` attempts, growing back-off) except the broadcast ones,
+Every call is retried (``sync.retries`` attempts, growing back-off) except the broadcast ones,
 which cannot be replayed alone (trainer/sync_transport.py). If an engine still fails, or the
 transport raises, `WeightSyncError` (or the transport's error) says so. Once the transport may have
 changed an engine's weights (`Engines.changing`), or when an engine does not pause, the engines
@@ -100,7 +100,7 @@ TRANSPORTS: dict[str, Callable[[Engines, TransportOptions], Transport]] = {
     "tensor": TensorTransport,
     "disk": DiskTransport,
 }
-"""``sync_mode`` -> its transport (module docstring's table); LoRA adapters go by `AdapterTransport`."""
+"""``sync.mode`` -> its transport (module docstring's table); LoRA adapters go by `AdapterTransport`."""
 
 SYNC_MODES = tuple(TRANSPORTS)
 
@@ -136,7 +136,7 @@ class WeightSync:
         client: httpx.Client | None = None,
     ):
         if mode not in TRANSPORTS:
-            raise ValueError(f"sync_mode must be one of {', '.join(SYNC_MODES)}; got {mode!r}")
+            raise ValueError(f"sync.mode must be one of {', '.join(SYNC_MODES)}; got {mode!r}")
         self.mode = mode
         self.pause_mode = pause_mode
         self.engines = Engines(urls, retries, timeout_s, client)

@@ -1,10 +1,11 @@
 """Teacher routing for math runs that mix task kinds: one teacher per kind.
 
     trainer:
-      teachers:
-        arithmetic:   {mode: megatron, model: demo-teacher}
-        worked_steps: {mode: megatron, model: demo-steps-teacher, granularity: topk}
-      teacher_routing: palaestra.environments.math.routing:by_kind
+      opd:
+        teachers:
+          arithmetic:   {mode: megatron, model: demo-teacher}
+          worked_steps: {mode: megatron, model: demo-steps-teacher, granularity: topk}
+        teacher_routing: palaestra.environments.math.routing:by_kind
     env: {name: math, args: {difficulty: 0, kinds: [arithmetic, worked_steps]}}
 
 Every sample of one math environment has ``env == "math"``, so routing by environment name

@@ -275,12 +275,12 @@ def test_the_runner_ledger_names_the_sessions_left_open(tmp_path):
 def test_async_mode_interrupts_weight_syncs_unless_told_to_drain():
     """Partial rollouts are async mode's default: its trainer pauses the engines in abort mode (the
     gateway continues what they return); with run.partial_rollouts=false, and in the other modes,
-    the trainer's own sync_pause_mode stands."""
+    the trainer's own sync.pause_mode stands."""
     from palaestra.config import load_config
     from palaestra.orchestrator.cluster import interrupting, trainer_options
 
     async_cfg = load_config("configs/demo.yaml", ["run.mode=async"])
-    assert interrupting(async_cfg) and trainer_options(async_cfg)["sync_pause_mode"] == "abort"
+    assert interrupting(async_cfg) and trainer_options(async_cfg)["sync"]["pause_mode"] == "abort"
     for overrides in (["run.mode=async", "run.partial_rollouts=false"], ["run.mode=one_step_off"], []):
         cfg = load_config("configs/demo.yaml", overrides)
-        assert not interrupting(cfg) and trainer_options(cfg)["sync_pause_mode"] == "in_place", overrides
+        assert not interrupting(cfg) and trainer_options(cfg)["sync"]["pause_mode"] == "in_place", overrides

@@ -251,7 +251,7 @@ RUNS: dict[str, tuple[str, int, list[Kill], tuple[str, ...]]] = {
         "async",
         4,
         [Kill("runner", task=2), Kill("trainer", at=("batch", 3))],
-        ("run.checkpoint_every=2", "run.max_restarts=1", "trainer.use_tis=true"),
+        ("run.checkpoint_every=2", "run.max_restarts=1", "trainer.tis.enabled=true"),
     ),
     "one_step_off": (
         "one_step_off",

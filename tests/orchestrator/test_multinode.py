@@ -3,7 +3,7 @@ engines on one node, the two data-parallel trainer ranks on two others, placed b
 
 1. Trainer level: two thin test actors around the real `Trainer` rendezvous at rank 0's node
    (gloo), train on the batch split between them, and rank 0 pushes every step's weights to both
-   real engines over SGLang's broadcast path (`sync_mode: distributed`, the sync that needs
+   real engines over SGLang's broadcast path (`sync.mode: distributed`, the sync that needs
    nothing shared between nodes). Checked: where every actor ran, that both engines end at the
    trainer's weight version, and that their logprobs then equal the trainer's.
 2. The driver: `palaestra train` joins the cluster (`run.ray_address`), `run.resources` puts the
@@ -109,11 +109,12 @@ class TrainerRank:
 
         from palaestra.models import resolve_model
         from palaestra.trainer import Trainer, TrainerConfig
+        from palaestra.trainer.config import SyncOptions
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))  # fmt: skip
         torch.set_num_threads(1)
-        config = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync_mode="distributed", sync_bucket_mb=4,
+        config = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync=SyncOptions(mode="distributed", bucket_mb=4),
                                dp_size=self.world)  # fmt: skip
         self.trainer = Trainer(config, resolve_model("tiny"), engine_urls=engine_urls)
         return self.node
@@ -172,7 +173,7 @@ def test_palaestra_train_across_nodes_with_two_data_parallel_ranks(cluster, tmp_
 
     resources = f"run.resources={{trainer: {{{TRAINER_NODE}: 1}}, engines: {{{ENGINE_NODE}: 1}}}}"
     cfg = make_config(tmp_path / "run", "sync", f"run.ray_address={cluster.address}", "run.placement=decoupled",
-                      "trainer.dp_size=2", "trainer.sync_mode=distributed", resources, "env.eval_tasks=0")  # fmt: skip
+                      "trainer.dp_size=2", "trainer.sync.mode=distributed", resources, "env.eval_tasks=0")  # fmt: skip
     with caplog.at_level(logging.INFO, logger="palaestra.orchestrator.cluster"):
         result = train(cfg)
     assert result.engine_versions_end == ["2", "2"]

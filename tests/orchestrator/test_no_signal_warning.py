@@ -32,7 +32,7 @@ def test_the_first_step_without_signal_is_warned_once_and_the_end_counts_them(tm
         "step 2: no learning signal: all 8 groups gave every one of their samples the same"
     )
     assert "reward mean 0" in warning and "train/zero_advantage_fraction 1.0" in warning
-    for advice in ("env.samples_per_task", "easier tasks", "model.teacher", "trainer.opd_kl_coef",
+    for advice in ("env.samples_per_task", "easier tasks", "model.teacher", "trainer.opd.kl_coef",
                    "trainer.advantage_estimator"):  # fmt: skip
         assert advice in warning, advice
     tracker.close()

@@ -146,7 +146,7 @@ def test_one_step_off_with_opd_trains_each_batch_one_version_old(ray_local, tmp_
     from palaestra.train import train
 
     out = tmp_path / "osp"
-    opd = ["model.teacher=tiny", "trainer.opd_kl_coef=0.5", "trainer.teacher_mode=megatron"]
+    opd = ["model.teacher=tiny", "trainer.opd.kl_coef=0.5", "trainer.opd.teacher_mode=megatron"]
     result = train(make_config(out, "one_step_off", "run.steps=3", "trainer.keep_old_actor=true", *opd))
     assert [sorted(set(r.lags)) for r in result.trained] == [[0], [1], [1]]
     assert result.engine_versions_end == ["3", "3"]  # read before the teacher's weights went on
@@ -190,7 +190,7 @@ def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local
         "env.concurrency=2",
         "run.steps=3",
         "run.max_staleness=2",
-        "trainer.use_tis=true",
+        "trainer.tis.enabled=true",
     )
     try:
         result = train(cfg, hook=hold_task_2_across_the_first_sync)
@@ -276,7 +276,7 @@ def test_a_lora_run_serves_and_syncs_only_the_adapter_and_exports_it(ray_local, 
     # without it would show in the mismatch of step 2
     lora = [
         "trainer.lora={rank: 8, alpha: 16}",
-        "trainer.kl_coef=0.05",
+        "trainer.kl.coef=0.05",
         "trainer.megatron_optimizer={lr: 1.0e-2}",
         "trainer.advantage_estimator=sft",  # every sample pulls, whatever the rewards
     ]

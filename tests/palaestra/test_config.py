@@ -27,7 +27,15 @@ from palaestra.config import (
     validate,
 )
 from palaestra.sdk import Environment, Task
-from palaestra.trainer.config import TrainerConfig
+from palaestra.trainer.config import (
+    RENAMED,
+    OpdOptions,
+    SnapshotOptions,
+    SyncOptions,
+    TisOptions,
+    TrainerConfig,
+)
+from palaestra.trainer.config import SECTIONS as TRAINER_SECTIONS
 from palaestra.typed_config import field_docs
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -48,8 +56,7 @@ env:
   args: {difficulty: 1}
   samples_per_task: 4
 trainer:
-  opd_kl_coef: 0.5
-  teacher_mode: megatron
+  opd: {kl_coef: 0.5, teacher_mode: megatron}
   megatron: {tensor_model_parallel_size: 1}
   megatron_optimizer: {lr: 1e-5}
 run:
@@ -91,18 +98,20 @@ def test_yaml_and_overrides(config_file):
             "env.args.max_tokens=128",
             "run.name=2024",  # a str field keeps the text
             "trainer.eps_clip_high=0.28",
-            "trainer.teacher_urls=[http://127.0.0.1:1, http://127.0.0.1:2]",
+            "trainer.opd.teacher_urls=[http://127.0.0.1:1, http://127.0.0.1:2]",
             "logging.wandb_project=palaestra",
         ],
     )
-    assert cfg.model.teacher == "tiny" and cfg.trainer.teacher_model == "tiny"  # defaulted from model.teacher
+    assert (
+        cfg.model.teacher == "tiny" and cfg.trainer.opd.teacher_model == "tiny"
+    )  # defaulted from model.teacher
     assert cfg.trainer.megatron_optimizer["lr"] == 2e-5
     assert cfg.trainer.megatron_optimizer["clip_grad"] == 1.0  # TrainerConfig's own defaults merged under
     assert cfg.trainer.megatron == {"tensor_model_parallel_size": 1}
     assert cfg.run.mode == "async" and cfg.run.name == "2024" and cfg.run.steps == 3
     assert cfg.env.args == {"difficulty": 2, "max_tokens": 128}
     assert cfg.trainer.eps_clip_high == 0.28
-    assert cfg.trainer.teacher_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert cfg.trainer.opd.teacher_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert cfg.gateway.pause_mode == "reject"
     assert cfg.logging.tensorboard_dir is None and cfg.logging.wandb_project == "palaestra"
     assert cfg.output_dir.as_posix() == "runs/2024"
@@ -110,9 +119,9 @@ def test_yaml_and_overrides(config_file):
 
 def test_ints_widen_to_float_and_overrides_create_nested_dict_keys():
     cfg = load_config(
-        None, ["trainer.kl_coef=1", "trainer.megatron.moe.router_topk=2", "run.output_dir=/tmp/x"]
+        None, ["trainer.kl.coef=1", "trainer.megatron.moe.router_topk=2", "run.output_dir=/tmp/x"]
     )
-    assert cfg.trainer.kl_coef == 1.0 and isinstance(cfg.trainer.kl_coef, float)
+    assert cfg.trainer.kl.coef == 1.0 and isinstance(cfg.trainer.kl.coef, float)
     assert cfg.trainer.megatron == {"moe": {"router_topk": 2}}
     assert cfg.output_dir.as_posix() == "/tmp/x"
 
@@ -240,7 +249,7 @@ def test_unknown_keys_in_the_yaml_file(tmp_path):
     )
     message = error_of(path, [])
     assert "run.chekpoint_every: unknown key (did you mean 'run.checkpoint_every'?)" in message
-    assert "trainer.opd_kl_cof: unknown key (did you mean 'trainer.opd_kl_coef'" in message  # all reported
+    assert "trainer.opd_kl_cof: unknown key (did you mean 'trainer.opd.kl_coef'" in message  # all reported
 
 
 @pytest.mark.parametrize(
@@ -248,7 +257,7 @@ def test_unknown_keys_in_the_yaml_file(tmp_path):
     [
         ("run.steps=abc", "run.steps: expected int, got 'abc'"),
         ("run.steps=2.5", "run.steps: expected int, got 2.5"),
-        ("trainer.kl_coef=true", "trainer.kl_coef: expected float, got True"),
+        ("trainer.kl.coef=true", "trainer.kl.coef: expected float, got True"),
         (
             "run.mode=asynch",
             "run.mode: expected 'sync' | 'one_step_off' | 'async', got 'asynch' (str) (did you mean 'async'?)",
@@ -284,30 +293,30 @@ def test_bad_yaml_is_reported_with_the_file(tmp_path):
             [
                 "env.filter_zero_variance_groups=true",
                 "env.samples_per_task=1",
-                "trainer.opd_kl_coef=0.1",
-                "trainer.teacher_mode=megatron",
+                "trainer.opd.kl_coef=0.1",
+                "trainer.opd.teacher_mode=megatron",
                 "model.teacher=tiny",
             ],
             "env.filter_zero_variance_groups",
         ),
         (
-            ["trainer.opd_kl_coef=0.5", "trainer.teacher_mode=sglang"],
+            ["trainer.opd.kl_coef=0.5", "trainer.opd.teacher_mode=sglang"],
             "teacher_urls",  # TrainerConfig's own check
         ),
         (
-            ["trainer.opd_kl_coef=0.5", "trainer.teacher_mode=megatron"],
-            "model.teacher: trainer.opd_kl_coef > 0",
+            ["trainer.opd.kl_coef=0.5", "trainer.opd.teacher_mode=megatron"],
+            "model.teacher: trainer.opd.kl_coef > 0",
         ),
-        (["model.teacher=tiny", "trainer.teacher_model=other"], "disagrees with model.teacher"),
+        (["model.teacher=tiny", "trainer.opd.teacher_model=other"], "disagrees with model.teacher"),
         (
-            ["engines.backend=sglang", "trainer.sync_mode=tensor"],
-            "trainer.sync_mode: SGLang's /update_weights",
+            ["engines.backend=sglang", "trainer.sync.mode=tensor"],
+            "trainer.sync.mode: SGLang's /update_weights",
         ),
         (["run.resources={gpu_box: {x: 1}}"], "run.resources: keys must be trainer, engines, services"),
         (["run.resources={trainer: {node_a: -1}}"], "run.resources: every demand must be a number >= 0"),
         (["trainer.dp_size=0"], "trainer.dp_size: must be at least 1"),  # under the field's own path
         (["trainer.advantage_eps=0"], "trainer.advantage_eps: must be positive"),  # was a ZeroDivisionError
-        (["trainer.sync_mode=disk"], "trainer.sync_dir: sync_mode 'disk' needs a directory"),
+        (["trainer.sync.mode=disk"], "trainer.sync.dir: sync.mode 'disk' needs a directory"),
         (["engines.count=0"], "engines.count: need at least 1"),
         (["run.name=a/b"], "run.name"),
         (["engines.engine.port=1"], "engines.engine.port: not accepted"),
@@ -332,9 +341,9 @@ def test_pure_opd_allows_one_sample_per_task_and_an_external_teacher():
         None,
         [
             "env.samples_per_task=1",
-            "trainer.opd_kl_coef=1.0",
-            "trainer.teacher_mode=sglang",
-            "trainer.teacher_urls=[http://127.0.0.1:9]",
+            "trainer.opd.kl_coef=1.0",
+            "trainer.opd.teacher_mode=sglang",
+            "trainer.opd.teacher_urls=[http://127.0.0.1:9]",
         ],
     )
     assert cfg.model.teacher is None and cfg.env.samples_per_task == 1
@@ -396,9 +405,12 @@ def test_help_mentions_every_field_with_type_default_and_doc():
     assert "run.mode: 'sync' | 'one_step_off' | 'async' = sync\n" in text
     assert "logging.wandb_project: str | None = null\n" in text
     # Field docstrings are read from the source with ast (Python drops them), TrainerConfig's too.
-    trainer_docs = field_docs(TrainerConfig)
-    assert trainer_docs["opd_kl_coef"] and trainer_docs["opd_kl_coef"].splitlines()[0] in text
+    opd_docs = field_docs(OpdOptions)
+    assert opd_docs["kl_coef"] and opd_docs["kl_coef"].splitlines()[0] in text
+    assert "trainer.opd.kl_coef: float = 0.0\n" in text and "trainer.sync.mode: " in text
     for cls in (
+        TrainerConfig,
+        *TRAINER_SECTIONS.values(),
         RunConfig,
         ModelOptions,
         EngineOptions,
@@ -420,7 +432,7 @@ def test_shipped_configs_load(name):
     assert cfg.run.steps > 0 and cfg.env.tasks_per_step > 0
     if name == "demo.yaml":  # what make demo promises: GRPO + OPD from the warm-started teacher
         assert (cfg.model.student, cfg.model.teacher) == ("demo-student", "demo-teacher")
-        assert cfg.trainer.opd_kl_coef > 0 and cfg.trainer.advantage_estimator == "grpo"
+        assert cfg.trainer.opd.kl_coef > 0 and cfg.trainer.advantage_estimator == "grpo"
         assert cfg.engines.count >= 2 and cfg.env.args["difficulty"] == 0
 
 
@@ -446,7 +458,7 @@ def test_keep_old_actor_follows_the_mode():
     )
     with pytest.raises(ConfigError, match="the current weights sampled it"):
         load_config(None, ["run.mode=sync", "trainer.keep_old_actor=true"])
-    with pytest.raises(ConfigError, match="use trainer.use_tis"):
+    with pytest.raises(ConfigError, match="use trainer.tis.enabled"):
         load_config(None, ["run.mode=async", "trainer.keep_old_actor=true"])
 
 
@@ -543,42 +555,157 @@ def test_model_teacher_null_is_the_one_switch_that_turns_the_teacher_off(caplog)
     override takes it out, said in one line; the run then trains with GRPO alone."""
     with caplog.at_level("INFO", logger="palaestra.config"):
         cfg = load_config(DEMO, ["model.teacher=null"])
-    assert cfg.model.teacher is None and cfg.trainer.teacher_model is None
-    assert cfg.trainer.opd_kl_coef == 0.0 and cfg.trainer.teacher_mode is None
-    assert not cfg.trainer.opd_enabled and cfg.trainer.advantage_estimator == "grpo"
+    assert cfg.model.teacher is None and cfg.trainer.opd.teacher_model is None
+    assert cfg.trainer.opd.kl_coef == 0.0 and cfg.trainer.opd.teacher_mode is None
+    assert not cfg.trainer.opd.enabled and cfg.trainer.advantage_estimator == "grpo"
     lines = [r.getMessage() for r in caplog.records if r.name == "palaestra.config"]
     assert lines == [
-        "model.teacher=null: no teacher, on-policy distillation off (trainer.opd_kl_coef 1.0 -> 0, "
-        "trainer.teacher_mode megatron -> null)"
+        "model.teacher=null: no teacher, on-policy distillation off (trainer.opd.kl_coef 1.0 -> 0, "
+        "trainer.opd.teacher_mode megatron -> null)"
     ]
     # The resolved config loads back as it is, saying nothing (the switch is already applied).
     caplog.clear()
     with caplog.at_level("INFO", logger="palaestra.config"):
         again = load_config(
-            DEMO, ["model.teacher=null", "trainer.opd_kl_coef=0", "trainer.teacher_mode=null"]
+            DEMO, ["model.teacher=null", "trainer.opd.kl_coef=0", "trainer.opd.teacher_mode=null"]
         )
     assert again == cfg and not [r for r in caplog.records if r.name == "palaestra.config"]
-    # Another teacher stays: an sglang one, or a trainer.teacher_model of its own
+    # Another teacher stays: an sglang one, or a trainer.opd.teacher_model of its own
     kept = load_config(
         DEMO,
-        ["model.teacher=null", "trainer.teacher_mode=sglang", "trainer.teacher_urls=[http://127.0.0.1:9]"],
+        [
+            "model.teacher=null",
+            "trainer.opd.teacher_mode=sglang",
+            "trainer.opd.teacher_urls=[http://127.0.0.1:9]",
+        ],
     )
-    assert kept.trainer.opd_kl_coef == 1.0 and kept.trainer.teacher_mode == "sglang"
-    kept = load_config(DEMO, ["model.teacher=null", "trainer.teacher_model=/models/teacher"])
-    assert kept.trainer.opd_kl_coef == 1.0 and kept.trainer.teacher_model == "/models/teacher"
+    assert kept.trainer.opd.kl_coef == 1.0 and kept.trainer.opd.teacher_mode == "sglang"
+    kept = load_config(DEMO, ["model.teacher=null", "trainer.opd.teacher_model=/models/teacher"])
+    assert kept.trainer.opd.kl_coef == 1.0 and kept.trainer.opd.teacher_model == "/models/teacher"
 
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
         (  # OPD, megatron mode, no teacher: how to add one, and how to go without
-            ["trainer.opd_kl_coef=0.5", "trainer.teacher_mode=megatron"],
+            ["trainer.opd.kl_coef=0.5", "trainer.opd.teacher_mode=megatron"],
             "set model.teacher to a preset or HF directory, or train without one: model.teacher=null",
         ),
-        (["trainer.teacher_mode=megatron"], "model.teacher: trainer.teacher_mode megatron needs a teacher"),
-        (["trainer.opd_kl_coef=0.5"], "or opd_kl_coef: 0 for no distillation"),
-        (["trainer.teacher_mode=sglang"], "needs teacher_urls; or teacher_mode: null for no teacher"),
+        (
+            ["trainer.opd.teacher_mode=megatron"],
+            "model.teacher: trainer.opd.teacher_mode megatron needs a teacher",
+        ),
+        (["trainer.opd.kl_coef=0.5"], "or opd.kl_coef: 0 for no distillation"),
+        (["trainer.opd.teacher_mode=sglang"], "needs teacher_urls; or teacher_mode: null for no teacher"),
     ],
 )
 def test_teacher_errors_say_how_to_turn_it_off_too(overrides, expected):
     assert expected in error_of(None, overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's flat keys of the previous release: still read, with a warning naming the new key
+# ----------------------------------------------------------------------------------------------
+FLAT_TRAINER = """\
+model: {student: tiny, teacher: tiny}
+trainer:
+  opd_kl_coef: 0.5
+  teacher_mode: megatron
+  opd_granularity: topk
+  use_tis: true
+  rs_mode: token
+  kl_coef: 0.1
+  sync_mode: disk
+  sync_dir: /shared/sync
+  snapshot_prefetch: false
+"""
+
+
+def _deprecations(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, FutureWarning)]
+
+
+def test_renamed_trainer_keys_name_fields_of_their_sections():
+    for old, new in RENAMED.items():
+        section, name = new.split(".")
+        assert not hasattr(TrainerConfig(), old), old
+        assert name in {f.name for f in dataclasses.fields(TRAINER_SECTIONS[section])}, new
+    assert len(dataclasses.fields(TrainerConfig)) == 23  # 48 before the sections
+
+
+def test_flat_trainer_keys_in_a_yaml_file_still_load_and_warn_naming_the_new_key(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(FLAT_TRAINER)
+    with pytest.warns(FutureWarning) as record:
+        cfg = load_config(path, [])
+    tr = cfg.trainer
+    assert (tr.opd.kl_coef, tr.opd.teacher_mode, tr.opd.granularity) == (0.5, "megatron", "topk")
+    assert tr.opd.teacher_model == "tiny"  # model.teacher's default reaches the moved section
+    assert tr.tis.enabled and tr.rs.mode == "token" and tr.kl.coef == 0.1
+    assert (tr.sync.mode, tr.sync.dir, tr.snapshot.prefetch) == ("disk", "/shared/sync", False)
+    messages = _deprecations(record)
+    assert "trainer.sync_mode is deprecated: use trainer.sync.mode" in messages
+    assert "trainer.use_tis is deprecated: use trainer.tis.enabled" in messages
+    assert "trainer.opd_kl_coef is deprecated: use trainer.opd.kl_coef" in messages
+    # The same run in the new keys is the same config, and is what a run saves
+    new = load_config(
+        None,
+        [
+            "model.teacher=tiny",
+            "trainer.opd={kl_coef: 0.5, teacher_mode: megatron, granularity: topk}",
+            "trainer.tis.enabled=true",
+            "trainer.rs.mode=token",
+            "trainer.kl.coef=0.1",
+            "trainer.sync={mode: disk, dir: /shared/sync}",
+            "trainer.snapshot.prefetch=false",
+        ],
+    )
+    assert new == cfg
+    saved = save_config(cfg, tmp_path / "saved.yaml").read_text()
+    assert "sync_mode" not in saved and "opd_kl_coef" not in saved and "  sync:\n" in saved
+
+
+def test_flat_trainer_keys_in_overrides_still_apply_and_warn_naming_the_new_key():
+    with pytest.warns(FutureWarning) as record:
+        cfg = load_config(None, ["trainer.sync_mode=disk", "trainer.sync_dir=/x", "trainer.rs_low=0.25"])
+    assert (cfg.trainer.sync.mode, cfg.trainer.sync.dir, cfg.trainer.rs.low) == ("disk", "/x", 0.25)
+    messages = _deprecations(record)
+    assert "trainer.sync_dir is deprecated: use trainer.sync.dir" in messages
+    assert "trainer.rs_low is deprecated: use trainer.rs.low" in messages
+    # An old key overrides the file's new one, like any override (it names the same option)
+    with pytest.warns(FutureWarning, match="trainer.kl_mode is deprecated: use trainer.kl.mode"):
+        assert load_config(DEMO, ["trainer.kl_mode=reward"]).trainer.kl.mode == "reward"
+    # Checks of a moved key name its new path
+    with pytest.warns(FutureWarning):
+        message = error_of(None, ["trainer.sync_group_port=70000"])
+    assert "trainer.sync.group_port: must be between 0 and 65535; got 70000" in message
+    with pytest.warns(FutureWarning):
+        message = error_of(None, ["trainer.sync_mode=nccl"])
+    assert "trainer.sync.mode: expected 'shm' | 'distributed'" in message
+
+
+def test_a_key_set_under_its_old_and_its_new_name_is_an_error(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text("trainer:\n  sync_mode: shm\n  sync: {mode: disk, dir: /x}\n")
+    message = error_of(path, [])
+    assert (
+        "trainer.sync_mode: set as well as its new name trainer.sync.mode; keep only trainer.sync.mode"
+        in message
+    )
+    with pytest.warns(FutureWarning, match="trainer.use_tis is deprecated"):
+        message = error_of(None, ["trainer.tis.enabled=true", "trainer.use_tis=false"])
+    assert "both set trainer.tis.enabled; keep only trainer.tis.enabled=..." in message
+    with pytest.raises(ValueError, match="trainer.kl_coef: set as well as its new name trainer.kl.coef"):
+        TrainerConfig.from_dict({"kl_coef": 0.1, "kl": {"coef": 0.2}})
+
+
+def test_a_saved_flat_trainer_config_still_loads(recwarn):
+    """A checkpoint of the previous release stores TrainerConfig.to_dict() with flat keys."""
+    flat = {"seed": 7, "sync_mode": "disk", "sync_dir": "/x", "use_tis": True, "snapshot_prefetch": False}
+    config = TrainerConfig.from_dict(flat)
+    assert config == TrainerConfig(
+        seed=7, sync=SyncOptions(mode="disk", dir="/x"), tis=TisOptions(enabled=True),
+        snapshot=SnapshotOptions(prefetch=False),
+    )  # fmt: skip
+    assert "trainer.snapshot_prefetch is deprecated: use trainer.snapshot.prefetch" in _deprecations(recwarn)
+    assert TrainerConfig.from_dict(config.to_dict()) == config and "sync_mode" not in config.to_dict()

@@ -18,6 +18,7 @@ import torch
 from palaestra.net import free_port
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer.config import OpdOptions, SyncOptions
 from palaestra.trainer.opd_teachers import SGLangTeacher, TeacherError, check_same_tokenizer
 from palaestra.trainer.packing import build_micro_batch
 from palaestra.trainer.weight_sync import WeightSyncError
@@ -116,7 +117,9 @@ def test_weight_sync_updates_every_engine_and_scores_match(client, engine, tiny_
     reset_engine(client, tiny_model_dir)
     samples = rollouts(client, 6, 1.0, seed=3)
     before = torch.cat([engine_scores(client, s) for s in samples])
-    cfg = TrainerConfig(megatron_optimizer={"lr": 1e-2}, sync_bucket_mb=1)  # default sync_mode: shm
+    cfg = TrainerConfig(
+        megatron_optimizer={"lr": 1e-2}, sync=SyncOptions(bucket_mb=1)
+    )  # default sync.mode: shm
     t = Trainer(cfg, tiny_model_dir, engine_urls=[engine.url])
     metrics = t.step(samples)
     assert metrics["perf/sync_buckets"] == 1  # one shared-memory file, one /update_weights_from_disk
@@ -161,7 +164,7 @@ def test_weight_sync_updates_every_engine_and_scores_match(client, engine, tiny_
 
 def test_failed_engine_is_named_and_engines_stay_paused(client, engine, tiny_model_dir):
     dead = f"http://127.0.0.1:{free_port()}"
-    t = Trainer(TrainerConfig(sync_retries=2), tiny_model_dir, engine_urls=[engine.url, dead])
+    t = Trainer(TrainerConfig(sync=SyncOptions(retries=2)), tiny_model_dir, engine_urls=[engine.url, dead])
     with pytest.raises(WeightSyncError, match=rf"engine {dead}: pause failed after 2 attempts"):
         t.sync_weights()
     try:  # the healthy engine was paused and is not silently resumed with a stale version
@@ -177,7 +180,9 @@ def test_teacher_modes_agree_and_opd_is_zero_for_a_teacher_equal_to_the_student(
     reset_engine(client, tiny_model_dir)
     samples = rollouts(client, 6, 1.0, seed=5)
     megatron_mode = Trainer(
-        TrainerConfig(opd_kl_coef=1.0, teacher_mode="megatron", teacher_model=str(tiny_model_dir)),
+        TrainerConfig(
+            opd=OpdOptions(kl_coef=1.0, teacher_mode="megatron", teacher_model=str(tiny_model_dir))
+        ),
         tiny_model_dir,
     )
     mbs, _ = megatron_mode._schedule(samples)
@@ -190,7 +195,8 @@ def test_teacher_modes_agree_and_opd_is_zero_for_a_teacher_equal_to_the_student(
     assert (from_snapshot - from_engine).abs().max() <= 2e-6
     # teacher == student: the OPD term vanishes (up to rounding) and the reverse KL is ~0
     sglang_mode = Trainer(
-        TrainerConfig(opd_kl_coef=1.0, teacher_mode="sglang", teacher_urls=[engine.url]), tiny_model_dir
+        TrainerConfig(opd=OpdOptions(kl_coef=1.0, teacher_mode="sglang", teacher_urls=[engine.url])),
+        tiny_model_dir,
     )
     for s in samples:
         s.reward = 0.0
@@ -207,11 +213,13 @@ def test_engine_and_megatron_teachers_agree_on_the_students_top_k(client, engine
     reset_engine(client, tiny_model_dir)
     samples = rollouts(client, 4, 1.0, seed=7)
     cfg = TrainerConfig(
-        opd_kl_coef=1.0,
-        teachers={
-            "eng": {"mode": "sglang", "urls": [engine.url], "granularity": "topk", "topk": 4},
-            "meg": {"mode": "megatron", "model": str(tiny_model_dir), "granularity": "topk", "topk": 4},
-        },
+        opd=OpdOptions(
+            kl_coef=1.0,
+            teachers={
+                "eng": {"mode": "sglang", "urls": [engine.url], "granularity": "topk", "topk": 4},
+                "meg": {"mode": "megatron", "model": str(tiny_model_dir), "granularity": "topk", "topk": 4},
+            },
+        )
     )
     t = Trainer(cfg, tiny_model_dir)
     mbs, _ = t._schedule(samples)
@@ -253,10 +261,14 @@ def test_teacher_and_student_must_share_a_tokenizer(engine, tiny_model_dir, tmp_
     with pytest.raises(TeacherError, match="maps token id .* OPD needs one tokenizer"):
         check_same_tokenizer(engine.url, other, use_path=False)
     with pytest.raises(TeacherError):
-        Trainer(TrainerConfig(opd_kl_coef=1.0, teacher_mode="sglang", teacher_urls=[engine.url]), other)
+        Trainer(
+            TrainerConfig(opd=OpdOptions(kl_coef=1.0, teacher_mode="sglang", teacher_urls=[engine.url])),
+            other,
+        )
     with pytest.raises(TeacherError, match="teacher 'teacher' .* has another tokenizer"):  # megatron mode too
         Trainer(
-            TrainerConfig(opd_kl_coef=1.0, teacher_mode="megatron", teacher_model=str(other)), tiny_model_dir
+            TrainerConfig(opd=OpdOptions(kl_coef=1.0, teacher_mode="megatron", teacher_model=str(other))),
+            tiny_model_dir,
         )
 
 

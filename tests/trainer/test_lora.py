@@ -19,6 +19,7 @@ import torch
 
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer.config import KlOptions, OpdOptions, SyncOptions
 from palaestra.trainer.lora import LoraOptions
 from palaestra.trainer.packing import build_micro_batch
 
@@ -47,7 +48,8 @@ def logprobs(t: Trainer, batch: list[Sample], tag: str = "actor") -> torch.Tenso
 def trained(tiny_model_dir):
     """A LoRA trainer (with a KL to the reference and the old adapters kept) before and after one step."""
     t = Trainer(
-        TrainerConfig(lora=LORA, kl_coef=0.1, keep_old_actor=True, megatron_optimizer=OPT), tiny_model_dir
+        TrainerConfig(lora=LORA, keep_old_actor=True, megatron_optimizer=OPT, kl=KlOptions(coef=0.1)),
+        tiny_model_dir,
     )
     batch = samples()
     with t.lora.disabled():
@@ -90,8 +92,8 @@ def test_the_reference_is_the_base_with_the_adapters_off(trained):
 
 
 def test_a_megatron_teacher_scores_with_the_adapters_off(tiny_model_dir, trained):
-    cfg = TrainerConfig(lora=LORA, opd_kl_coef=1.0, teacher_mode="megatron", teacher_model=str(tiny_model_dir),
-                        megatron_optimizer=OPT)  # fmt: skip
+    cfg = TrainerConfig(lora=LORA, megatron_optimizer=OPT,
+                        opd=OpdOptions(kl_coef=1.0, teacher_mode="megatron", teacher_model=str(tiny_model_dir)))  # fmt: skip
     t = Trainer(cfg, tiny_model_dir)
     t.step(trained["batch"])
     from palaestra.trainer.opd_panel import snapshot_tag
@@ -104,7 +106,7 @@ def test_a_megatron_teacher_scores_with_the_adapters_off(tiny_model_dir, trained
 
 
 def test_checkpoint_resumes_adapters_and_optimizer_state(tiny_model_dir, trained, tmp_path):
-    cfg = TrainerConfig(lora=LORA, kl_coef=0.1, keep_old_actor=True, megatron_optimizer=OPT)
+    cfg = TrainerConfig(lora=LORA, keep_old_actor=True, megatron_optimizer=OPT, kl=KlOptions(coef=0.1))
     t = trained["t"]
     t.save(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "adapter.pt").is_file() and not (tmp_path / "ckpt" / "model.pt").exists()
@@ -197,8 +199,8 @@ def test_bad_options_name_what_to_change(tiny_model_dir):
         LoraOptions(rank=8, targets=["qproj"])
     with pytest.raises(ValueError, match="rank"):
         LoraOptions(rank=-1)
-    with pytest.raises(ValueError, match="sync_mode must be shm"):
-        TrainerConfig(lora={"rank": 8}, sync_mode="distributed")
+    with pytest.raises(ValueError, match="sync.mode must be shm"):
+        TrainerConfig(lora={"rank": 8}, sync=SyncOptions(mode="distributed"))
     # tiny: k_proj is 128 x 256 (2 KV heads of 64)
     with pytest.raises(
         ValueError, match=r"lora.rank 200 is larger than k_proj's smaller dimension \(k_proj is 128 x 256\)"

@@ -14,6 +14,7 @@ import torch
 
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig, cpu_shim, format_metrics, losses
+from palaestra.trainer.config import KlOptions, OpdOptions
 from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf
 from palaestra.trainer.packing import build_micro_batch
 
@@ -148,7 +149,7 @@ def test_architecture_fields_cannot_be_overridden(tiny_model_dir):
 def test_the_trainer_takes_model_directories_not_preset_names(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="model_dir must be an HF model directory .* got 'tiny'"):
         Trainer(TrainerConfig(), "tiny")  # resolving a preset is the caller's job
-    teacher = TrainerConfig(opd_kl_coef=1.0, teacher_mode="megatron", teacher_model=str(tmp_path))
+    teacher = TrainerConfig(opd=OpdOptions(kl_coef=1.0, teacher_mode="megatron", teacher_model=str(tmp_path)))
     with pytest.raises(ValueError, match="teacher_model must be an HF model directory"):
         Trainer(teacher, tiny_model_dir)
 
@@ -269,10 +270,8 @@ def test_pure_distillation_moves_the_student_to_the_teacher(tiny_model_dir, tmp_
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     teacher_dir = t.export_hf(tmp_path / "teacher")
     cfg = TrainerConfig(
-        opd_kl_coef=1.0,
-        teacher_mode="megatron",
-        teacher_model=str(teacher_dir),
         megatron_optimizer={"lr": 1e-3},
+        opd=OpdOptions(kl_coef=1.0, teacher_mode="megatron", teacher_model=str(teacher_dir)),
     )
     student = Trainer(cfg, tiny_model_dir)
     samples = _samples(8, seed=5)
@@ -310,7 +309,7 @@ def test_old_actor_holds_the_weights_before_the_previous_update(tiny_model_dir):
 
 
 def test_checkpoint_resume_is_exact(tiny_model_dir, tmp_path):
-    cfg = TrainerConfig(megatron_optimizer={"lr": 1e-3}, kl_coef=0.1, keep_old_actor=True)
+    cfg = TrainerConfig(megatron_optimizer={"lr": 1e-3}, keep_old_actor=True, kl=KlOptions(coef=0.1))
     a = Trainer(cfg, tiny_model_dir)
     s1, s2 = _samples(6, seed=1), _samples(6, seed=2)
     a.step(s1)

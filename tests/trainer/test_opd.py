@@ -10,6 +10,7 @@ import torch
 
 from palaestra.sample import Sample
 from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer.config import OpdOptions, SnapshotOptions
 
 
 def _samples(env: str, n: int, seed: int) -> list[Sample]:
@@ -51,15 +52,18 @@ def test_two_teachers_two_granularities_under_a_spilling_budget(tiny_model_dir, 
     probe = Trainer(TrainerConfig(), tiny_model_dir)
     copies = 2.5  # the actor and one teacher fit; the other teacher lives on disk
     cfg = TrainerConfig(
-        opd_kl_coef=1.0,
         advantage_estimator="none",
         megatron_optimizer={"lr": 3e-3},
-        teachers={
-            "math": {"mode": "megatron", "model": teachers["math"], "granularity": "topk", "topk": 16},
-            "words": {"mode": "megatron", "model": teachers["words"], "granularity": "full"},
-        },
-        snapshot_host_budget_gb=copies * probe.snapshots.nbytes / 1e9,
-        snapshot_spill_dir=str(tmp_path / "spill"),
+        opd=OpdOptions(
+            kl_coef=1.0,
+            teachers={
+                "math": {"mode": "megatron", "model": teachers["math"], "granularity": "topk", "topk": 16},
+                "words": {"mode": "megatron", "model": teachers["words"], "granularity": "full"},
+            },
+        ),
+        snapshot=SnapshotOptions(
+            host_budget_gb=copies * probe.snapshots.nbytes / 1e9, spill_dir=str(tmp_path / "spill")
+        ),
     )
     del probe
     t = Trainer(cfg, tiny_model_dir)
@@ -90,13 +94,15 @@ def test_two_teachers_two_granularities_under_a_spilling_budget(tiny_model_dir, 
 
 def test_panel_records_mixture_routes_and_sampled_teachers_enter_the_advantage(tiny_model_dir, teachers):
     cfg = TrainerConfig(
-        opd_kl_coef=0.5,
         advantage_estimator="none",
-        teachers={
-            "math": {"mode": "megatron", "model": teachers["math"]},
-            "words": {"mode": "megatron", "model": teachers["words"], "opd_kl_coef": 0.0},
-        },
-        teacher_mixtures={"mix": {"math": 1.0, "words": 1.0}},
+        opd=OpdOptions(
+            kl_coef=0.5,
+            teachers={
+                "math": {"mode": "megatron", "model": teachers["math"]},
+                "words": {"mode": "megatron", "model": teachers["words"], "opd_kl_coef": 0.0},
+            },
+            teacher_mixtures={"mix": {"math": 1.0, "words": 1.0}},
+        ),
     )
     t = Trainer(cfg, tiny_model_dir)
     batch = _samples("mix", 4, 3) + _samples("words", 2, 4)

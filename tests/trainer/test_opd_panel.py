@@ -9,6 +9,7 @@ import torch
 
 from palaestra.sample import Sample
 from palaestra.trainer import TrainerConfig
+from palaestra.trainer.config import OpdOptions
 from palaestra.trainer.opd_panel import Route, TeacherPanel, mix_logprobs
 
 
@@ -98,18 +99,18 @@ def test_routing_by_import_path():
 )
 def test_bad_panels_name_the_field(teachers, extra, message):
     with pytest.raises(ValueError, match=message):
-        TrainerConfig(opd_kl_coef=0.5, teachers=teachers, **extra)
+        TrainerConfig(opd=OpdOptions(kl_coef=0.5, teachers=teachers, **extra))
 
 
 def test_single_teacher_config_is_a_one_teacher_panel():
     cfg = TrainerConfig(
-        opd_kl_coef=0.3, teacher_mode="megatron", teacher_model="tiny", opd_granularity="full"
+        opd=OpdOptions(kl_coef=0.3, teacher_mode="megatron", teacher_model="tiny", granularity="full")
     )
-    panel = cfg.panel()
-    assert panel is not None and panel.names == ["teacher"] and cfg.opd_enabled
+    panel = cfg.opd.panel()
+    assert panel is not None and panel.names == ["teacher"] and cfg.opd.enabled
     assert panel.specs["teacher"].granularity == "full" and panel.specs["teacher"].opd_kl_coef == 0.3
     assert panel.route(_sample("whatever")).label == "teacher"
-    assert TrainerConfig().panel() is None and not TrainerConfig().opd_enabled
+    assert TrainerConfig().opd.panel() is None and not TrainerConfig().opd.enabled
     assert TrainerConfig.from_dict(cfg.to_dict()) == cfg
 
 

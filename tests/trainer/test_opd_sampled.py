@@ -22,7 +22,7 @@ import torch
 
 from palaestra.sample import Sample
 from palaestra.trainer import objective
-from palaestra.trainer.config import TrainerConfig
+from palaestra.trainer.config import OpdOptions, TrainerConfig
 from palaestra.trainer.packing import build_micro_batch
 
 VOCAB, PROMPTS, LENGTH, BETA = 12, 3, 4, 0.5
@@ -68,7 +68,7 @@ def sampled_opd_loss(
     mb = build_micro_batch(samples, list(range(len(samples))))
     mb.old_logprobs = old.reshape(-1)
     mb.teacher_logprobs = teacher.reshape(-1)
-    mb.opd_coef_sampled = torch.full((mb.num_rows,), c.opd_kl_coef)
+    mb.opd_coef_sampled = torch.full((mb.num_rows,), c.opd.kl_coef)
     objective.token_inputs(mb, torch.zeros(len(samples)), c)  # estimator `none`
     rows = z[prompts].reshape(-1, VOCAB)  # response row (i, t) is predicted by Z[c_i, t]
     num, den, _ = objective.microbatch_loss(mb, rows, c)
@@ -85,10 +85,8 @@ def _grad(fn, z: torch.Tensor) -> torch.Tensor:
 def test_mean_sampled_gradient_is_the_exact_reverse_kl_gradient(temperature):
     c = TrainerConfig(
         temperature=temperature,
-        opd_kl_coef=BETA,
         advantage_estimator="none",
-        teacher_mode="megatron",
-        teacher_model="table",
+        opd=OpdOptions(kl_coef=BETA, teacher_mode="megatron", teacher_model="table"),
     )
     z, log_q = _tables()
     g = torch.Generator().manual_seed(1)
@@ -113,10 +111,8 @@ def test_mean_sampled_gradient_is_the_exact_reverse_kl_gradient(temperature):
 def test_small_sampled_steps_lower_the_exact_reverse_kl():
     c = TrainerConfig(
         temperature=1.0,
-        opd_kl_coef=1.0,
         advantage_estimator="none",
-        teacher_mode="megatron",
-        teacher_model="table",
+        opd=OpdOptions(kl_coef=1.0, teacher_mode="megatron", teacher_model="table"),
     )
     z, log_q = _tables()
     z.requires_grad_(True)

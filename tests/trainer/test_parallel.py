@@ -42,7 +42,7 @@ WORKER = textwrap.dedent(
         return result
 
     CONFIG = dict(megatron_optimizer={"optimizer": "sgd", "lr": 0.5, "sgd_momentum": 0.0},
-                  max_tokens_per_microbatch=128, kl_coef=0.05)
+                  max_tokens_per_microbatch=128, kl={"coef": 0.05})
 
     if __name__ == "__main__":
         out, rdzv, megatron, model_dir = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]

@@ -144,13 +144,13 @@ def test_buckets_have_one_dtype_and_the_tensor_payload_keeps_it():
 
 def test_bad_sync_mode_is_named():
     with pytest.raises(
-        ValueError, match="sync_mode must be one of shm, distributed, ipc, tensor, disk; got 'nccl'"
+        ValueError, match="sync.mode must be one of shm, distributed, ipc, tensor, disk; got 'nccl'"
     ):
         WeightSync(["http://127.0.0.1:1"], mode="nccl")
 
 
 def test_shm_mode_refuses_an_engine_on_another_host():
-    with pytest.raises(ValueError, match="sync_mode 'shm' needs every engine on this host.*198.51.100.7"):
+    with pytest.raises(ValueError, match="sync.mode 'shm' needs every engine on this host.*198.51.100.7"):
         WeightSync(["http://127.0.0.1:1", "http://198.51.100.7:30000"], mode="shm")  # TEST-NET-2: not here
 
 
