@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from palaestra.engine import zero as zero_engine  # noqa: E402
+from palaestra.gateway.app import build_service  # noqa: E402
 from palaestra.gateway.config import GatewayConfig  # noqa: E402
 from palaestra.gateway.engine_client import EngineClient  # noqa: E402
 from palaestra.gateway.routes import OPENAI_CHAT  # noqa: E402
@@ -73,10 +74,10 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
             context_length=32768,
             journal_fsync="off" if name == "none" else name,
         )
-        svc = GatewayService(config, tok, 32768, EngineClient(engine_url), SampleSpool(config.spool_dir))
+        svc = build_service(config, tok, 32768, EngineClient(engine_url), SampleSpool(config.spool_dir))
         if name == "none":
             svc.journal.close()
-            svc.journal = NoJournal()  # type: ignore[assignment]
+            svc.journal = svc.turns.journal = NoJournal()  # type: ignore[assignment]
         services[name] = svc
     direct: list[float] = []  # the journal's own time per turn record, timed inside the "off" variant
     record = services["off"].journal.turn
@@ -119,7 +120,7 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
         f"{services['batch'].journal.fsyncs} with batch"
     )
     for svc in services.values():
-        await svc.engine.close()
+        await svc.turns.engine.close()
         svc.close()
         svc.spool.close()
 
