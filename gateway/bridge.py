@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.generation import FinishKind
 from palaestra.gateway.renderer import ChatRenderer, message_digest
 from palaestra.gateway.trajectory import Turn
 
@@ -89,7 +90,7 @@ def plan_chat(
     if not matching:
         return fork("assistant_edited", f"message {prefix_k} differs from what the model replied")
     parent = max(matching, key=lambda t: (t.children == 0, t.turn_id))  # prefer the live tip
-    if parent.finish_reason.get("type") == "length":
+    if parent.finish_reason.kind == FinishKind.LENGTH:
         return fork("truncated", f"turn {parent.turn_id} ended at max_tokens")
     same_context = parent.context_key == context_key
     # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
@@ -155,7 +156,7 @@ def _bridged(
 ) -> Plan:
     """prompt = the parent's prompt + output + the tokens of `tail` (its closing token not twice)."""
     last = parent.output_ids[-1] if parent.output_ids else None
-    closing = stop_text.get(last, "") if parent.finish_reason.get("type") == "stop" else ""
+    closing = stop_text.get(last, "") if parent.finish_reason.kind == FinishKind.STOP else ""
     if closing and tail.startswith(closing):
         tail = tail[len(closing) :]
     bridge = renderer.encode(tail)

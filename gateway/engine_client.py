@@ -18,31 +18,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.generation import FinishReason, Generation, SamplingParams, VersionSpan
 
 if TYPE_CHECKING:
     from palaestra.gateway.routing import CallRoute
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
-
-
-@dataclass
-class Generation:
-    """One sampled sequence as the engine returned it."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[float, int]]] | None
-    finish_reason: dict[str, Any]
-    weight_version: str
-    cached_tokens: int = 0
-    weight_versions: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _refused_target(status: int, raw: bytes) -> bool:
@@ -67,10 +54,10 @@ def _generation(answer: dict[str, Any]) -> Generation:
         output_ids=ids,
         logprobs=[float(e[0]) for e in lps],
         top_logprobs=[[(float(t[0]), int(t[1])) for t in (row or [])] for row in tops] if tops else None,
-        finish_reason=meta.get("finish_reason") or {"type": "abort", "message": "missing finish_reason"},
+        finish_reason=FinishReason.of(meta.get("finish_reason")),
         weight_version=str(meta.get("weight_version", "default")),
         cached_tokens=int(meta.get("cached_tokens") or 0),
-        weight_versions=list(meta.get("weight_versions") or []),
+        weight_versions=[VersionSpan.of(s) for s in meta.get("weight_versions") or []],
     )
 
 
@@ -119,9 +106,13 @@ class EngineClient:
             await self._client.close()
 
     def _body(
-        self, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int, stream: bool
+        self, input_ids: list[int], sampling: SamplingParams, top_logprobs: int, stream: bool
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling.to_wire(),
+            "return_logprob": True,
+        }
         if self.lora_adapter is not None:
             body["lora_path"] = self.lora_adapter
         if top_logprobs:
@@ -156,7 +147,7 @@ class EngineClient:
         self,
         session_id: str,
         input_ids: list[int],
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,
     ) -> list[Generation]:
@@ -212,7 +203,7 @@ class EngineClient:
         self,
         session_id: str,
         input_ids: list[int],
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,
     ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from palaestra.gateway.generation import FinishReason, VersionSpan
 from palaestra.gateway.renderer import chain_digests, message_digest
 from palaestra.gateway.session import Session
 from palaestra.gateway.spool import SampleSpool
@@ -103,8 +104,8 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
         output_ids=t["out"],
         output_logprobs=[float("-inf") if x is None else x for x in t["lp"]],  # orjson writes -inf as null
         weight_version=t["wv"],
-        weight_spans=t["spans"],
-        finish_reason=t["fin"],
+        weight_spans=[VersionSpan.of(s) for s in t["spans"]],
+        finish_reason=FinishReason(t["fin"]),
         latency_s=t["lat"],
         cached_tokens=t["cached"],
         kind=t["kind"],

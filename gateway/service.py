@@ -54,8 +54,8 @@ from palaestra.gateway.dialect import (
     TurnResult,
     reply_message,
 )
-from palaestra.gateway.engine_client import Generation
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.generation import Generation, SamplingParams
 from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.limits import Limits
 from palaestra.gateway.metrics import GatewayMetrics
@@ -76,7 +76,7 @@ class _ChatCall:
     request: TurnRequest
     call_id: str
     plan: Plan
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     turn_extra: dict[str, Any]  # recorded on every Turn of the call
     context: bytes  # what the template reads besides the messages (its hash is the context key)
 
@@ -245,7 +245,7 @@ class GatewayService:
             request=request,
             call_id=f"{dialect.call_id_prefix}{secrets.token_hex(12)}",
             plan=plan,
-            sampling={**request.params.sampling, "max_new_tokens": max_tokens},
+            sampling=SamplingParams(request.params.sampling, max_tokens),
             turn_extra={
                 "n_messages": len(request.messages),
                 "digest": digests[-1],
@@ -398,7 +398,7 @@ class GatewayService:
             fork = "prefix_changed" if any(t.kind == "completion" for t in session.turns) else None
         max_tokens, clamped = self._max_tokens(request.params, len(ids))
         call_id = f"{dialect.call_id_prefix}{secrets.token_hex(12)}"
-        sampling = {**request.params.sampling, "max_new_tokens": max_tokens}
+        sampling = SamplingParams(request.params.sampling, max_tokens)
         gens, engine_s = await self._generate(session, call_id, ids, sampling, request.params.top_logprobs)
         outputs = []
         for i, gen in enumerate(gens):
@@ -454,7 +454,7 @@ class GatewayService:
         return params.max_tokens or min(room, self.config.default_max_tokens), None
 
     async def _generate(
-        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
+        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
     ) -> tuple[list[Generation], float]:
         """One whole call through the turn core (`turns.py`), and its engine seconds."""
         async with self.turns.admitted(session, ids, sampling):
@@ -468,12 +468,11 @@ class GatewayService:
     def _text_of(self, gen: Generation) -> tuple[str, str]:
         """(text for the agent, text incl. the final stop token) of a generation."""
         ids = gen.output_ids
-        reason = gen.finish_reason
+        matched = gen.finish_reason.matched
         full = self._decode(ids)
-        stopped = reason.get("type") == "stop"
-        text = self._decode(ids[:-1]) if ids and stopped and isinstance(reason.get("matched"), int) else full
-        if stopped and isinstance(reason.get("matched"), str):
-            cut = text.find(reason["matched"])
+        text = self._decode(ids[:-1]) if ids and isinstance(matched, int) else full
+        if isinstance(matched, str):
+            cut = text.find(matched)
             if cut >= 0:
                 text = text[:cut]
         return text, full
@@ -510,8 +509,8 @@ class GatewayService:
             content=content,
             reasoning=reasoning,
             tool_calls=tool_calls,
-            finish="tool_calls" if tool_calls else str(reason.get("type", "stop")),
-            stop_matched=reason.get("matched") if reason.get("type") == "stop" else None,
+            finish="tool_calls" if tool_calls else reason.kind,
+            stop_matched=reason.matched,
             token_ids=gen.output_ids,
             logprobs=(
                 self._token_logprobs(gen.output_ids, gen.logprobs, gen.top_logprobs, top_n)

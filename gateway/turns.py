@@ -18,11 +18,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from palaestra.gateway import partial
-from palaestra.gateway.engine_client import EngineClient, Generation
+from palaestra.gateway.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.generation import Generation, SamplingParams
 from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.metrics import GatewayMetrics
 from palaestra.gateway.pause import PauseGate
@@ -35,10 +35,10 @@ Piece = tuple[list[int], list[float], Generation | None]
 """New output ids, their logprobs, and the Generation when the piece ends an engine call (the last
 piece of a choice carries the whole choice, continuations joined)."""
 
-_Call = Callable[[list[int], dict[str, Any]], AsyncIterator[Piece]]
+_Call = Callable[[list[int], SamplingParams], AsyncIterator[Piece]]
 
 
-def _max_new(sampling: dict[str, Any]) -> int:
+def _max_new(sampling: SamplingParams) -> int:
     return int(sampling.get("max_new_tokens") or 0)
 
 
@@ -61,12 +61,14 @@ class EngineTurns:
 
     @contextlib.asynccontextmanager
     async def admitted(
-        self, session: Session, ids: list[int], sampling: dict[str, Any]
+        self, session: Session, ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[None]:
         """Placement's admission (before the pause gate, so a weight sync never waits for it), then
         the gate. The session's calls in flight are counted from before the gate, so one waiting out a
         pause is not idle; each entry and exit restarts its idle clock."""
-        await self.routing.admit(session.session_id, session.env, session.group_id, ids, _max_new(sampling))
+        await self.routing.admit(
+            session.session_id, session.env, session.group_id, ids, sampling.max_new_tokens
+        )
         session.busy += 1
         session.last_active = time.monotonic()
         try:
@@ -82,7 +84,7 @@ class EngineTurns:
             self.gate.leave()
 
     async def generate(
-        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
+        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
     ) -> list[Generation]:
         """One whole engine call (`n` choices), each interrupted choice continued; inside `admitted`."""
         pauses = self.gate.pauses
@@ -99,7 +101,7 @@ class EngineTurns:
         return out
 
     def stream(
-        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
+        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
     ) -> AsyncIterator[Piece]:
         """One streamed choice as pieces, continued across interruptions; inside `admitted`."""
         return self._choice(
@@ -117,16 +119,16 @@ class EngineTurns:
         session: Session,
         call_id: str,
         ids: list[int],
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
         pauses: int,
         call: _Call,
         first: Generation | None = None,
     ) -> AsyncIterator[Piece]:
         """The pieces of one choice: `call`'s (or `first`, already answered), then, while a weight
         update interrupted the answer during the call, the continuation's (partial.py)."""
-        budget = _max_new(sampling)
+        budget = sampling.max_new_tokens
         done: Generation | None = None  # what earlier engine calls of this choice sampled
-        rest: dict[str, Any] | None = sampling
+        rest: SamplingParams | None = sampling
         while True:
             tail: tuple[list[int], list[float]] = ([], [])  # the ids of the call's final piece
             final = first
@@ -141,7 +143,7 @@ class EngineTurns:
             first = None
             joined = final if done is None else partial.continued(done, final, budget)
             yield tail[0], tail[1], joined
-            if not (partial.interrupted(final) and (self.gate.paused or self.gate.pauses != pauses)):
+            if not (final.finish_reason.interrupted and (self.gate.paused or self.gate.pauses != pauses)):
                 return
             try:
                 await self.gate.reenter()
@@ -151,16 +153,18 @@ class EngineTurns:
             self.metrics.interrupted.inc()
             pauses = self.gate.pauses
             done = joined
-            rest = partial.remaining(sampling, len(done.output_ids))
+            rest = sampling.after(len(done.output_ids))
             if rest is None:  # the budget was spent at the interruption: the call ends as `length`
                 yield [], [], partial.continued(done, None, budget)
                 return
 
     # -- one engine call, routed ---------------------------------------------------------------
     async def _whole(
-        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
+        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
     ) -> list[Generation]:
-        route = self.routing.route(session.session_id, session.env, session.group_id, ids, _max_new(sampling))
+        route = self.routing.route(
+            session.session_id, session.env, session.group_id, ids, sampling.max_new_tokens
+        )
         try:
             gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs, route)
         except GatewayError as exc:
@@ -174,16 +178,16 @@ class EngineTurns:
         return gens
 
     def _whole_call(self, session: Session, call_id: str, top_logprobs: int) -> _Call:
-        async def call(ids: list[int], sampling: dict[str, Any]) -> AsyncIterator[Piece]:
+        async def call(ids: list[int], sampling: SamplingParams) -> AsyncIterator[Piece]:
             gen = (await self._whole(session, call_id, ids, sampling, top_logprobs))[0]
             yield gen.output_ids, gen.logprobs, gen
 
         return call
 
     def _streamed_call(self, session: Session, call_id: str, top_logprobs: int) -> _Call:
-        async def call(ids: list[int], sampling: dict[str, Any]) -> AsyncIterator[Piece]:
+        async def call(ids: list[int], sampling: SamplingParams) -> AsyncIterator[Piece]:
             route = self.routing.route(
-                session.session_id, session.env, session.group_id, ids, _max_new(sampling)
+                session.session_id, session.env, session.group_id, ids, sampling.max_new_tokens
             )
             final: Generation | None = None
             try:
