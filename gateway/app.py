@@ -27,7 +27,6 @@ from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.limits import IdleReaper, Limits
 from palaestra.gateway.metrics import GatewayMetrics
 from palaestra.gateway.pause import PauseGate
-from palaestra.gateway.placement import PlacementConfig
 from palaestra.gateway.renderer import ChatRenderer
 from palaestra.gateway.routes import admin, anthropic, error_body, openai, public, sessions
 from palaestra.gateway.routing import EngineRouting, RoutingOptions
@@ -98,17 +97,7 @@ def build_service(
 
 
 def _routing_options(config: GatewayConfig) -> RoutingOptions:
-    return RoutingOptions(
-        placement=config.placement,
-        placement_config=PlacementConfig(
-            epsilon=config.placement_epsilon,
-            move_epsilon=config.placement_move_epsilon,
-            group_affinity=config.placement_groups == "together",
-            pools=config.placement_pools,
-            admit_fill=config.placement_admit_fill,
-        ),
-        routing_trace=config.routing_trace,
-    )
+    return RoutingOptions(placement=config.placement, routing_trace=config.routing_trace)
 
 
 def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:

@@ -38,10 +38,9 @@ log = logging.getLogger("palaestra.gateway.routing")
 
 @dataclass(frozen=True)
 class RoutingOptions:
-    """The routing part of the gateway's options (GatewayOptions.placement, ...)."""
+    """The routing part of the gateway's options (GatewayOptions.placement, routing_trace)."""
 
-    placement: bool = False
-    placement_config: PlacementConfig = PlacementConfig()
+    placement: PlacementConfig = PlacementConfig()
     routing_trace: str | None = None
     refresh_s: float = 2.0
 
@@ -106,7 +105,7 @@ class EngineRouting:
     def __init__(self, options: RoutingOptions, engine_url: str, registry: CollectorRegistry) -> None:
         self.options = options
         self.engine_url = engine_url.rstrip("/")
-        self.placement: Placement | None = Placement(options.placement_config) if options.placement else None
+        self.placement: Placement | None = Placement(options.placement) if options.placement.enabled else None
         self._calls: dict[str, int] = {}  # session -> engine calls so far (its turn index)
         self._first_prompt: OrderedDict[str, list[int]] = OrderedDict()  # env / group -> its first prompt
         self._record: TextIO | None = None

@@ -40,13 +40,13 @@ def test_a_session_stays_on_its_worker_across_turns():
 
 
 def test_new_sessions_go_to_the_least_loaded_worker():
-    p = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p = Placement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     for i in range(8):
         turn(p, f"s{i}", 0, 5000)
     snap = p.snapshot()
     assert [w["sessions"] for w in snap["workers"]] == [2, 2, 2, 2]
     # a worker that holds a long context gets no new session until the others catch up
-    p2 = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p2 = Placement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     big = turn(p2, "big", 0, 40_000)
     for i in range(3):
         assert turn(p2, f"small{i}", 0, 2000).worker != big.worker
@@ -68,13 +68,13 @@ def test_a_group_shares_a_worker_while_that_worker_stays_within_bounds():
 
 
 def test_group_affinity_off_spreads_the_group():
-    p = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p = Placement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     members = {turn(p, f"g-{i}", 0, 1000, group="g").worker for i in range(4)}
     assert len(members) == 4
 
 
 def test_an_overloaded_worker_moves_a_session_off_it_and_counts_the_move():
-    p = Placement(PlacementConfig(move_epsilon=0.5, group_affinity=False), URLS, clock=Clock())
+    p = Placement(PlacementConfig(move_epsilon=0.5, groups="apart"), URLS, clock=Clock())
     first = {f"s{i}": turn(p, f"s{i}", 0, 1000, env="long" if i == 0 else "short") for i in range(8)}
     hot = first["s0"].worker
     partner = next(sid for sid, r in first.items() if sid != "s0" and r.worker == hot)
@@ -87,7 +87,7 @@ def test_an_overloaded_worker_moves_a_session_off_it_and_counts_the_move():
 
 
 def test_a_removed_worker_moves_only_its_sessions():
-    p = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p = Placement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     first = {f"s{i}": turn(p, f"s{i}", 0, 2000) for i in range(8)}
     gone = first["s0"].url
     p.set_workers([u for u in URLS if u != gone])  # indices of the later workers shift down
@@ -126,9 +126,7 @@ def test_unhealthy_workers_get_no_calls_and_the_header_counts_healthy_workers_on
 
 
 def test_pools_keep_long_environments_apart():
-    p = Placement(
-        PlacementConfig(pools=True, long_context_tokens=8000, group_affinity=False), URLS, clock=Clock()
-    )
+    p = Placement(PlacementConfig(pools=True, long_context_tokens=8000, groups="apart"), URLS, clock=Clock())
     # observed traffic: one env with long contexts, one with short ones
     for i in range(4):
         turn(p, f"warm-long-{i}", 0, 30_000, env="swe")
