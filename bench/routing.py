@@ -50,7 +50,7 @@ import routing_trace  # noqa: E402
 
 from palaestra.engine import sim as sim_engine  # noqa: E402
 from palaestra.engine.router import RouterProcess  # noqa: E402
-from palaestra.gateway.placement import Call, Placement, PlacementConfig, Route  # noqa: E402
+from palaestra.gateway.placement import Call, PlacementConfig, Route, SessionPlacement  # noqa: E402
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "manual min_load")
 # the router's flags for each row (its `manual` policy: a routing key sticks to the worker it was
@@ -164,7 +164,7 @@ class Placed:
     def __init__(
         self, config: PlacementConfig, workers: list[str], clock: Callable[[], float], time_scale: float
     ) -> None:
-        self.placement = Placement(config, workers, clock=clock, time_scale=time_scale)
+        self.placement = SessionPlacement(config, workers, clock=clock, time_scale=time_scale)
         for url in workers:  # what the gateway reads from each worker's /server_info
             info = httpx.get(url + "/server_info", timeout=10, trust_env=False).json()
             self.placement.set_capacity(url, int(info["max_total_num_tokens"]))
@@ -174,7 +174,7 @@ class Placed:
 
     def route(self, call: Call) -> tuple[dict[str, str], Route | None]:
         r = self.placement.choose(call)
-        return r.headers(), r
+        return r.call_headers(), r
 
     def ended(self, session: str) -> None:
         self.placement.ended(session)
@@ -345,7 +345,7 @@ class Replay:
                 break
             if status == 503 and route is not None:
                 route = route.retry()
-                headers = {**route.headers(), "content-type": "application/json"}
+                headers = {**route.call_headers(), "content-type": "application/json"}
                 continue
             break
         if status != 200:

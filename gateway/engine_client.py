@@ -25,11 +25,10 @@ import orjson  # request bodies carry the whole prompt's ids: serialisation is o
 
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.generation import FinishReason, Generation, SamplingParams, VersionSpan
+from palaestra.gateway.placement import ROUTING_HEADER
 
 if TYPE_CHECKING:
     from palaestra.gateway.routing import CallRoute
-
-ROUTING_HEADER = "X-SMG-Routing-Key"
 
 
 def _refused_target(status: int, raw: bytes) -> bool:
@@ -98,8 +97,8 @@ class EngineClient:
 
     @staticmethod
     def _headers(session_id: str, route: CallRoute | None) -> dict[str, str]:
-        routing = route.headers() if route is not None else {ROUTING_HEADER: session_id}
-        return {**routing, "content-type": "application/json"}
+        call_headers = route.call_headers() if route is not None else {ROUTING_HEADER: session_id}
+        return {**call_headers, "content-type": "application/json"}
 
     async def close(self) -> None:
         if self._client is not None:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Call", "Placement", "PlacementConfig", "Route", "TARGET_HEADER"]
+__all__ = ["Call", "SessionPlacement", "PlacementConfig", "Route", "TARGET_HEADER"]
 
 TARGET_HEADER = "X-SMG-Target-Worker"
 ROUTING_HEADER = "X-SMG-Routing-Key"
@@ -121,10 +121,10 @@ class Route:
     url: str
     moved: bool = False
     target: int = 0  # the header's index: the worker's rank among the workers the router holds healthy
-    placement: Placement | None = field(default=None, repr=False)
+    placement: SessionPlacement | None = field(default=None, repr=False)
     _call: Call | None = field(default=None, repr=False)
 
-    def headers(self) -> dict[str, str]:
+    def call_headers(self) -> dict[str, str]:
         return {ROUTING_HEADER: self.session, TARGET_HEADER: str(self.target)}
 
     def retry(self) -> Route:
@@ -186,7 +186,7 @@ class _EnvStats:
         return self.context_sum / self.calls if self.calls else 0.0
 
 
-class Placement:
+class SessionPlacement:
     """Chooses a worker per call (see the module docstring); one instance per gateway.
 
     Not thread-safe: it is used from the gateway's event loop, between awaits. `clock` is for tests.

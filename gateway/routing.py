@@ -1,7 +1,7 @@
 """How the gateway's engine calls are routed, and what it learns about each environment's traffic.
 
 `EngineRouting` sits between the turn core (`service.py`) and the engine client: per call it gives
-the routing headers (`CallRoute.headers()`), and when the call answers it counts the environment's
+the routing headers (`CallRoute.call_headers()`), and when the call answers it counts the environment's
 traffic. With `placement` off (the default) the headers are today's, `X-SMG-Routing-Key:
 <session>` for sglang-router's consistent hashing; with it on, `gateway/placement.py` also chooses
 `X-SMG-Target-Worker` from the router's worker list, which a background task re-reads from the
@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from palaestra.gateway.placement import ROUTING_HEADER, Call, Placement, PlacementConfig, Route
+from palaestra.gateway.placement import ROUTING_HEADER, Call, PlacementConfig, Route, SessionPlacement
 
 __all__ = ["CallRoute", "EngineRouting", "RoutingOptions"]
 
@@ -69,8 +69,8 @@ class CallRoute:
         self._route = route
         self._started = time.monotonic()
 
-    def headers(self) -> dict[str, str]:
-        return self._route.headers() if self._route is not None else {ROUTING_HEADER: self._session}
+    def call_headers(self) -> dict[str, str]:
+        return self._route.call_headers() if self._route is not None else {ROUTING_HEADER: self._session}
 
     @property
     def worker(self) -> int | None:
@@ -105,7 +105,9 @@ class EngineRouting:
     def __init__(self, options: RoutingOptions, engine_url: str, registry: CollectorRegistry) -> None:
         self.options = options
         self.engine_url = engine_url.rstrip("/")
-        self.placement: Placement | None = Placement(options.placement) if options.placement.enabled else None
+        self.placement: SessionPlacement | None = (
+            SessionPlacement(options.placement) if options.placement.enabled else None
+        )
         self._calls: dict[str, int] = {}  # session -> engine calls so far (its turn index)
         self._first_prompt: OrderedDict[str, list[int]] = OrderedDict()  # env / group -> its first prompt
         self._record: TextIO | None = None

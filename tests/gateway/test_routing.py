@@ -126,7 +126,7 @@ def test_the_router_worker_list_unknown_keeps_the_routing_key(tmp_path):
         )
         await routing.refresh_workers()
         call = routing.route("s1", "e", None, [1, 2, 3], 4)
-        assert call.headers() == {"X-SMG-Routing-Key": "s1"}
+        assert call.call_headers() == {"X-SMG-Routing-Key": "s1"}
         assert "failed" in (routing.snapshot()["workers_error"] or "")
         await routing.close()
 
