@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from palaestra.engine import zero as zero_engine  # noqa: E402
 from palaestra.gateway.app import build_service  # noqa: E402
 from palaestra.gateway.config import GatewayConfig  # noqa: E402
-from palaestra.gateway.engine_client import EngineClient  # noqa: E402
+from palaestra.gateway.engine_side.engine_client import EngineClient  # noqa: E402
 from palaestra.gateway.routes import OPENAI_CHAT  # noqa: E402
 from palaestra.gateway.service import GatewayService  # noqa: E402
-from palaestra.gateway.spool import SampleSpool  # noqa: E402
+from palaestra.gateway.sessions.spool import SampleSpool  # noqa: E402
 
 VARIANTS = ("none", "off", "batch", "always")
 

@@ -18,7 +18,7 @@ after the previous answer plus its tool time, and measures, over the window afte
 * sessions moved: sessions whose turns were answered by more than one engine.
 
 Router-only policies send `X-SMG-Routing-Key: <session>` (what the gateway sends today); the
-placement rows choose `X-SMG-Target-Worker` with gateway/placement.py over `consistent_hashing`.
+placement rows choose `X-SMG-Target-Worker` with gateway/engine_side/placement.py over `consistent_hashing`.
 Ratios are against the best router-only policy by tokens/s. All times are modelled seconds: with
 `--time-scale S` the engines run S times slower in wall time and the bench divides by S. Each run
 prints the harness's own cost: the CPU share of the client, the engines and the router, how late
@@ -50,7 +50,7 @@ import routing_trace  # noqa: E402
 
 from palaestra.engine import sim as sim_engine  # noqa: E402
 from palaestra.engine.router import RouterProcess  # noqa: E402
-from palaestra.gateway.placement import Call, PlacementConfig, Route, SessionPlacement  # noqa: E402
+from palaestra.gateway.engine_side.placement import Call, PlacementConfig, Route, SessionPlacement  # noqa: E402
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "manual min_load")
 # the router's flags for each row (its `manual` policy: a routing key sticks to the worker it was
@@ -159,7 +159,7 @@ class RouterOnly:
 
 
 class Placed:
-    """The placement layer choosing the target worker (gateway/placement.py, unchanged)."""
+    """The placement layer choosing the target worker (gateway/engine_side/placement.py, unchanged)."""
 
     def __init__(
         self, config: PlacementConfig, workers: list[str], clock: Callable[[], float], time_scale: float
@@ -185,7 +185,7 @@ class Placed:
     health_changes = 0
 
     async def follow(self, http: aiohttp.ClientSession, router_url: str) -> None:
-        """Re-reads the router's worker list every 2 s, as the gateway does (gateway/routing.py)."""
+        """Re-reads the router's worker list every 2 s, as the gateway does (gateway/engine_side/routing.py)."""
         while True:
             await asyncio.sleep(2.0)
             try:

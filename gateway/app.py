@@ -17,23 +17,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from palaestra.gateway import bridge, parsers, template_caps
+from palaestra.gateway import bridge, parsers
 from palaestra.gateway.config import GatewayConfig
-from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.dialects import template_caps
+from palaestra.gateway.engine_side.engine_client import EngineClient
+from palaestra.gateway.engine_side.pause import PauseGate
+from palaestra.gateway.engine_side.routing import EngineRouting, RoutingOptions
+from palaestra.gateway.engine_side.turns import EngineTurns
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import BodyLimit
 from palaestra.gateway.header_sessions import bound
-from palaestra.gateway.journal import SessionJournal
-from palaestra.gateway.limits import IdleReaper, Limits
 from palaestra.gateway.metrics import GatewayMetrics
-from palaestra.gateway.pause import PauseGate
 from palaestra.gateway.renderer import ChatRenderer
 from palaestra.gateway.routes import admin, anthropic, error_body, openai, public, sessions
-from palaestra.gateway.routing import EngineRouting, RoutingOptions
 from palaestra.gateway.service import GatewayService, ModelText
-from palaestra.gateway.session_store import SessionStore
-from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.turns import EngineTurns
+from palaestra.gateway.sessions.journal import SessionJournal
+from palaestra.gateway.sessions.limits import IdleReaper, Limits
+from palaestra.gateway.sessions.session_store import SessionStore
+from palaestra.gateway.sessions.spool import SampleSpool
 
 log = logging.getLogger("palaestra.gateway")
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from palaestra.gateway.engine_side.generation import FinishKind
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.generation import FinishKind
 from palaestra.gateway.renderer import ChatRenderer, message_digest
-from palaestra.gateway.trajectory import Turn
+from palaestra.gateway.sessions.trajectory import Turn
 
 SENTINEL = "\u2063PALAESTRA\u2063SENTINEL\u2063"
 

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from palaestra.gateway.config import GatewayConfig
+from palaestra.gateway.engine_side.placement import PlacementConfig
 from palaestra.gateway.options import GatewayOptions
-from palaestra.gateway.placement import PlacementConfig
 from palaestra.net import ServerProcess, free_port
 from palaestra.typed_config import add_arguments, field_docs
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from palaestra.gateway.placement import PlacementConfig
+from palaestra.gateway.engine_side.placement import PlacementConfig
 from palaestra.typed_config import to_flags
 
 # the flat placement keys of earlier configs -> their field in `placement`
@@ -98,7 +98,7 @@ class GatewayOptions:
 
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """Workload-aware placement of sessions on engine workers (docs/routing.md): ``enabled``, its
-    bounds and pools, each a field of `palaestra.gateway.placement.PlacementConfig`."""
+    bounds and pools, each a field of `palaestra.gateway.engine_side.placement.PlacementConfig`."""
 
     routing_trace: str | None = None
     """Append one JSON line per engine call (session, env, group, turn, prompt / cached / output

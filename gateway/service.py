@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway import controls, parse_status, parsers, replay, template_caps
+from palaestra.gateway import parse_status, parsers
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
@@ -54,18 +54,20 @@ from palaestra.gateway.dialect import (
     TurnResult,
     reply_message,
 )
+from palaestra.gateway.dialects import controls, template_caps
+from palaestra.gateway.engine_side.generation import Generation, SamplingParams
+from palaestra.gateway.engine_side.turns import EngineTurns
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.generation import Generation, SamplingParams
-from palaestra.gateway.journal import SessionJournal
-from palaestra.gateway.limits import Limits
 from palaestra.gateway.metrics import GatewayMetrics
 from palaestra.gateway.renderer import ChatRenderer, message_digest
-from palaestra.gateway.session import Session
-from palaestra.gateway.session_store import SessionStore
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions import replay
+from palaestra.gateway.sessions.journal import SessionJournal
+from palaestra.gateway.sessions.limits import Limits
+from palaestra.gateway.sessions.session import Session
+from palaestra.gateway.sessions.session_store import SessionStore
+from palaestra.gateway.sessions.spool import SampleSpool
+from palaestra.gateway.sessions.trajectory import Turn, linearize
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
-from palaestra.gateway.trajectory import Turn, linearize
-from palaestra.gateway.turns import EngineTurns
 
 
 @dataclass(slots=True)

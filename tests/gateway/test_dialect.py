@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from palaestra.gateway import openai_request, openai_response
 from palaestra.gateway.app import build_service
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
@@ -33,12 +32,13 @@ from palaestra.gateway.dialect import (
     TurnResult,
     reply_message,
 )
-from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.dialects import openai_request, openai_response
+from palaestra.gateway.engine_side.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.parsers import ToolCall
 from palaestra.gateway.renderer import message_digest, normalize_messages
-from palaestra.gateway.session import Session
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions.session import Session
+from palaestra.gateway.sessions.spool import SampleSpool
 from palaestra.gateway.streaming import HeldBackText, safe_prefix, sse
 from tests.support.servers import ScriptedEngine, ThreadServer
 

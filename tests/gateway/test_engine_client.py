@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from palaestra.gateway.engine_client import EngineClient
-from palaestra.gateway.generation import SamplingParams
+from palaestra.gateway.engine_side.engine_client import EngineClient
+from palaestra.gateway.engine_side.generation import SamplingParams
 from palaestra.gateway.errors import GatewayError
 
 

@@ -1,4 +1,4 @@
-"""Partial rollouts (gateway/partial.py): a weight update interrupts a turn in flight — the gateway
+"""Partial rollouts (gateway/engine_side/partial.py): a weight update interrupts a turn in flight — the gateway
 paused without draining, the engine paused in abort mode, new weights loaded — and the gateway
 continues it on the new weights. The client sees one answer; the sample records which version
 sampled each token; with greedy sampling the tokens are exactly the old weights' up to the
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from palaestra.gateway import partial
-from palaestra.gateway.generation import FinishReason, Generation, SamplingParams, VersionSpan
+from palaestra.gateway.engine_side import partial
+from palaestra.gateway.engine_side.generation import FinishReason, Generation, SamplingParams, VersionSpan
 from tests.support.servers import ADMIN_KEY, ENV_KEY, gateway_server
 
 KEY = {"Authorization": f"Bearer {ENV_KEY}"}

@@ -1,10 +1,10 @@
-"""The placement layer's decisions (gateway/placement.py), on a virtual clock: no engines, no timing."""
+"""The placement layer's decisions (gateway/engine_side/placement.py), on a virtual clock: no engines, no timing."""
 
 from __future__ import annotations
 
 import pytest
 
-from palaestra.gateway.placement import Call, PlacementConfig, SessionPlacement
+from palaestra.gateway.engine_side.placement import Call, PlacementConfig, SessionPlacement
 
 URLS = [f"http://w{i}" for i in range(4)]
 

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from palaestra.gateway.placement import PlacementConfig
-from palaestra.gateway.routing import EngineRouting, RoutingOptions
+from palaestra.gateway.engine_side.placement import PlacementConfig
+from palaestra.gateway.engine_side.routing import EngineRouting, RoutingOptions
 from tests.support.servers import ADMIN_KEY, ScriptedEngine, TextScript, ThreadServer, gateway_server
 from tests.support.sessions import AUTH, new_session, reward, samples
 

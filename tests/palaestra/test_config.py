@@ -151,7 +151,7 @@ def test_a_lora_run_starts_its_engines_with_lora_and_its_gateway_naming_the_adap
 def test_flat_placement_keys_of_earlier_configs_are_read_under_gateway_placement(tmp_path, caplog):
     """`gateway.placement: true` and `gateway.placement_<x>` (before placement was a section) are
     read as `gateway.placement.enabled` / `gateway.placement.<x>`, each with a warning naming it."""
-    from palaestra.gateway.placement import PlacementConfig
+    from palaestra.gateway.engine_side.placement import PlacementConfig
 
     path = tmp_path / "old.yaml"
     path.write_text("gateway:\n  placement: true\n  placement_epsilon: 0.5\n  placement_groups: apart\n")
@@ -177,8 +177,8 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
 
     from palaestra.gateway import cli as gateway_cli
     from palaestra.gateway.config import GatewayConfig
+    from palaestra.gateway.engine_side.placement import PlacementConfig
     from palaestra.gateway.options import GatewayOptions as GatewaysOwn
-    from palaestra.gateway.placement import PlacementConfig
 
     assert GatewayOptions is GatewaysOwn and issubclass(GatewayConfig, GatewayOptions)
     parser = argparse.ArgumentParser()

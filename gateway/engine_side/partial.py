@@ -20,7 +20,7 @@ seam is not seen by the engine (the gateway's own stop trimming still sees the w
 
 from __future__ import annotations
 
-from palaestra.gateway.generation import FinishReason, Generation, VersionSpan
+from palaestra.gateway.engine_side.generation import FinishReason, Generation, VersionSpan
 
 __all__ = ["continued"]
 

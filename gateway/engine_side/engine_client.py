@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
+from palaestra.gateway.engine_side.generation import FinishReason, Generation, SamplingParams, VersionSpan
+from palaestra.gateway.engine_side.placement import ROUTING_HEADER
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.generation import FinishReason, Generation, SamplingParams, VersionSpan
-from palaestra.gateway.placement import ROUTING_HEADER
 
 if TYPE_CHECKING:
-    from palaestra.gateway.routing import CallRoute
+    from palaestra.gateway.engine_side.routing import CallRoute
 
 
 def _refused_target(status: int, raw: bytes) -> bool:

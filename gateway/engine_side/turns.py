@@ -19,15 +19,15 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from palaestra.gateway import partial
-from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.engine_side import partial
+from palaestra.gateway.engine_side.engine_client import EngineClient
+from palaestra.gateway.engine_side.generation import Generation, SamplingParams
+from palaestra.gateway.engine_side.pause import PauseGate
+from palaestra.gateway.engine_side.routing import EngineRouting
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.generation import Generation, SamplingParams
-from palaestra.gateway.journal import SessionJournal
 from palaestra.gateway.metrics import GatewayMetrics
-from palaestra.gateway.pause import PauseGate
-from palaestra.gateway.routing import EngineRouting
-from palaestra.gateway.session import Session
+from palaestra.gateway.sessions.journal import SessionJournal
+from palaestra.gateway.sessions.session import Session
 
 __all__ = ["EngineTurns", "Piece"]
 

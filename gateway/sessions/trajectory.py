@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from palaestra.gateway.generation import FinishKind, FinishReason, VersionSpan
+from palaestra.gateway.engine_side.generation import FinishKind, FinishReason, VersionSpan
 from palaestra.sample import Sample, sample_id_for
 
 FORK_REASONS = (
@@ -54,7 +54,7 @@ class Turn:
     parse: dict[str, Any] | None = None  # chat: how the output was parsed (service._parse_status)
     controls: dict[str, Any] | None = None
     """What the call asked that was not done as asked (service._controls): "ignored" (the recorded
-    controls, gateway/controls.py) and "max_tokens" (a clamp: field, asked, granted); None: nothing."""
+    controls, gateway/dialects/controls.py) and "max_tokens" (a clamp: field, asked, granted); None: nothing."""
     fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
     fork_detail: str = ""
     children: int = 0

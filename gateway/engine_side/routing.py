@@ -3,7 +3,7 @@
 `EngineRouting` sits between the turn core (`service.py`) and the engine client: per call it gives
 the routing headers (`CallRoute.call_headers()`), and when the call answers it counts the environment's
 traffic. With `placement` off (the default) the headers are today's, `X-SMG-Routing-Key:
-<session>` for sglang-router's consistent hashing; with it on, `gateway/placement.py` also chooses
+<session>` for sglang-router's consistent hashing; with it on, `gateway/engine_side/placement.py` also chooses
 `X-SMG-Target-Worker` from the router's worker list, which a background task re-reads from the
 router's `GET /workers` every few seconds (and before re-placing a refused call). The engine client
 asks for a new route only when the router refused the target before anything was generated, so
@@ -29,11 +29,17 @@ from typing import Any, TextIO
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from palaestra.gateway.placement import ROUTING_HEADER, Call, PlacementConfig, Route, SessionPlacement
+from palaestra.gateway.engine_side.placement import (
+    ROUTING_HEADER,
+    Call,
+    PlacementConfig,
+    Route,
+    SessionPlacement,
+)
 
 __all__ = ["CallRoute", "EngineRouting", "RoutingOptions"]
 
-log = logging.getLogger("palaestra.gateway.routing")
+log = logging.getLogger("palaestra.gateway.engine_side.routing")
 
 
 @dataclass(frozen=True)
