@@ -89,16 +89,13 @@ def build_service(
         segment_bytes=config.journal_segment_bytes,
     )
     limits = Limits(config, sessions, spool, journal, metrics.registry)
-    routing = EngineRouting(_routing_options(config), config.engine_url, metrics.registry)
+    routing_options = RoutingOptions(placement=config.placement, routing_trace=config.routing_trace)
+    routing = EngineRouting(routing_options, config.engine_url, metrics.registry)
     turns = EngineTurns(engine, routing, gate, journal, metrics)
     text = model_text(config, tokenizer, context_length)
     svc = GatewayService(config, text, turns, sessions, journal, limits, spool, metrics)
     svc.recover()
     return svc
-
-
-def _routing_options(config: GatewayConfig) -> RoutingOptions:
-    return RoutingOptions(placement=config.placement, routing_trace=config.routing_trace)
 
 
 def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:

@@ -125,15 +125,18 @@ class EngineTurns:
         first: Generation | None = None,
     ) -> AsyncIterator[Piece]:
         """The pieces of one choice: `call`'s (or `first`, already answered), then, while a weight
-        update interrupted the answer during the call, the continuation's (partial.py)."""
+        update interrupted the answer during the call, the continuation's (partial.py). A piece with a
+        Generation ends an engine call; the last one carries the whole choice."""
         budget = sampling.max_new_tokens
         done: Generation | None = None  # what earlier engine calls of this choice sampled
-        rest: SamplingParams | None = sampling
+        current = sampling  # the budget left to the next engine call
         while True:
             tail: tuple[list[int], list[float]] = ([], [])  # the ids of the call's final piece
             final = first
             if final is None:
-                async with contextlib.aclosing(call(ids + (done.output_ids if done else []), rest)) as pieces:
+                async with contextlib.aclosing(
+                    call(ids + (done.output_ids if done else []), current)
+                ) as pieces:
                     async for new_ids, new_lps, end in pieces:
                         if end is None:
                             yield new_ids, new_lps, None
@@ -157,6 +160,7 @@ class EngineTurns:
             if rest is None:  # the budget was spent at the interruption: the call ends as `length`
                 yield [], [], partial.continued(done, None, budget)
                 return
+            current = rest
 
     # -- one engine call, routed ---------------------------------------------------------------
     async def _whole(
