@@ -104,6 +104,12 @@ class GatewayOptions:
     """Append one JSON line per engine call (session, env, group, turn, prompt / cached / output
     tokens, engine seconds) to this file: the traffic bench/routing.py --trace replays."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.placement, PlacementConfig):  # `placement: bool` before it was a section
+            raise TypeError(
+                f"placement must be a PlacementConfig (got {self.placement!r}); on/off is placement.enabled"
+            )
+
     def serve_flags(self) -> list[str]:
         """`palaestra gateway serve` arguments for these options (None = left to the gateway); the
         run adds model, URLs, keys and spool dir. Placement's are ``--placement-<field>``."""
