@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from palaestra.gateway.app import build_service
 from palaestra.gateway.config import GatewayConfig
-from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.engine_side.engine_client import EngineClient
 from palaestra.gateway.routes import OPENAI_CHAT
 from palaestra.gateway.service import GatewayService
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions.spool import SampleSpool
 from palaestra.testing import zero as zero_engine
 
 VARIANTS = ("none", "off", "batch", "always")
@@ -71,10 +72,10 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
             context_length=32768,
             journal_fsync="off" if name == "none" else name,
         )
-        svc = GatewayService(config, tok, 32768, EngineClient(engine_url), SampleSpool(config.spool_dir))
+        svc = build_service(config, tok, 32768, EngineClient(engine_url), SampleSpool(config.spool_dir))
         if name == "none":
             svc.journal.close()
-            svc.journal = NoJournal()  # type: ignore[assignment]
+            svc.journal = svc.turns.journal = NoJournal()  # type: ignore[assignment]
         services[name] = svc
     direct: list[float] = []  # the journal's own time per turn record, timed inside the "off" variant
     record = services["off"].journal.turn
@@ -117,7 +118,7 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
         f"{services['batch'].journal.fsyncs} with batch"
     )
     for svc in services.values():
-        await svc.engine.close()
+        await svc.turns.engine.close()
         svc.close()
         svc.spool.close()
 

@@ -18,7 +18,7 @@ after the previous answer plus its tool time, and measures, over the window afte
 * sessions moved: sessions whose turns were answered by more than one engine.
 
 Router-only policies send `X-SMG-Routing-Key: <session>` (what the gateway sends today); the
-placement rows choose `X-SMG-Target-Worker` with gateway/placement.py over `consistent_hashing`.
+placement rows choose `X-SMG-Target-Worker` with gateway/engine_side/placement.py over `consistent_hashing`.
 Ratios are against the best router-only policy by tokens/s. All times are modelled seconds: with
 `--time-scale S` the engines run S times slower in wall time and the bench divides by S. Each run
 prints the harness's own cost: the CPU share of the client, the engines and the router, how late
@@ -44,7 +44,7 @@ import orjson
 
 from bench import common, routing_trace
 from palaestra.engine.router import RouterProcess
-from palaestra.gateway.placement import Call, Placement, PlacementConfig, Route
+from palaestra.gateway.engine_side.placement import Call, PlacementConfig, Route, SessionPlacement
 from palaestra.testing import sim as sim_engine
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "manual min_load")
@@ -54,7 +54,7 @@ ROUTER_ARGS = {"manual min_load": ("manual", ["--router-assignment-mode", "min_l
 # ours, and the ideas it is made of, measured one at a time
 PLACEMENTS: dict[str, PlacementConfig] = {
     "placement": PlacementConfig(),  # the gateway's defaults with --placement
-    "placement -group": PlacementConfig(group_affinity=False),
+    "placement -group": PlacementConfig(groups="apart"),
     "placement +pools": PlacementConfig(pools=True),
     "placement +admission": PlacementConfig(admit_fill=0.9),
 }
@@ -154,12 +154,12 @@ class RouterOnly:
 
 
 class Placed:
-    """The placement layer choosing the target worker (gateway/placement.py, unchanged)."""
+    """The placement layer choosing the target worker (gateway/engine_side/placement.py, unchanged)."""
 
     def __init__(
         self, config: PlacementConfig, workers: list[str], clock: Callable[[], float], time_scale: float
     ) -> None:
-        self.placement = Placement(config, workers, clock=clock, time_scale=time_scale)
+        self.placement = SessionPlacement(config, workers, clock=clock, time_scale=time_scale)
         for url in workers:  # what the gateway reads from each worker's /server_info
             info = httpx.get(url + "/server_info", timeout=10, trust_env=False).json()
             self.placement.set_capacity(url, int(info["max_total_num_tokens"]))
@@ -169,7 +169,7 @@ class Placed:
 
     def route(self, call: Call) -> tuple[dict[str, str], Route | None]:
         r = self.placement.choose(call)
-        return r.headers(), r
+        return r.call_headers(), r
 
     def ended(self, session: str) -> None:
         self.placement.ended(session)
@@ -180,7 +180,7 @@ class Placed:
     health_changes = 0
 
     async def follow(self, http: aiohttp.ClientSession, router_url: str) -> None:
-        """Re-reads the router's worker list every 2 s, as the gateway does (gateway/routing.py)."""
+        """Re-reads the router's worker list every 2 s, as the gateway does (gateway/engine_side/routing.py)."""
         while True:
             await asyncio.sleep(2.0)
             try:
@@ -340,7 +340,7 @@ class Replay:
                 break
             if status == 503 and route is not None:
                 route = route.retry()
-                headers = {**route.headers(), "content-type": "application/json"}
+                headers = {**route.call_headers(), "content-type": "application/json"}
                 continue
             break
         if status != 200:

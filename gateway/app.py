@@ -1,4 +1,4 @@
-"""The gateway app: mounts the routes over one `GatewayService`.
+"""The gateway app: wires one `GatewayService` (`build_service`) and mounts the routes over it.
 
     palaestra gateway serve --model tiny --engine-url http://127.0.0.1:30000 --port 8000 \
         --api-key $KEY --admin-key $ADMIN
@@ -17,14 +17,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from palaestra.gateway import bridge, parsers
 from palaestra.gateway.config import GatewayConfig
-from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.dialects import template_caps
+from palaestra.gateway.engine_side.engine_client import EngineClient
+from palaestra.gateway.engine_side.pause import PauseGate
+from palaestra.gateway.engine_side.routing import EngineRouting, RoutingOptions
+from palaestra.gateway.engine_side.turns import EngineTurns
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import BodyLimit
 from palaestra.gateway.header_sessions import bound
+from palaestra.gateway.metrics import GatewayMetrics
+from palaestra.gateway.renderer import ChatRenderer
 from palaestra.gateway.routes import admin, anthropic, error_body, openai, public, sessions
-from palaestra.gateway.service import GatewayService
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.service import GatewayService, ModelText
+from palaestra.gateway.sessions.journal import SessionJournal
+from palaestra.gateway.sessions.limits import IdleReaper, Limits
+from palaestra.gateway.sessions.session_store import SessionStore
+from palaestra.gateway.sessions.spool import SampleSpool
 
 log = logging.getLogger("palaestra.gateway")
 
@@ -35,6 +45,57 @@ def _engine_context_length(engine_url: str) -> int | None:
         return int(info["context_length"])
     except (httpx.HTTPError, KeyError, ValueError, TypeError):
         return None
+
+
+def model_text(config: GatewayConfig, tokenizer: Any, context_length: int) -> ModelText:
+    """The renderer, parsers and template facts of `tokenizer` (parsers "auto": from its chat template)."""
+    renderer = ChatRenderer(tokenizer, context_length=context_length)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    auto_tool, auto_reason = parsers.detect_parsers(template if isinstance(template, str) else "")
+    stop_text: dict[int, str] = {}
+    for tid in getattr(tokenizer, "all_special_ids", []) or []:
+        stop_text[int(tid)] = tokenizer.convert_ids_to_tokens(int(tid))
+    for tid, tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items():
+        stop_text.setdefault(int(tid), str(tok))
+    return ModelText(
+        renderer=renderer,
+        tool_parser=parsers.get_tool_parser(
+            auto_tool if config.tool_parser == "auto" else config.tool_parser
+        ),
+        reasoning_parser=parsers.get_reasoning_parser(
+            auto_reason if config.reasoning_parser == "auto" else config.reasoning_parser
+        ),
+        stop_text=stop_text,
+        render_gap=bridge.incremental_ok(renderer),
+        caps=template_caps.probe(renderer),
+    )
+
+
+def build_service(
+    config: GatewayConfig, tokenizer: Any, context_length: int, engine: EngineClient, spool: SampleSpool
+) -> GatewayService:
+    """The service and its collaborators over one tokenizer, engine client and spool; the session
+    journal in the spool directory is replayed (`GatewayService.recover`), so a gateway restarted on
+    it continues every open session."""
+    metrics = GatewayMetrics()
+    sessions = SessionStore(config.max_sessions, metrics)
+    gate = PauseGate(config, metrics)
+    if config.start_paused:
+        gate.pause()
+    journal = SessionJournal(
+        spool.dir,
+        fsync=config.journal_fsync,
+        interval_s=config.journal_fsync_interval_ms / 1000,
+        segment_bytes=config.journal_segment_bytes,
+    )
+    limits = Limits(config, sessions, spool, journal, metrics.registry)
+    routing_options = RoutingOptions(placement=config.placement, routing_trace=config.routing_trace)
+    routing = EngineRouting(routing_options, config.engine_url, metrics.registry)
+    turns = EngineTurns(engine, routing, gate, journal, metrics)
+    text = model_text(config, tokenizer, context_length)
+    svc = GatewayService(config, text, turns, sessions, journal, limits, spool, metrics)
+    svc.recover()
+    return svc
 
 
 def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
@@ -61,13 +122,13 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
         lora_adapter=config.engine_lora_adapter,
     )
     spool = SampleSpool(config.spool_dir, config.spool_segment_bytes, not config.spool_keep_acked)
-    svc = GatewayService(config, tokenizer, config.context_length, engine, spool)  # replays the journal
+    svc = build_service(config, tokenizer, config.context_length, engine, spool)  # replays the journal
     if any(svc.recovered.values()):
         log.warning("session journal replayed: %s", svc.recovered)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        reaper = asyncio.create_task(svc.reaper.run())
+        reaper = asyncio.create_task(IdleReaper(svc.limits, svc.finish).run())
         await svc.routing.start()  # with placement: the router's worker list, then kept fresh
         yield
         reaper.cancel()

@@ -33,7 +33,7 @@ from palaestra.gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from palaestra.gateway.config import GatewayConfig
-    from palaestra.gateway.session_store import SessionStore
+    from palaestra.gateway.sessions.session_store import SessionStore
 
 __all__ = ["SESSION_TOKEN_PREFIX", "Scope", "authorize", "mint_session_token", "presented_key"]
 

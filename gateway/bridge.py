@@ -30,9 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from palaestra.gateway.engine_side.generation import FinishKind
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.renderer import ChatRenderer, message_digest
-from palaestra.gateway.trajectory import Turn
+from palaestra.gateway.sessions.trajectory import Turn
 
 SENTINEL = "\u2063PALAESTRA\u2063SENTINEL\u2063"
 
@@ -69,13 +70,47 @@ def plan_chat(
     `context_key` identifies what besides the messages the template reads (tools, template
     arguments); `gap` (not None: the template passed `incremental_ok`, which measured it) lets an
     append to a turn without reasoning be rendered from its last messages only (`_bridge_short`)."""
-
-    def fork(reason: str | None, detail: str = "") -> Plan:
-        return _fork(renderer, renderer.render(messages, tools, True, template_extra), reason, detail)
-
     if not has_turns:
-        return fork(None)
-    # the longest earlier request M_c = messages[:k] followed here by an assistant message
+        return _fork(renderer, renderer.render(messages, tools, True, template_extra), None, "")
+    try:
+        prefix_k, parent = _parent(turns_by_digest, messages, digests)
+        same_context = parent.context_key == context_key
+        # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
+        short_ok = gap is not None and not template_extra and same_context
+        if short_ok and not parent.reasoning_on_path:
+            assert gap is not None
+            plan = _bridge_short(renderer, messages, prefix_k, parent, tools, stop_text, template_extra, gap)
+            if plan is not None:
+                return plan
+        return _bridge_full(
+            renderer,
+            messages,
+            prefix_k,
+            parent,
+            tools,
+            stop_text,
+            reasoning_policy,
+            template_extra,
+            same_context,
+        )
+    except _Fork as no:
+        rendered = no.rendered or renderer.render(messages, tools, True, template_extra)
+        return _fork(renderer, rendered, no.reason, no.detail)
+
+
+class _Fork(Exception):
+    """The request cannot be bridged onto an earlier turn: a new sample, for `reason`."""
+
+    def __init__(self, reason: str, detail: str, rendered: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.detail, self.rendered = reason, detail, rendered  # rendered: when already done
+
+
+def _parent(
+    turns_by_digest: dict[int, list[Turn]], messages: list[dict[str, Any]], digests: list[int]
+) -> tuple[int, Turn]:
+    """The turn this request continues, and where its reply sits in `messages`: the longest earlier
+    request messages[:k] followed here by an assistant message that is that turn's reply as sent."""
     prefix_k, candidates = 0, []
     for k in range(len(messages) - 1, 0, -1):
         found = turns_by_digest.get(digests[k - 1])
@@ -83,31 +118,36 @@ def plan_chat(
             prefix_k, candidates = k, found
             break
     if not candidates:
-        return fork("prefix_changed", "no earlier request is a prefix of this one")
+        raise _Fork("prefix_changed", "no earlier request is a prefix of this one")
     echoed = message_digest(messages[prefix_k], loose_assistant=True)
     matching = [t for t in candidates if t.reply_digest == echoed]
     if not matching:
-        return fork("assistant_edited", f"message {prefix_k} differs from what the model replied")
+        raise _Fork("assistant_edited", f"message {prefix_k} differs from what the model replied")
     parent = max(matching, key=lambda t: (t.children == 0, t.turn_id))  # prefer the live tip
-    if parent.finish_reason.get("type") == "length":
-        return fork("truncated", f"turn {parent.turn_id} ended at max_tokens")
-    same_context = parent.context_key == context_key
-    # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
-    short_ok = gap is not None and not template_extra and same_context
-    if short_ok and not parent.reasoning_on_path:
-        plan = _bridge_short(renderer, messages, prefix_k, parent, tools, stop_text, template_extra, gap)
-        if plan is not None:
-            return plan
+    if parent.finish_reason.kind == FinishKind.LENGTH:
+        raise _Fork("truncated", f"turn {parent.turn_id} ended at max_tokens")
+    return prefix_k, parent
+
+
+def _bridge_full(
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    prefix_k: int,
+    parent: Turn,
+    tools: list[dict[str, Any]] | None,
+    stop_text: dict[int, str],
+    reasoning_policy: str,
+    template_extra: dict[str, Any] | None,
+    same_context: bool,
+) -> Plan:
+    """The bridge checked on whole renders: the history renders as it did for `parent`, the reply's
+    place is found with a sentinel, and the template keeps (or, policy `keep`, may drop) reasoning."""
     parent_rendered = parent.rendered
     if not parent_rendered:  # the parent was planned incrementally: render its request in full now
         if not same_context:
-            return fork("template_nonmonotonic", "the tools or template arguments changed")
+            raise _Fork("template_nonmonotonic", "the tools or template arguments changed")
         parent_rendered = renderer.render(messages[:prefix_k], tools, True, template_extra)
     rendered = renderer.render(messages, tools, True, template_extra)
-
-    def full_fork(reason: str, detail: str) -> Plan:
-        return _fork(renderer, rendered, reason, detail)
-
     sentinel = {"role": "assistant", "content": SENTINEL}
     if messages[prefix_k].get("reasoning_content"):  # templates render reasoning before the content
         sentinel["reasoning_content"] = messages[prefix_k]["reasoning_content"]
@@ -115,7 +155,7 @@ def plan_chat(
     with_sentinel = renderer.render(sentinel_msgs, tools, True, template_extra)
     pos = with_sentinel.find(SENTINEL)
     if pos < 0:
-        return full_fork("template_nonmonotonic", "the template does not render assistant content")
+        raise _Fork("template_nonmonotonic", "the template does not render assistant content", rendered)
     history_ok = (
         rendered.startswith(parent_rendered)
         and with_sentinel.startswith(parent_rendered)
@@ -128,26 +168,35 @@ def plan_chat(
             else "template_nonmonotonic"
         )
         if not (reason == "reasoning_stripped" and reasoning_policy == "keep"):
-            return full_fork(reason, "the template renders the earlier turns differently now")
+            raise _Fork(reason, "the template renders the earlier turns differently now", rendered)
     before_content = with_sentinel[len(parent_rendered) : pos] if history_ok else ""
     tail = with_sentinel[pos + len(SENTINEL) :]
     if not rendered.endswith(tail):
-        return full_fork(
-            "template_nonmonotonic", "the new messages render differently after this assistant turn"
+        raise _Fork(
+            "template_nonmonotonic", "the new messages render differently after this assistant turn", rendered
         )
+    _check_reasoning(parent, before_content, rendered, reasoning_policy)
+    return _bridged(renderer, parent, tail, rendered, stop_text)
+
+
+def _check_reasoning(parent: Turn, before_content: str, rendered: str, reasoning_policy: str) -> None:
+    """Forks when the template renders the parent's turn other than the model wrote it: its
+    reasoning dropped (unless policy `keep`), or text opened before the content that it did not write."""
     if before_content and not parent.output_text.startswith(before_content):
         if parent.had_reasoning and reasoning_policy != "keep":
-            return full_fork(
+            raise _Fork(
                 "reasoning_stripped",
                 f"the template renders this turn as {before_content!r}... without the model's reasoning",
+                rendered,
             )
         if not parent.had_reasoning:
-            return full_fork(
-                "template_nonmonotonic", f"the template opens past assistant turns with {before_content!r}"
+            raise _Fork(
+                "template_nonmonotonic",
+                f"the template opens past assistant turns with {before_content!r}",
+                rendered,
             )
     if parent.had_reasoning and reasoning_policy != "keep" and not _reasoning_kept(rendered, parent):
-        return full_fork("reasoning_stripped", "the template drops this turn's reasoning")
-    return _bridged(renderer, parent, tail, rendered, stop_text)
+        raise _Fork("reasoning_stripped", "the template drops this turn's reasoning", rendered)
 
 
 def _bridged(
@@ -155,7 +204,7 @@ def _bridged(
 ) -> Plan:
     """prompt = the parent's prompt + output + the tokens of `tail` (its closing token not twice)."""
     last = parent.output_ids[-1] if parent.output_ids else None
-    closing = stop_text.get(last, "") if parent.finish_reason.get("type") == "stop" else ""
+    closing = stop_text.get(last, "") if parent.finish_reason.kind == FinishKind.STOP else ""
     if closing and tail.startswith(closing):
         tail = tail[len(closing) :]
     bridge = renderer.encode(tail)

@@ -15,14 +15,21 @@ import sys
 from pathlib import Path
 
 from palaestra.gateway.config import GatewayConfig
+from palaestra.gateway.engine_side.placement import PlacementConfig
 from palaestra.gateway.options import GatewayOptions
 from palaestra.net import ServerProcess, free_port
-from palaestra.typed_config import add_arguments
+from palaestra.typed_config import add_arguments, field_docs
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The `GatewayConfig` that `palaestra gateway serve` parsed into `args`."""
-    return GatewayConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GatewayConfig)})
+    placement = PlacementConfig(
+        **{f.name: getattr(args, f"placement_{f.name}") for f in dataclasses.fields(PlacementConfig)}
+    )
+    return GatewayConfig(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(GatewayConfig) if f.name != "placement"},
+        placement=placement,
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -76,7 +83,17 @@ def register(groups: argparse._SubParsersAction) -> None:
     add_arguments(
         p, GatewayConfig, [f.name for f in dataclasses.fields(GatewayConfig) if f.name not in tunable]
     )
-    add_arguments(p.add_argument_group("options a run tunes (its config's gateway: section)"), GatewayOptions)
+    tuned = p.add_argument_group("options a run tunes (its config's gateway: section)")
+    add_arguments(
+        tuned, GatewayOptions, [f.name for f in dataclasses.fields(GatewayOptions) if f.name != "placement"]
+    )
+    placed = p.add_argument_group(
+        "placement (its config's gateway.placement: section)", field_docs(GatewayOptions)["placement"]
+    )
+    add_arguments(placed, PlacementConfig, prefix="placement_")
+    placed.add_argument(
+        "--placement", dest="placement_enabled", action="store_true", help="= --placement-enabled"
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_serve)
 

@@ -26,9 +26,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from palaestra.gateway import openapi_schemas as schemas
 from palaestra.gateway import routes
 from palaestra.gateway.auth import Scope
+from palaestra.gateway.dialects import openapi_schemas as schemas
 from palaestra.gateway.errors import GatewayError
 
 __all__ = ["ENV_HEADER", "GROUP_HEADER", "SESSION_HEADER", "TASK_HEADER", "bound", "bound_session"]

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from palaestra.gateway.guards import CUT_REASONS, REJECT_REASONS
 from palaestra.gateway.parsers import PARSE_ERROR_REASONS
-from palaestra.gateway.trajectory import FORK_REASONS
+from palaestra.gateway.sessions.trajectory import FORK_REASONS
 
 __all__ = ["GatewayMetrics"]
 
@@ -70,7 +70,7 @@ class GatewayMetrics:
         )
         self.ignored_controls = Counter(
             f"{p}_ignored_controls",
-            "Calls that sent a control nothing here acts on (gateway/controls.py), by route and field",
+            "Calls that sent a control nothing here acts on (gateway/dialects/controls.py), by route and field",
             ["route", "control"],
             registry=r,
         )

@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from palaestra.gateway.engine_side.placement import PlacementConfig
 from palaestra.typed_config import to_flags
+
+# the flat placement keys of earlier configs -> their field in `placement`
+_FLAT_PLACEMENT = {
+    "placement_epsilon": "epsilon",
+    "placement_move_epsilon": "move_epsilon",
+    "placement_groups": "groups",
+    "placement_pools": "pools",
+    "placement_admit_fill": "admit_fill",
+}
 
 __all__ = ["GatewayOptions"]
 
@@ -86,35 +96,38 @@ class GatewayOptions:
     """A streamed answer whose client reads nothing for this long (its socket buffers full) is
     ended and its engine request dropped, seconds."""
 
-    placement: bool = False
-    """Workload-aware placement (docs/routing.md): choose each engine call's worker
-    (X-SMG-Target-Worker) from the session's env, group, turns and context and each worker's load;
-    off = the router's consistent_hashing on the session id alone (today's behaviour)."""
-
-    placement_epsilon: float = 0.25
-    """With placement: a group's sessions share a worker while it stays within (1 + this) x mean load."""
-
-    placement_move_epsilon: float = 1.0
-    """With placement: a session moves off its worker (one prefill) when that worker's load passes
-    (1 + this) x mean."""
-
-    placement_groups: Literal["together", "apart"] = "together"
-    """With placement: together = a group's sessions share a worker while it is within bounds (their
-    shared prompt is prefilled once); apart = each session is placed on its own."""
-
-    placement_pools: bool = False
-    """With placement: separate workers for long-context environments and the rest."""
-
-    placement_admit_fill: float = 0.0
-    """With placement: a new session's first call waits while placing it would fill every worker's
-    KV cache (its /server_info max_total_num_tokens) past this fraction, each session counted at its
-    environment's mean context; 0 = never wait."""
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """Workload-aware placement of sessions on engine workers (docs/routing.md): ``enabled``, its
+    bounds and pools, each a field of `palaestra.gateway.engine_side.placement.PlacementConfig`."""
 
     routing_trace: str | None = None
     """Append one JSON line per engine call (session, env, group, turn, prompt / cached / output
     tokens, engine seconds) to this file: the traffic bench/routing.py --trace replays."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.placement, PlacementConfig):  # `placement: bool` before it was a section
+            raise TypeError(
+                f"placement must be a PlacementConfig (got {self.placement!r}); on/off is placement.enabled"
+            )
+
     def serve_flags(self) -> list[str]:
         """`palaestra gateway serve` arguments for these options (None = left to the gateway); the
-        run adds model, URLs, keys and spool dir."""
-        return to_flags({f.name: getattr(self, f.name) for f in dataclasses.fields(GatewayOptions)})
+        run adds model, URLs, keys and spool dir. Placement's are ``--placement-<field>``."""
+        flat: dict[str, Any] = {}
+        for f in dataclasses.fields(GatewayOptions):
+            if f.name == "placement":
+                for p in dataclasses.fields(PlacementConfig):
+                    flat[f"placement_{p.name}"] = getattr(self.placement, p.name)
+            else:
+                flat[f.name] = getattr(self, f.name)
+        return to_flags(flat)
+
+    @staticmethod
+    def moved_key(key: str, value: Any) -> tuple[str, Any] | None:
+        """Where a key of an earlier ``gateway:`` section now lives (`typed_config` reads it there and
+        says so): ``placement: true`` is ``placement.enabled``, ``placement_<x>`` is ``placement.<x>``."""
+        if key == "placement" and isinstance(value, bool):
+            return "placement.enabled", value
+        if key in _FLAT_PLACEMENT:
+            return f"placement.{_FLAT_PLACEMENT[key]}", value
+        return None

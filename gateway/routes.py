@@ -18,10 +18,16 @@ from prometheus_client import generate_latest
 from starlette.routing import Match
 from starlette.types import Scope as AsgiScope
 
-from palaestra.gateway import anthropic_api, openai_request, openai_response, responses_answer, responses_api
-from palaestra.gateway import openapi_schemas as schemas
 from palaestra.gateway.auth import Scope, authorize
 from palaestra.gateway.dialect import Dialect, TextRequest, TurnRequest
+from palaestra.gateway.dialects import (
+    anthropic_api,
+    openai_request,
+    openai_response,
+    responses_answer,
+    responses_api,
+)
+from palaestra.gateway.dialects import openapi_schemas as schemas
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import GuardedStream, count_rejection, read_json
 from palaestra.gateway.service import GatewayService

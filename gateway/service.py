@@ -8,7 +8,8 @@ speaks (OpenAI chat and completions, the OpenAI Responses API, Anthropic Message
    `TextRequest` (a raw text prompt);
 2. plans the prompt ids: bridged onto the exact tokens of an earlier turn, or a fork with a named
    reason (`bridge.plan_chat`; text prompts: the earlier prompt + output it extends);
-3. generates behind the pause gate through `engine_client.EngineClient`, whole or streamed;
+3. has the turn core generate it (`turns.EngineTurns`: admission, the pause gate, routing, the
+   engine call, a partial rollout's continuation), whole or streamed;
 4. records every sampled choice as a `trajectory.Turn` of the session's tree, after splitting
    reasoning and tool calls out of its text (`parsers.py`);
 5. gives the dialect's shaper a `TurnResult`, or, streaming, a sequence of `StreamEvent`s
@@ -16,7 +17,7 @@ speaks (OpenAI chat and completions, the OpenAI Responses API, Anthropic Message
 
 `finish` (the reward call) linearises the session's turn tree into Samples and makes them durable
 in the spool. Sessions, turns, failed calls and finishes are also written to the session journal
-(`journal.py`) as they happen; constructing the service replays it, so a gateway restarted on the
+(`journal.py`) as they happen; `recover` (called by `app.build_service`) replays it, so a gateway restarted on the
 same spool directory continues every open session. New sessions pass `limits.Limits` first. No
 wire format is known here: each dialect's parser and shaper live in its own modules, and
 `dialect.py` says what a dialect provides.
@@ -25,6 +26,7 @@ wire format is known here: each dialect's parser and shaper live in its own modu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import secrets
 import time
@@ -34,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway import bridge, controls, parse_status, parsers, partial, replay, template_caps
+from palaestra.gateway import parse_status, parsers
 from palaestra.gateway.bridge import Plan, plan_chat
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
@@ -52,20 +54,20 @@ from palaestra.gateway.dialect import (
     TurnResult,
     reply_message,
 )
-from palaestra.gateway.engine_client import EngineClient, Generation
+from palaestra.gateway.dialects import controls, template_caps
+from palaestra.gateway.engine_side.generation import Generation, SamplingParams
+from palaestra.gateway.engine_side.turns import EngineTurns
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.journal import SessionJournal
-from palaestra.gateway.limits import IdleReaper, Limits
 from palaestra.gateway.metrics import GatewayMetrics
-from palaestra.gateway.pause import PauseGate
-from palaestra.gateway.placement import PlacementConfig
 from palaestra.gateway.renderer import ChatRenderer, message_digest
-from palaestra.gateway.routing import CallRoute, EngineRouting, RoutingOptions
-from palaestra.gateway.session import Session
-from palaestra.gateway.session_store import SessionStore
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions import replay
+from palaestra.gateway.sessions.journal import SessionJournal
+from palaestra.gateway.sessions.limits import Limits
+from palaestra.gateway.sessions.session import Session
+from palaestra.gateway.sessions.session_store import SessionStore
+from palaestra.gateway.sessions.spool import SampleSpool
+from palaestra.gateway.sessions.trajectory import Turn, linearize
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
-from palaestra.gateway.trajectory import Turn, linearize
 
 
 @dataclass(slots=True)
@@ -76,60 +78,61 @@ class _ChatCall:
     request: TurnRequest
     call_id: str
     plan: Plan
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     turn_extra: dict[str, Any]  # recorded on every Turn of the call
     context: bytes  # what the template reads besides the messages (its hash is the context key)
 
 
+@dataclass(frozen=True)
+class ModelText:
+    """What the service reads off the model's tokenizer and chat template (built in `app.py`)."""
+
+    renderer: ChatRenderer
+    tool_parser: parsers.ToolCallParser
+    reasoning_parser: parsers.ReasoningParser | None
+    stop_text: dict[int, str]  # text of every special token: what a final stop token looks like
+    render_gap: str | None  # bridge.incremental_ok: None = always render in full
+    caps: template_caps.TemplateCaps  # its thinking switch, where system messages go
+
+
 class GatewayService:
-    """The per-call core over one tokenizer, one engine client and one spool (see the module doc)."""
+    """The per-call core over one model's text, the engine turns and one spool (see the module doc);
+    `app.build_service` wires its collaborators."""
 
     def __init__(
         self,
         config: GatewayConfig,
-        tokenizer: Any,
-        context_length: int,
-        engine: EngineClient,
+        text: ModelText,
+        turns: EngineTurns,
+        sessions: SessionStore,
+        journal: SessionJournal,
+        limits: Limits,
         spool: SampleSpool,
+        metrics: GatewayMetrics,
     ):
         self.config = config
-        self.tokenizer = tokenizer
-        self.context_length = context_length
-        self.renderer = ChatRenderer(tokenizer, context_length=context_length)
-        self.engine = engine
-        self.spool = spool
-        self.metrics = GatewayMetrics()
-        self.sessions = SessionStore(config.max_sessions, self.metrics)
-        self.gate = PauseGate(config, self.metrics)
-        if config.start_paused:
-            self.gate.pause()
-        self.model_name = config.served_model_name or config.model
-        template = getattr(tokenizer, "chat_template", None) or ""
-        auto_tool, auto_reason = parsers.detect_parsers(template if isinstance(template, str) else "")
-        self.tool_parser = parsers.get_tool_parser(
-            auto_tool if config.tool_parser == "auto" else config.tool_parser
-        )
+        self.renderer = text.renderer
+        self.context_length = int(text.renderer.context_length or 0)
+        self.tool_parser = text.tool_parser
         self.no_tool_parser = parsers.get_tool_parser("none")  # for calls with tools off
-        self.reasoning_parser = parsers.get_reasoning_parser(
-            auto_reason if config.reasoning_parser == "auto" else config.reasoning_parser
-        )
-        self.stop_text = self._stop_texts()
-        self.render_gap = bridge.incremental_ok(self.renderer)  # None: always render in full
-        self.caps = template_caps.probe(self.renderer)  # its thinking switch, where system messages go
+        self.reasoning_parser = text.reasoning_parser
+        self.stop_text = text.stop_text
+        self.render_gap = text.render_gap
+        self.caps = text.caps
+        self.turns = turns
+        self.gate = turns.gate
+        self.routing = turns.routing
+        self.sessions = sessions
+        self.journal = journal
+        self.limits = limits
+        self.spool = spool
+        self.metrics = metrics
+        self.model_name = config.served_model_name or config.model
         self._turn_ids = 0
-        self.journal = SessionJournal(
-            spool.dir,
-            fsync=config.journal_fsync,
-            interval_s=config.journal_fsync_interval_ms / 1000,
-            segment_bytes=config.journal_segment_bytes,
-        )
-        self.limits = Limits(config, self.sessions, spool, self.journal, self.metrics.registry)
-        self.routing = EngineRouting(_routing_options(config), config.engine_url, self.metrics.registry)
-        self.reaper = IdleReaper(self.limits, self.finish)
-        self.recovered = self._recover()
+        self.recovered: dict[str, int] = {}
 
     # -- the journal: what a restarted gateway continues ------------------------------------------
-    def _recover(self) -> dict[str, int]:
+    def recover(self) -> dict[str, int]:
         """Rebuilds the sessions the journal holds (`replay.py`): open ones continue exactly;
         finished ones answer a repeated reward call; a session whose samples are all in the spool
         but whose finish record was lost is finished from the spool (never spooled twice)."""
@@ -145,6 +148,7 @@ class GatewayService:
             else:
                 counts["open"] += 1
             self.sessions.adopt(session)
+        self.recovered = counts
         return counts
 
     def create_session(
@@ -163,15 +167,6 @@ class GatewayService:
 
     def close(self) -> None:
         self.journal.close()
-
-    def _stop_texts(self) -> dict[int, str]:
-        """Text of every special token: what a model's final stop token looks like in the template."""
-        out: dict[int, str] = {}
-        for tid in getattr(self.tokenizer, "all_special_ids", []) or []:
-            out[int(tid)] = self.tokenizer.convert_ids_to_tokens(int(tid))
-        for tid, tok in (getattr(self.tokenizer, "added_tokens_decoder", {}) or {}).items():
-            out.setdefault(int(tid), str(tok))
-        return out
 
     # -- chat: plan -> generate -> record -> shape ---------------------------------------------
     async def chat(
@@ -252,7 +247,7 @@ class GatewayService:
             request=request,
             call_id=f"{dialect.call_id_prefix}{secrets.token_hex(12)}",
             plan=plan,
-            sampling={**request.params.sampling, "max_new_tokens": max_tokens},
+            sampling=SamplingParams(request.params.sampling, max_tokens),
             turn_extra={
                 "n_messages": len(request.messages),
                 "digest": digests[-1],
@@ -347,75 +342,32 @@ class GatewayService:
         """The call as events: started, safe text deltas, then finished (recorded) or failed."""
         created = int(time.time())
         params = call.request.params
-        await self._admit(call.session, call.plan.prompt_ids, call.sampling)
-        await self._enter(call.session)
-        try:
+        async with self.turns.admitted(call.session, call.plan.prompt_ids, call.sampling):
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
             markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
             text = HeldBackText(self._decode, markers, params.stop, hold_space=call.request.tools_on)
             ids: list[int] = []
             final: Generation | None = None
             parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
-            prompt, sampling, pauses = call.plan.prompt_ids, call.sampling, self.gate.pauses
-            budget = int(call.sampling.get("max_new_tokens") or 0)
-            done: Generation | None = None  # what earlier engine calls of this turn sampled
-            while True:
-                route = self._route(call.session, prompt, sampling)
-                try:
-                    async for new_ids, new_lps, fin in self.engine.stream(
-                        call.session.session_id, prompt, sampling, params.top_logprobs, route
-                    ):
+            pieces = self.turns.stream(
+                call.session, call.call_id, call.plan.prompt_ids, call.sampling, params.top_logprobs
+            )
+            try:
+                async with contextlib.aclosing(pieces):
+                    async for new_ids, new_lps, end in pieces:
                         ids += new_ids
-                        final = fin
-                        if fin is not None or parse_whole:
-                            continue  # the final chunk is parsed whole below
+                        if end is not None:  # an engine call's last piece: parsed whole below
+                            final = end
+                        if end is not None or parse_whole:
+                            continue
                         delta = text.advance(ids)
                         if delta:
                             lps = self._token_logprobs(new_ids, new_lps, None, 0) if params.logprobs else None
                             yield TextDelta(delta, lps)
-                except GatewayError as exc:
-                    route.failed()
-                    self._record_failure(call.session, call.call_id, exc)
-                    yield StreamFailed(exc)
-                    return
-                except BaseException:  # the client went away mid-stream
-                    route.failed()
-                    raise
-                if final is not None and done is not None:
-                    final = partial.continued(done, final, budget)
-                if not (
-                    final is not None
-                    and partial.interrupted(final)
-                    and (self.gate.paused or self.gate.pauses != pauses)
-                ):
-                    break
-                # a weight update interrupted it: the same stream goes on with the new weights
-                route.done(final.cached_tokens, len(final.output_ids))
-                done, final = final, None
-                try:
-                    await self.gate.reenter()
-                except GatewayError as exc:
-                    self._record_failure(call.session, call.call_id, exc)
-                    yield StreamFailed(exc)
-                    return
-                self.metrics.interrupted.inc()
-                pauses = self.gate.pauses
-                rest = partial.remaining(call.sampling, len(done.output_ids))
-                if rest is None:
-                    final = partial.continued(done, None, budget)
-                    break
-                prompt, sampling = call.plan.prompt_ids + done.output_ids, rest
-            if final is None:  # the engine's stream ended without a final chunk (engine_client says why)
-                route.failed()
-                exc = GatewayError(
-                    "the engine's stream ended without a final chunk", 502, type="engine_error"
-                )
-                self._record_failure(call.session, call.call_id, exc)
+            except GatewayError as exc:  # recorded on the session by the turn core
                 yield StreamFailed(exc)
                 return
-        finally:
-            self._leave(call.session)
-        route.done(final.cached_tokens, len(final.output_ids))
+        assert final is not None
         output = self._chat_output(call, 0, final, 0.0)
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
         yield StreamFinished(result, text.unsent(output.content or ""))
@@ -448,7 +400,7 @@ class GatewayService:
             fork = "prefix_changed" if any(t.kind == "completion" for t in session.turns) else None
         max_tokens, clamped = self._max_tokens(request.params, len(ids))
         call_id = f"{dialect.call_id_prefix}{secrets.token_hex(12)}"
-        sampling = {**request.params.sampling, "max_new_tokens": max_tokens}
+        sampling = SamplingParams(request.params.sampling, max_tokens)
         gens, engine_s = await self._generate(session, call_id, ids, sampling, request.params.top_logprobs)
         outputs = []
         for i, gen in enumerate(gens):
@@ -504,95 +456,13 @@ class GatewayService:
         return params.max_tokens or min(room, self.config.default_max_tokens), None
 
     async def _generate(
-        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
+        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
     ) -> tuple[list[Generation], float]:
-        """One non-streaming engine call behind the pause gate; a failure is recorded on the session."""
-        await self._admit(session, ids, sampling)
-        await self._enter(session)
-        try:
+        """One whole call through the turn core (`turns.py`), and its engine seconds."""
+        async with self.turns.admitted(session, ids, sampling):
             t0 = time.perf_counter()
-            pauses = self.gate.pauses
-            gens = await self._engine_call(session, call_id, ids, sampling, top_logprobs)
-            for i, gen in enumerate(gens):  # a weight update interrupted it: continue (partial.py)
-                while partial.interrupted(gen) and (self.gate.paused or self.gate.pauses != pauses):
-                    gen = await self._continue(session, call_id, ids, sampling, top_logprobs, gen)
-                    pauses = self.gate.pauses
-                gens[i] = gen
+            gens = await self.turns.generate(session, call_id, ids, sampling, top_logprobs)
             return gens, time.perf_counter() - t0
-        finally:
-            self._leave(session)
-
-    async def _engine_call(
-        self, session: Session, call_id: str, ids: list[int], sampling: dict[str, Any], top_logprobs: int
-    ) -> list[Generation]:
-        route = self._route(session, ids, sampling)
-        try:
-            gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs, route)
-        except GatewayError as exc:
-            route.failed()
-            self._record_failure(session, call_id, exc)
-            raise
-        except BaseException:
-            route.failed()
-            raise
-        route.done(gens[0].cached_tokens if gens else 0, sum(len(g.output_ids) for g in gens))
-        return gens
-
-    async def _continue(
-        self,
-        session: Session,
-        call_id: str,
-        ids: list[int],
-        sampling: dict[str, Any],
-        top_logprobs: int,
-        done: Generation,
-    ) -> Generation:
-        """`done` (interrupted by a weight update) continued once the gate opens: the prompt and its
-        tokens sent again with the rest of the budget, the answers joined (gateway/partial.py)."""
-        await self.gate.reenter()
-        self.metrics.interrupted.inc()
-        rest = partial.remaining(sampling, len(done.output_ids))
-        budget = int(sampling.get("max_new_tokens") or 0)
-        if rest is None:
-            return partial.continued(done, None, budget)
-        more = await self._engine_call(session, call_id, ids + done.output_ids, rest, top_logprobs)
-        return partial.continued(done, more[0], budget)
-
-    async def _admit(self, session: Session, ids: list[int], sampling: dict[str, Any]) -> None:
-        """With placement's admission on, a new session's first call may wait for room (before the
-        pause gate, so a weight sync never waits for it)."""
-        await self.routing.admit(
-            session.session_id, session.env, session.group_id, ids, int(sampling.get("max_new_tokens") or 0)
-        )
-
-    def _route(self, session: Session, ids: list[int], sampling: dict[str, Any]) -> CallRoute:
-        """The routing of one engine call (routing.py: the session's routing key, or placement)."""
-        return self.routing.route(
-            session.session_id, session.env, session.group_id, ids, int(sampling.get("max_new_tokens") or 0)
-        )
-
-    async def _enter(self, session: Session) -> None:
-        """Through the pause gate. The session's calls in flight are counted from before the gate, so
-        one waiting out a pause is not idle (`limits.IdleReaper`); each entry and exit restarts its
-        idle clock."""
-        session.busy += 1
-        session.last_active = time.monotonic()
-        try:
-            await self.gate.enter()
-        except BaseException:
-            session.busy -= 1
-            raise
-
-    def _leave(self, session: Session) -> None:
-        session.busy -= 1
-        session.last_active = time.monotonic()
-        self.gate.leave()
-
-    def _record_failure(self, session: Session, call_id: str, exc: GatewayError) -> None:
-        failure = {"call_id": call_id, "status": exc.status, "message": exc.message, "time": time.time()}
-        session.failed_calls.append(failure)
-        self.journal.failed(session, failure)
-        self.metrics.engine_errors.labels(code=exc.code or str(exc.status)).inc()
 
     def _decode(self, ids: list[int]) -> str:
         return self.renderer.decode(ids)
@@ -600,12 +470,11 @@ class GatewayService:
     def _text_of(self, gen: Generation) -> tuple[str, str]:
         """(text for the agent, text incl. the final stop token) of a generation."""
         ids = gen.output_ids
-        reason = gen.finish_reason
+        matched = gen.finish_reason.matched
         full = self._decode(ids)
-        stopped = reason.get("type") == "stop"
-        text = self._decode(ids[:-1]) if ids and stopped and isinstance(reason.get("matched"), int) else full
-        if stopped and isinstance(reason.get("matched"), str):
-            cut = text.find(reason["matched"])
+        text = self._decode(ids[:-1]) if ids and isinstance(matched, int) else full
+        if isinstance(matched, str):
+            cut = text.find(matched)
             if cut >= 0:
                 text = text[:cut]
         return text, full
@@ -642,8 +511,8 @@ class GatewayService:
             content=content,
             reasoning=reasoning,
             tool_calls=tool_calls,
-            finish="tool_calls" if tool_calls else str(reason.get("type", "stop")),
-            stop_matched=reason.get("matched") if reason.get("type") == "stop" else None,
+            finish="tool_calls" if tool_calls else reason.kind,
+            stop_matched=reason.matched,
             token_ids=gen.output_ids,
             logprobs=(
                 self._token_logprobs(gen.output_ids, gen.logprobs, gen.top_logprobs, top_n)
@@ -775,17 +644,3 @@ class GatewayService:
             "sampled_tokens": session.sampled_tokens,
             "durable": True,
         }
-
-
-def _routing_options(config: GatewayConfig) -> RoutingOptions:
-    return RoutingOptions(
-        placement=config.placement,
-        placement_config=PlacementConfig(
-            epsilon=config.placement_epsilon,
-            move_epsilon=config.placement_move_epsilon,
-            group_affinity=config.placement_groups == "together",
-            pools=config.placement_pools,
-            admit_fill=config.placement_admit_fill,
-        ),
-        routing_trace=config.routing_trace,
-    )

@@ -33,7 +33,7 @@ from palaestra.config import RunConfig, to_flags
 from palaestra.orchestrator.errors import RunFailed, root_cause
 from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
-    Placement,
+    RayPlacement,
     engine_threads_beside_trainer,
     logical_cpus_needed,
     place,
@@ -122,7 +122,7 @@ class Cluster:
     api_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     run_id: str = field(default_factory=lambda: secrets.token_hex(4))  # tells this launch's samples apart
-    placement: Placement | None = None
+    placement: RayPlacement | None = None
     placement_lines: list[str] = field(default_factory=list)  # where each box runs, printed at start
     startup_s: dict[str, float] = field(default_factory=dict)
     log_dir: str = ""

@@ -19,7 +19,7 @@ from palaestra.config import RunConfig
 from palaestra.orchestrator.errors import RunFailed
 
 __all__ = [
-    "Placement",
+    "RayPlacement",
     "engine_threads_beside_trainer",
     "logical_cpus_needed",
     "place",
@@ -42,13 +42,13 @@ def _with(bundle: dict[str, float], *extra: dict[str, float]) -> dict[str, float
 
 
 @dataclass
-class Placement:
+class RayPlacement:
     group: Any  # ray PlacementGroup
     trainer: list[dict[str, Any]]  # actor options per trainer rank
     engines: list[dict[str, Any]]  # actor options per engine
 
 
-def place(cfg: RunConfig, gpus: int) -> Placement:
+def place(cfg: RunConfig, gpus: int) -> RayPlacement:
     """Bundles and per-actor options for `run.placement` (see the module docstring)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -93,7 +93,9 @@ def place(cfg: RunConfig, gpus: int) -> Placement:
             ),
         }
 
-    return Placement(group, [options(i, res) for i, res in trainer], [options(i, res) for i, res in engines])
+    return RayPlacement(
+        group, [options(i, res) for i, res in trainer], [options(i, res) for i, res in engines]
+    )
 
 
 def engine_threads_beside_trainer(cfg: RunConfig) -> int:

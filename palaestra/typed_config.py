@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import difflib
 import inspect
+import logging
 import re
 import textwrap
 import types
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+log = logging.getLogger("palaestra.config")
 
 __all__ = [
     "ConfigError",
@@ -270,7 +273,7 @@ def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs: dict[str, Any] = {}
     ok = True
-    for key, value in data.items():
+    for key, value in _moved(cls, data, path).items():
         key_path = _join(path, str(key))
         if key not in names:
             problems.append(unknown_key(path, str(key), names, renamed=_renamed(cls)))
@@ -296,6 +299,33 @@ def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
     except (ValueError, TypeError) as exc:  # the dataclass's own __post_init__ checks
         problems.append(_post_init_problem(path, str(exc), names))
         return None
+
+
+def _moved(cls: type, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """`data` with the keys a section moved (its ``moved_key(key, value)`` hook: the new dotted key
+    and value, or None) read at their new place, each with a warning naming the new key."""
+    hook = getattr(cls, "moved_key", None)
+    if hook is None:
+        return data
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        moved = hook(str(key), value)
+        if moved is None:
+            earlier = out.get(key)  # a section earlier moved keys went into: theirs kept
+            out[key] = (
+                {**value, **earlier} if isinstance(value, dict) and isinstance(earlier, dict) else value
+            )
+            continue
+        new, new_value = moved
+        log.warning("config key %s is now %s: read there", _join(path, str(key)), _join(path, new))
+        *parents, last = new.split(".")
+        node = out
+        for parent in parents:
+            if not isinstance(node.get(parent), dict):
+                node[parent] = {}
+            node = node[parent]
+        node[last] = new_value
+    return out
 
 
 def _post_init_problem(path: str, message: str, names: list[str]) -> str:
@@ -383,6 +413,12 @@ def apply_override(cls: type, raw: dict[str, Any], item: str) -> str:
     node = raw
     for i, key in enumerate(keys):
         path = ".".join(keys[:i])
+        hook = getattr(cls, "moved_key", None)
+        moved = hook(key, value) if hook is not None and i == len(keys) - 1 else None
+        if moved is not None:  # an earlier name of the key: set at its new place (the loop goes on there)
+            log.warning("config key %s is now %s: set there", _join(path, key), _join(path, moved[0]))
+            value, keys[i:] = moved[1], moved[0].split(".")
+            key = keys[i]
         names = [f.name for f in dataclasses.fields(cls) if f.init]
         if key not in names:
             raise ConfigError([unknown_key(path, key, names, renamed=_renamed(cls))])
@@ -499,7 +535,9 @@ def dump_yaml(data: Any) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
 
 
-def add_arguments(parser: argparse._ActionsContainer, cls: type, names: Iterable[str] | None = None) -> None:
+def add_arguments(
+    parser: argparse._ActionsContainer, cls: type, names: Iterable[str] | None = None, prefix: str = ""
+) -> None:
     """One ``--<field>`` option per field of dataclass `cls` (or per name in `names`).
 
     The field gives everything: the type (int, float, str, X | None of those, a Literal as
@@ -511,8 +549,11 @@ def add_arguments(parser: argparse._ActionsContainer, cls: type, names: Iterable
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in fields if names is None else names:
         hint, default = hints[name], _default(fields[name])
-        flag = "--" + name.replace("_", "-")
-        options: dict[str, Any] = {"help": " ".join(docs.get(name, "").split()).replace("%", "%%") or None}
+        flag = "--" + (prefix + name).replace("_", "-")
+        options: dict[str, Any] = {
+            "dest": prefix + name,
+            "help": " ".join(docs.get(name, "").split()).replace("%", "%%") or None,
+        }
         if default is dataclasses.MISSING:
             options["required"] = True
         else:

@@ -124,7 +124,7 @@ def test_claude_code_tool_round_trip(harness_stack, tmp_path):
     cmd += ["--allowedTools", "Bash", "--max-turns", "4"]
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
     traj = _check_round_trip(gw, engine, script, s["session_id"], done)
-    # what it sends that nothing here acts on is recorded, once per call (gateway/controls.py)
+    # what it sends that nothing here acts on is recorded, once per call (gateway/dialects/controls.py)
     ignored = traj["ignored_controls"]
     for name in ("context_management", "anthropic-beta=claude-code-20250219", "metadata"):
         assert ignored.get(name) == len(script.calls), ignored
@@ -143,7 +143,7 @@ def test_codex_tool_round_trip(harness_stack, tmp_path):
     cmd = [str(codex), *args, "Run the command and tell me what it printed."]
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
     traj = _check_round_trip(gw, engine, script, s["session_id"], done)
-    # what it sends that nothing here acts on is recorded, once per call (gateway/controls.py)
+    # what it sends that nothing here acts on is recorded, once per call (gateway/dialects/controls.py)
     ignored = traj["ignored_controls"]
     for name in ("client_metadata", "prompt_cache_key", "tools=web_search"):
         assert ignored.get(name) == len(script.calls), ignored

@@ -1,4 +1,4 @@
-"""Every public-API field honoured, recorded or refused (gateway/controls.py), with the request shapes
+"""Every public-API field honoured, recorded or refused (gateway/dialects/controls.py), with the request shapes
 Claude Code 2.1.328 and Codex 0.169.0 send, and a stream that ends with an error event when the
 engine does not answer in SGLang's event stream.
 
@@ -19,11 +19,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from palaestra.gateway import anthropic_api, controls, responses_api
 from palaestra.gateway.dialect import Reasoning, TurnRequest
+from palaestra.gateway.dialects import anthropic_api, controls, responses_api
+from palaestra.gateway.dialects.sealed import seal, unseal
+from palaestra.gateway.dialects.template_caps import TemplateCaps, probe
 from palaestra.gateway.parsers import render_tool_call_text
-from palaestra.gateway.sealed import seal, unseal
-from palaestra.gateway.template_caps import TemplateCaps, probe
 from tests.support.servers import ThreadServer, gateway_server
 from tests.support.sessions import AUTH, new_session, trajectory
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from palaestra.gateway import openai_request, openai_response
+from palaestra.gateway.app import build_service
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
     Dialect,
@@ -32,13 +32,13 @@ from palaestra.gateway.dialect import (
     TurnResult,
     reply_message,
 )
-from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.dialects import openai_request, openai_response
+from palaestra.gateway.engine_side.engine_client import EngineClient
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.parsers import ToolCall
 from palaestra.gateway.renderer import message_digest, normalize_messages
-from palaestra.gateway.service import GatewayService
-from palaestra.gateway.session import Session
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions.session import Session
+from palaestra.gateway.sessions.spool import SampleSpool
 from palaestra.gateway.streaming import HeldBackText, safe_prefix, sse
 from tests.support.servers import ScriptedEngine, ThreadServer
 
@@ -329,7 +329,7 @@ def test_a_second_dialect_runs_on_the_same_core(tok, tmp_path):
     async def run(url: str) -> tuple[dict[str, Any], list[str], Session]:
         config = GatewayConfig(model="tiny", engine_url=url, spool_dir=str(tmp_path / "spool"))
         client = EngineClient(url)
-        svc = GatewayService(config, tok, 4096, client, SampleSpool(config.spool_dir))
+        svc = build_service(config, tok, 4096, client, SampleSpool(config.spool_dir))
         session = svc.sessions.create("toy", "t", None, {})
         first = await svc.chat(session.session_id, {"turns": [["user", "hi"]]}, TOY)
         turns = [["user", "hi"], ["assistant", first["said"]], ["user", "how are you?"]]

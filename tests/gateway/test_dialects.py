@@ -345,8 +345,8 @@ def _out(content, reasoning=None, calls=()):
     ],
 )
 def test_replies_sent_back_are_the_recorded_message(out):
-    from palaestra.gateway import anthropic_api, responses_answer, responses_api
     from palaestra.gateway.dialect import TurnRequest, TurnResult, reply_message
+    from palaestra.gateway.dialects import anthropic_api, responses_answer, responses_api
 
     result = TurnResult("resp_abc", 0, "tiny", 3, [out])
     expected = reply_message(out)

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from palaestra.gateway.engine_client import EngineClient
+from palaestra.gateway.engine_side.engine_client import EngineClient
+from palaestra.gateway.engine_side.generation import SamplingParams
 from palaestra.gateway.errors import GatewayError
 
 
@@ -37,10 +38,10 @@ def test_a_connect_that_times_out_is_retried_and_reported_unreachable(never_acce
     async def call():
         try:
             if streaming:
-                async for _ in client.stream("s1", [1, 2], {"max_new_tokens": 1}):
+                async for _ in client.stream("s1", [1, 2], SamplingParams({}, 1)):
                     pass
             else:
-                await client.generate("s1", [1, 2], {"max_new_tokens": 1})
+                await client.generate("s1", [1, 2], SamplingParams({}, 1))
         finally:
             await client.close()
 

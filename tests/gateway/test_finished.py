@@ -1,7 +1,7 @@
 """A finished session drops its token lists, and GET /sessions/{id} still answers exactly as before.
 
 Once the reward call has spooled a session's samples, `Session.release` keeps only its turns'
-summaries (gateway/finished.py) and the trajectory's ids and logprobs are read back from the
+summaries (gateway/sessions/finished.py) and the trajectory's ids and logprobs are read back from the
 spool. Here a session with a bridged turn, a branched retry, a prefix_changed fork and a raw
 completion (four samples) is read before and after its reward; the two answers must be equal.
 Where the samples are gone from the spool the summaries still answer, with null token lists.

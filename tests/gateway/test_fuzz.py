@@ -1,7 +1,7 @@
 """Fuzzing the gateway's HTTP surface: never a 5xx, every refusal a 4xx in the dialect's error shape.
 
 * schemathesis over the gateway's own `/openapi.json` (the request-body schemas of
-  `gateway/openapi_schemas.py`), positive and negative examples, a bounded number per run;
+  `gateway/dialects/openapi_schemas.py`), positive and negative examples, a bounded number per run;
 * hypothesis strategies for the message / content / tool / tool_choice shapes of each dialect (chat
   completions, completions, Responses, Anthropic Messages), well- and ill-formed: a refusal must be
   a 400 that names the field (OpenAI: `param` is one of the body's fields; Anthropic: the message
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from palaestra.gateway import anthropic_api, controls
+from palaestra.gateway.dialects import anthropic_api, controls
 from palaestra.gateway.guards import BODY_REASONS
 from palaestra.gateway.streaming import safe_prefix
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server

@@ -1,4 +1,4 @@
-"""The per-session reuse of a parsed history (gateway/history.py) and of its digests
+"""The per-session reuse of a parsed history (gateway/sessions/history.py) and of its digests
 (renderer.HistoryDigests): a call that repeats the previous call's history must come out exactly as
 if parsed and digested from scratch, errors included.
 
@@ -13,10 +13,10 @@ from typing import Any
 import orjson
 import pytest
 
-from palaestra.gateway import anthropic_api, openai_request, responses_api
+from palaestra.gateway.dialects import anthropic_api, openai_request, responses_api
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import HistoryDigests, chain_digests
+from palaestra.gateway.sessions.history import ParseMemo
 
 
 def _fresh(body: dict[str, Any]) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from palaestra.gateway.journal import SessionJournal
-from palaestra.gateway.replay import restore
-from palaestra.gateway.session import Session
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions.journal import SessionJournal
+from palaestra.gateway.sessions.replay import restore
+from palaestra.gateway.sessions.session import Session
+from palaestra.gateway.sessions.spool import SampleSpool
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
 KEY = {"Authorization": "Bearer k-test"}
@@ -246,7 +246,7 @@ def test_every_plain_field_of_a_session_survives(tmp_path):
     """Fields added to `Session` later (e.g. its token) are journaled without naming them here."""
     import dataclasses
 
-    from palaestra.gateway.journal import NOT_PERSISTED
+    from palaestra.gateway.sessions.journal import NOT_PERSISTED
 
     session = Session("s", "e", "t", "g", {"k": [1, 2.5, None]})
     plain = [f for f in dataclasses.fields(Session) if f.init and f.name not in NOT_PERSISTED]

@@ -17,7 +17,7 @@ the other; the baseline is the RSS after the second. One round is not enough to 
 allocator's pools, the engine connection pool and first-use caches once: on the development
 machine the RSS after the rounds grew by 120, 9.5 and 3.4 MiB. After the third round the RSS may
 exceed the baseline by `SLACK_KIB` at most, 12 KiB per finished session: the light record a
-finished session keeps for GET /sessions/{id} (about 2-3 KiB, gateway/finished.py,
+finished session keeps for GET /sessions/{id} (about 2-3 KiB, gateway/sessions/finished.py,
 docs/reliability-load.md), the spool's index entry of its sample, and the allocator's noise. The
 checks read the samples back in pages of 100, so that their own transient memory stays small.
 On the gateway before finished sessions dropped their token lists, a round added 34 KiB per

@@ -1,4 +1,4 @@
-"""Partial rollouts (gateway/partial.py): a weight update interrupts a turn in flight — the gateway
+"""Partial rollouts (gateway/engine_side/partial.py): a weight update interrupts a turn in flight — the gateway
 paused without draining, the engine paused in abort mode, new weights loaded — and the gateway
 continues it on the new weights. The client sees one answer; the sample records which version
 sampled each token; with greedy sampling the tokens are exactly the old weights' up to the
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from palaestra.gateway import partial
-from palaestra.gateway.engine_client import Generation
+from palaestra.gateway.engine_side import partial
+from palaestra.gateway.engine_side.generation import FinishReason, Generation, SamplingParams, VersionSpan
 from tests.support.servers import ADMIN_KEY, ENV_KEY, gateway_server
 
 KEY = {"Authorization": f"Bearer {ENV_KEY}"}
@@ -28,7 +28,7 @@ def gen(ids, version, finish=None, spans=()):
         output_ids=list(ids),
         logprobs=[-0.5] * len(ids),
         top_logprobs=None,
-        finish_reason=finish or {"type": "abort", "message": "paused", "status_code": None},
+        finish_reason=FinishReason(finish or {"type": "abort", "message": "paused", "status_code": None}),
         weight_version=version,
         weight_versions=list(spans),
     )
@@ -36,27 +36,32 @@ def gen(ids, version, finish=None, spans=()):
 
 def test_continued_joins_tokens_and_spans_and_keeps_the_call_budget():
     first = gen([1, 2, 3], "4")
-    assert partial.interrupted(first)
-    assert not partial.interrupted(gen([1], "4", {"type": "abort", "status_code": 400}))
-    assert not partial.interrupted(gen([1], "4", {"type": "length", "length": 1}))
-    rest = partial.remaining({"max_new_tokens": 10, "min_new_tokens": 5, "n": 2, "temperature": 0}, 3)
-    assert rest == {"max_new_tokens": 7, "min_new_tokens": 2, "temperature": 0}
-    assert partial.remaining({"max_new_tokens": 3}, 3) is None
+    assert first.finish_reason.interrupted
+    assert not gen([1], "4", {"type": "abort", "status_code": 400}).finish_reason.interrupted
+    assert not gen([1], "4", {"type": "length", "length": 1}).finish_reason.interrupted
+    sampling = SamplingParams({"min_new_tokens": 5, "n": 2, "temperature": 0}, 10)
+    assert list(sampling.to_wire().items()) == [
+        ("min_new_tokens", 5),
+        ("n", 2),
+        ("temperature", 0),
+        ("max_new_tokens", 10),
+    ]  # SGLang's sampling_params as the dialect set them, the budget last
+    rest = sampling.after(3)
+    assert rest is not None
+    assert list(rest.to_wire().items()) == [("min_new_tokens", 2), ("temperature", 0), ("max_new_tokens", 7)]
+    assert SamplingParams({}, 3).after(3) is None
     joined = partial.continued(first, gen([7, 8], "5", {"type": "length", "length": 7}), 10)
     assert joined.output_ids == [1, 2, 3, 7, 8] and len(joined.logprobs) == 5
-    assert joined.finish_reason == {"type": "length", "length": 10}
+    assert joined.finish_reason.wire == {"type": "length", "length": 10}
     assert joined.weight_version == "5"
-    assert joined.weight_versions == [
-        {"version": "4", "start": 0, "end": 3},
-        {"version": "5", "start": 3, "end": 5},
-    ]
+    assert joined.weight_versions == [VersionSpan("4", 0, 3), VersionSpan("5", 3, 5)]
     # interrupted twice: three spans; the same version on both sides of a seam is one span
     twice = partial.continued(joined, gen([9], "6", {"type": "stop", "matched": 0}), 10)
-    assert [s["version"] for s in twice.weight_versions] == ["4", "5", "6"]
+    assert [s.version for s in twice.weight_versions] == ["4", "5", "6"]
     same = partial.continued(gen([1], "4"), gen([2], "4", {"type": "stop", "matched": 0}), 10)
     assert same.weight_versions == [] and same.weight_version == "4"
     spent = partial.continued(first, None, 3)
-    assert spent.finish_reason == {"type": "length", "length": 3} and spent.output_ids == [1, 2, 3]
+    assert spent.finish_reason.wire == {"type": "length", "length": 3} and spent.output_ids == [1, 2, 3]
 
 
 def _generated(client) -> float:

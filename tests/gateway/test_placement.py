@@ -1,10 +1,10 @@
-"""The placement layer's decisions (gateway/placement.py), on a virtual clock: no engines, no timing."""
+"""The placement layer's decisions (gateway/engine_side/placement.py), on a virtual clock: no engines, no timing."""
 
 from __future__ import annotations
 
 import pytest
 
-from palaestra.gateway.placement import Call, Placement, PlacementConfig
+from palaestra.gateway.engine_side.placement import Call, PlacementConfig, SessionPlacement
 
 URLS = [f"http://w{i}" for i in range(4)]
 
@@ -18,7 +18,7 @@ class Clock:
 
 
 def turn(
-    p: Placement,
+    p: SessionPlacement,
     session: str,
     k: int,
     prompt: int,
@@ -33,27 +33,27 @@ def turn(
 
 
 def test_a_session_stays_on_its_worker_across_turns():
-    p = Placement(PlacementConfig(), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(), URLS, clock=Clock())
     workers = {turn(p, "s", k, 1000 + 200 * k).worker for k in range(10)}
     assert len(workers) == 1
     assert p.moves == 0
 
 
 def test_new_sessions_go_to_the_least_loaded_worker():
-    p = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     for i in range(8):
         turn(p, f"s{i}", 0, 5000)
     snap = p.snapshot()
     assert [w["sessions"] for w in snap["workers"]] == [2, 2, 2, 2]
     # a worker that holds a long context gets no new session until the others catch up
-    p2 = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p2 = SessionPlacement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     big = turn(p2, "big", 0, 40_000)
     for i in range(3):
         assert turn(p2, f"small{i}", 0, 2000).worker != big.worker
 
 
 def test_a_group_shares_a_worker_while_that_worker_stays_within_bounds():
-    p = Placement(PlacementConfig(epsilon=0.25), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(epsilon=0.25), URLS, clock=Clock())
     first = turn(p, "g-0", 0, 1000, group="g")
     # the other workers carry load already, so the group's worker stays within (1 + eps) x mean
     for i in range(3):
@@ -62,19 +62,19 @@ def test_a_group_shares_a_worker_while_that_worker_stays_within_bounds():
     placed = [turn(p, f"g-{i}", 0, 1000, group="g").worker for i in range(1, 4)]
     assert placed.count(first.worker) >= 2
     # a group much larger than its share spills over to other workers
-    q = Placement(PlacementConfig(epsilon=0.25), URLS, clock=Clock())
+    q = SessionPlacement(PlacementConfig(epsilon=0.25), URLS, clock=Clock())
     members = [turn(q, f"h-{i}", 0, 1000, group="h").worker for i in range(16)]
     assert len(set(members)) > 1
 
 
 def test_group_affinity_off_spreads_the_group():
-    p = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     members = {turn(p, f"g-{i}", 0, 1000, group="g").worker for i in range(4)}
     assert len(members) == 4
 
 
 def test_an_overloaded_worker_moves_a_session_off_it_and_counts_the_move():
-    p = Placement(PlacementConfig(move_epsilon=0.5, group_affinity=False), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(move_epsilon=0.5, groups="apart"), URLS, clock=Clock())
     first = {f"s{i}": turn(p, f"s{i}", 0, 1000, env="long" if i == 0 else "short") for i in range(8)}
     hot = first["s0"].worker
     partner = next(sid for sid, r in first.items() if sid != "s0" and r.worker == hot)
@@ -87,7 +87,7 @@ def test_an_overloaded_worker_moves_a_session_off_it_and_counts_the_move():
 
 
 def test_a_removed_worker_moves_only_its_sessions():
-    p = Placement(PlacementConfig(group_affinity=False), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(groups="apart"), URLS, clock=Clock())
     first = {f"s{i}": turn(p, f"s{i}", 0, 2000) for i in range(8)}
     gone = first["s0"].url
     p.set_workers([u for u in URLS if u != gone])  # indices of the later workers shift down
@@ -103,7 +103,7 @@ def test_a_removed_worker_moves_only_its_sessions():
 
 def test_a_refused_target_is_re_placed_and_kept_out_for_a_while():
     clock = Clock()
-    p = Placement(PlacementConfig(quarantine_s=10.0), URLS, clock=clock)
+    p = SessionPlacement(PlacementConfig(quarantine_s=10.0), URLS, clock=clock)
     r = p.choose(Call("s", "e", None, 0, 1000, 10))
     retry = r.retry()
     assert retry.worker != r.worker and retry.moved
@@ -117,17 +117,17 @@ def test_a_refused_target_is_re_placed_and_kept_out_for_a_while():
 
 def test_unhealthy_workers_get_no_calls_and_the_header_counts_healthy_workers_only():
     """sglang-router 0.3.2 indexes X-SMG-Target-Worker among the workers it holds healthy."""
-    p = Placement(PlacementConfig(), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(), URLS, clock=Clock())
     p.set_workers(URLS, healthy=[True, False, True, True])
     routes = [turn(p, f"s{i}", 0, 1000) for i in range(9)]
     assert all(r.worker != 1 for r in routes)
     for r in routes:
-        assert r.headers()["X-SMG-Target-Worker"] == str({0: 0, 2: 1, 3: 2}[r.worker])
+        assert r.call_headers()["X-SMG-Target-Worker"] == str({0: 0, 2: 1, 3: 2}[r.worker])
 
 
 def test_pools_keep_long_environments_apart():
-    p = Placement(
-        PlacementConfig(pools=True, long_context_tokens=8000, group_affinity=False), URLS, clock=Clock()
+    p = SessionPlacement(
+        PlacementConfig(pools=True, long_context_tokens=8000, groups="apart"), URLS, clock=Clock()
     )
     # observed traffic: one env with long contexts, one with short ones
     for i in range(4):
@@ -141,7 +141,7 @@ def test_pools_keep_long_environments_apart():
 
 def test_ended_and_idle_sessions_stop_counting_as_load():
     clock = Clock()
-    p = Placement(PlacementConfig(session_idle_s=60.0), URLS, clock=clock)
+    p = SessionPlacement(PlacementConfig(session_idle_s=60.0), URLS, clock=clock)
     turn(p, "a", 0, 10_000)
     turn(p, "b", 0, 10_000)
     p.ended("a")
@@ -153,7 +153,7 @@ def test_ended_and_idle_sessions_stop_counting_as_load():
 
 
 def test_the_snapshot_reports_per_env_traffic():
-    p = Placement(PlacementConfig(), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(), URLS, clock=Clock())
     r = p.choose(Call("s", "math", "g", 0, 1000, 50))
     r.done(cached_tokens=600, output_tokens=50)
     snap = p.snapshot()
@@ -171,13 +171,13 @@ def test_the_snapshot_reports_per_env_traffic():
 
 
 def test_headers_keep_the_routing_key_and_add_the_target():
-    p = Placement(PlacementConfig(), URLS, clock=Clock())
+    p = SessionPlacement(PlacementConfig(), URLS, clock=Clock())
     r = p.choose(Call("sess-1", "e", None, 0, 10, 1))
-    assert r.headers() == {"X-SMG-Routing-Key": "sess-1", "X-SMG-Target-Worker": str(r.worker)}
+    assert r.call_headers() == {"X-SMG-Routing-Key": "sess-1", "X-SMG-Target-Worker": str(r.worker)}
 
 
 def test_bad_config_and_no_workers_are_clear_errors():
     with pytest.raises(ValueError, match="epsilon"):
         PlacementConfig(epsilon=-1)
     with pytest.raises(LookupError, match="no engine workers"):
-        Placement(PlacementConfig(), []).choose(Call("s", "e", None, 0, 1, 1))
+        SessionPlacement(PlacementConfig(), []).choose(Call("s", "e", None, 0, 1, 1))

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from palaestra.gateway.cli import gateway_process
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions.spool import SampleSpool
 from tests.support.servers import gateway_server
 
 pytestmark = pytest.mark.engine  # the real embedded engine (all but one test)

@@ -1,5 +1,5 @@
 """A gateway killed with SIGKILL mid-episode and restarted on the same spool directory and port
-continues every open session exactly (the session journal, gateway/journal.py).
+continues every open session exactly (the session journal, gateway/sessions/journal.py).
 
 Real processes: `palaestra gateway serve` subprocesses, killed with `kill -9`. The engine is a
 deterministic TEST DOUBLE (`ScriptedEngine`, SGLang's /generate shape): its answer is a pure function

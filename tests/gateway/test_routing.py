@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from palaestra.gateway.routing import EngineRouting, RoutingOptions
+from palaestra.gateway.engine_side.placement import PlacementConfig
+from palaestra.gateway.engine_side.routing import EngineRouting, RoutingOptions
 from tests.support.servers import ADMIN_KEY, ScriptedEngine, TextScript, ThreadServer, gateway_server
 from tests.support.sessions import AUTH, new_session, reward, samples
 
@@ -120,10 +121,12 @@ def test_the_router_worker_list_unknown_keeps_the_routing_key(tmp_path):
     from prometheus_client import CollectorRegistry
 
     async def check() -> None:
-        routing = EngineRouting(RoutingOptions(placement=True), "http://127.0.0.1:9", CollectorRegistry())
+        routing = EngineRouting(
+            RoutingOptions(placement=PlacementConfig(enabled=True)), "http://127.0.0.1:9", CollectorRegistry()
+        )
         await routing.refresh_workers()
         call = routing.route("s1", "e", None, [1, 2, 3], 4)
-        assert call.headers() == {"X-SMG-Routing-Key": "s1"}
+        assert call.call_headers() == {"X-SMG-Routing-Key": "s1"}
         assert "failed" in (routing.snapshot()["workers_error"] or "")
         await routing.close()
 
@@ -182,7 +185,10 @@ def placed_run(tok, spool, placement: bool) -> dict:
     script = TextScript(tok)
     engine = ScriptedEngine(script, stop_ids={script.end})
     router = ListedRouter(engine, [f"http://10.0.0.{i}:30000" for i in range(3)])
-    with ThreadServer(router.app) as eng, gateway_server(eng.url, spool, tok, placement=placement) as gw:
+    with (
+        ThreadServer(router.app) as eng,
+        gateway_server(eng.url, spool, tok, placement=PlacementConfig(enabled=placement)) as gw,
+    ):
 
         def admin() -> dict:
             return httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()

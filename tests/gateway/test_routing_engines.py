@@ -17,6 +17,7 @@ import pytest
 
 from palaestra.engine.cli import engine_process
 from palaestra.engine.router import RouterProcess
+from palaestra.gateway.engine_side.placement import PlacementConfig
 from tests.support.servers import ADMIN_KEY, gateway_server
 from tests.support.sessions import AUTH, new_session, reward, samples
 
@@ -104,7 +105,11 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
 
     record = tmp_path / "routing.jsonl"
     with gateway_server(
-        router.url, tmp_path / "placed", tok, placement=True, routing_trace=str(record)
+        router.url,
+        tmp_path / "placed",
+        tok,
+        placement=PlacementConfig(enabled=True),
+        routing_trace=str(record),
     ) as gw:
         snap = httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()
         assert snap["mode"] == "placement" and len(snap["placement"]["workers"]) == 3

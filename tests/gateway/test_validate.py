@@ -1,4 +1,4 @@
-"""The dialects' shared field checks (`gateway/validate.py`) and the error envelope each route
+"""The dialects' shared field checks (`gateway/dialects/validate.py`) and the error envelope each route
 answers in (`Dialect.error_body`, read by the app's error handlers and the body limit).
 
 Out-of-range numbers carry OpenAI's codes in both OpenAI dialects (chat completions and the
@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
+from palaestra.gateway.dialects.validate import MAX_STOPS, number, stop_list
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.routes import error_body
-from palaestra.gateway.validate import MAX_STOPS, number, stop_list
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
 KEY = {"Authorization": "Bearer k-test"}

@@ -157,6 +157,27 @@ def test_a_lora_run_starts_its_engines_with_lora_and_its_gateway_naming_the_adap
                                                                           "gate_proj", "up_proj", "down_proj"]  # fmt: skip
 
 
+def test_flat_placement_keys_of_earlier_configs_are_read_under_gateway_placement(tmp_path, caplog):
+    """`gateway.placement: true` and `gateway.placement_<x>` (before placement was a section) are
+    read as `gateway.placement.enabled` / `gateway.placement.<x>`, each with a warning naming it."""
+    from palaestra.gateway.engine_side.placement import PlacementConfig
+
+    path = tmp_path / "old.yaml"
+    path.write_text("gateway:\n  placement: true\n  placement_epsilon: 0.5\n  placement_groups: apart\n")
+    with caplog.at_level("WARNING", logger="palaestra.config"):
+        from_file = load_config(path, []).gateway.placement
+        overridden = load_config(None, ["gateway.placement=true", "gateway.placement_admit_fill=0.8"]).gateway
+    assert from_file == PlacementConfig(enabled=True, epsilon=0.5, groups="apart")
+    assert overridden.placement == PlacementConfig(enabled=True, admit_fill=0.8)
+    for old, new in [
+        ("gateway.placement", "gateway.placement.enabled"),
+        ("gateway.placement_epsilon", "gateway.placement.epsilon"),
+        ("gateway.placement_groups", "gateway.placement.groups"),
+        ("gateway.placement_admit_fill", "gateway.placement.admit_fill"),
+    ]:
+        assert f"config key {old} is now {new}" in caplog.text, old
+
+
 def test_gateway_options_are_declared_once_by_the_gateway(capsys):
     """The run's gateway section is the gateway's own GatewayOptions, which GatewayConfig extends,
     and `palaestra gateway serve` parses what serve_flags() writes back into the same options
@@ -165,6 +186,7 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
 
     from palaestra.gateway import cli as gateway_cli
     from palaestra.gateway.config import GatewayConfig
+    from palaestra.gateway.engine_side.placement import PlacementConfig
     from palaestra.gateway.options import GatewayOptions as GatewaysOwn
 
     assert GatewayOptions is GatewaysOwn and issubclass(GatewayConfig, GatewayOptions)
@@ -200,19 +222,26 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.max_body_bytes=1048576",
             "gateway.stream_send_timeout_s=5",
             "gateway.max_tokens_over_context=reject",
-            "gateway.placement=true",
-            "gateway.placement_epsilon=0.5",
-            "gateway.placement_move_epsilon=2.0",
-            "gateway.placement_groups=apart",
-            "gateway.placement_pools=true",
-            "gateway.placement_admit_fill=0.8",
+            "gateway.placement.enabled=true",
+            "gateway.placement.epsilon=0.5",
+            "gateway.placement.move_epsilon=2.0",
+            "gateway.placement.groups=apart",
+            "gateway.placement.pools=true",
+            "gateway.placement.long_context_tokens=4096",
+            "gateway.placement.session_idle_s=30",
+            "gateway.placement.quarantine_s=5",
+            "gateway.placement.admit_fill=0.8",
+            "gateway.placement.admit_wait_s=10",
             "gateway.routing_trace=runs/routing.jsonl",
         ],
     ).gateway
     config = served(tuned.serve_flags())
     for f in dataclasses.fields(GatewayOptions):
-        assert getattr(tuned, f.name) != f.default, f.name
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        assert getattr(tuned, f.name) != default, f.name
         assert getattr(config, f.name) == getattr(tuned, f.name), f.name
+    for f in dataclasses.fields(PlacementConfig):  # every placement setting, reachable from a run config
+        assert getattr(tuned.placement, f.name) != f.default, f.name
     # Each flag's help is its field's docstring (compared without whitespace: argparse rewraps it).
     with pytest.raises(SystemExit):
         parser.parse_args(["gateway", "serve", "--help"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from palaestra.gateway.trajectory import Turn
+from palaestra.gateway.sessions.trajectory import Turn
 
 _LISTS = ("prompt_ids", "output_ids", "output_logprobs")
 

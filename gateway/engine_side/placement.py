@@ -39,9 +39,9 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["Call", "Placement", "PlacementConfig", "Route", "TARGET_HEADER"]
+__all__ = ["Call", "SessionPlacement", "PlacementConfig", "Route", "TARGET_HEADER"]
 
 TARGET_HEADER = "X-SMG-Target-Worker"
 ROUTING_HEADER = "X-SMG-Routing-Key"
@@ -49,14 +49,20 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    """How sessions are placed (docs/routing.md explains each knob and shows what it measured)."""
+    """How sessions are placed (docs/routing.md explains each knob and shows what it measured): the
+    ``gateway.placement`` section of a run config, flags ``--placement-<field>`` of the gateway."""
 
+    enabled: bool = False
+    """Workload-aware placement: choose each engine call's worker (X-SMG-Target-Worker) from the
+    session's env, group, turns and context and each worker's load; off = the router's
+    consistent_hashing on the session id alone."""
     epsilon: float = 0.25
     """A new session joins its group's worker only while that worker is within (1 + epsilon) x mean load."""
     move_epsilon: float = 1.0
     """A session leaves its worker (and pays one prefill) when that load passes (1 + move_epsilon) x mean."""
-    group_affinity: bool = True
-    """Place the sessions of a group on the same worker (their shared prompt is prefilled once)."""
+    groups: Literal["together", "apart"] = "together"
+    """together = a group's sessions share a worker while it is within bounds (their shared prompt is
+    prefilled once); apart = each session is placed on its own."""
     pools: bool = False
     """Separate workers for long-context environments and the rest, sized from their load shares."""
     long_context_tokens: int = 8192
@@ -86,6 +92,12 @@ class PlacementConfig:
                 raise ValueError(f"placement {name} must be >= 0 (got {getattr(self, name)})")
         if self.long_context_tokens < 1:
             raise ValueError("placement long_context_tokens must be >= 1")
+        if self.groups not in ("together", "apart"):
+            raise ValueError(f"placement groups must be 'together' or 'apart' (got {self.groups!r})")
+
+    @property
+    def group_affinity(self) -> bool:
+        return self.groups == "together"
 
 
 @dataclass(frozen=True)
@@ -109,10 +121,10 @@ class Route:
     url: str
     moved: bool = False
     target: int = 0  # the header's index: the worker's rank among the workers the router holds healthy
-    placement: Placement | None = field(default=None, repr=False)
+    placement: SessionPlacement | None = field(default=None, repr=False)
     _call: Call | None = field(default=None, repr=False)
 
-    def headers(self) -> dict[str, str]:
+    def call_headers(self) -> dict[str, str]:
         return {ROUTING_HEADER: self.session, TARGET_HEADER: str(self.target)}
 
     def retry(self) -> Route:
@@ -174,7 +186,7 @@ class _EnvStats:
         return self.context_sum / self.calls if self.calls else 0.0
 
 
-class Placement:
+class SessionPlacement:
     """Chooses a worker per call (see the module docstring); one instance per gateway.
 
     Not thread-safe: it is used from the gateway's event loop, between awaits. `clock` is for tests.

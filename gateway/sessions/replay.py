@@ -1,4 +1,4 @@
-"""Rebuilding sessions from the session journal's records (gateway/journal.py) at start.
+"""Rebuilding sessions from the session journal's records (gateway/sessions/journal.py) at start.
 
     sessions, last_turn_id = restore(journal.recover(), renderer.decode)
     finish_from_spool(session, spool)   # a session whose finish record was lost after its samples
@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from palaestra.gateway.engine_side.generation import FinishReason, VersionSpan
 from palaestra.gateway.renderer import chain_digests, message_digest
-from palaestra.gateway.session import Session
-from palaestra.gateway.spool import SampleSpool
-from palaestra.gateway.trajectory import Turn
+from palaestra.gateway.sessions.session import Session
+from palaestra.gateway.sessions.spool import SampleSpool
+from palaestra.gateway.sessions.trajectory import Turn
 from palaestra.sample import sample_id_for
 
 __all__ = ["finish_from_spool", "journal_answer", "restore"]
@@ -103,8 +104,8 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
         output_ids=t["out"],
         output_logprobs=[float("-inf") if x is None else x for x in t["lp"]],  # orjson writes -inf as null
         weight_version=t["wv"],
-        weight_spans=t["spans"],
-        finish_reason=t["fin"],
+        weight_spans=[VersionSpan.of(s) for s in t["spans"]],
+        finish_reason=FinishReason(t["fin"]),
         latency_s=t["lat"],
         cached_tokens=t["cached"],
         kind=t["kind"],

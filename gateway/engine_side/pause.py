@@ -1,7 +1,7 @@
 """`PauseGate`: the drain control of a weight sync. While paused, new generation calls wait (up to
 `pause_wait_s`) or get 429 (`pause_mode: reject`); calls in flight finish, and `drained` says when
 none is left. `pauses` counts the pauses, so a call can tell whether one began while it ran (an
-engine call a weight update interrupted then waits in `reenter` and continues: gateway/partial.py)."""
+engine call a weight update interrupted then waits in `reenter` and continues: gateway/engine_side/partial.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from palaestra.gateway.auth import mint_session_token
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.session import Session
+from palaestra.gateway.sessions.session import Session
 
 if TYPE_CHECKING:
     from palaestra.gateway.metrics import GatewayMetrics
@@ -49,7 +49,7 @@ class SessionStore:
         return session
 
     def adopt(self, session: Session) -> None:
-        """A session rebuilt from the journal at start (gateway/journal.py)."""
+        """A session rebuilt from the journal at start (gateway/sessions/journal.py)."""
         self._sessions[session.session_id] = session
         if not session.finished:
             self.metrics.active.inc()

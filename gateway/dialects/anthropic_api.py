@@ -33,7 +33,6 @@ import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from palaestra.gateway.controls import MESSAGES, Recorder, screen
 from palaestra.gateway.dialect import (
     GenerationParams,
     Reasoning,
@@ -46,12 +45,13 @@ from palaestra.gateway.dialect import (
     TurnRequest,
     TurnResult,
 )
+from palaestra.gateway.dialects.controls import MESSAGES, Recorder, screen
+from palaestra.gateway.dialects.sealed import seal, unseal
+from palaestra.gateway.dialects.validate import number, stop_list
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_more
-from palaestra.gateway.sealed import seal, unseal
+from palaestra.gateway.sessions.history import ParseMemo
 from palaestra.gateway.streaming import sse
-from palaestra.gateway.validate import number, stop_list
 
 COUNT_FIELDS = (
     "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",

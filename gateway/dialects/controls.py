@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from palaestra.gateway.dialect import TurnRequest
+from palaestra.gateway.dialects.template_caps import TemplateCaps
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.template_caps import TemplateCaps
 
 __all__ = [
     "CHAT",

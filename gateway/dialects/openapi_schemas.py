@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from palaestra.gateway.dialects.validate import MAX_STOPS
 from palaestra.gateway.streaming import MAX_STOP_CHARS
-from palaestra.gateway.validate import MAX_STOPS
 
 __all__ = [
     "ANTHROPIC_COUNT",

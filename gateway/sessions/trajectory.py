@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from palaestra.gateway.engine_side.generation import FinishKind, FinishReason, VersionSpan
 from palaestra.sample import Sample, sample_id_for
 
 FORK_REASONS = (
@@ -38,8 +39,8 @@ class Turn:
     output_ids: list[int]
     output_logprobs: list[float]
     weight_version: str
-    weight_spans: list[dict[str, Any]]
-    finish_reason: dict[str, Any]
+    weight_spans: list[VersionSpan]  # which version sampled which output tokens (empty: weight_version)
+    finish_reason: FinishReason
     latency_s: float
     cached_tokens: int
     kind: str  # "chat" | "completion"
@@ -53,7 +54,7 @@ class Turn:
     parse: dict[str, Any] | None = None  # chat: how the output was parsed (service._parse_status)
     controls: dict[str, Any] | None = None
     """What the call asked that was not done as asked (service._controls): "ignored" (the recorded
-    controls, gateway/controls.py) and "max_tokens" (a clamp: field, asked, granted); None: nothing."""
+    controls, gateway/dialects/controls.py) and "max_tokens" (a clamp: field, asked, granted); None: nothing."""
     fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
     fork_detail: str = ""
     children: int = 0
@@ -93,7 +94,7 @@ class Turn:
             "output_ids": self.output_ids,
             "output_logprobs": self.output_logprobs,
             "weight_version": self.weight_version,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason.wire,
             "latency_s": self.latency_s,
             "cached_tokens": self.cached_tokens,
             "fork_reason": self.fork_reason,
@@ -109,8 +110,8 @@ def _versions(turn: Turn) -> list[str]:
         return [turn.weight_version] * n
     out = [turn.weight_version] * n
     for span in turn.weight_spans:
-        for i in range(int(span["start"]), min(int(span["end"]), n)):
-            out[i] = str(span["version"])
+        for i in range(span.start, min(span.end, n)):
+            out[i] = span.version
     return out
 
 
@@ -141,9 +142,9 @@ def linearize(
         mask[start:end] = [1] * len(turn.output_ids)
         logprobs[start:end] = turn.output_logprobs
         versions[start:end] = _versions(turn)
-    if status == "completed" and leaf.finish_reason.get("type") == "length":
+    if status == "completed" and leaf.finish_reason.kind == FinishKind.LENGTH:
         status = "truncated"
-    if status == "completed" and leaf.finish_reason.get("type") == "abort":
+    if status == "completed" and leaf.finish_reason.kind == FinishKind.ABORT:
         status = "aborted"
     return Sample(
         sample_id=sample_id_for(session_id, fork_index),

@@ -17,32 +17,20 @@ session is created on first use, inside the serving event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
+from palaestra.gateway.engine_side.generation import FinishReason, Generation, SamplingParams, VersionSpan
+from palaestra.gateway.engine_side.placement import ROUTING_HEADER
 from palaestra.gateway.errors import GatewayError
 
 if TYPE_CHECKING:
-    from palaestra.gateway.routing import CallRoute
-
-ROUTING_HEADER = "X-SMG-Routing-Key"
-
-
-@dataclass
-class Generation:
-    """One sampled sequence as the engine returned it."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[float, int]]] | None
-    finish_reason: dict[str, Any]
-    weight_version: str
-    cached_tokens: int = 0
-    weight_versions: list[dict[str, Any]] = field(default_factory=list)
+    from palaestra.gateway.engine_side.routing import CallRoute
 
 
 def _refused_target(status: int, raw: bytes) -> bool:
@@ -67,10 +55,10 @@ def _generation(answer: dict[str, Any]) -> Generation:
         output_ids=ids,
         logprobs=[float(e[0]) for e in lps],
         top_logprobs=[[(float(t[0]), int(t[1])) for t in (row or [])] for row in tops] if tops else None,
-        finish_reason=meta.get("finish_reason") or {"type": "abort", "message": "missing finish_reason"},
+        finish_reason=FinishReason.of(meta.get("finish_reason")),
         weight_version=str(meta.get("weight_version", "default")),
         cached_tokens=int(meta.get("cached_tokens") or 0),
-        weight_versions=list(meta.get("weight_versions") or []),
+        weight_versions=[VersionSpan.of(s) for s in meta.get("weight_versions") or []],
     )
 
 
@@ -111,17 +99,21 @@ class EngineClient:
 
     @staticmethod
     def _headers(session_id: str, route: CallRoute | None) -> dict[str, str]:
-        routing = route.headers() if route is not None else {ROUTING_HEADER: session_id}
-        return {**routing, "content-type": "application/json"}
+        call_headers = route.call_headers() if route is not None else {ROUTING_HEADER: session_id}
+        return {**call_headers, "content-type": "application/json"}
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
 
     def _body(
-        self, input_ids: list[int], sampling: dict[str, Any], top_logprobs: int, stream: bool
+        self, input_ids: list[int], sampling: SamplingParams, top_logprobs: int, stream: bool
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling.to_wire(),
+            "return_logprob": True,
+        }
         if self.lora_adapter is not None:
             body["lora_path"] = self.lora_adapter
         if top_logprobs:
@@ -156,7 +148,7 @@ class EngineClient:
         self,
         session_id: str,
         input_ids: list[int],
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,
     ) -> list[Generation]:
@@ -212,88 +204,21 @@ class EngineClient:
         self,
         session_id: str,
         input_ids: list[int],
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,
     ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:
-        """Streams (new ids, their logprobs, final Generation or None) for one sample."""
+        """Streams (new ids, their logprobs, final Generation or None) for one sample. Attempts are
+        retried as `generate`'s are while nothing was streamed; once a token went out, never."""
         body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, stream=True))
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
-            sent = 0
+            progress = _Progress()
             try:
-                async with self._session().post(
-                    f"{self.url}/generate", data=body, headers=self._headers(session_id, route)
-                ) as r:
-                    if r.status != 200:
-                        raw = await r.read()
-                        if route is not None and _refused_target(r.status, raw) and await route.retry():
-                            last = self._unreachable(RuntimeError(raw.decode(errors="replace")))
-                            continue  # refused target, nothing streamed: the next attempt goes elsewhere
-                        self._raise_for(r.status, raw)
-                    ids: list[int] = []
-                    lps: list[float] = []
-                    finished = False
-                    head = b""  # the answer's first bytes, for the error when it is not an event stream
-                    async for line in self._lines(r.content):
-                        if len(head) < 200:
-                            head += line[:200] + b"\n"
-                        if not line.startswith(b"data: "):
-                            continue
-                        data = line[6:].strip()
-                        if data == b"[DONE]":
-                            break
-                        try:
-                            chunk = orjson.loads(data)
-                        except orjson.JSONDecodeError:
-                            chunk = None
-                        if isinstance(chunk, dict) and "error" in chunk and "meta_info" not in chunk:
-                            raise GatewayError(
-                                f"engine error mid-stream: {chunk['error']}", 502, type="engine_error"
-                            )
-                        if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
-                            raise GatewayError(
-                                f"the engine sent a stream chunk that is not SGLang's: {data[:200]!r}",
-                                502,
-                                type="engine_error",
-                            )
-                        new_ids = list(chunk.get("output_ids") or [])
-                        new_lps = [
-                            float(e[0]) for e in (chunk["meta_info"].get("output_token_logprobs") or [])
-                        ]
-                        if self.incremental_stream:
-                            ids += new_ids
-                            lps += new_lps
-                        else:
-                            ids, lps = new_ids, new_lps
-                        fresh_ids, fresh_lps = ids[sent:], lps[sent:]
-                        sent = len(ids)
-                        final = None
-                        if chunk["meta_info"].get("finish_reason") is not None:
-                            finished = True
-                            final = _generation(
-                                {
-                                    "output_ids": ids,
-                                    "meta_info": {
-                                        **chunk["meta_info"],
-                                        "output_token_logprobs": [
-                                            [lp, t, None] for lp, t in zip(lps, ids, strict=True)
-                                        ],
-                                        "output_top_logprobs": None,
-                                    },
-                                }
-                            )
-                        yield fresh_ids, fresh_lps, final
-                    if not finished:
-                        kind = r.headers.get("content-type", "no content-type")
-                        raise GatewayError(
-                            "the engine's streaming /generate answer ended without a final chunk "
-                            f"(SGLang's event stream has one with meta_info.finish_reason); it sent {kind}: "
-                            f"{head[:200].decode(errors='replace')!r}",
-                            502,
-                            type="engine_error",
-                        )
-                    return
+                attempt_pieces = self._stream_attempt(session_id, body, route, progress)
+                async with contextlib.aclosing(attempt_pieces):  # a client gone: the answer is closed now
+                    async for piece in attempt_pieces:
+                        yield piece
             except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
                 last = self._unreachable(exc)
             except TimeoutError:
@@ -301,16 +226,117 @@ class EngineClient:
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
                 ) from None
             except aiohttp.ClientError as exc:
-                if sent:  # tokens already went to the agent: never retry
+                if progress.sent:  # tokens already went to the agent: never retry
                     raise GatewayError(
                         f"the engine connection broke mid-stream: {exc!r}", 502, type="engine_error"
                     ) from None
                 last = self._unreachable(exc)
             except GatewayError as exc:
-                if exc.status != 503 or sent:
+                if exc.status != 503 or progress.sent:
                     raise
                 last = exc
+            else:
+                if progress.refused is None:
+                    return
+                last = progress.refused
+                continue  # refused target, nothing streamed: the next attempt goes elsewhere at once
             if attempt < self.retries:
                 await asyncio.sleep(self.retry_backoff_s * (2**attempt))
         assert last is not None
         raise last
+
+    async def _stream_attempt(
+        self, session_id: str, body: bytes, route: CallRoute | None, progress: _Progress
+    ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:
+        """One POST of a streamed call, its pieces as they come; `progress` counts the ids that went
+        out, or holds the error when the router refused the target (then nothing was streamed)."""
+        async with self._session().post(
+            f"{self.url}/generate", data=body, headers=self._headers(session_id, route)
+        ) as r:
+            if r.status != 200:
+                raw = await r.read()
+                if route is not None and _refused_target(r.status, raw) and await route.retry():
+                    progress.refused = self._unreachable(RuntimeError(raw.decode(errors="replace")))
+                    return
+                self._raise_for(r.status, raw)
+            sample = _StreamedSample(self.incremental_stream)
+            head = b""  # the answer's first bytes, for the error when it is not an event stream
+            async for line in self._lines(r.content):
+                if len(head) < 200:
+                    head += line[:200] + b"\n"
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                piece = sample.add(_chunk(data))
+                progress.sent = sample.sent
+                yield piece
+            if not sample.finished:
+                kind = r.headers.get("content-type", "no content-type")
+                raise GatewayError(
+                    "the engine's streaming /generate answer ended without a final chunk "
+                    f"(SGLang's event stream has one with meta_info.finish_reason); it sent {kind}: "
+                    f"{head[:200].decode(errors='replace')!r}",
+                    502,
+                    type="engine_error",
+                )
+
+
+@dataclass
+class _Progress:
+    """What one streamed attempt got to: ids sent on, or the router's refusal of its target."""
+
+    sent: int = 0
+    refused: GatewayError | None = None
+
+
+def _chunk(data: bytes) -> dict[str, Any]:
+    """One event of SGLang's stream, checked: an error event or a chunk that is not SGLang's is a 502."""
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        chunk = None
+    if isinstance(chunk, dict) and "error" in chunk and "meta_info" not in chunk:
+        raise GatewayError(f"engine error mid-stream: {chunk['error']}", 502, type="engine_error")
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
+        raise GatewayError(
+            f"the engine sent a stream chunk that is not SGLang's: {data[:200]!r}", 502, type="engine_error"
+        )
+    return chunk
+
+
+class _StreamedSample:
+    """One streamed sample's ids and logprobs so far, from SGLang's chunks: each the whole output so
+    far (the default) or only the new part (`incremental`: --incremental-streaming-output)."""
+
+    def __init__(self, incremental: bool) -> None:
+        self.incremental = incremental
+        self.ids: list[int] = []
+        self.lps: list[float] = []
+        self.sent = 0  # ids already handed on
+        self.finished = False
+
+    def add(self, chunk: dict[str, Any]) -> tuple[list[int], list[float], Generation | None]:
+        """The chunk's new ids and logprobs, and the whole Generation when it is the final one."""
+        meta = chunk["meta_info"]
+        new_ids = list(chunk.get("output_ids") or [])
+        new_lps = [float(e[0]) for e in (meta.get("output_token_logprobs") or [])]
+        if self.incremental:
+            self.ids += new_ids
+            self.lps += new_lps
+        else:
+            self.ids, self.lps = new_ids, new_lps
+        fresh_ids, fresh_lps = self.ids[self.sent :], self.lps[self.sent :]
+        self.sent = len(self.ids)
+        if meta.get("finish_reason") is None:
+            return fresh_ids, fresh_lps, None
+        self.finished = True
+        logprobs = [[lp, t, None] for lp, t in zip(self.lps, self.ids, strict=True)]
+        final = _generation(
+            {
+                "output_ids": self.ids,
+                "meta_info": {**meta, "output_token_logprobs": logprobs, "output_top_logprobs": None},
+            }
+        )
+        return fresh_ids, fresh_lps, final

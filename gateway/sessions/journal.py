@@ -2,7 +2,7 @@
 directory, so that a gateway restarted on the same directory continues each session exactly.
 
     journal = SessionJournal(spool_dir, fsync="batch", interval_s=0.05)
-    sessions, last_turn_id = replay.restore(journal.recover(), decode)   # at start (gateway/replay.py)
+    sessions, last_turn_id = replay.restore(journal.recover(), decode)   # at start (gateway/sessions/replay.py)
     journal.opened(session); journal.turn(session, turn, ...); journal.failed(session, call)
     journal.sync(); <samples appended to the spool>; journal.finished(session, answer)
 
@@ -55,12 +55,12 @@ from typing import Any, Literal
 
 import orjson
 
-from palaestra.gateway.session import Session
-from palaestra.gateway.trajectory import Turn
+from palaestra.gateway.sessions.session import Session
+from palaestra.gateway.sessions.trajectory import Turn
 
 __all__ = ["FSYNC_POLICIES", "NOT_PERSISTED", "SessionJournal"]
 
-log = logging.getLogger("palaestra.gateway.journal")
+log = logging.getLogger("palaestra.gateway.sessions.journal")
 
 FSYNC_POLICIES = ("always", "batch", "off")
 FsyncPolicy = Literal["always", "batch", "off"]
@@ -306,8 +306,8 @@ class SessionJournal:
             "out": turn.output_ids,
             "lp": turn.output_logprobs,
             "wv": turn.weight_version,
-            "spans": turn.weight_spans,
-            "fin": turn.finish_reason,
+            "spans": [s.to_wire() for s in turn.weight_spans],
+            "fin": turn.finish_reason.wire,
             "lat": turn.latency_s,
             "cached": turn.cached_tokens,
             "kind": turn.kind,

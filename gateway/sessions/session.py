@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from palaestra.gateway import finished as finished_turns
-from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import HistoryDigests
-from palaestra.gateway.trajectory import Turn
+from palaestra.gateway.sessions import finished as finished_turns
+from palaestra.gateway.sessions.history import ParseMemo
+from palaestra.gateway.sessions.trajectory import Turn
 
 __all__ = ["Session", "count_ignored"]
 
@@ -49,7 +49,7 @@ class Session:
     history: HistoryDigests = field(default_factory=HistoryDigests)
     """The last call's message digests, reused by the next call on the history it repeats."""
     parse_memo: ParseMemo = field(default_factory=ParseMemo)
-    """The last call's parsed history, reused by the next call's parser (gateway/history.py)."""
+    """The last call's parsed history, reused by the next call's parser (gateway/sessions/history.py)."""
     conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Kept conversations by call id (internal messages incl. the reply): Responses `store`."""
     finished: bool = False
@@ -66,7 +66,7 @@ class Session:
     busy: int = 0
     """Calls of this session in flight (an idle session has none)."""
     packed_turns: str | None = None
-    """Set by `release`: the turns' summaries without token lists (gateway/finished.py)."""
+    """Set by `release`: the turns' summaries without token lists (gateway/sessions/finished.py)."""
 
     def release(self, leaves: list[Turn]) -> None:
         """Drops what only calls needed, once the session is finished and its samples (sample `i` is
@@ -101,7 +101,7 @@ class Session:
         entry["last"] = exc.message[:500]
 
     def ignored_controls(self) -> dict[str, int]:
-        """The recorded controls (gateway/controls.py), counted once per call over the session's turns."""
+        """The recorded controls (gateway/dialects/controls.py), counted once per call over the session's turns."""
         return count_ignored(self.turns)
 
     def parse_errors(self) -> dict[str, int]:

@@ -30,14 +30,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from palaestra.gateway.controls import RESPONSES, Recorder, screen
 from palaestra.gateway.dialect import GenerationParams, Reasoning, TurnRequest
+from palaestra.gateway.dialects.controls import RESPONSES, Recorder, screen
+from palaestra.gateway.dialects.openai_request import EFFORTS, constraints
+from palaestra.gateway.dialects.sealed import unseal
+from palaestra.gateway.dialects.validate import SEED_RANGE, number, stop_list
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.history import ParseMemo
-from palaestra.gateway.openai_request import EFFORTS, constraints
 from palaestra.gateway.renderer import normalize_messages, normalize_more
-from palaestra.gateway.sealed import unseal
-from palaestra.gateway.validate import SEED_RANGE, number, stop_list
+from palaestra.gateway.sessions.history import ParseMemo
 
 INCLUDES = {"message.output_text.logprobs", "reasoning.encrypted_content"}
 """`include` values that are honoured: logprobs, and reasoning sealed in `encrypted_content`."""

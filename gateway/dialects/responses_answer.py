@@ -33,7 +33,7 @@ from palaestra.gateway.dialect import (
     TurnRequest,
     TurnResult,
 )
-from palaestra.gateway.sealed import seal
+from palaestra.gateway.dialects.sealed import seal
 from palaestra.gateway.streaming import sse
 
 

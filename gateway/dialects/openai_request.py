@@ -14,12 +14,12 @@ import json
 import math
 from typing import Any
 
-from palaestra.gateway.controls import CHAT, COMPLETIONS, Recorder, Rule, screen
 from palaestra.gateway.dialect import GenerationParams, Reasoning, TextRequest, TurnRequest
+from palaestra.gateway.dialects.controls import CHAT, COMPLETIONS, Recorder, Rule, screen
+from palaestra.gateway.dialects.validate import SEED_RANGE, number, stop_list
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.history import ParseMemo
 from palaestra.gateway.renderer import normalize_messages, normalize_tools
-from palaestra.gateway.validate import SEED_RANGE, number, stop_list
+from palaestra.gateway.sessions.history import ParseMemo
 
 MAX_N = 64
 """Most choices one call may ask for (`n`); more is a 400 naming `n`."""

@@ -26,13 +26,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.errors import GatewayError
-from palaestra.gateway.journal import SessionJournal
-from palaestra.gateway.session_store import SessionStore
-from palaestra.gateway.spool import SampleSpool
+from palaestra.gateway.sessions.journal import SessionJournal
+from palaestra.gateway.sessions.session_store import SessionStore
+from palaestra.gateway.sessions.spool import SampleSpool
 
 __all__ = ["LIMITS", "IdleReaper", "Limits"]
 
-log = logging.getLogger("palaestra.gateway.limits")
+log = logging.getLogger("palaestra.gateway.sessions.limits")
 
 LIMITS = ("open_sessions", "spool_bytes", "backlog")
 

@@ -1,9 +1,9 @@
 """How the gateway's engine calls are routed, and what it learns about each environment's traffic.
 
 `EngineRouting` sits between the turn core (`service.py`) and the engine client: per call it gives
-the routing headers (`CallRoute.headers()`), and when the call answers it counts the environment's
+the routing headers (`CallRoute.call_headers()`), and when the call answers it counts the environment's
 traffic. With `placement` off (the default) the headers are today's, `X-SMG-Routing-Key:
-<session>` for sglang-router's consistent hashing; with it on, `gateway/placement.py` also chooses
+<session>` for sglang-router's consistent hashing; with it on, `gateway/engine_side/placement.py` also chooses
 `X-SMG-Target-Worker` from the router's worker list, which a background task re-reads from the
 router's `GET /workers` every few seconds (and before re-placing a refused call). The engine client
 asks for a new route only when the router refused the target before anything was generated, so
@@ -29,19 +29,24 @@ from typing import Any, TextIO
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from palaestra.gateway.placement import ROUTING_HEADER, Call, Placement, PlacementConfig, Route
+from palaestra.gateway.engine_side.placement import (
+    ROUTING_HEADER,
+    Call,
+    PlacementConfig,
+    Route,
+    SessionPlacement,
+)
 
 __all__ = ["CallRoute", "EngineRouting", "RoutingOptions"]
 
-log = logging.getLogger("palaestra.gateway.routing")
+log = logging.getLogger("palaestra.gateway.engine_side.routing")
 
 
 @dataclass(frozen=True)
 class RoutingOptions:
-    """The routing part of the gateway's options (GatewayOptions.placement, ...)."""
+    """The routing part of the gateway's options (GatewayOptions.placement, routing_trace)."""
 
-    placement: bool = False
-    placement_config: PlacementConfig = PlacementConfig()
+    placement: PlacementConfig = PlacementConfig()
     routing_trace: str | None = None
     refresh_s: float = 2.0
 
@@ -70,8 +75,8 @@ class CallRoute:
         self._route = route
         self._started = time.monotonic()
 
-    def headers(self) -> dict[str, str]:
-        return self._route.headers() if self._route is not None else {ROUTING_HEADER: self._session}
+    def call_headers(self) -> dict[str, str]:
+        return self._route.call_headers() if self._route is not None else {ROUTING_HEADER: self._session}
 
     @property
     def worker(self) -> int | None:
@@ -106,7 +111,9 @@ class EngineRouting:
     def __init__(self, options: RoutingOptions, engine_url: str, registry: CollectorRegistry) -> None:
         self.options = options
         self.engine_url = engine_url.rstrip("/")
-        self.placement: Placement | None = Placement(options.placement_config) if options.placement else None
+        self.placement: SessionPlacement | None = (
+            SessionPlacement(options.placement) if options.placement.enabled else None
+        )
         self._calls: dict[str, int] = {}  # session -> engine calls so far (its turn index)
         self._first_prompt: OrderedDict[str, list[int]] = OrderedDict()  # env / group -> its first prompt
         self._record: TextIO | None = None
