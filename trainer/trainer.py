@@ -469,10 +469,17 @@ class Trainer:
         """The model's own weights by Megatron name: every parameter but the LoRA adapters."""
         return [(n, p) for n, p in self.gpt.named_parameters() if not is_adapter_param(n)]
 
+    def routing_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Tensors of the model that are not parameters but part of its weights: the MoE routers'
+        expert bias (GLM/DeepSeek's e_score_correction_bias; fixed while training, see
+        megatron_model._moe_config)."""
+        return [(n, b) for n, b in self.gpt.named_buffers() if n.endswith("router.expert_bias")]
+
     def megatron_state(self) -> dict[str, torch.Tensor]:
         """The live weights of the whole model by Megatron name (gathered over TP: a collective);
         with LoRA the base weights, without the adapters (`adapter_state`)."""
-        return self.gather_tp({name: p.detach() for name, p in self.base_parameters()})
+        local = {name: p.detach() for name, p in [*self.base_parameters(), *self.routing_buffers()]}
+        return self.gather_tp(local)
 
     def hf_state(self, merged: bool = False) -> dict[str, torch.Tensor]:
         """The live weights by HF name, on CPU (a collective over TP). With LoRA: the base
@@ -498,7 +505,7 @@ class Trainer:
     @torch.no_grad()
     def load_megatron_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies whole-model Megatron tensors into the live model (this rank takes its TP shard)."""
-        params = dict(self.base_parameters())
+        params = dict([*self.base_parameters(), *self.routing_buffers()])
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         if missing or extra:
             raise KeyError(f"Megatron weights: missing {missing[:5]}, unexpected {extra[:5]}")
