@@ -83,6 +83,11 @@ param-gather (CUDA streams).
   path: the intended fallback. This one is a missing-TE bug, not a CUDA one, so it applies on GPU
   boxes without TE too.
 
+* The all-to-all dispatcher's `maybe_move_tensor_to_cpu(t, as_numpy=True)` turns the split sizes
+  into numpy arrays only when they are CUDA tensors; on CPU they stay tensors, which
+  `all_to_all_single` does not take as split sizes. `token_dispatcher`'s name is rebound to
+  `_to_host`, which converts a CPU tensor the way the CUDA path converts a CUDA one.
+
 Also here, because every megatron import goes through it first: `import_megatron()`, which imports
 megatron-core without its import-time notices (missing TransformerEngine/Apex, deprecations).
 """
@@ -204,6 +209,13 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """`moe_utils.maybe_move_tensor_to_cpu` for a CPU run (module docstring)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def import_megatron() -> None:
     """Imports the megatron-core modules the trainer uses, without their import-time notices.
 
@@ -258,6 +270,9 @@ def install() -> bool:
         module.torch = proxy
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    importlib.import_module(
+        "megatron.core.transformer.moe.token_dispatcher"
+    ).maybe_move_tensor_to_cpu = _to_host
     _installed = True
     return True
 

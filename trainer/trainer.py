@@ -22,8 +22,8 @@ adapters, teachers run with the adapters off, and the sync sends the adapters on
 
 Simplifications, on purpose: one optimizer step per call (no PPO epochs or mini-batches — call
 `step` again for more); constant learning rate (`megatron_optimizer["lr"]`). Tensor and data
-parallelism work (Megatron's own options); pipeline, context and expert parallelism are refused
-with the reason. With several processes every rank calls `step`; rank 0's samples are used.
+parallelism work (Megatron's own options), and expert parallelism for mixture-of-experts models
+(moe.py); pipeline and context parallelism are refused with the reason. With several processes every rank calls `step`; rank 0's samples are used.
 
 The trainer owns the weight version: `step` adds one per optimizer step, and the engines get
 exactly that number with the weights; whoever drives it reads `weight_version`, never counts.
@@ -45,9 +45,17 @@ import torch.distributed as dist
 
 from palaestra.sample import Sample
 from palaestra.trainer import advantages as adv
-from palaestra.trainer import cpu_shim, losses, objective, opd_kl
+from palaestra.trainer import cpu_shim, losses, moe, objective, opd_kl
 from palaestra.trainer.config import TrainerConfig
-from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
+from palaestra.trainer.convert import (
+    HFArchitecture,
+    ep_globalize,
+    ep_localize,
+    hf_to_megatron,
+    megatron_to_hf,
+    tp_shard,
+    tp_unshard,
+)
 from palaestra.trainer.estimators import AdvantageContext, estimate, load_estimator
 from palaestra.trainer.lora import Adapters, check_rank, inject, is_adapter_param
 from palaestra.trainer.megatron_model import (
@@ -67,7 +75,6 @@ __all__ = ["Trainer", "format_metrics"]
 _UNSUPPORTED_PARALLEL = {
     "pipeline_model_parallel_size": "pipeline schedules and per-stage weight gathering are not wired yet",
     "context_parallel_size": "context parallelism needs TransformerEngine attention; the local spec has none",
-    "expert_model_parallel_size": "the HF conversion covers dense Llama/Qwen models only (no MoE)",
 }
 
 
@@ -106,6 +113,7 @@ class Trainer:
                 )
         self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
+        moe.check_layout(self.arch, config.megatron)
         for key, why in _UNSUPPORTED_PARALLEL.items():
             if int(config.megatron.get(key) or 1) != 1:
                 raise ValueError(f"{key} > 1 is not supported by this trainer: {why}")
@@ -422,7 +430,8 @@ class Trainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run(mbs, self._policy_loss, forward_only=False)
+        with moe.RouterStats(self.gpt) as routers:
+            out = self._run(mbs, self._policy_loss, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if self.lora is None:  # with LoRA the base (all the store holds) did not change
             self.snapshots.mark_live_changed()
@@ -432,6 +441,7 @@ class Trainer:
         metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["train/update_successful"] = float(bool(ok))
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics.update(routers.metrics(parallel_state.get_data_parallel_group()))
         return metrics
 
     # ==========================================================================================
@@ -460,6 +470,30 @@ class Trainer:
                 shards[r][name] = parts[r]
         return tp_unshard(shards)
 
+    def _ep(self) -> tuple[Any, int, int]:
+        """(expert-parallel group, this rank in it, its size)."""
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_expert_model_parallel_world_size()
+        if size == 1:
+            return None, 0, 1
+        return (
+            parallel_state.get_expert_model_parallel_group(),
+            parallel_state.get_expert_model_parallel_rank(),
+            size,
+        )
+
+    def gather_ep(self, full_tp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every expert of the model from each EP rank's own (a collective over the EP group)."""
+        group, _, size = self._ep()
+        if size == 1:
+            return full_tp
+        parts: list[Any] = [None] * size
+        mine = {k: v.cpu() for k, v in full_tp.items() if ".local_experts." in k}
+        dist.all_gather_object(parts, mine, group=group)
+        rest = {k: v for k, v in full_tp.items() if ".local_experts." not in k}
+        return {**rest, **ep_globalize(parts)}
+
     def shard_tp(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's TP shard of whole-model tensors."""
         _, rank, size = self._tp()
@@ -479,7 +513,7 @@ class Trainer:
         """The live weights of the whole model by Megatron name (gathered over TP: a collective);
         with LoRA the base weights, without the adapters (`adapter_state`)."""
         local = {name: p.detach() for name, p in [*self.base_parameters(), *self.routing_buffers()]}
-        return self.gather_tp(local)
+        return self.gather_ep(self.gather_tp(local))
 
     def hf_state(self, merged: bool = False) -> dict[str, torch.Tensor]:
         """The live weights by HF name, on CPU (a collective over TP). With LoRA: the base
@@ -506,6 +540,8 @@ class Trainer:
     def load_megatron_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies whole-model Megatron tensors into the live model (this rank takes its TP shard)."""
         params = dict([*self.base_parameters(), *self.routing_buffers()])
+        _, ep_rank, ep_size = self._ep()
+        tensors = ep_localize(tensors, ep_rank, ep_size, self.arch.num_experts)  # this rank's experts
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         if missing or extra:
             raise KeyError(f"Megatron weights: missing {missing[:5]}, unexpected {extra[:5]}")
