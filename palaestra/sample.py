@@ -51,6 +51,7 @@ class Sample:
     fork_reason: str | None = None  # why this sample started (None for the first)
     teacher_logprobs: list[float] | None = None  # per response token, filled by teacher scoring
     teacher: str | None = None
+    routed_experts: Any = None  # MoE routing the engine used: see the note below
     schema_version: str = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -103,8 +104,16 @@ class Sample:
         self.rollout_logprobs.extend(logprobs if sampled else [0.0] * len(tokens))
         self.weight_versions.extend([weight_version if sampled else ""] * len(tokens))
 
+    # `routed_experts`: the experts the rollout engine's router chose, a numpy integer array
+    # (int16) [len(tokens) or len(tokens) - 1, MoE layers, top_k]: row t for the token at position
+    # t, the model's MoE layers in order (dense layers have no row). The trainer replays it with
+    # trainer.routing_replay = "r3" (trainer/moe.py); None when the engine did not report it.
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.routed_experts is not None:  # JSON has no arrays: nested lists
+            data["routed_experts"] = self.routed_experts.tolist()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
@@ -112,4 +121,9 @@ class Sample:
         if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
             raise SampleError(f"sample schema {version!r} is not readable by schema {SCHEMA_VERSION}")
         known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in known}
+        if fields.get("routed_experts") is not None:
+            import numpy as np
+
+            fields["routed_experts"] = np.asarray(fields["routed_experts"], dtype=np.int16)
+        return cls(**fields)

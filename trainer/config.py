@@ -150,6 +150,13 @@ class TrainerConfig:
     snapshot) — for one-step-off-policy rollouts. False: the weights before this step's update.
     `palaestra train` sets it from run.mode (true exactly for one_step_off) unless given."""
 
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    """Mixture-of-experts routing in the policy's training passes (trainer/moe.py): off = the
+    router chooses anew in every pass; r2 = the update replays the experts the old-policy pass
+    chose; r3 = the old-policy pass and the update replay the rollout engine's choice
+    (`Sample.routed_experts`; a sample without a matching one is dropped, with the reason).
+    r2/r3 need an MoE model."""
+
     sync_mode: Literal["shm", "distributed", "ipc", "tensor", "disk"] = "shm"
     """Weight sync (trainer/weight_sync.py): shm = one safetensors file in /dev/shm, loaded with
     /update_weights_from_disk (engines on this host; the fast path); distributed = a broadcast group
@@ -227,6 +234,8 @@ class TrainerConfig:
     /load_lora_adapter; sync_mode shm or disk)."""
 
     def __post_init__(self) -> None:
+        if self.routing_replay not in ("off", "r2", "r3"):
+            raise ValueError(f"routing_replay must be off, r2 or r3; got {self.routing_replay!r}")
         if isinstance(self.lora, dict):  # from_dict / a checkpoint's saved config
             self.lora = LoraOptions(**self.lora)
         self.megatron_optimizer = {**DEFAULT_OPTIMIZER, **self.megatron_optimizer}

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from palaestra.trainer.convert import HFArchitecture
 
-__all__ = ["RouterStats", "check_layout"]
+__all__ = ["RouterStats", "RoutingReplay", "check_layout", "rollout_routing", "routing_problem"]
 
 
 def check_layout(arch: HFArchitecture, megatron: dict[str, Any]) -> None:
@@ -100,3 +101,104 @@ class RouterStats:
                 moe = values[values != 0]
                 out[f"train/moe_{key}_loss"] = float(moe.mean()) if moe.numel() else 0.0
         return out
+
+
+# -- routing replay -------------------------------------------------------------------------------
+# Megatron's routers built with moe_enable_routing_replay each own a `RouterReplay`
+# (megatron.core.transformer.moe.router_replay): RECORD keeps the top-k indices the router chose,
+# REPLAY_FORWARD takes given indices instead of choosing (the weights are still the router's own
+# scores of those experts, so the router keeps its gradient). The trainer drives its own model's
+# instances, not the class-wide list: several models may live in one process.
+def routing_problem(sample: Any, arch: HFArchitecture) -> str | None:
+    """Why `sample.routed_experts` cannot be replayed on `arch` (None: it can)."""
+    import numpy as np
+
+    routed = sample.routed_experts
+    if routed is None:
+        return "no routed_experts (the engine did not report its routing)"
+    routed = np.asarray(routed)
+    n = len(sample.tokens)
+    want = (len(arch.moe_layers), arch.moe_topk)
+    if routed.ndim != 3 or routed.shape[0] not in (n, n - 1) or tuple(routed.shape[1:]) != want:
+        return (
+            f"routed_experts has shape {tuple(routed.shape)}; this model needs ({n} or {n - 1}, "
+            f"{want[0]} MoE layers, top_k {want[1]})"
+        )
+    if not np.issubdtype(routed.dtype, np.integer) or routed.min() < 0 or routed.max() >= arch.num_experts:
+        return f"routed_experts holds ids outside 0..{arch.num_experts - 1}"
+    if (np.sort(routed, -1)[..., 1:] == np.sort(routed, -1)[..., :-1]).any():
+        return "routed_experts names an expert twice for one token"
+    return None
+
+
+def rollout_routing(
+    samples: list[Any], sample_indices: list[int], arch: HFArchitecture
+) -> list[torch.Tensor]:
+    """Per MoE layer, [T, top_k] expert ids of a micro-batch's packed tokens, from its samples'
+    `routed_experts` (checked by `routing_problem`). A missing last row (engines do not run the
+    final sampled token) is filled with experts 0..k-1: causal attention keeps that token's output
+    out of every logprob."""
+    rows = []
+    for i in sample_indices:
+        routed = torch.as_tensor(samples[i].routed_experts).long()
+        if routed.shape[0] == len(samples[i].tokens) - 1:
+            filler = torch.arange(arch.moe_topk).expand(1, routed.shape[1], -1)
+            routed = torch.cat([routed, filler])
+        rows.append(routed)
+    packed = torch.cat(rows)  # [T, MoE layers, top_k]
+    return [packed[:, layer].contiguous() for layer in range(packed.shape[1])]
+
+
+class RoutingReplay:
+    """Records or replays the routing of this model's MoE routers, one micro-batch at a time."""
+
+    def __init__(self, gpt: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
+        if any(r.router_replay is None for r in routers):
+            raise RuntimeError("the routers were built without moe_enable_routing_replay")
+        self.replays = [r.router_replay for r in routers]
+        self.mode: str | None = None  # None | "record" | "replay"
+
+    def _set(self, action) -> None:
+        for r in self.replays:
+            r.clear_indices()
+            if action is None:
+                r.clear_router_replay_action()
+            else:
+                r.set_router_replay_action(action)
+
+    @contextlib.contextmanager
+    def active(self, mode: str):
+        """Within: "record" stores each micro-batch's routing in `mb.routing`; "replay" routes each
+        micro-batch with a `routing` by it (one without routes itself)."""
+        self.mode = mode
+        try:
+            yield self
+        finally:
+            self.mode = None
+            self._set(None)
+
+    def before_forward(self, mb: Any) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self.mode == "record":
+            self._set(RouterReplayAction.RECORD)
+        elif self.mode == "replay" and mb.routing is not None:
+            if len(mb.routing) != len(self.replays):
+                raise ValueError(
+                    f"routing for {len(mb.routing)} MoE layers; the model has {len(self.replays)}"
+                )
+            self._set(RouterReplayAction.REPLAY_FORWARD)
+            # REPLAY_FORWARD reads the target in the forward pass and again in an activation
+            # recompute: the no-pipelining schedule runs this micro-batch's backward before the
+            # next forward step sets another target.
+            for r, ids in zip(self.replays, mb.routing, strict=True):
+                r.set_target_indices(ids)
+        else:
+            self._set(None)
+
+    def after_forward(self, mb: Any) -> None:
+        if self.mode == "record":
+            mb.routing = [r.get_recorded_indices().detach().cpu() for r in self.replays]

@@ -186,6 +186,10 @@ class MicroBatch:
     dummy: bool = False
     """A rank with no real work runs one of these (one row, loss mask 0) so collectives still match."""
 
+    routing: list[torch.Tensor] | None = None
+    """Routing replay (trainer/moe.py): per MoE layer, the experts of every packed token, [T, top_k]
+    (r3: the rollout's; r2: recorded in the old-policy pass). None: the routers choose."""
+
     # -- logprobs of the sampled tokens: Trainer.step --------------------------------------------
     old_logprobs: torch.Tensor | None = None
     """log π_old(x_t), the PPO ratio's denominator (the pre-update or `old_actor` weights), [R]."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -114,6 +115,11 @@ class Trainer:
         self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
         moe.check_layout(self.arch, config.megatron)
+        if config.routing_replay != "off" and not self.arch.is_moe:
+            raise ValueError(
+                f"routing_replay: {config.routing_replay} replays mixture-of-experts routing; "
+                f"{self.arch.architecture} is a dense model (set routing_replay: off)"
+            )
         for key, why in _UNSUPPORTED_PARALLEL.items():
             if int(config.megatron.get(key) or 1) != 1:
                 raise ValueError(f"{key} > 1 is not supported by this trainer: {why}")
@@ -127,7 +133,10 @@ class Trainer:
                 f"{parallel_state.get_tensor_model_parallel_world_size()} make {dp} data-parallel replicas"
             )
         cpu_shim.setup_rng(config.seed)
-        self.transformer_config = transformer_config(self.arch, config.megatron)
+        replay = config.routing_replay != "off"
+        self.transformer_config = transformer_config(
+            self.arch, {**config.megatron, "moe_enable_routing_replay": True} if replay else config.megatron
+        )
         self.lora: Adapters | None = None  # LoRA adapters (lora.py); None: full fine-tuning
         if config.lora.enabled:
             check_rank(config.lora, self.arch)  # before building anything
@@ -138,6 +147,7 @@ class Trainer:
             self._inject if config.lora.enabled else None,
         )
         self.gpt = unwrap(self.model)
+        self.replay = moe.RoutingReplay(self.gpt) if replay else None  # routing_replay r2 / r3
         self.load_hf_weights(self.model_dir)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**config.megatron_optimizer), [self.model])
         self._wire_megatron_schedule()
@@ -191,7 +201,12 @@ class Trainer:
         or pause a gateway first)."""
         started = time.perf_counter()
         samples = self._broadcast(list(samples))
+        samples, replay_metrics = self._keep_replayable(samples)
         mbs, plan_metrics = self._schedule(samples)
+        if self.config.routing_replay == "r3":  # the rollout engine's routing, replayed (moe.py)
+            for mb in mbs:
+                if not mb.dummy:
+                    mb.routing = moe.rollout_routing(samples, mb.sample_indices, self.arch)
         routes = self.distiller.route(samples) if self.distiller is not None else []
         ref = ["ref"] if self.config.kl_coef > 0 else []
         old_policy = "old_actor" if self.config.keep_old_actor else "actor"
@@ -200,7 +215,8 @@ class Trainer:
         self.snapshots.plan(plan)  # eviction and prefetch order
         k = self.distiller.topk_needed(routes) if self.distiller is not None else 0
         t_old = time.perf_counter()
-        old, topk_ids = self._student_pass(mbs, old_policy, k)
+        with self._routing("record" if self.config.routing_replay == "r2" else "replay"):
+            old, topk_ids = self._student_pass(mbs, old_policy, k)
         self._store(mbs, "old_logprobs", old)
         t_teacher = time.perf_counter()
         opd_metrics = (
@@ -216,7 +232,9 @@ class Trainer:
         # The next step will most likely switch in the same order: saying so now lets the store
         # prefetch its first teacher from disk while this step trains.
         self.snapshots.plan(plan)
-        metrics = self._train(mbs)
+        with self._routing("replay"):
+            metrics = self._train(mbs)
+        metrics.update(replay_metrics)
         metrics.update(signal_metrics)
         metrics.update(opd_metrics)
         metrics.update(self.snapshots.stats())
@@ -269,6 +287,38 @@ class Trainer:
             "perf/pack_fill_ratio": plan.fill_ratio(self.config.max_tokens_per_microbatch),
             "perf/dp_load_max_over_mean": max(loads) / (sum(loads) / len(loads)) if sum(loads) else 1.0,
         }
+
+    def _keep_replayable(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        """With routing_replay r3, the samples whose `routed_experts` fit the model; every other one
+        is dropped with its reason (a warning), never trained on with routing of its own."""
+        if self.config.routing_replay != "r3":
+            return samples, {}
+        kept, reasons = [], []
+        for s in samples:
+            problem = moe.routing_problem(s, self.arch)
+            if problem is None:
+                kept.append(s)
+            else:
+                reasons.append(f"sample {s.sample_id}: {problem}")
+        if not kept:
+            raise ValueError(
+                "routing_replay r3: no sample has a usable routed_experts: " + "; ".join(reasons[:5])
+            )
+        if reasons:
+            warnings.warn(
+                f"routing_replay r3 dropped {len(reasons)} sample(s): " + "; ".join(reasons[:5]), stacklevel=3
+            )
+        return kept, {"train/routing_replay_dropped": float(len(reasons))}
+
+    @contextlib.contextmanager
+    def _routing(self, mode: str):
+        """The policy passes within record (r2's old pass) or replay (the rest) MoE routing; a no-op
+        with routing_replay off."""
+        if self.replay is None:
+            yield
+            return
+        with self.replay.active(mode):
+            yield
 
     @staticmethod
     def _store(mbs: list[MicroBatch], name: str, values: list[torch.Tensor]) -> None:
@@ -338,12 +388,16 @@ class Trainer:
     def _forward_step(self, loss_fn, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         dev = self._device()
+        if self.replay is not None:
+            self.replay.before_forward(mb)
         logits = model(
             mb.tokens.to(dev)[None],
             mb.position_ids.to(dev)[None],
             None,
             packed_seq_params=mb.packed_seq_params(dev),
         )
+        if self.replay is not None:
+            self.replay.after_forward(mb)
         return logits, partial(loss_fn, mb)
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[Any]:

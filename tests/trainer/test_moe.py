@@ -123,3 +123,130 @@ def test_sigmoid_routing_without_renormalisation_is_refused():
                         architectures=["Glm4MoeForCausalLM"])  # fmt: skip
     with pytest.raises(ValueError, match="norm_topk_prob"):
         HFArchitecture.from_hf_config(cfg)
+
+
+# -- routing replay (trainer.routing_replay) ------------------------------------------------------
+def random_routing(s: Sample, rows: int, layers: int = 2, experts: int = 4, k: int = 2, seed: int = 0):
+    """`rows` tokens' worth of k distinct experts per MoE layer, chosen at random (int16)."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows * layers)])
+        .reshape(rows, layers, k)
+        .to(torch.int16)
+        .numpy()
+    )
+
+
+def hf_forced_logprobs(hf, s: Sample) -> torch.Tensor:
+    """HF Qwen3-MoE logprobs with every router made to choose `s.routed_experts` (its weights: the
+    softmax of the chosen experts' logits, what norm_topk_prob gives)."""
+    routed = torch.as_tensor(s.routed_experts).long()
+    n = len(s.tokens)
+    if routed.shape[0] == n - 1:  # the last token's experts do not matter (causal)
+        routed = torch.cat([routed, torch.arange(routed.shape[2]).expand(1, routed.shape[1], -1)])
+    originals = []
+    for layer_index, layer in enumerate(hf.model.layers):
+        gate = layer.mlp.gate
+        originals.append(gate.forward)
+
+        def forced(hidden, gate=gate, ids=routed[:, layer_index]):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            return logits, torch.softmax(logits.gather(1, ids), -1), ids
+
+        gate.forward = forced
+    try:
+        return hf_logprobs(hf, s)
+    finally:
+        for layer, original in zip(hf.model.layers, originals, strict=True):
+            layer.mlp.gate.forward = original
+
+
+@pytest.fixture(scope="module")
+def r3_trainer(models):
+    path = models["qwen3_moe"][0]
+    return Trainer(
+        TrainerConfig(routing_replay="r3", megatron_optimizer={"optimizer": "sgd", "lr": 0.1}), path
+    )
+
+
+def test_r3_logprobs_follow_the_rollout_routing(models, r3_trainer):
+    """Routing unlike the model's own choice: replayed logprobs equal HF forced to that routing and
+    differ from the model routing freely (a trainer that ignored routed_experts fails here)."""
+    from palaestra.trainer import moe
+
+    hf = models["qwen3_moe"][1]
+    batch = samples(4, seed=5)
+    for i, s in enumerate(batch):  # rows for all tokens, or all but the last (engines' usual)
+        s.routed_experts = random_routing(s, len(s.tokens) - (i % 2), seed=i)
+    mb = build_micro_batch(batch, range(len(batch)))
+    free = r3_trainer.logprobs([mb])[0]
+    mb.routing = moe.rollout_routing(batch, mb.sample_indices, r3_trainer.arch)
+    with r3_trainer.replay.active("replay"):
+        replayed = r3_trainer.logprobs([mb])[0]
+    want = torch.cat([hf_forced_logprobs(hf, s) for s in batch])
+    diff = (replayed - want).abs().max().item()
+    moved = (free - want).abs().max().item()
+    print(f"\nr3: max |replayed - HF forced| = {diff:.2e}; free routing differs by up to {moved:.2f}")
+    assert diff <= 2e-5
+    assert moved > 0.1
+    assert torch.equal(r3_trainer.logprobs([mb])[0], free)  # outside the replay the router chooses again
+
+
+def test_r3_drops_samples_whose_routing_does_not_fit(models, r3_trainer):
+    batch = samples(4, seed=6)
+    for i, s in enumerate(batch):
+        s.routed_experts = random_routing(s, len(s.tokens), seed=i)
+    batch[1].routed_experts = batch[1].routed_experts[:, :1]  # one MoE layer short
+    batch[2].routed_experts = None
+    with pytest.warns(
+        UserWarning, match=r"dropped 2 sample\(s\): sample s1: routed_experts has shape .*2 MoE layers"
+    ):
+        metrics = r3_trainer.step(batch)
+    assert metrics["train/routing_replay_dropped"] == 2.0
+    assert metrics["train/loss_tokens"] == float(batch[0].num_sampled + batch[3].num_sampled)
+    with pytest.raises(ValueError, match="sample s2: no routed_experts"):
+        r3_trainer.step([batch[2]])
+
+
+def test_r2_replays_the_old_policy_routing_in_the_update(models):
+    from palaestra.trainer import moe
+
+    path = models["qwen3_moe"][0]
+    t = Trainer(
+        TrainerConfig(routing_replay="r2", keep_old_actor=True, megatron_optimizer={"lr": 1e-2}), path
+    )
+    batch = samples(4, seed=7)
+    t.step(batch)  # the old actor now differs from the live weights
+    seen = []
+    original = moe.RoutingReplay.before_forward
+
+    def spy(self, mb):
+        seen.append((self.mode, None if mb.routing is None else [r.clone() for r in mb.routing]))
+        original(self, mb)
+
+    moe.RoutingReplay.before_forward = spy
+    try:
+        metrics = t.step(batch)
+    finally:
+        moe.RoutingReplay.before_forward = original
+    modes = [m for m, _ in seen]
+    assert modes[0] == "record" and modes[-1] == "replay"  # old pass records, the update replays
+    recorded = seen[-1][1]
+    assert recorded is not None and len(recorded) == 2 and recorded[0].shape[1] == 2
+    assert metrics["train/update_successful"] == 1.0
+
+
+def test_routing_replay_needs_a_moe_model(tiny_model_dir):
+    with pytest.raises(ValueError, match="routing_replay: r3 .* dense model"):
+        Trainer(TrainerConfig(routing_replay="r3"), tiny_model_dir)
+    with pytest.raises(ValueError, match="routing_replay must be"):
+        TrainerConfig(routing_replay="r4")
+
+
+def test_routed_experts_survive_the_sample_round_trip():
+    import numpy as np
+
+    s = samples(1)[0]
+    s.routed_experts = random_routing(s, len(s.tokens))
+    back = Sample.from_dict(s.to_dict())
+    assert back.routed_experts.dtype == np.int16 and np.array_equal(back.routed_experts, s.routed_experts)
