@@ -548,6 +548,15 @@ class Trainer:
         rest = {k: v for k, v in full_tp.items() if ".local_experts." not in k}
         return {**rest, **ep_globalize(parts)}
 
+    def gather_model(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole-model tensors from this rank's own (collectives over TP, then EP)."""
+        return self.gather_ep(self.gather_tp(local))
+
+    def shard_model(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of whole-model tensors: its experts (EP), then its TP shard."""
+        _, ep_rank, ep_size = self._ep()
+        return self.shard_tp(ep_localize(full, ep_rank, ep_size, self.arch.num_experts))
+
     def shard_tp(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's TP shard of whole-model tensors."""
         _, rank, size = self._tp()
@@ -567,7 +576,7 @@ class Trainer:
         """The live weights of the whole model by Megatron name (gathered over TP: a collective);
         with LoRA the base weights, without the adapters (`adapter_state`)."""
         local = {name: p.detach() for name, p in [*self.base_parameters(), *self.routing_buffers()]}
-        return self.gather_ep(self.gather_tp(local))
+        return self.gather_model(local)
 
     def hf_state(self, merged: bool = False) -> dict[str, torch.Tensor]:
         """The live weights by HF name, on CPU (a collective over TP). With LoRA: the base

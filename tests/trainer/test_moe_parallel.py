@@ -48,6 +48,16 @@ def test_two_expert_parallel_ranks_match_one_process(tmp_path, single, moe_dir):
     imbalance = [r["metrics"]["train/moe_load_imbalance"] for r in ranks]
     assert imbalance[0] == pytest.approx(single["metrics"]["train/moe_load_imbalance"])
     assert imbalance[0] == imbalance[1] and imbalance[0] >= 1.0
+    # each EP rank's experts have moments of their own: one optimizer file per EP rank, and a
+    # resume at another EP size is refused rather than loading half the moments
+    assert {p.name for p in (tmp_path / "ckpt").glob("optimizer_*")} == {
+        "optimizer_tp0_ep0.pt",
+        "optimizer_tp0_ep1.pt",
+    }
+    namespace: dict = {}
+    exec(compile(WORKER.split("if __name__")[0], "worker", "exec"), namespace)
+    with pytest.raises(ValueError, match="expert_model_parallel_size 2, this trainer has 1"):
+        Trainer(TrainerConfig(**namespace["CONFIG"]), moe_dir).load(tmp_path / "ckpt")
 
 
 def test_router_metrics_are_logged(single):
