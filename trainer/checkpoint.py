@@ -114,6 +114,7 @@ def save(trainer: Trainer, path: Path) -> None:
             "world_size": dist.get_world_size(),
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "model_dir": str(trainer.model_dir),
             "config": trainer.config.to_dict(),
             "base_checksum": trainer.base_checksum,
@@ -156,6 +157,12 @@ def load(trainer: Trainer, path: Path) -> None:
             f"{path} was written with expert_model_parallel_size {state.get('expert_model_parallel_size', 1)}, "
             f"this trainer has {ep}: the optimizer state is per EP rank's experts"
         )
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if state.get("pipeline_model_parallel_size", 1) != pp:
+        raise ValueError(
+            f"{path} was written with pipeline_model_parallel_size {state.get('pipeline_model_parallel_size', 1)}, "
+            f"this trainer has {pp}: the optimizer state is per pipeline stage"
+        )
     trainer.optimizer.load_state_dict(torch.load(path / _optimizer_file(), weights_only=True))
     if (path / "old_actor.pt").is_file() and "old_actor" in trainer.snapshots.tags:
         full = torch.load(path / "old_actor.pt", weights_only=True)
@@ -175,6 +182,8 @@ def _optimizer_file() -> str:
     name = f"optimizer_tp{parallel_state.get_tensor_model_parallel_rank()}"
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         name += f"_ep{parallel_state.get_expert_model_parallel_rank()}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_pp{parallel_state.get_pipeline_model_parallel_rank()}"
     return name + ".pt"
 
 

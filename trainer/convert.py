@@ -39,7 +39,8 @@ model.layers.{i}.mlp.shared_experts.*_proj.weight      decoder.layers.{i}.mlp.sh
 HF names are those of the checkpoint files (one tensor per expert), which is also what weight sync
 sends; transformers fuses them into ``[experts, ...]`` tensors only when it loads a model.
 With expert parallelism each rank holds `experts / EP` of the experts, numbered from 0 locally
-(`ep_localize` / `ep_globalize` map the numbers).
+(`ep_localize` / `ep_globalize` map the numbers); with pipeline parallelism each stage numbers its
+layers from 0 (`pp_stage` / `pp_globalize`).
 
 With tensor parallelism each rank holds a slice of some of these tensors; `tp_shard` /
 `tp_unshard` cut and join them the way Megatron's local spec lays them out.
@@ -69,6 +70,8 @@ __all__ = [
     "ep_localize",
     "hf_to_megatron",
     "megatron_to_hf",
+    "pp_globalize",
+    "pp_stage",
     "tp_shard",
     "tp_unshard",
 ]
@@ -428,4 +431,36 @@ def ep_globalize(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch
                 out.setdefault(name, t)
             else:
                 out[f"{m[1]}{int(m[2]) + rank * per}{m[3]}"] = t
+    return out
+
+
+# -- pipeline parallelism -------------------------------------------------------------------------
+# Pipeline stage s of P holds layers [s·L/P, (s+1)·L/P) as decoder.layers.0 .. L/P-1; the first
+# stage also the embedding, the last the final norm and the output layer.
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def pp_stage(
+    full: Mapping[str, torch.Tensor], first_layer: int, num_layers: int, first: bool, last: bool
+) -> dict[str, torch.Tensor]:
+    """The tensors of one pipeline stage from whole-model ones, its layers numbered from 0."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        m = _LAYER.match(name)
+        if m is not None:
+            if first_layer <= int(m[1]) < first_layer + num_layers:
+                out[f"decoder.layers.{int(m[1]) - first_layer}.{m[2]}"] = t
+        elif name.startswith("embedding.") and first:
+            out[name] = t
+        elif name.startswith(("decoder.final_layernorm.", "output_layer.")) and last:
+            out[name] = t
+    return out
+
+
+def pp_globalize(stage: Mapping[str, torch.Tensor], first_layer: int) -> dict[str, torch.Tensor]:
+    """A stage's tensors under whole-model layer numbers (the inverse of `pp_stage`'s renumbering)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in stage.items():
+        m = _LAYER.match(name)
+        out[f"decoder.layers.{int(m[1]) + first_layer}.{m[2]}" if m else name] = t
     return out

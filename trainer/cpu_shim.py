@@ -30,6 +30,9 @@ utils                                                      `GlobalMemoryBuffer.g
 tensor_parallel.layers, tensor_parallel.mappings           gather/scatter buffers for TP > 1
 pipeline_parallel.schedules                                the token counter of every schedule is a
                                                            ``device="cuda"`` tensor
+pipeline_parallel.p2p_communication                        receive buffers and the shapes exchanged
+                                                           between stages are made on the current
+                                                           CUDA device
 distributed.param_and_grad_buffer                          DDP's contiguous grad buffers live on the
                                                            current CUDA device
 optimizer.optimizer                                        `FP32Optimizer`'s loss scale and the
@@ -110,6 +113,7 @@ PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",

@@ -183,6 +183,11 @@ def transformer_config(arch: HFArchitecture, megatron: dict[str, Any]):
         "calculate_per_token_loss": True,
         **_moe_config(arch),
     }
+    if int(megatron.get("pipeline_model_parallel_size") or 1) > 1:
+        # Packed micro-batches differ in length: stages exchange each activation's shape first.
+        # Megatron allows that only with the all-to-all dispatcher, even for a dense model.
+        # gloo has no batched p2p: one isend/irecv at a time.
+        derived.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", batch_p2p_comm=False)
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(megatron) - fields)
     if unknown:

@@ -22,8 +22,9 @@ adapters, teachers run with the adapters off, and the sync sends the adapters on
 
 Simplifications, on purpose: one optimizer step per call (no PPO epochs or mini-batches — call
 `step` again for more); constant learning rate (`megatron_optimizer["lr"]`). Tensor and data
-parallelism work (Megatron's own options), and expert parallelism for mixture-of-experts models
-(moe.py); pipeline and context parallelism are refused with the reason. With several processes every rank calls `step`; rank 0's samples are used.
+parallelism work (Megatron's own options), expert parallelism for mixture-of-experts models
+(moe.py), and pipeline parallelism (untied embeddings on CPU); context parallelism is refused with
+the reason. With several processes every rank calls `step`; rank 0's samples are used.
 
 The trainer owns the weight version: `step` adds one per optimizer step, and the engines get
 exactly that number with the weights; whoever drives it reads `weight_version`, never counts.
@@ -54,6 +55,8 @@ from palaestra.trainer.convert import (
     ep_localize,
     hf_to_megatron,
     megatron_to_hf,
+    pp_globalize,
+    pp_stage,
     tp_shard,
     tp_unshard,
 )
@@ -74,7 +77,6 @@ from palaestra.trainer.weight_sync import WeightSync
 __all__ = ["Trainer", "format_metrics"]
 
 _UNSUPPORTED_PARALLEL = {
-    "pipeline_model_parallel_size": "pipeline schedules and per-stage weight gathering are not wired yet",
     "context_parallel_size": "context parallelism needs TransformerEngine attention; the local spec has none",
 }
 
@@ -87,6 +89,23 @@ def _model_directory(path: str | Path | None, field: str) -> Path:
             "takes directories: resolve a preset name to its directory first"
         )
     return Path(path)
+
+
+def _check_pipeline(arch: HFArchitecture, config: TrainerConfig) -> None:
+    """What pipeline parallelism does not cover yet, refused with the reason."""
+    if arch.tie_word_embeddings and not torch.cuda.is_available():
+        raise ValueError(
+            "pipeline_model_parallel_size > 1 with tied embeddings needs CUDA: megatron-core's "
+            "LanguageModule.setup_embeddings_and_output_layer moves the shared weight with .cuda()"
+        )
+    if config.lora.enabled:
+        raise ValueError(
+            "pipeline_model_parallel_size > 1 with trainer.lora is not supported (adapters gather over TP only)"
+        )
+    if config.routing_replay != "off":
+        raise ValueError(
+            "routing_replay with pipeline_model_parallel_size > 1 is not supported (1F1B interleaves micro-batches)"
+        )
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
@@ -115,6 +134,8 @@ class Trainer:
         self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
         moe.check_layout(self.arch, config.megatron)
+        if int(config.megatron.get("pipeline_model_parallel_size") or 1) > 1:
+            _check_pipeline(self.arch, config)
         if config.routing_replay != "off" and not self.arch.is_moe:
             raise ValueError(
                 f"routing_replay: {config.routing_replay} replays mixture-of-experts routing; "
@@ -401,10 +422,11 @@ class Trainer:
         return logits, partial(loss_fn, mb)
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[Any]:
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         with quiet_megatron_deprecations():
-            return get_forward_backward_func()(
+            out = get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, loss_fn),
                 data_iterator=iter(mbs),
                 model=[self.model],
@@ -413,6 +435,16 @@ class Trainer:
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            # only the last stage computed the outputs; every stage stores them in its micro-batches
+            box = [out]
+            dist.broadcast_object_list(
+                box,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+            out = box[0]
+        return out
 
     def _rows(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
         return logits[0, mb.label_positions.to(logits.device)]
@@ -548,14 +580,43 @@ class Trainer:
         rest = {k: v for k, v in full_tp.items() if ".local_experts." not in k}
         return {**rest, **ep_globalize(parts)}
 
+    def _pp(self) -> tuple[Any, int, int, int]:
+        """(pipeline group, this stage, the number of stages, this stage's first layer)."""
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_pipeline_model_parallel_world_size()
+        if size == 1:
+            return None, 0, 1, 0
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        return (
+            parallel_state.get_pipeline_model_parallel_group(),
+            rank,
+            size,
+            rank * self.arch.num_layers // size,
+        )
+
     def gather_model(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole-model tensors from this rank's own (collectives over TP, then EP)."""
-        return self.gather_ep(self.gather_tp(local))
+        """Whole-model tensors from this rank's own (collectives over TP, EP, then PP)."""
+        full = self.gather_ep(self.gather_tp(local))
+        group, _, size, first = self._pp()
+        if size == 1:
+            return full
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in pp_globalize(full, first).items()}, group=group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    def _stage(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's experts (EP) and this stage's layers (PP) of whole-model tensors."""
+        _, ep_rank, ep_size = self._ep()
+        full = ep_localize(full, ep_rank, ep_size, self.arch.num_experts)
+        _, stage, stages, first = self._pp()
+        if stages == 1:
+            return full
+        return pp_stage(full, first, self.arch.num_layers // stages, stage == 0, stage == stages - 1)
 
     def shard_model(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of whole-model tensors: its experts (EP), then its TP shard."""
-        _, ep_rank, ep_size = self._ep()
-        return self.shard_tp(ep_localize(full, ep_rank, ep_size, self.arch.num_experts))
+        """This rank's part of whole-model tensors: its experts (EP), its layers (PP), its TP shard."""
+        return self.shard_tp(self._stage(full))
 
     def shard_tp(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's TP shard of whole-model tensors."""
@@ -603,8 +664,7 @@ class Trainer:
     def load_megatron_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies whole-model Megatron tensors into the live model (this rank takes its TP shard)."""
         params = dict([*self.base_parameters(), *self.routing_buffers()])
-        _, ep_rank, ep_size = self._ep()
-        tensors = ep_localize(tensors, ep_rank, ep_size, self.arch.num_experts)  # this rank's experts
+        tensors = self._stage(tensors)  # this rank's experts and layers
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         if missing or extra:
             raise KeyError(f"Megatron weights: missing {missing[:5]}, unexpected {extra[:5]}")

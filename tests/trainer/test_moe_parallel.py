@@ -88,3 +88,39 @@ def test_layouts_that_do_not_divide_the_model_are_refused(moe_dir):
         )
     with pytest.raises(ValueError, match="experts do not divide"):  # before any process group starts
         Trainer(TrainerConfig(megatron={"expert_model_parallel_size": 3}), moe_dir)
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("glm_moe")
+    moe_models.build("glm_moe", path)
+    return path
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_match_one_process(tmp_path, glm_dir):
+    """PP = 2 on GLM-MoE: stage 0 holds the embedding and the dense layer, stage 1 the MoE layer,
+    the final norm and the head; Megatron's 1F1B schedule passes activations over gloo."""
+    namespace: dict = {}
+    exec(compile(WORKER.split("if __name__")[0], "worker", "exec"), namespace)
+    t = Trainer(TrainerConfig(**namespace["CONFIG"]), glm_dir)
+    batch = namespace["samples"]()
+    one = {
+        "start": {k: v.clone() for k, v in t.megatron_state().items()},
+        "logprobs": t.logprobs([build_micro_batch(batch, range(len(batch)))])[0],
+    }
+    one["metrics"] = t.step(batch)
+    one["weights"] = t.megatron_state()
+    ranks, result = run_two_ranks(tmp_path, {"pipeline_model_parallel_size": 2}, glm_dir)
+    assert all(r["load_exact"] for r in ranks)  # HF -> stages -> gather -> HF is bit-exact
+    assert ranks[0]["microbatches"] == ranks[1]["microbatches"]  # stages share the data
+    compare(ranks, result, one, "PP=2")
+    assert {p.name for p in (tmp_path / "ckpt").glob("optimizer_*")} == {
+        "optimizer_tp0_pp0.pt",
+        "optimizer_tp0_pp1.pt",
+    }
+
+
+def test_pipeline_with_tied_embeddings_is_refused_on_cpu(tiny_model_dir):
+    with pytest.raises(ValueError, match="tied embeddings needs CUDA"):
+        Trainer(TrainerConfig(megatron={"pipeline_model_parallel_size": 2}), tiny_model_dir)
