@@ -105,8 +105,9 @@ class Sample:
         self.weight_versions.extend([weight_version if sampled else ""] * len(tokens))
 
     # `routed_experts`: the experts the rollout engine's router chose, a numpy integer array
-    # (int16) [len(tokens) or len(tokens) - 1, MoE layers, top_k]: row t for the token at position
-    # t, the model's MoE layers in order (dense layers have no row). The trainer replays it with
+    # (int16) [len(tokens) or len(tokens) - 1, layers, top_k]: row t for the token at position t;
+    # layers are the model's MoE layers in order, or all its layers (the engine's
+    # meta_info.routed_experts, dense layers' rows ignored). The trainer replays it with
     # trainer.routing_replay = "r3" (trainer/moe.py); None when the engine did not report it.
 
     def to_dict(self) -> dict[str, Any]:

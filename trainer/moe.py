@@ -118,12 +118,19 @@ def routing_problem(sample: Any, arch: HFArchitecture) -> str | None:
         return "no routed_experts (the engine did not report its routing)"
     routed = np.asarray(routed)
     n = len(sample.tokens)
-    want = (len(arch.moe_layers), arch.moe_topk)
-    if routed.ndim != 3 or routed.shape[0] not in (n, n - 1) or tuple(routed.shape[1:]) != want:
+    layers = (len(arch.moe_layers), arch.num_layers)
+    if (
+        routed.ndim != 3
+        or routed.shape[0] not in (n, n - 1)
+        or routed.shape[1] not in layers
+        or routed.shape[2] != arch.moe_topk
+    ):
         return (
             f"routed_experts has shape {tuple(routed.shape)}; this model needs ({n} or {n - 1}, "
-            f"{want[0]} MoE layers, top_k {want[1]})"
+            f"{layers[0]} MoE layers or all {layers[1]} layers, top_k {arch.moe_topk})"
         )
+    if routed.shape[1] == arch.num_layers:  # the engine's layout: dense layers' rows are filler
+        routed = routed[:, list(arch.moe_layers)]
     if not np.issubdtype(routed.dtype, np.integer) or routed.min() < 0 or routed.max() >= arch.num_experts:
         return f"routed_experts holds ids outside 0..{arch.num_experts - 1}"
     if (np.sort(routed, -1)[..., 1:] == np.sort(routed, -1)[..., :-1]).any():
@@ -135,12 +142,15 @@ def rollout_routing(
     samples: list[Any], sample_indices: list[int], arch: HFArchitecture
 ) -> list[torch.Tensor]:
     """Per MoE layer, [T, top_k] expert ids of a micro-batch's packed tokens, from its samples'
-    `routed_experts` (checked by `routing_problem`). A missing last row (engines do not run the
+    `routed_experts` (checked by `routing_problem`; rows for every layer, as the engine sends them,
+    keep the MoE layers'). A missing last row (engines do not run the
     final sampled token) is filled with experts 0..k-1: causal attention keeps that token's output
     out of every logprob."""
     rows = []
     for i in sample_indices:
         routed = torch.as_tensor(samples[i].routed_experts).long()
+        if routed.shape[1] == arch.num_layers:  # the engine's layout, a row for every layer
+            routed = routed[:, list(arch.moe_layers)]
         if routed.shape[0] == len(samples[i].tokens) - 1:
             filler = torch.arange(arch.moe_topk).expand(1, routed.shape[1], -1)
             routed = torch.cat([routed, filler])

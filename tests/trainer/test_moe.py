@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,6 +207,23 @@ def test_r3_drops_samples_whose_routing_does_not_fit(models, r3_trainer):
     assert metrics["train/loss_tokens"] == float(batch[0].num_sampled + batch[3].num_sampled)
     with pytest.raises(ValueError, match="sample s2: no routed_experts"):
         r3_trainer.step([batch[2]])
+
+
+def test_r3_takes_the_engines_layout_with_a_row_for_every_layer(models):
+    """GLM: one dense layer, then one MoE layer. The engine reports both (the dense one filler);
+    the trainer keeps the MoE layer's rows and refuses a third layer."""
+    from palaestra.trainer import moe
+
+    arch = models["glm_moe"][2].arch
+    s = samples(1, seed=8)[0]
+    moe_only = random_routing(s, len(s.tokens) - 1, layers=1)
+    every = np.concatenate([np.zeros_like(moe_only), moe_only], axis=1)  # [T-1, 2 layers, 2]
+    s.routed_experts = every
+    assert moe.routing_problem(s, arch) is None
+    (ids,) = moe.rollout_routing([s], [0], arch)
+    assert torch.equal(ids[:-1], torch.as_tensor(moe_only[:, 0]).long())
+    s.routed_experts = np.concatenate([every, moe_only], axis=1)
+    assert "1 MoE layers or all 2 layers" in moe.routing_problem(s, arch)
 
 
 def test_r2_replays_the_old_policy_routing_in_the_update(models):
