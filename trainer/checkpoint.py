@@ -4,7 +4,8 @@ A checkpoint directory::
 
     trainer_state.json     step, weight_version, the resolved TrainerConfig, model_dir, format
     model.pt               live actor weights of the whole model (gathered over TP), Megatron names
-    optimizer_tp<t>.pt     Megatron optimizer state_dict of TP rank t (Adam moments, step counts)
+    optimizer_tp<t>.pt     Megatron optimizer state_dict of TP rank t (Adam moments, step counts);
+                           optimizer_tp<t>_ep<e>.pt with expert parallelism (EP rank e's experts)
     old_actor.pt           the `old_actor` snapshot (whole model), when keep_old_actor is on
     rng/rank_<r>.pt        torch CPU (and CUDA) generators, Python's and NumPy's, per rank
 
@@ -93,14 +94,15 @@ def save(trainer: Trainer, path: Path) -> None:
     else:
         model = trainer.megatron_state()
         old_actor = (
-            trainer.gather_tp(trainer.snapshots.tensors("old_actor"))
+            trainer.gather_model(trainer.snapshots.tensors("old_actor"))
             if "old_actor" in trainer.snapshots.tags
             else None
         )
     names = ("adapter.pt", "old_adapter.pt") if lora is not None else ("model.pt", "old_actor.pt")
-    if parallel_state.get_data_parallel_rank() == 0:  # DP replicas hold the same optimizer state
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        torch.save(trainer.optimizer.state_dict(), tmp / f"optimizer_tp{tp_rank}.pt")
+    # DP replicas hold the same optimizer state; with expert parallelism each EP rank holds the
+    # moments of its own experts, so the first replica of every (TP, EP) position writes a file.
+    if parallel_state.get_expert_data_parallel_rank() == 0:
+        torch.save(trainer.optimizer.state_dict(), tmp / _optimizer_file())
     if rank == 0:
         torch.save({k: v.cpu().clone() for k, v in model.items()}, tmp / names[0])
         if old_actor is not None:
@@ -111,6 +113,8 @@ def save(trainer: Trainer, path: Path) -> None:
             "weight_version": trainer.weight_version,
             "world_size": dist.get_world_size(),
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "model_dir": str(trainer.model_dir),
             "config": trainer.config.to_dict(),
             "base_checksum": trainer.base_checksum,
@@ -147,17 +151,40 @@ def load(trainer: Trainer, path: Path) -> None:
             )
         trainer.load_megatron_state(torch.load(path / "model.pt", weights_only=True))
         trainer.snapshots.mark_live_changed()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    trainer.optimizer.load_state_dict(torch.load(path / f"optimizer_tp{tp_rank}.pt", weights_only=True))
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if state.get("expert_model_parallel_size", 1) != ep:
+        raise ValueError(
+            f"{path} was written with expert_model_parallel_size {state.get('expert_model_parallel_size', 1)}, "
+            f"this trainer has {ep}: the optimizer state is per EP rank's experts"
+        )
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if state.get("pipeline_model_parallel_size", 1) != pp:
+        raise ValueError(
+            f"{path} was written with pipeline_model_parallel_size {state.get('pipeline_model_parallel_size', 1)}, "
+            f"this trainer has {pp}: the optimizer state is per pipeline stage"
+        )
+    trainer.optimizer.load_state_dict(torch.load(path / _optimizer_file(), weights_only=True))
     if (path / "old_actor.pt").is_file() and "old_actor" in trainer.snapshots.tags:
         full = torch.load(path / "old_actor.pt", weights_only=True)
-        trainer.snapshots.load("old_actor", trainer.shard_tp(full))
+        trainer.snapshots.load("old_actor", trainer.shard_model(full))
     rng = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng.is_file():
         # our own file: Python's and NumPy's generator states are not plain tensors
         _set_rng_state(torch.load(rng, weights_only=False))
     trainer.step_count = int(state["step"])
     trainer.weight_version = int(state["weight_version"])
+
+
+def _optimizer_file() -> str:
+    """This rank's optimizer file: optimizer_tp<t>.pt, or optimizer_tp<t>_ep<e>.pt with EP > 1."""
+    from megatron.core import parallel_state
+
+    name = f"optimizer_tp{parallel_state.get_tensor_model_parallel_rank()}"
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        name += f"_ep{parallel_state.get_expert_model_parallel_rank()}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_pp{parallel_state.get_pipeline_model_parallel_rank()}"
+    return name + ".pt"
 
 
 def _load_adapters(trainer: Trainer, path: Path, state: dict) -> None:

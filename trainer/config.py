@@ -388,6 +388,13 @@ class TrainerConfig:
     snapshot) — for one-step-off-policy rollouts. False: the weights before this step's update.
     `palaestra train` sets it from run.mode (true exactly for one_step_off) unless given."""
 
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    """Mixture-of-experts routing in the policy's training passes (trainer/moe.py): off = the
+    router chooses anew in every pass; r2 = the update replays the experts the old-policy pass
+    chose; r3 = the old-policy pass and the update replay the rollout engine's choice
+    (`Sample.routed_experts`; a sample without a matching one is dropped, with the reason).
+    r2/r3 need an MoE model."""
+
     sync: SyncOptions = field(default_factory=SyncOptions)
     """The weight sync to the engines: transport (mode), buckets, retries, timeouts, pause mode."""
 
@@ -404,6 +411,8 @@ class TrainerConfig:
         for name, section in SECTIONS.items():  # from_dict / a checkpoint's saved config
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, section(**getattr(self, name)))
+        if self.routing_replay not in ("off", "r2", "r3"):
+            raise ValueError(f"routing_replay must be off, r2 or r3; got {self.routing_replay!r}")
         self.megatron_optimizer = {**DEFAULT_OPTIMIZER, **self.megatron_optimizer}
         if self.lora.enabled and self.sync.mode not in ("shm", "disk"):
             raise ValueError(

@@ -1,4 +1,5 @@
-"""HF ⇄ Megatron weight conversion for Llama-family models (Llama, Mistral, Qwen2, Qwen3).
+"""HF ⇄ Megatron weight conversion for Llama-family models (Llama, Mistral, Qwen2, Qwen3) and their
+mixture-of-experts relatives (Qwen3-MoE; GLM-4-MoE, the DeepSeek-V3 routing layout).
 
 Pure functions over state dicts of full (unsharded) tensors; nothing here needs torch.distributed.
 Names on the Megatron side are those of `GPTModel` built with `get_gpt_layer_local_spec()`:
@@ -20,6 +21,27 @@ model.norm.weight                                      decoder.final_layernorm.w
 lm_head.weight (untied models only)                    output_layer.weight
 =====================================================  ============================================
 
+A mixture-of-experts layer (`HFArchitecture.moe_layers`) has, in place of ``mlp.{gate,up,down}_proj``:
+
+=====================================================  ============================================
+HF                                                     Megatron
+=====================================================  ============================================
+model.layers.{i}.mlp.gate.weight                       decoder.layers.{i}.mlp.router.weight
+model.layers.{i}.mlp.gate.e_score_correction_bias      decoder.layers.{i}.mlp.router.expert_bias
+                                                       (a buffer; GLM/DeepSeek layout only)
+model.layers.{i}.mlp.experts.{e}.{gate,up}_proj.weight decoder.layers.{i}.mlp.experts.local_experts.{e}
+                                                       .linear_fc1.weight (gate rows, then up)
+model.layers.{i}.mlp.experts.{e}.down_proj.weight      ....local_experts.{e}.linear_fc2.weight
+model.layers.{i}.mlp.shared_experts.*_proj.weight      decoder.layers.{i}.mlp.shared_experts.linear_fc{1,2}
+                                                       .weight (GLM/DeepSeek layout only)
+=====================================================  ============================================
+
+HF names are those of the checkpoint files (one tensor per expert), which is also what weight sync
+sends; transformers fuses them into ``[experts, ...]`` tensors only when it loads a model.
+With expert parallelism each rank holds `experts / EP` of the experts, numbered from 0 locally
+(`ep_localize` / `ep_globalize` map the numbers); with pipeline parallelism each stage numbers its
+layers from 0 (`pp_stage` / `pp_globalize`).
+
 With tensor parallelism each rank holds a slice of some of these tensors; `tp_shard` /
 `tp_unshard` cut and join them the way Megatron's local spec lays them out.
 
@@ -35,19 +57,32 @@ round trip is bit-exact.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["HFArchitecture", "hf_to_megatron", "megatron_to_hf", "tp_shard", "tp_unshard"]
+__all__ = [
+    "HFArchitecture",
+    "ep_globalize",
+    "ep_localize",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "pp_globalize",
+    "pp_stage",
+    "tp_shard",
+    "tp_unshard",
+]
 
 _SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 
@@ -69,10 +104,27 @@ class HFArchitecture:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    rotary_percent: float = 1.0  # the share of each head's dimensions that RoPE rotates (GLM: 0.5)
+    # Mixture of experts (0 experts: a dense model; the fields below are then unused).
+    num_experts: int = 0
+    moe_layers: tuple[int, ...] = ()  # which layers route to experts; the others are dense
+    moe_topk: int = 0
+    moe_intermediate_size: int = 0
+    router_score: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (GLM/DeepSeek)
+    norm_topk_prob: bool = True  # the k chosen weights renormalised to sum to 1
+    expert_bias: bool = False  # sigmoid routing chooses by score + e_score_correction_bias
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    routed_scaling_factor: float = 1.0
+    router_groups: int = 1  # group-limited routing (n_group / topk_group); 1: plain top-k
+    router_group_topk: int = 1
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> HFArchitecture:
@@ -102,6 +154,8 @@ class HFArchitecture:
         qkv_bias = family == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         if getattr(cfg, "mlp_bias", False):
             raise ValueError("MLP biases are not supported")
+        partial = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+        partial = partial if partial is not None else getattr(cfg, "partial_rotary_factor", 1.0)
         return cls(
             architecture=arch,
             vocab_size=cfg.vocab_size,
@@ -116,8 +170,47 @@ class HFArchitecture:
             max_position_embeddings=int(cfg.max_position_embeddings),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe") or bool(getattr(cfg, "use_qk_norm", False)),
+            rotary_percent=float(partial),
+            **_moe_fields(family, cfg),
         )
+
+
+def _moe_fields(family: str, cfg: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields of `HFArchitecture` for a HF config (none for a dense one)."""
+    n = cfg.num_hidden_layers
+    if family == "qwen3_moe":
+        skip = set(getattr(cfg, "mlp_only_layers", None) or ())
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        return {
+            "num_experts": cfg.num_experts,
+            "moe_layers": tuple(i for i in range(n) if i not in skip and (i + 1) % step == 0),
+            "moe_topk": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "router_score": "softmax",
+            "norm_topk_prob": bool(cfg.norm_topk_prob),
+        }
+    if family == "glm4_moe":
+        if not cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+            raise ValueError(
+                "sigmoid routing without norm_topk_prob is not supported: Megatron always renormalises "
+                "the chosen sigmoid scores when more than one expert is chosen"
+            )
+        shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
+        return {
+            "num_experts": cfg.n_routed_experts,
+            "moe_layers": tuple(range(int(getattr(cfg, "first_k_dense_replace", 0) or 0), n)),
+            "moe_topk": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "router_score": "sigmoid",
+            "norm_topk_prob": bool(cfg.norm_topk_prob),
+            "expert_bias": True,
+            "shared_expert_intermediate_size": shared * cfg.moe_intermediate_size,
+            "routed_scaling_factor": float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
+            "router_groups": int(getattr(cfg, "n_group", 1) or 1),
+            "router_group_topk": int(getattr(cfg, "topk_group", 1) or 1),
+        }
+    return {}
 
 
 def _fuse_qkv(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -144,6 +237,18 @@ def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return state.pop(name)
     except KeyError:
         raise KeyError(f"missing tensor {name!r}") from None
+
+
+def _mlp_names(arch: HFArchitecture, layer: int) -> list[tuple[str, str]]:
+    """(HF prefix, Megatron prefix) of each SwiGLU MLP in `layer`: the dense MLP, or every expert
+    and the shared expert of an MoE layer."""
+    h, m = f"model.layers.{layer}.mlp.", f"decoder.layers.{layer}.mlp."
+    if layer not in arch.moe_layers:
+        return [(h, m)]
+    names = [(f"{h}experts.{e}.", f"{m}experts.local_experts.{e}.") for e in range(arch.num_experts)]
+    if arch.shared_expert_intermediate_size:
+        names.append((h + "shared_experts.", m + "shared_experts."))
+    return names
 
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], arch: HFArchitecture) -> dict[str, torch.Tensor]:
@@ -177,10 +282,15 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], arch: HFArchitecture) -
             out[m + "self_attention.k_layernorm.weight"] = _take(src, a + "k_norm.weight")
         out[m + "self_attention.linear_proj.weight"] = _take(src, a + "o_proj.weight")
         out[m + "pre_mlp_layernorm.weight"] = _take(src, h + "post_attention_layernorm.weight")
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [_take(src, h + "mlp.gate_proj.weight"), _take(src, h + "mlp.up_proj.weight")], dim=0
-        )
-        out[m + "mlp.linear_fc2.weight"] = _take(src, h + "mlp.down_proj.weight")
+        for hf_mlp, mg_mlp in _mlp_names(arch, i):
+            out[mg_mlp + "linear_fc1.weight"] = torch.cat(
+                [_take(src, hf_mlp + "gate_proj.weight"), _take(src, hf_mlp + "up_proj.weight")], dim=0
+            )
+            out[mg_mlp + "linear_fc2.weight"] = _take(src, hf_mlp + "down_proj.weight")
+        if i in arch.moe_layers:
+            out[m + "mlp.router.weight"] = _take(src, h + "mlp.gate.weight")
+            if arch.expert_bias:
+                out[m + "mlp.router.expert_bias"] = _take(src, h + "mlp.gate.e_score_correction_bias")
     out["decoder.final_layernorm.weight"] = _take(src, "model.norm.weight")
     if arch.tie_word_embeddings:
         head = src.pop("lm_head.weight", None)
@@ -213,9 +323,14 @@ def megatron_to_hf(mg_state: Mapping[str, torch.Tensor], arch: HFArchitecture) -
             out[a + "k_norm.weight"] = _take(src, m + "self_attention.k_layernorm.weight")
         out[a + "o_proj.weight"] = _take(src, m + "self_attention.linear_proj.weight")
         out[h + "post_attention_layernorm.weight"] = _take(src, m + "pre_mlp_layernorm.weight")
-        gate, up = torch.split(_take(src, m + "mlp.linear_fc1.weight"), arch.intermediate_size, dim=0)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate.clone(), up.clone()
-        out[h + "mlp.down_proj.weight"] = _take(src, m + "mlp.linear_fc2.weight")
+        for hf_mlp, mg_mlp in _mlp_names(arch, i):
+            gate, up = _take(src, mg_mlp + "linear_fc1.weight").chunk(2, dim=0)
+            out[hf_mlp + "gate_proj.weight"], out[hf_mlp + "up_proj.weight"] = gate.clone(), up.clone()
+            out[hf_mlp + "down_proj.weight"] = _take(src, mg_mlp + "linear_fc2.weight")
+        if i in arch.moe_layers:
+            out[h + "mlp.gate.weight"] = _take(src, m + "mlp.router.weight")
+            if arch.expert_bias:
+                out[h + "mlp.gate.e_score_correction_bias"] = _take(src, m + "mlp.router.expert_bias")
     out["model.norm.weight"] = _take(src, "decoder.final_layernorm.weight")
     if not arch.tie_word_embeddings:
         out["lm_head.weight"] = _take(src, "output_layer.weight")
@@ -275,4 +390,77 @@ def tp_unshard(shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.
             out[name] = torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])])
         else:
             out[name] = torch.cat(parts, dim=axis)
+    return out
+
+
+# -- expert parallelism ---------------------------------------------------------------------------
+# With expert_model_parallel_size EP, EP rank r holds experts [r·E/EP, (r+1)·E/EP) of every MoE
+# layer as local_experts.0 .. E/EP-1; everything else is the same on every EP rank.
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def ep_localize(
+    full: Mapping[str, torch.Tensor], rank: int, size: int, num_experts: int
+) -> dict[str, torch.Tensor]:
+    """This EP rank's part of whole-model Megatron tensors (its experts, renumbered from 0)."""
+    if size == 1:
+        return dict(full)
+    if num_experts % size:
+        raise ValueError(f"{num_experts} experts do not divide over expert_model_parallel_size {size}")
+    per = num_experts // size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        elif rank * per <= int(m[2]) < (rank + 1) * per:
+            out[f"{m[1]}{int(m[2]) - rank * per}{m[3]}"] = t
+    return out
+
+
+def ep_globalize(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole-model tensors from every EP rank's part (rank order); the inverse of `ep_localize`."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    per = 1 + max((int(m[2]) for name in parts[0] if (m := _EXPERT.match(name))), default=-1)
+    out: dict[str, torch.Tensor] = {}
+    for rank, part in enumerate(parts):
+        for name, t in part.items():
+            m = _EXPERT.match(name)
+            if m is None:
+                out.setdefault(name, t)
+            else:
+                out[f"{m[1]}{int(m[2]) + rank * per}{m[3]}"] = t
+    return out
+
+
+# -- pipeline parallelism -------------------------------------------------------------------------
+# Pipeline stage s of P holds layers [s·L/P, (s+1)·L/P) as decoder.layers.0 .. L/P-1; the first
+# stage also the embedding, the last the final norm and the output layer.
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def pp_stage(
+    full: Mapping[str, torch.Tensor], first_layer: int, num_layers: int, first: bool, last: bool
+) -> dict[str, torch.Tensor]:
+    """The tensors of one pipeline stage from whole-model ones, its layers numbered from 0."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        m = _LAYER.match(name)
+        if m is not None:
+            if first_layer <= int(m[1]) < first_layer + num_layers:
+                out[f"decoder.layers.{int(m[1]) - first_layer}.{m[2]}"] = t
+        elif name.startswith("embedding.") and first:
+            out[name] = t
+        elif name.startswith(("decoder.final_layernorm.", "output_layer.")) and last:
+            out[name] = t
+    return out
+
+
+def pp_globalize(stage: Mapping[str, torch.Tensor], first_layer: int) -> dict[str, torch.Tensor]:
+    """A stage's tensors under whole-model layer numbers (the inverse of `pp_stage`'s renumbering)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in stage.items():
+        m = _LAYER.match(name)
+        out[f"decoder.layers.{int(m[1]) + first_layer}.{m[2]}" if m else name] = t
     return out

@@ -30,6 +30,9 @@ utils                                                      `GlobalMemoryBuffer.g
 tensor_parallel.layers, tensor_parallel.mappings           gather/scatter buffers for TP > 1
 pipeline_parallel.schedules                                the token counter of every schedule is a
                                                            ``device="cuda"`` tensor
+pipeline_parallel.p2p_communication                        receive buffers and the shapes exchanged
+                                                           between stages are made on the current
+                                                           CUDA device
 distributed.param_and_grad_buffer                          DDP's contiguous grad buffers live on the
                                                            current CUDA device
 optimizer.optimizer                                        `FP32Optimizer`'s loss scale and the
@@ -37,7 +40,22 @@ optimizer.optimizer                                        `FP32Optimizer`'s los
                                                            ``device="cuda"`` tensors
 optimizer.clip_grads                                       grad-norm and count-zeros reductions use
                                                            ``device="cuda"`` tensors
+transformer.moe.token_dispatcher                           the all-to-all dispatcher copies its split
+                                                           sizes to the host on a side CUDA stream
+                                                           (`torch.cuda.Stream`, `stream`,
+                                                           `current_stream`, an event to wait on)
+transformer.moe.router                                     the router moves its weight to the current
+                                                           device on first use; its expert-bias and
+                                                           token-count buffers are made there
+transformer.moe.experts                                    the grouped experts' weights are made on
+                                                           the current device
+transformer.moe.moe_utils                                  the router-loss tracker (aux/z-loss per
+                                                           layer) is a ``device="cuda"`` tensor
 =========================================================  ==========================================
+
+On CPU there is one stream: `torch.cuda.Stream()` and `current_stream()` are the same object,
+whose `wait_stream` and recorded events do nothing (every op has finished when it returns), and
+`torch.cuda.stream(s)` is an empty context.
 
 Two that are not device strings:
 
@@ -62,12 +80,24 @@ refused on CPU: bf16/fp16 (Megatron's mixed-precision optimizer), sequence paral
 ``average_in_collective`` (gloo has no reduce-scatter and no AVG), and the overlapped grad-reduce /
 param-gather (CUDA streams).
 
+* `transformer.moe.moe_utils` defines `te_general_gemm` only when TransformerEngine imports, but
+  the router's gating linear (`RouterGatingLinearFunction`) tests ``te_general_gemm is not None``
+  unconditionally (a NameError without TE). The name is set to None, which selects its torch.mm
+  path: the intended fallback. This one is a missing-TE bug, not a CUDA one, so it applies on GPU
+  boxes without TE too.
+
+* The all-to-all dispatcher's `maybe_move_tensor_to_cpu(t, as_numpy=True)` turns the split sizes
+  into numpy arrays only when they are CUDA tensors; on CPU they stay tensors, which
+  `all_to_all_single` does not take as split sizes. `token_dispatcher`'s name is rebound to
+  `_to_host`, which converts a CPU tensor the way the CUDA path converts a CUDA one.
+
 Also here, because every megatron import goes through it first: `import_megatron()`, which imports
 megatron-core without its import-time notices (missing TransformerEngine/Apex, deprecations).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
 import warnings
@@ -83,9 +113,14 @@ PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
 )
 
 _installed = False
@@ -108,6 +143,22 @@ def _factory(fn):
     return wrapped
 
 
+class _CpuStream:
+    """The one CPU "stream": every op is done when it returns, so there is nothing to wait for."""
+
+    def wait_stream(self, _other: Any) -> None:
+        return None
+
+    def record_event(self) -> _CpuStream:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_STREAM = _CpuStream()
+
+
 class _CpuCuda(types.ModuleType):
     """`torch.cuda` as the patched modules see it: the current device is the CPU."""
 
@@ -121,6 +172,18 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def synchronize(*_: Any, **__: Any) -> None:
         return None
+
+    @staticmethod
+    def Stream(*_: Any, **__: Any) -> _CpuStream:  # noqa: N802 (torch's name)
+        return _STREAM
+
+    @staticmethod
+    def current_stream(*_: Any) -> _CpuStream:
+        return _STREAM
+
+    @staticmethod
+    def stream(_stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -148,6 +211,13 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
+
+
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """`moe_utils.maybe_move_tensor_to_cpu` for a CPU run (module docstring)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def import_megatron() -> None:
@@ -186,6 +256,9 @@ def install() -> bool:
     """
     global _installed
     import_megatron()
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):  # no TransformerEngine (module docstring)
+        moe_utils.te_general_gemm = None
     if torch.cuda.is_available():
         return False
     if _installed:
@@ -201,6 +274,9 @@ def install() -> bool:
         module.torch = proxy
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    importlib.import_module(
+        "megatron.core.transformer.moe.token_dispatcher"
+    ).maybe_move_tensor_to_cpu = _to_host
     _installed = True
     return True
 

@@ -62,6 +62,17 @@ _ARCH_FIELDS = (
     "add_qkv_bias",
     "add_bias_linear",
     "qk_layernorm",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_layer_freq",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_enable_expert_bias",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
 )
 
 
@@ -170,13 +181,19 @@ def transformer_config(arch: HFArchitecture, megatron: dict[str, Any]):
         # Micro-batch losses are sums with a denominator; Megatron divides the gradients by the
         # denominators' total over micro-batches and DP ranks (objective.py).
         "calculate_per_token_loss": True,
+        **_moe_config(arch),
     }
+    if int(megatron.get("pipeline_model_parallel_size") or 1) > 1:
+        # Packed micro-batches differ in length: stages exchange each activation's shape first.
+        # Megatron allows that only with the all-to-all dispatcher, even for a dense model.
+        # gloo has no batched p2p: one isend/irecv at a time.
+        derived.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", batch_p2p_comm=False)
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(megatron) - fields)
     if unknown:
         raise ValueError(f"not TransformerConfig fields: {unknown}")
     for key in _ARCH_FIELDS:
-        if key in megatron and megatron[key] != derived[key]:
+        if key in megatron and megatron[key] != derived.get(key):
             raise ValueError(
                 f"megatron[{key!r}]={megatron[key]!r} contradicts the HF config ({derived[key]!r})"
             )
@@ -188,15 +205,57 @@ def transformer_config(arch: HFArchitecture, megatron: dict[str, Any]):
         return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: HFArchitecture):
-    """Megatron's local layer spec with `PackedCausalAttention` as core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _moe_config(arch: HFArchitecture) -> dict[str, Any]:
+    """The `TransformerConfig` MoE fields that reproduce the HF router and experts (none if dense).
+
+    Router, HF -> Megatron: softmax over all experts then top-k (Qwen3-MoE without
+    norm_topk_prob) is ``moe_router_pre_softmax``; with norm_topk_prob the renormalised top-k
+    weights equal a softmax over the k chosen logits, Megatron's default. Sigmoid scores choose by
+    score + e_score_correction_bias (``moe_router_enable_expert_bias``) and are renormalised, then
+    scaled by routed_scaling_factor (``moe_router_topk_scaling_factor``)."""
+    if not arch.is_moe:
+        return {}
+    config: dict[str, Any] = {
+        "num_moe_experts": arch.num_experts,
+        "moe_ffn_hidden_size": arch.moe_intermediate_size,
+        "moe_router_topk": arch.moe_topk,
+        "moe_layer_freq": [int(i in arch.moe_layers) for i in range(arch.num_layers)],
+        "moe_router_score_function": arch.router_score,
+        "moe_router_pre_softmax": arch.router_score == "softmax" and not arch.norm_topk_prob,
+        "moe_router_enable_expert_bias": arch.expert_bias,
+        "moe_shared_expert_intermediate_size": arch.shared_expert_intermediate_size or None,
+        "moe_router_topk_scaling_factor": (
+            arch.routed_scaling_factor if arch.routed_scaling_factor != 1.0 else None
+        ),
+        # Grouped GEMM needs the grouped_gemm/TransformerEngine kernels: one MLP per expert instead.
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "alltoall",
+        # RL trains the policy the engine sampled from: no load-balancing loss and no drift of the
+        # expert bias unless asked for (``megatron``: moe_aux_loss_coeff, moe_router_bias_update_rate).
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_bias_update_rate": 0.0,
+    }
+    if arch.router_groups > 1:
+        config["moe_router_num_groups"] = arch.router_groups
+        config["moe_router_group_topk"] = arch.router_group_topk
+    return config
+
+
+def layer_spec(arch: HFArchitecture, config=None):
+    """Megatron's local layer spec with `PackedCausalAttention` as core attention; for an MoE model
+    the decoder block spec of this pipeline stage (dense and MoE layers, `config.moe_layer_freq`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     from palaestra.trainer.packed_attention import PackedCausalAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
-    spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
-    return spec
+    if not arch.is_moe:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
+        return spec
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    for spec in block.layer_specs:
+        spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
+    return block
 
 
 def build_model(arch: HFArchitecture, config, ddp_options: dict[str, Any], adapt=None):
@@ -214,7 +273,7 @@ def build_model(arch: HFArchitecture, config, ddp_options: dict[str, Any], adapt
     with quiet_megatron_deprecations():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(arch),
+            transformer_layer_spec=layer_spec(arch, config),
             vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(),
@@ -223,6 +282,7 @@ def build_model(arch: HFArchitecture, config, ddp_options: dict[str, Any], adapt
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=arch.rope_theta,
+            rotary_percent=arch.rotary_percent,
         )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

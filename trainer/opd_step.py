@@ -70,7 +70,7 @@ class Distiller:
                             f"({trainer.model_dir}); OPD needs one tokenizer on both sides"
                         )
                 tensors = load_teacher_tensors(str(spec.model), trainer.arch)  # a directory (checked)
-                trainer.snapshots.load(snapshot_tag(name), trainer.shard_tp(tensors))
+                trainer.snapshots.load(snapshot_tag(name), trainer.shard_model(tensors))
             else:
                 self.engines[name] = SGLangTeacher(spec.urls, trainer.model_dir, spec.concurrency)
         self.labels: list[str] = []  # route labels seen so far (metrics index)

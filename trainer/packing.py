@@ -144,7 +144,7 @@ def round_robin(n: int, k: int) -> list[list[int]]:
 
 
 def sequence_flops(length: int, arch: HFArchitecture) -> float:
-    """Forward FLOPs of one sequence: 2 x parameters x tokens, plus causal attention scores.
+    """Forward FLOPs of one sequence: 2 x active parameters x tokens, plus causal attention scores.
 
     The attention term (QK^T and PV over the causal half) is what makes long sequences cost more
     than their token count; the constant factor of the backward pass does not change the balance.
@@ -152,8 +152,11 @@ def sequence_flops(length: int, arch: HFArchitecture) -> float:
     h, layers = arch.hidden_size, arch.num_layers
     q_dim = arch.num_heads * arch.head_dim
     kv_dim = 2 * arch.num_kv_heads * arch.head_dim
-    per_layer = h * (q_dim + kv_dim) + q_dim * h + 3 * h * arch.intermediate_size
-    linear = 2.0 * length * (layers * per_layer + h * arch.vocab_size)
+    # An MoE layer computes its top-k experts and shared expert per token, not all its experts.
+    moe_mlp = arch.moe_topk * arch.moe_intermediate_size + arch.shared_expert_intermediate_size
+    mlp = sum(moe_mlp if i in arch.moe_layers else arch.intermediate_size for i in range(layers))
+    per_layer = h * (q_dim + kv_dim) + q_dim * h
+    linear = 2.0 * length * (layers * per_layer + 3 * h * mlp + h * arch.vocab_size)
     attention = 2.0 * layers * q_dim * length * (length + 1)  # 2 matmuls x causal half x 2 FLOPs
     return linear + attention
 
@@ -185,6 +188,10 @@ class MicroBatch:
     response_offsets: list[int]
     dummy: bool = False
     """A rank with no real work runs one of these (one row, loss mask 0) so collectives still match."""
+
+    routing: list[torch.Tensor] | None = None
+    """Routing replay (trainer/moe.py): per MoE layer, the experts of every packed token, [T, top_k]
+    (r3: the rollout's; r2: recorded in the old-policy pass). None: the routers choose."""
 
     # -- logprobs of the sampled tokens: Trainer.step --------------------------------------------
     old_logprobs: torch.Tensor | None = None

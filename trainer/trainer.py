@@ -22,8 +22,9 @@ adapters, teachers run with the adapters off, and the sync sends the adapters on
 
 Simplifications, on purpose: one optimizer step per call (no PPO epochs or mini-batches — call
 `step` again for more); constant learning rate (`megatron_optimizer["lr"]`). Tensor and data
-parallelism work (Megatron's own options); pipeline, context and expert parallelism are refused
-with the reason. With several processes every rank calls `step`; rank 0's samples are used.
+parallelism work (Megatron's own options), expert parallelism for mixture-of-experts models
+(moe.py), and pipeline parallelism (untied embeddings on CPU); context parallelism is refused with
+the reason. With several processes every rank calls `step`; rank 0's samples are used.
 
 The trainer owns the weight version: `step` adds one per optimizer step, and the engines get
 exactly that number with the weights; whoever drives it reads `weight_version`, never counts.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -45,9 +47,19 @@ import torch.distributed as dist
 
 from palaestra.sample import Sample
 from palaestra.trainer import advantages as adv
-from palaestra.trainer import cpu_shim, losses, objective, opd_kl
+from palaestra.trainer import cpu_shim, losses, moe, objective, opd_kl
 from palaestra.trainer.config import TrainerConfig
-from palaestra.trainer.convert import HFArchitecture, hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
+from palaestra.trainer.convert import (
+    HFArchitecture,
+    ep_globalize,
+    ep_localize,
+    hf_to_megatron,
+    megatron_to_hf,
+    pp_globalize,
+    pp_stage,
+    tp_shard,
+    tp_unshard,
+)
 from palaestra.trainer.estimators import AdvantageContext, estimate, load_estimator
 from palaestra.trainer.lora import Adapters, check_rank, inject, is_adapter_param
 from palaestra.trainer.megatron_model import (
@@ -65,9 +77,7 @@ from palaestra.trainer.weight_sync import WeightSync
 __all__ = ["Trainer", "format_metrics"]
 
 _UNSUPPORTED_PARALLEL = {
-    "pipeline_model_parallel_size": "pipeline schedules and per-stage weight gathering are not wired yet",
     "context_parallel_size": "context parallelism needs TransformerEngine attention; the local spec has none",
-    "expert_model_parallel_size": "the HF conversion covers dense Llama/Qwen models only (no MoE)",
 }
 
 
@@ -79,6 +89,23 @@ def _model_directory(path: str | Path | None, field: str) -> Path:
             "takes directories: resolve a preset name to its directory first"
         )
     return Path(path)
+
+
+def _check_pipeline(arch: HFArchitecture, config: TrainerConfig) -> None:
+    """What pipeline parallelism does not cover yet, refused with the reason."""
+    if arch.tie_word_embeddings and not torch.cuda.is_available():
+        raise ValueError(
+            "pipeline_model_parallel_size > 1 with tied embeddings needs CUDA: megatron-core's "
+            "LanguageModule.setup_embeddings_and_output_layer moves the shared weight with .cuda()"
+        )
+    if config.lora.enabled:
+        raise ValueError(
+            "pipeline_model_parallel_size > 1 with trainer.lora is not supported (adapters gather over TP only)"
+        )
+    if config.routing_replay != "off":
+        raise ValueError(
+            "routing_replay with pipeline_model_parallel_size > 1 is not supported (1F1B interleaves micro-batches)"
+        )
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
@@ -107,6 +134,14 @@ class Trainer:
                 )
         self.arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         cpu_shim.check_supported({**config.megatron_ddp, **config.megatron_optimizer, **config.megatron})
+        moe.check_layout(self.arch, config.megatron)
+        if int(config.megatron.get("pipeline_model_parallel_size") or 1) > 1:
+            _check_pipeline(self.arch, config)
+        if config.routing_replay != "off" and not self.arch.is_moe:
+            raise ValueError(
+                f"routing_replay: {config.routing_replay} replays mixture-of-experts routing; "
+                f"{self.arch.architecture} is a dense model (set routing_replay: off)"
+            )
         for key, why in _UNSUPPORTED_PARALLEL.items():
             if int(config.megatron.get(key) or 1) != 1:
                 raise ValueError(f"{key} > 1 is not supported by this trainer: {why}")
@@ -120,7 +155,10 @@ class Trainer:
                 f"{parallel_state.get_tensor_model_parallel_world_size()} make {dp} data-parallel replicas"
             )
         cpu_shim.setup_rng(config.seed)
-        self.transformer_config = transformer_config(self.arch, config.megatron)
+        replay = config.routing_replay != "off"
+        self.transformer_config = transformer_config(
+            self.arch, {**config.megatron, "moe_enable_routing_replay": True} if replay else config.megatron
+        )
         self.lora: Adapters | None = None  # LoRA adapters (lora.py); None: full fine-tuning
         if config.lora.enabled:
             check_rank(config.lora, self.arch)  # before building anything
@@ -131,6 +169,7 @@ class Trainer:
             self._inject if config.lora.enabled else None,
         )
         self.gpt = unwrap(self.model)
+        self.replay = moe.RoutingReplay(self.gpt) if replay else None  # routing_replay r2 / r3
         self.load_hf_weights(self.model_dir)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**config.megatron_optimizer), [self.model])
         self._wire_megatron_schedule()
@@ -184,7 +223,12 @@ class Trainer:
         or pause a gateway first)."""
         started = time.perf_counter()
         samples = self._broadcast(list(samples))
+        samples, replay_metrics = self._keep_replayable(samples)
         mbs, plan_metrics = self._schedule(samples)
+        if self.config.routing_replay == "r3":  # the rollout engine's routing, replayed (moe.py)
+            for mb in mbs:
+                if not mb.dummy:
+                    mb.routing = moe.rollout_routing(samples, mb.sample_indices, self.arch)
         routes = self.distiller.route(samples) if self.distiller is not None else []
         ref = ["ref"] if self.config.kl.coef > 0 else []
         old_policy = "old_actor" if self.config.keep_old_actor else "actor"
@@ -193,7 +237,8 @@ class Trainer:
         self.snapshots.plan(plan)  # eviction and prefetch order
         k = self.distiller.topk_needed(routes) if self.distiller is not None else 0
         t_old = time.perf_counter()
-        old, topk_ids = self._student_pass(mbs, old_policy, k)
+        with self._routing("record" if self.config.routing_replay == "r2" else "replay"):
+            old, topk_ids = self._student_pass(mbs, old_policy, k)
         self._store(mbs, "old_logprobs", old)
         t_teacher = time.perf_counter()
         opd_metrics = (
@@ -209,7 +254,9 @@ class Trainer:
         # The next step will most likely switch in the same order: saying so now lets the store
         # prefetch its first teacher from disk while this step trains.
         self.snapshots.plan(plan)
-        metrics = self._train(mbs)
+        with self._routing("replay"):
+            metrics = self._train(mbs)
+        metrics.update(replay_metrics)
         metrics.update(signal_metrics)
         metrics.update(opd_metrics)
         metrics.update(self.snapshots.stats())
@@ -262,6 +309,38 @@ class Trainer:
             "perf/pack_fill_ratio": plan.fill_ratio(self.config.max_tokens_per_microbatch),
             "perf/dp_load_max_over_mean": max(loads) / (sum(loads) / len(loads)) if sum(loads) else 1.0,
         }
+
+    def _keep_replayable(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        """With routing_replay r3, the samples whose `routed_experts` fit the model; every other one
+        is dropped with its reason (a warning), never trained on with routing of its own."""
+        if self.config.routing_replay != "r3":
+            return samples, {}
+        kept, reasons = [], []
+        for s in samples:
+            problem = moe.routing_problem(s, self.arch)
+            if problem is None:
+                kept.append(s)
+            else:
+                reasons.append(f"sample {s.sample_id}: {problem}")
+        if not kept:
+            raise ValueError(
+                "routing_replay r3: no sample has a usable routed_experts: " + "; ".join(reasons[:5])
+            )
+        if reasons:
+            warnings.warn(
+                f"routing_replay r3 dropped {len(reasons)} sample(s): " + "; ".join(reasons[:5]), stacklevel=3
+            )
+        return kept, {"train/routing_replay_dropped": float(len(reasons))}
+
+    @contextlib.contextmanager
+    def _routing(self, mode: str):
+        """The policy passes within record (r2's old pass) or replay (the rest) MoE routing; a no-op
+        with routing_replay off."""
+        if self.replay is None:
+            yield
+            return
+        with self.replay.active(mode):
+            yield
 
     @staticmethod
     def _store(mbs: list[MicroBatch], name: str, values: list[torch.Tensor]) -> None:
@@ -331,19 +410,24 @@ class Trainer:
     def _forward_step(self, loss_fn, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         dev = self._device()
+        if self.replay is not None:
+            self.replay.before_forward(mb)
         logits = model(
             mb.tokens.to(dev)[None],
             mb.position_ids.to(dev)[None],
             None,
             packed_seq_params=mb.packed_seq_params(dev),
         )
+        if self.replay is not None:
+            self.replay.after_forward(mb)
         return logits, partial(loss_fn, mb)
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list[Any]:
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         with quiet_megatron_deprecations():
-            return get_forward_backward_func()(
+            out = get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, loss_fn),
                 data_iterator=iter(mbs),
                 model=[self.model],
@@ -352,6 +436,16 @@ class Trainer:
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            # only the last stage computed the outputs; every stage stores them in its micro-batches
+            box = [out]
+            dist.broadcast_object_list(
+                box,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+            out = box[0]
+        return out
 
     def _rows(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
         return logits[0, mb.label_positions.to(logits.device)]
@@ -423,7 +517,8 @@ class Trainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run(mbs, self._policy_loss, forward_only=False)
+        with moe.RouterStats(self.gpt) as routers:
+            out = self._run(mbs, self._policy_loss, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if self.lora is None:  # with LoRA the base (all the store holds) did not change
             self.snapshots.mark_live_changed()
@@ -433,6 +528,7 @@ class Trainer:
         metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["train/update_successful"] = float(bool(ok))
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics.update(routers.metrics(parallel_state.get_data_parallel_group()))
         return metrics
 
     # ==========================================================================================
@@ -461,6 +557,68 @@ class Trainer:
                 shards[r][name] = parts[r]
         return tp_unshard(shards)
 
+    def _ep(self) -> tuple[Any, int, int]:
+        """(expert-parallel group, this rank in it, its size)."""
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_expert_model_parallel_world_size()
+        if size == 1:
+            return None, 0, 1
+        return (
+            parallel_state.get_expert_model_parallel_group(),
+            parallel_state.get_expert_model_parallel_rank(),
+            size,
+        )
+
+    def gather_ep(self, full_tp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every expert of the model from each EP rank's own (a collective over the EP group)."""
+        group, _, size = self._ep()
+        if size == 1:
+            return full_tp
+        parts: list[Any] = [None] * size
+        mine = {k: v.cpu() for k, v in full_tp.items() if ".local_experts." in k}
+        dist.all_gather_object(parts, mine, group=group)
+        rest = {k: v for k, v in full_tp.items() if ".local_experts." not in k}
+        return {**rest, **ep_globalize(parts)}
+
+    def _pp(self) -> tuple[Any, int, int, int]:
+        """(pipeline group, this stage, the number of stages, this stage's first layer)."""
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_pipeline_model_parallel_world_size()
+        if size == 1:
+            return None, 0, 1, 0
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        return (
+            parallel_state.get_pipeline_model_parallel_group(),
+            rank,
+            size,
+            rank * self.arch.num_layers // size,
+        )
+
+    def gather_model(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole-model tensors from this rank's own (collectives over TP, EP, then PP)."""
+        full = self.gather_ep(self.gather_tp(local))
+        group, _, size, first = self._pp()
+        if size == 1:
+            return full
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in pp_globalize(full, first).items()}, group=group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    def _stage(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's experts (EP) and this stage's layers (PP) of whole-model tensors."""
+        _, ep_rank, ep_size = self._ep()
+        full = ep_localize(full, ep_rank, ep_size, self.arch.num_experts)
+        _, stage, stages, first = self._pp()
+        if stages == 1:
+            return full
+        return pp_stage(full, first, self.arch.num_layers // stages, stage == 0, stage == stages - 1)
+
+    def shard_model(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of whole-model tensors: its experts (EP), its layers (PP), its TP shard."""
+        return self.shard_tp(self._stage(full))
+
     def shard_tp(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's TP shard of whole-model tensors."""
         _, rank, size = self._tp()
@@ -470,10 +628,17 @@ class Trainer:
         """The model's own weights by Megatron name: every parameter but the LoRA adapters."""
         return [(n, p) for n, p in self.gpt.named_parameters() if not is_adapter_param(n)]
 
+    def routing_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Tensors of the model that are not parameters but part of its weights: the MoE routers'
+        expert bias (GLM/DeepSeek's e_score_correction_bias; fixed while training, see
+        megatron_model._moe_config)."""
+        return [(n, b) for n, b in self.gpt.named_buffers() if n.endswith("router.expert_bias")]
+
     def megatron_state(self) -> dict[str, torch.Tensor]:
         """The live weights of the whole model by Megatron name (gathered over TP: a collective);
         with LoRA the base weights, without the adapters (`adapter_state`)."""
-        return self.gather_tp({name: p.detach() for name, p in self.base_parameters()})
+        local = {name: p.detach() for name, p in [*self.base_parameters(), *self.routing_buffers()]}
+        return self.gather_model(local)
 
     def hf_state(self, merged: bool = False) -> dict[str, torch.Tensor]:
         """The live weights by HF name, on CPU (a collective over TP). With LoRA: the base
@@ -499,7 +664,8 @@ class Trainer:
     @torch.no_grad()
     def load_megatron_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies whole-model Megatron tensors into the live model (this rank takes its TP shard)."""
-        params = dict(self.base_parameters())
+        params = dict([*self.base_parameters(), *self.routing_buffers()])
+        tensors = self._stage(tensors)  # this rank's experts and layers
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         if missing or extra:
             raise KeyError(f"Megatron weights: missing {missing[:5]}, unexpected {extra[:5]}")

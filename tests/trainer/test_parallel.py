@@ -47,7 +47,7 @@ WORKER = textwrap.dedent(
     if __name__ == "__main__":
         out, rdzv, megatron, model_dir = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
         extra = json.loads(sys.argv[5])  # more trainer options (trainer.lora)
-        dp = 2 // megatron.get("tensor_model_parallel_size", 1)
+        dp = 2 // (megatron.get("tensor_model_parallel_size", 1) * megatron.get("pipeline_model_parallel_size", 1))
         cfg = TrainerConfig(**{**CONFIG, **extra}, megatron=megatron, dist_init_method=rdzv, dp_size=dp)
         t = Trainer(cfg, model_dir)
         import torch.distributed as dist
