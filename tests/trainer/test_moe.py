@@ -58,7 +58,7 @@ def hf_logprobs(hf, s: Sample) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_conversion_round_trip_is_exact_under_checkpoint_names(models, kind):
-    from palaestra.engine.weights import read_safetensors
+    from palaestra.weights_format import read_safetensors
 
     path, hf, trainer = models[kind]
     disk = dict(read_safetensors(path))
