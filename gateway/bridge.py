@@ -75,24 +75,15 @@ def plan_chat(
     try:
         prefix_k, parent = _parent(turns_by_digest, messages, digests)
         same_context = parent.context_key == context_key
+        append = _Append(renderer, messages, prefix_k, parent, tools, stop_text, template_extra)
         # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
         short_ok = gap is not None and not template_extra and same_context
         if short_ok and not parent.reasoning_on_path:
             assert gap is not None
-            plan = _bridge_short(renderer, messages, prefix_k, parent, tools, stop_text, template_extra, gap)
+            plan = _bridge_short(append, gap)
             if plan is not None:
                 return plan
-        return _bridge_full(
-            renderer,
-            messages,
-            prefix_k,
-            parent,
-            tools,
-            stop_text,
-            reasoning_policy,
-            template_extra,
-            same_context,
-        )
+        return _bridge_full(append, reasoning_policy, same_context)
     except _Fork as no:
         rendered = no.rendered or renderer.render(messages, tools, True, template_extra)
         return _fork(renderer, rendered, no.reason, no.detail)
@@ -129,19 +120,35 @@ def _parent(
     return prefix_k, parent
 
 
-def _bridge_full(
-    renderer: ChatRenderer,
-    messages: list[dict[str, Any]],
-    prefix_k: int,
-    parent: Turn,
-    tools: list[dict[str, Any]] | None,
-    stop_text: dict[int, str],
-    reasoning_policy: str,
-    template_extra: dict[str, Any] | None,
-    same_context: bool,
-) -> Plan:
+@dataclass(frozen=True)
+class _Append:
+    """A request that appends to `parent`'s reply (message `prefix_k`), with what rendering needs."""
+
+    renderer: ChatRenderer
+    messages: list[dict[str, Any]]
+    prefix_k: int
+    parent: Turn
+    tools: list[dict[str, Any]] | None
+    stop_text: dict[int, str]
+    template_extra: dict[str, Any] | None
+
+    def parts(self) -> tuple[Any, ...]:
+        """The fields in order, uncopied (dataclasses.astuple would deep-copy the history)."""
+        return (
+            self.renderer,
+            self.messages,
+            self.prefix_k,
+            self.parent,
+            self.tools,
+            self.stop_text,
+            self.template_extra,
+        )
+
+
+def _bridge_full(append: _Append, reasoning_policy: str, same_context: bool) -> Plan:
     """The bridge checked on whole renders: the history renders as it did for `parent`, the reply's
     place is found with a sentinel, and the template keeps (or, policy `keep`, may drop) reasoning."""
+    renderer, messages, prefix_k, parent, tools, stop_text, template_extra = append.parts()
     parent_rendered = parent.rendered
     if not parent_rendered:  # the parent was planned incrementally: render its request in full now
         if not same_context:
@@ -211,22 +218,14 @@ def _bridged(
     return Plan(parent.prompt_ids + parent.output_ids + bridge, rendered, parent, bridge_tokens=len(bridge))
 
 
-def _bridge_short(
-    renderer: ChatRenderer,
-    messages: list[dict[str, Any]],
-    prefix_k: int,
-    parent: Turn,
-    tools: list[dict[str, Any]] | None,
-    stop_text: dict[int, str],
-    extra: dict[str, Any] | None,
-    gap: str,
-) -> Plan | None:
+def _bridge_short(append: _Append, gap: str) -> Plan | None:
     """The bridge from a short rendering: the leading system message, the message before the
     assistant turn, the turn and the new messages, so the cost does not grow with the history.
     The full path's checks on the short conversation, with the template's `gap` (what it puts
     between the generation prompt and an assistant's content, measured once by `incremental_ok`)
     instead of a third rendering; None (use the full path) when any fails. `Plan.rendered` stays
     empty: a later full-path check renders this request then."""
+    renderer, messages, prefix_k, parent, tools, stop_text, extra = append.parts()
     lead = 1 if messages[0]["role"] == "system" else 0
     context = [*messages[:lead], *messages[max(lead, prefix_k - 1) : prefix_k]]
     new = messages[prefix_k + 1 :]

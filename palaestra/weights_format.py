@@ -119,29 +119,35 @@ def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
 
 
 # -- /update_weights_from_tensor payloads -----------------------------------------------------
+def flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """`{"flattened_tensor", "metadata"}` of SGLang's `load_format: "flattened_bucket"`: the tensors
+    one after another in one flat tensor (one dtype: a mixed bucket goes up to float32), with each
+    one's name, shape, dtype and [start_idx, end_idx) in it."""
+    metadata, flats, offset = [], [], 0
+    for name, t in named:
+        flat = t.detach().reshape(-1)
+        metadata.append(
+            {
+                "name": name,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "start_idx": offset,
+                "end_idx": offset + flat.numel(),
+                "numel": flat.numel(),
+            }
+        )
+        flats.append(flat)
+        offset += flat.numel()
+    if len({f.dtype for f in flats}) > 1:
+        flats = [f.to(torch.float32) for f in flats]
+    return {"flattened_tensor": torch.cat(flats), "metadata": metadata}
+
+
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], flattened: bool = False) -> str:
     """Encodes tensors the way `/update_weights_from_tensor` expects them (one rank)."""
     buf = io.BytesIO()
     if flattened:
-        metadata, flats, offset = [], [], 0
-        for name, t in named:
-            flat = t.detach().reshape(-1)
-            metadata.append(
-                {
-                    "name": name,
-                    "shape": list(t.shape),
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "start_idx": offset,
-                    "end_idx": offset + flat.numel(),
-                    "numel": flat.numel(),
-                }
-            )
-            flats.append(flat)
-            offset += flat.numel()
-        dtypes = {f.dtype for f in flats}
-        if len(dtypes) > 1:  # one flat tensor has one dtype: mixed buckets go up to float32
-            flats = [f.to(torch.float32) for f in flats]
-        torch.save({"flattened_tensor": torch.cat(flats), "metadata": metadata}, buf)
+        torch.save(flattened_bucket(named), buf)
     else:
         torch.save([(name, t.detach().contiguous()) for name, t in named], buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")

@@ -49,7 +49,7 @@ import torch
 
 from palaestra.trainer.sync_transport import Clock, Engines, TransportOptions, WeightSyncError, make_buckets
 from palaestra.update_group import DEFAULT_GROUP, drop_update_group, new_update_group
-from palaestra.weights_format import serialize_named_tensors
+from palaestra.weights_format import flattened_bucket, serialize_named_tensors
 
 __all__ = ["DistributedTransport", "DistributedUpdate", "IpcTransport", "TensorTransport", "ipc_payload"]
 
@@ -75,23 +75,7 @@ def ipc_payload(
         dtypes = {t.dtype for _, t in named}
         if len(dtypes) != 1:
             raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, dtypes))}")
-        metadata, offset = [], 0
-        for name, t in named:
-            metadata.append(
-                {
-                    "name": name,
-                    "shape": list(t.shape),
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "start_idx": offset,
-                    "end_idx": offset + t.numel(),
-                    "numel": t.numel(),
-                }
-            )
-            offset += t.numel()
-        obj: Any = {
-            "flattened_tensor": torch.cat([t.detach().reshape(-1) for _, t in named]),
-            "metadata": metadata,
-        }
+        obj: Any = flattened_bucket(named)
     else:
         obj = [(name, t.detach().contiguous()) for name, t in named]
     blob = base64.b64encode(ForkingPickler.dumps(obj)).decode("ascii")

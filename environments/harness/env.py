@@ -41,12 +41,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from palaestra.environments.episode import EpisodeLog, resolve_backend
+from palaestra.environments.episode import EpisodeLog
 from palaestra.environments.harness import configure
 from palaestra.environments.harness.install import HARNESSES, native, shared_root
 from palaestra.environments.harness.tunnel import SessionTunnel
 from palaestra.environments.swe_agent.instance import SweInstance
-from palaestra.environments.swe_agent.repo_env import EnvOptions, activate
+from palaestra.environments.swe_agent.repo_env import activate
 from palaestra.environments.swe_agent.workspace import SweWorkspace, TaskSandbox
 from palaestra.sandbox.base import WORKDIR, ExecResult, Limits, Mount, SandboxError
 from palaestra.sdk.environment import Environment, Reward
@@ -101,12 +101,8 @@ class HarnessEnv(Environment):
             raise ValueError(f"unknown harness {harness!r}: one of {', '.join(sorted(HARNESSES))}")
         if max_turns < 1 or not time_limit_s > 0:
             raise ValueError(f"max_turns and time_limit_s must be positive; got {max_turns}, {time_limit_s}")
-        self.workspace = SweWorkspace(
-            data,
-            resolve_backend(backend),
-            cache_dir=cache_dir,
-            generate_seed=generate_seed,
-            env_options=EnvOptions(env_cache_dir, tuple(find_links or ()), index),
+        self.workspace = SweWorkspace.from_args(
+            data, backend, cache_dir, generate_seed, env_cache_dir, find_links, index
         )
         self.harness, self.harness_name = harness, name
         self.max_turns, self.time_limit_s = max_turns, float(time_limit_s)

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult, resolve_backend
+from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult
 from palaestra.environments.swe_agent.instance import SweInstance
-from palaestra.environments.swe_agent.repo_env import EnvOptions
 from palaestra.environments.swe_agent.tools import TOOLS, call_tool
 from palaestra.environments.swe_agent.workspace import SweWorkspace
 from palaestra.sandbox.base import Limits, SandboxError
@@ -60,12 +59,8 @@ class SweAgentEnv(Environment):
         ``~/.cache/palaestra/swe/envs``) by pip, from the package index unless `index` is false,
         and from the `find_links` directories."""
         self.loop = ToolLoop(TOOLS, max_turns, max_tokens, temperature, UNPARSED_CALL, KEEP_GOING)
-        self.workspace = SweWorkspace(
-            data,
-            resolve_backend(backend),
-            cache_dir=cache_dir,
-            generate_seed=generate_seed,
-            env_options=EnvOptions(env_cache_dir, tuple(find_links or ()), index),
+        self.workspace = SweWorkspace.from_args(
+            data, backend, cache_dir, generate_seed, env_cache_dir, find_links, index
         )
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
         self.tool_timeout_s = tool_timeout_s

@@ -29,6 +29,7 @@ import concurrent.futures
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from palaestra.environments.episode import EpisodeLog
 from palaestra.environments.swe_agent import grading
@@ -96,6 +97,29 @@ class SweWorkspace:
         self.env_options = env_options or EnvOptions()
         self._instances: list[SweInstance] | None = None
         self._validated: dict[str, asyncio.Future] = {}
+
+    @classmethod
+    def from_args(
+        cls,
+        data: str | None,
+        backend: Any,
+        cache_dir: str | None,
+        generate_seed: int,
+        env_cache_dir: str | None,
+        find_links: list[str] | None,
+        index: bool,
+    ) -> SweWorkspace:
+        """The workspace of an environment's constructor arguments (swe's and the harness's):
+        `backend` a name or a `Backend`, the environment build options spelled out."""
+        from palaestra.environments.episode import resolve_backend
+
+        return cls(
+            data,
+            resolve_backend(backend),
+            cache_dir=cache_dir,
+            generate_seed=generate_seed,
+            env_options=EnvOptions(env_cache_dir, tuple(find_links or ()), index),
+        )
 
     def instances(self) -> list[SweInstance]:
         if self._instances is None:

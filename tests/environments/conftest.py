@@ -46,4 +46,7 @@ def swe_real(tmp_path_factory):
             )
         )
     assert made, "no instance generated from inflection"
+    from palaestra.environments.swe_agent.instance import load_jsonl
+
+    assert [i.instance_id for i in load_jsonl(out)] == [i.instance_id for i in made]  # all written
     return out, options

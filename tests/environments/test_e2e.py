@@ -7,7 +7,6 @@ subprocess test double and, where it can run, the local bubblewrap backend."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -15,7 +14,6 @@ import pytest
 
 from palaestra.environments.code_sandbox.env import CodeSandboxEnv
 from palaestra.environments.swe_agent.env import SweAgentEnv
-from palaestra.environments.swe_agent.generate import generate
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.sdk.runner import take_tasks
@@ -257,31 +255,19 @@ def test_rollout_and_eval_cli_run_both_environments(tok, tmp_path, swe_data):
 
 @pytest.mark.slow
 def test_swe_instances_from_a_real_package_are_generated_validated_and_solved_in_the_local_sandbox(
-    tok, tmp_path
+    tok, tmp_path, swe_real
 ):
     """`palaestra swe generate`'s path over inflection's sdist (its own pytest suite, run in the
-    environment built offline from `palaestra swe fetch`'s wheels): the instances it keeps are valid
-    (validated as they are made), and an episode in the local sandbox has the environment on its
-    PATH and is resolved by the reference fix."""
-    from palaestra.environments.swe_agent.generate import PYTEST, sdist_source
+    environment built offline from `palaestra swe fetch`'s wheels; the `swe_real` fixture): the
+    instances it keeps are valid (validated as they are made), and an episode in the local sandbox
+    has the environment on its PATH and is resolved by the reference fix."""
+    from palaestra.environments.swe_agent.generate import PYTEST
     from palaestra.environments.swe_agent.instance import load_jsonl
-    from palaestra.environments.swe_agent.repo_env import EnvOptions, packages_dir
 
-    sdist = packages_dir() / "inflection-0.5.1.tar.gz"
-    if not sdist.exists() or not list(packages_dir().glob("pytest-*.whl")):
-        pytest.skip(
-            f"no inflection sdist or pytest wheel in {packages_dir()}: run `palaestra swe fetch` (make install does)"
-        )
-    options = EnvOptions(str(tmp_path / "envs"), (str(packages_dir()),), index=False)
-    out = tmp_path / "real.jsonl"
+    out, options = swe_real
+    made = load_jsonl(out)
+    assert made and all(i.test_cmd == PYTEST and "::" in i.FAIL_TO_PASS[0] for i in made)
     with backend_for("local") as local:
-        made = asyncio.run(
-            generate(
-                out, local, sources=[sdist_source(sdist)], per_kind=1, tries_per_kind=2, env_options=options
-            )
-        )
-        assert made and all(i.test_cmd == PYTEST and "::" in i.FAIL_TO_PASS[0] for i in made)
-        assert [i.instance_id for i in load_jsonl(out)] == [i.instance_id for i in made]
         env = SweAgentEnv(
             data=str(out), backend=local, max_turns=6, env_cache_dir=options.cache_dir,
             find_links=list(options.find_links), index=False,

@@ -221,16 +221,22 @@ def test_each_step_reaches_every_engine_before_the_next_step_starts(tmp_path):
     assert len(report.engine_seconds) == 3 and all(len(s) == 4 for s in report.engine_seconds.values())
 
 
-def test_a_failed_update_names_the_engine_and_no_engine_continues(tmp_path):
+def _failed_push(tmp_path, step: str, port: int, version: int) -> list[str]:
+    """The engines' calls in a sync where engine 127.0.0.1:`port` fails at `step` (pause, update),
+    after checking the error names that engine and step."""
     from palaestra.trainer.weight_sync import WeightSyncError
 
-    engines = RecordingEngines(3, fail_update="http://127.0.0.1:9001")
+    engines = RecordingEngines(3, **{f"fail_{step}": f"http://127.0.0.1:{port}"})
     with (
         _sync_with(engines, tmp_path) as sync,
-        pytest.raises(WeightSyncError, match="127.0.0.1:9001: update"),
+        pytest.raises(WeightSyncError, match=f"127.0.0.1:{port}: {step}"),
     ):
-        sync.push(named_mixed(), 8)
-    paths = [path for _, path in engines.calls]
+        sync.push(named_mixed(), version)
+    return [path for _, path in engines.calls]
+
+
+def test_a_failed_update_names_the_engine_and_no_engine_continues(tmp_path):
+    paths = _failed_push(tmp_path, "update", 9001, 8)
     assert paths.count("/pause_generation") == 3 and paths.count("/update_weights_from_disk") == 3
     assert "/continue_generation" not in paths and "/get_weight_version" not in paths  # left paused
 
@@ -275,13 +281,5 @@ def test_a_transport_that_fails_before_touching_an_engine_leaves_none_paused(tmp
 
 
 def test_an_engine_that_does_not_pause_fails_the_sync_and_the_others_stay_paused(tmp_path):
-    from palaestra.trainer.weight_sync import WeightSyncError
-
-    engines = RecordingEngines(3, fail_pause="http://127.0.0.1:9002")
-    with (
-        _sync_with(engines, tmp_path) as sync,
-        pytest.raises(WeightSyncError, match="127.0.0.1:9002: pause"),
-    ):
-        sync.push(named_mixed(), 10)
-    paths = [path for _, path in engines.calls]
+    paths = _failed_push(tmp_path, "pause", 9002, 10)
     assert paths == ["/pause_generation"] * 3  # not resumed with a version the trainer has left behind
