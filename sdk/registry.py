@@ -36,6 +36,7 @@ BUILTIN = {
     "textarena": "palaestra.environments.textarena.env:TextArenaEnv",
     "mix": "palaestra.environments.mix.env:MixEnv",
     "harness": "palaestra.environments.harness.env:HarnessEnv",
+    "mcp-math": "palaestra.environments.mcp_tools.env:McpMathEnv",
 }
 
 
