@@ -37,6 +37,7 @@ BUILTIN = {
     "mix": "palaestra.environments.mix.env:MixEnv",
     "harness": "palaestra.environments.harness.env:HarnessEnv",
     "mcp-math": "palaestra.environments.mcp_tools.env:McpMathEnv",
+    "judged-math": "palaestra.environments.judged.env:JudgedMathEnv",
 }
 
 

@@ -2,7 +2,8 @@
 episode's sandbox, its tools listed to the model as function tools and called through the `mcp`
 client.
 
-- ``client.py``: `McpServer` (what to run), `McpTools` (the live connection: tools, call);
+- ``server.py``: `McpServer`, what to run (no `mcp` import: the harness configures servers with it);
+- ``client.py``: `McpTools`, the live connection (tools, call), over `bridge.py`;
 - ``bridge.py``: runs inside the sandbox (stdlib only): starts the server, opens it on a unix socket;
 - ``env.py``: `McpMathEnv`, math tasks answered with the tools of any MCP server.
 

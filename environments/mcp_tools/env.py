@@ -18,7 +18,8 @@ from typing import Any
 
 from palaestra.environments.episode import EpisodeLog, ToolLoop, resolve_backend
 from palaestra.environments.math.tasks import MathTask, iter_tasks
-from palaestra.environments.mcp_tools.client import McpServer, McpTools, run_folder
+from palaestra.environments.mcp_tools.client import McpTools, run_folder
+from palaestra.environments.mcp_tools.server import McpServer
 from palaestra.sandbox.base import Limits
 from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session

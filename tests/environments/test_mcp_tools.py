@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from palaestra.environments.episode import ToolResult
-from palaestra.environments.mcp_tools.client import McpError, McpServer, McpTools, run_folder
+from palaestra.environments.mcp_tools.client import McpError, McpTools, run_folder
 from palaestra.environments.mcp_tools.env import McpMathEnv
+from palaestra.environments.mcp_tools.server import McpServer
 from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.sandbox.base import Limits
 from palaestra.sandbox.local import LocalBackend
