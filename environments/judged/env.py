@@ -6,6 +6,7 @@
 The judge (`palaestra.verifiers.judge.Judge`, its fields as `judge`) reads the question, the
 reference answer and the reply; its verdict is the reward. ``correct`` (the rule verifier's, for
 comparison) and the judge's ``judge/score``, ``judge/failed``, ``judge/time_s`` are the metrics.
+``judge: null`` rewards the same episodes with the rule instead (bench/judge_mcp.py's baseline).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ SYSTEM = "Solve the problem. Answer with the final number in \\boxed{}."
 class JudgedMathEnv(Environment):
     name = "judged-math"
 
-    def __init__(self, judge: Judge | Mapping[str, Any], difficulty: int = 0, max_tokens: int = 128):
-        """`judge` a `Judge` or its fields as a dict (JSON `--env-args`)."""
-        self.judge = judge if isinstance(judge, Judge) else Judge(**judge)
+    def __init__(self, judge: Judge | Mapping[str, Any] | None, difficulty: int = 0, max_tokens: int = 128):
+        """`judge` a `Judge` or its fields as a dict (JSON `--env-args`); None: the rule's reward."""
+        self.judge = judge if judge is None or isinstance(judge, Judge) else Judge(**judge)
         self.difficulty, self.max_tokens = difficulty, max_tokens
 
     def tasks(self, seed: int) -> Iterable[MathTask]:
@@ -41,8 +42,10 @@ class JudgedMathEnv(Environment):
             **session.sampling,
         )
         answer = reply.choices[0].message.content or ""
+        rule = await averify_math(answer, task.answer)
+        if self.judge is None:
+            return Reward(rule.reward, {"correct": float(rule.correct)})
         verdict = await self.judge.verdict(
             session.session_id, question=task.question, answer=answer, reference=task.answer
         )
-        rule = await averify_math(answer, task.answer)
         return self.judge.reward(verdict, correct=float(rule.correct))

@@ -14,6 +14,10 @@ mounted into the sandbox (the sandbox has no network). The host speaks MCP over 
 the `mcp` package's `ClientSession`: a stdio server's newline-delimited JSON-RPC relayed byte for
 byte (`socket_transport`), or, for a server with a `port`, streamable HTTP over the socket.
 
+The bridge is one long exec: on a backend that runs one exec of a sandbox at a time (the local
+one serialises `exec` and `upload` per sandbox), nothing else runs in that sandbox while the server
+does, so an environment that also runs commands of its own gives them another sandbox.
+
 The tools are listed once (``tools/list``) and become OpenAI function tools (name, description,
 ``inputSchema`` as ``parameters``). `McpTools.call` is a `ToolFn`: the result's text content is the
 tool message; a result the server flags ``isError`` is the model's to read ("error: ..."), not a
