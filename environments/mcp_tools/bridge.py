@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 
 def pump(read, write, done):
@@ -63,13 +64,27 @@ def relay_stdio(listener, proc):
     ).start()
 
 
+CONNECT_S = 10.0
+"""How long a connection waits for the server to listen on its port (it may still be starting)."""
+
+
+def connect(port):
+    deadline = time.monotonic() + CONNECT_S
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=CONNECT_S)
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+
 def relay_port(listener, port):
     while True:
         conn, _ = listener.accept()
-        try:
-            upstream = socket.create_connection(("127.0.0.1", port), timeout=10)
-        except OSError as exc:
-            sys.stderr.write(f"bridge: the server refused a connection on port {port}: {exc}\n")
+        upstream = connect(port)
+        if upstream is None:
+            sys.stderr.write(f"bridge: nothing listens on port {port} ({CONNECT_S} s after the call)\n")
             conn.close()
             continue
         upstream.settimeout(None)

@@ -60,6 +60,17 @@ def test_tools_are_listed_as_function_tools_and_called_through_the_mcp_client():
     assert divided == ToolResult("error: division by zero")  # the model reads it; not an episode failure
 
 
+def test_a_streamable_http_server_is_reached_through_the_same_socket():
+    spec = McpServer(
+        "arith-http", ("python3", "mcp_server.py", "http", "8765"), files={"mcp_server.py": SOURCE}, port=8765
+    )
+
+    async def body(mcp: McpTools):
+        return [t["function"]["name"] for t in mcp.tools], await mcp.call("add", {"a": 1, "b": 2})
+
+    assert asyncio.run(with_tools(spec, body)) == (["add", "divide"], ToolResult("3"))
+
+
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [

@@ -3,7 +3,8 @@ a sandbox and run there with ``python3 mcp_server.py [MODE]``.
 
 Tools: ``add`` (two integers -> their sum) and ``divide`` (an error result for a zero divisor).
 MODE breaks it on purpose: ``crash`` exits 3 before it reads anything, ``hang`` never answers a
-tool call, ``malformed`` answers a tool call with a line that is not JSON-RPC.
+tool call, ``malformed`` answers a tool call with a line that is not JSON-RPC. ``http PORT`` serves
+the same tools over streamable HTTP on 127.0.0.1:PORT (``POST /mcp``, each answer one JSON body).
 """
 
 import json
@@ -51,7 +52,55 @@ def call(name, args):
     return text(f"unknown tool {name}", error=True)
 
 
+def answer(message):
+    """The JSON-RPC answer to `message` (None for a notification or a call left unanswered)."""
+    method, rid = message.get("method"), message.get("id")
+    if rid is None:
+        return None
+    if method == "initialize":
+        version = message["params"]["protocolVersion"]
+        info = {"name": "t", "version": "1"}
+        result = {"protocolVersion": version, "capabilities": {"tools": {}}, "serverInfo": info}
+    elif method == "tools/list":
+        result = {"tools": TOOLS}
+    elif method == "tools/call":
+        result = call(message["params"]["name"], message["params"].get("arguments") or {})
+    else:
+        return {"jsonrpc": "2.0", "id": rid, "error": {"code": -32601, "message": f"no method {method}"}}
+    return {"jsonrpc": "2.0", "id": rid, "result": result}
+
+
+def serve_http(port):
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            reply = answer(body)
+            data = b"" if reply is None else json.dumps(reply).encode()
+            self.send_response(202 if reply is None else 200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # no server-initiated stream
+            self.send_response(405)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_DELETE = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
 def main():
+    if MODE == "http":
+        serve_http(int(sys.argv[2]))
+        return
     if MODE == "crash":
         sys.stderr.write("mcp_server: crashing on purpose\n")
         sys.exit(3)
