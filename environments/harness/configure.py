@@ -7,6 +7,12 @@ traffic (telemetry, update checks) is switched off. `codex` configures Codex CLI
 `model_providers.palaestra` entry with `wire_api = "responses"` and the token in an environment
 variable it names (`env_key`), passed as `-c` overrides so no config file is written.
 
+`mcp_settings` gives a harness MCP servers through its own configuration: Claude Code's
+``--mcp-config`` (a JSON object of ``mcpServers``, with ``--strict-mcp-config``: only these; tool
+search off, so the tools are listed with their schemas) and
+Codex's ``mcp_servers.<name>`` table (``-c`` overrides). The harness starts them itself, as its
+children, inside the same sandbox.
+
 `command` is what the harness environment runs in a sandbox: the whole environment (nothing of the
 host's) and argv of one headless run on a task, with tools allowed without asking (the sandbox is
 the boundary). The turn limit is the tunnel's (`SessionTunnel.max_calls`), the same for every harness.
@@ -15,8 +21,13 @@ the boundary). The turn limit is the tunnel's (`SessionTunnel.max_calls`), the s
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["TOKEN_VAR", "claude_code", "codex", "command"]
+if TYPE_CHECKING:
+    from palaestra.environments.mcp_tools.server import McpServer
+
+__all__ = ["TOKEN_VAR", "claude_code", "codex", "command", "mcp_settings"]
 
 TOKEN_VAR = "PALAESTRA_SESSION_KEY"
 """The environment variable Codex reads the session token from (its provider's `env_key`)."""
@@ -52,18 +63,59 @@ HOME_DIRS = ("HOME", "CODEX_HOME")
 """The variables naming folders that must exist before the harness starts."""
 
 
+def mcp_settings(name: str, servers: Sequence[McpServer]) -> list[str]:
+    """Arguments giving harness `name` the stdio MCP `servers` (their `argv` and `env`; a server's
+    command runs in the sandbox, so its paths are the sandbox's)."""
+    if not servers:
+        return []
+    for server in servers:
+        if server.port is not None:
+            raise ValueError(f"MCP server {server.name!r}: a harness is given stdio servers only")
+    if name == "claude-code":
+        config = {
+            s.name: {"type": "stdio", "command": s.argv[0], "args": list(s.argv[1:]), "env": dict(s.env)}
+            for s in servers
+        }
+        return ["--mcp-config", json.dumps({"mcpServers": config}), "--strict-mcp-config"]
+    if name == "codex":
+        args = []
+        for s in servers:
+            table = f"mcp_servers.{s.name}"
+            args += [
+                "-c",
+                f"{table}.command={json.dumps(s.argv[0])}",
+                "-c",
+                f"{table}.args={json.dumps(list(s.argv[1:]))}",
+            ]
+            for key, value in s.env.items():
+                args += ["-c", f"{table}.env.{key}={json.dumps(value)}"]
+        return args
+    raise ValueError(f"no MCP settings for harness {name!r}: one of claude-code, codex")
+
+
 def command(
-    name: str, binary: str, base_url: str, token: str, model: str, prompt: str
+    name: str,
+    binary: str,
+    base_url: str,
+    token: str,
+    model: str,
+    prompt: str,
+    mcp_servers: Sequence[McpServer] = (),
 ) -> tuple[dict[str, str], list[str]]:
     """(environment, argv) of one headless run of harness `name` (its binary at `binary`) on
-    `prompt`, talking to the session at `base_url` with `token`."""
+    `prompt`, talking to the session at `base_url` with `token`, given `mcp_servers`."""
     env = {**SANDBOX_ENV, "HOME": HOME}
+    mcp = mcp_settings(name, mcp_servers)
     if name == "claude-code":
         env |= claude_code(base_url, token)
+        if mcp:
+            # MCP tools listed with their schemas: Claude Code's tool search would defer them behind
+            # its ToolSearch tool, whose results (tool_reference blocks) the gateway does not take.
+            env["ENABLE_TOOL_SEARCH"] = "false"
         # No --max-turns: the tunnel's budget of model calls is the one turn limit of every
         # harness (Claude Code's own would end it first, exiting 1 "Reached max turns").
-        return env, [binary, "-p", prompt, "--model", model, "--dangerously-skip-permissions"]
+        return env, [binary, "-p", prompt, "--model", model, "--dangerously-skip-permissions", *mcp]
     if name == "codex":
         extra, args = codex(base_url, token, model)
-        return env | extra | {"CODEX_HOME": f"{HOME}/.codex"}, [binary, *args, prompt]
+        return env | extra | {"CODEX_HOME": f"{HOME}/.codex"}, [binary, *args, *mcp, prompt]
     raise ValueError(f"no headless command for harness {name!r}: one of claude-code, codex")

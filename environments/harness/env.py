@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from palaestra.environments.episode import EpisodeLog
 from palaestra.environments.harness import configure
 from palaestra.environments.harness.install import HARNESSES, native, shared_root
 from palaestra.environments.harness.tunnel import SessionTunnel
+from palaestra.environments.mcp_tools.server import McpServer
 from palaestra.environments.swe_agent.instance import SweInstance
 from palaestra.environments.swe_agent.repo_env import activate
 from palaestra.environments.swe_agent.workspace import SweWorkspace, TaskSandbox
@@ -89,13 +91,16 @@ class HarnessEnv(Environment):
         env_cache_dir: str | None = None,
         find_links: list[str] | None = None,
         index: bool = True,
+        mcp_servers: Sequence[McpServer | Mapping[str, Any]] = (),
     ):
         """`harness` NAME or NAME@VERSION (`palaestra harness install` it first); `data` a
         SWE-bench-style JSONL (default: swe's generated set); `backend` a sandbox spec or a
         `Backend` that can mount (local, docker); `max_turns` the harness's model calls per episode;
         `time_limit_s` its wall clock; `memory_mb` the sandbox's memory (and address space: the
         harness runtimes reserve GiBs). `cache_dir`, `generate_seed`, `env_cache_dir`, `find_links`
-        and `index` are swe's (`SweAgentEnv`): the tasks and how their environments are built."""
+        and `index` are swe's (`SweAgentEnv`): the tasks and how their environments are built.
+        `mcp_servers` (`McpServer`s or their fields) are given to the harness through its own MCP
+        settings; their `files` are uploaded to the work directory first."""
         name = harness.partition("@")[0]
         if name not in HARNESSES:
             raise ValueError(f"unknown harness {harness!r}: one of {', '.join(sorted(HARNESSES))}")
@@ -115,6 +120,7 @@ class HarnessEnv(Environment):
             output_bytes=4 << 20,
         )
         self._root: Path | None = None
+        self.mcp_servers = tuple(s if isinstance(s, McpServer) else McpServer(**s) for s in mcp_servers)
 
     def tasks(self, seed: int) -> list[SweInstance]:
         return self.workspace.tasks(seed)
@@ -146,6 +152,7 @@ class HarnessEnv(Environment):
             api_key,
             self.model,
             PROMPT.format(problem=box.task.problem_statement, test_cmd=box.task.test_cmd),
+            self.mcp_servers,
         )
         if box.has_env:
             env = activate(env)
@@ -202,6 +209,9 @@ class HarnessEnv(Environment):
     ) -> None:
         """Runs the harness in `box` on its task, to its end or its budget."""
         config = self.config(box, binary, session.session_id, session.api_key)
+        for server in self.mcp_servers:  # the harness starts them itself, in this sandbox
+            for path, text in server.files.items():
+                await box.sandbox.upload(path, text)
         async with episode.timed("model"):  # the harness's run: its model calls and its tools
             result = await self._exec_harness(box, config, run_dir, tunnel)
         stopped = tunnel.spent.is_set()
