@@ -1,8 +1,8 @@
 """What a judge reward adds to a training step, and what an MCP tool call costs beside a native one.
 
-    .venv/bin/python bench/judge_mcp.py                      # both parts
-    .venv/bin/python bench/judge_mcp.py --part mcp --calls 200
-    .venv/bin/python bench/judge_mcp.py --part judge --steps 3
+    .venv/bin/python -m bench.judge_mcp                    # both parts
+    .venv/bin/python -m bench.judge_mcp --part mcp --calls 200
+    .venv/bin/python -m bench.judge_mcp --part judge --steps 3
 
 judge: `palaestra train` of configs/demo.yaml's `tiny` setup on `judged-math`, once per mode (sync,
 async) with the rule's reward (``judge: null``) and once with a judge: the `tiny` preset served by
@@ -19,14 +19,13 @@ Printed: milliseconds each and the MCP call's ratio to each native one.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from demo_runs import ROOT, train_demo
+from bench import common
 
 MODES = ("sync", "async")
 
@@ -49,8 +48,8 @@ def judge_part(steps: int, extra: list[str]) -> None:
                 overrides = [f"run.mode={mode}", f"run.steps={steps}", "env.eval_tasks=0", "env.name=judged-math",
                              f"env.args={{difficulty: 1, max_tokens: 12, judge: {judge_arg}}}", *extra]  # fmt: skip
                 if mode == "async":
-                    overrides.append("trainer.use_tis=true")
-                rows = train_demo(Path(tmp) / f"{mode}-{name}", f"{mode}-{name}", overrides).state.rows
+                    overrides.append("trainer.tis.enabled=true")
+                rows = common.train_demo(Path(tmp) / f"{mode}-{name}", f"{mode}-{name}", overrides).state.rows
                 steps_rows = [r for r in rows if "perf/step_wall_s" in r]
                 measured = steps_rows[1:] or steps_rows
                 seconds[name] = statistics.fmean(r["perf/step_wall_s"] for r in measured)
@@ -70,7 +69,7 @@ async def mcp_part(calls: int) -> None:
     from palaestra.sandbox.base import Limits
     from palaestra.sandbox.local import LocalBackend
 
-    source = (ROOT / "tests" / "support" / "mcp_server.py").read_text()
+    source = (common.ROOT / "tests" / "support" / "mcp_server.py").read_text()
     server = McpServer("arith", ("python3", "mcp_server.py"), files={"mcp_server.py": source})
 
     async def timed(call) -> float:
@@ -100,7 +99,7 @@ async def mcp_part(calls: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--part", choices=("judge", "mcp", "both"), default="both")
     ap.add_argument("--steps", type=int, default=3, help="training steps per run (default: %(default)s)")
     ap.add_argument("--calls", type=int, default=100, help="tool calls per kind (default: %(default)s)")
