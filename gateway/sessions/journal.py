@@ -307,6 +307,7 @@ class SessionJournal:
             "lp": turn.output_logprobs,
             "wv": turn.weight_version,
             "spans": [s.to_wire() for s in turn.weight_spans],
+            "routed": turn.routed.to_wire() if turn.routed is not None else None,
             "fin": turn.finish_reason.wire,
             "lat": turn.latency_s,
             "cached": turn.cached_tokens,
