@@ -611,7 +611,7 @@ class GatewayService:
             if status == "completed" and session.failed_calls:
                 status = "failed"  # an engine call failed: the trajectory may be incomplete
             leaves = sorted(session.leaves(), key=lambda t: t.turn_id)
-            samples = []
+            samples, kept = [], []  # kept: the leaves whose samples go to the spool
             for i, leaf in enumerate(leaves):
                 try:
                     samples.append(
@@ -628,6 +628,7 @@ class GatewayService:
                             routing=self.config.return_routed_experts,
                         )
                     )
+                    kept.append(leaf)
                 except RoutingError as exc:  # never trained on routing that is not the rollout's
                     log.warning("sample %d dropped: %s", i, exc)
                     self.metrics.samples_dropped.labels(reason="routing").inc()
@@ -638,7 +639,7 @@ class GatewayService:
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
             session.sampled_tokens = sum(s.num_sampled for s in samples)
-            session.release(leaves)  # a finished session takes no calls; its tokens are in the spool
+            session.release(kept)  # a finished session takes no calls; its tokens are in the spool
             self.journal.finished(session_id, {**replay.journal_answer(session), "metrics": metrics})
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()

@@ -307,7 +307,6 @@ class SessionJournal:
             "lp": turn.output_logprobs,
             "wv": turn.weight_version,
             "spans": [s.to_wire() for s in turn.weight_spans],
-            "routed": turn.routed.to_wire() if turn.routed is not None else None,
             "fin": turn.finish_reason.wire,
             "lat": turn.latency_s,
             "cached": turn.cached_tokens,
@@ -319,6 +318,8 @@ class SessionJournal:
             "fork_detail": turn.fork_detail,
             "created": turn.created,
         }
+        if turn.routed is not None:  # routing replay: the experts of positions [start, end), base64
+            t["routed"] = turn.routed.to_wire()
         if last is not None and last.call_id == turn.call_id and last.prompt is turn.prompt_ids:
             t["sib"] = last.turn_id  # another choice of the same call: same prompt, messages, context
         else:

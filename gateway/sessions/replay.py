@@ -130,6 +130,8 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
 
 def _finish(session: Session, answer: dict[str, Any]) -> None:
     leaves = sorted(session.leaves(), key=lambda t: t.turn_id)  # sample i is leaves[i]'s
+    spooled = set(answer["sample_ids"])  # all but those dropped (routing that did not cover them)
+    leaves = [leaf for i, leaf in enumerate(leaves) if sample_id_for(session.session_id, i) in spooled]
     session.finished, session.status, session.reward = True, answer["status"], answer["reward"]
     session.metrics = dict(answer.get("metrics") or {})
     session.sample_ids = list(answer["sample_ids"])

@@ -254,7 +254,22 @@ def test_bridged_turns_and_a_fork_carry_the_engines_routing_position_by_position
         forked = [{"role": "user", "content": "Something else entirely."}]
         _chat(s, forked)
         bodies = [ex.body for ex in rec.exchanges[start - 1 :]]
+        _chat(s, [{"role": "user", "content": "A third start."}])
+        # a leaf whose routing does not cover it (staged: its rows moved one position on) is dropped
+        staged = gw.app.state.service.sessions.get(s["session_id"]).turns[-1]
+        staged.routed = RoutedExperts(staged.routed.start + 1, staged.routed.experts)
         samples = _samples(gw, s["session_id"])
+        assert (
+            'palaestra_gateway_samples_dropped_total{reason="routing"} 1.0'
+            in httpx.get(f"{gw.url}/metrics", headers=KEY).text
+        )
+        trajectory = httpx.get(f"{gw.url}/sessions/{s['session_id']}", headers=KEY).json()
+    with gateway_server(srv.url, tmp_path / "spool", tok, model=MODEL, return_routed_experts=True) as gw:
+        replayed = httpx.get(f"{gw.url}/sessions/{s['session_id']}", headers=KEY).json()
+    # the trajectory of the kept samples, live and replayed: each turn's ids read back from its sample
+    assert [t["output_ids"] for t in trajectory["turns"]] == [t["output_ids"] for t in replayed["turns"]]
+    assert trajectory["sample_ids"] == replayed["sample_ids"] == [x.sample_id for x in samples]
+    assert [t["output_ids"] is not None for t in trajectory["turns"]] == [True, True, True, True]
     assert all(b["return_routed_experts"] is True for b in bodies)
     t1 = rec.exchanges[start - 1]
     covered = len(t1.body["input_ids"]) + len(t1.answer["output_ids"]) - 1
