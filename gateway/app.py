@@ -107,6 +107,10 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     config.resolve_keys()
     if config.max_body_bytes < 1 or config.stream_send_timeout_s <= 0:
         raise SystemExit("palaestra gateway: --max-body-bytes and --stream-send-timeout-s must be positive")
+    routed_experts = None
+    if config.return_routed_experts:  # the rows of SGLang's routed_experts: layers x top_k
+        model_config = AutoConfig.from_pretrained(resolve_model(config.model))
+        routed_experts = (int(model_config.num_hidden_layers), int(model_config.num_experts_per_tok))
     if tokenizer is None or config.context_length is None:
         model_dir = resolve_model(config.model)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
@@ -120,6 +124,7 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
         retries=config.engine_retries,
         incremental_stream=config.engine_incremental_stream,
         lora_adapter=config.engine_lora_adapter,
+        routed_experts=routed_experts,
     )
     spool = SampleSpool(config.spool_dir, config.spool_segment_bytes, not config.spool_keep_acked)
     svc = build_service(config, tokenizer, config.context_length, engine, spool)  # replays the journal

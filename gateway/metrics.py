@@ -47,6 +47,12 @@ class GatewayMetrics:
             f"{p}_sessions_finished", "Sessions finished", ["status"], registry=r
         )
         self.samples = Counter(f"{p}_samples_spooled", "Samples made durable", registry=r)
+        self.samples_dropped = Counter(
+            f"{p}_samples_dropped",
+            "Samples not spooled, by reason (routing: the routed experts do not cover the sample)",
+            ["reason"],
+            registry=r,
+        )
         self.active = Gauge(f"{p}_active_sessions", "Sessions not yet rewarded", registry=r)
         self.in_flight = Gauge(f"{p}_in_flight_calls", "Generation calls in flight", registry=r)
         self.paused = Gauge(f"{p}_paused", "1 while generation is paused", registry=r)

@@ -100,6 +100,12 @@ class GatewayOptions:
     """Workload-aware placement of sessions on engine workers (docs/routing.md): ``enabled``, its
     bounds and pools, each a field of `palaestra.gateway.engine_side.placement.PlacementConfig`."""
 
+    return_routed_experts: bool = False
+    """Ask every engine call for its routed experts (a mixture-of-experts policy's routing, for
+    trainer.routing_replay r3): each turn asks them from the first position its sample does not yet
+    have, and each sample carries them (`Sample.routed_experts`). The engines must run with
+    --enable-return-routed-experts; `palaestra train` sets this when trainer.routing_replay is r3."""
+
     routing_trace: str | None = None
     """Append one JSON line per engine call (session, env, group, turn, prompt / cached / output
     tokens, engine seconds) to this file: the traffic bench/routing.py --trace replays."""

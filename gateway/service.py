@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator
@@ -66,8 +67,10 @@ from palaestra.gateway.sessions.limits import Limits
 from palaestra.gateway.sessions.session import Session
 from palaestra.gateway.sessions.session_store import SessionStore
 from palaestra.gateway.sessions.spool import SampleSpool
-from palaestra.gateway.sessions.trajectory import Turn, linearize
+from palaestra.gateway.sessions.trajectory import RoutingError, Turn, linearize, routing_start
 from palaestra.gateway.streaming import HeldBackText, shaped_stream
+
+log = logging.getLogger("palaestra.gateway")
 
 
 @dataclass(slots=True)
@@ -191,7 +194,12 @@ class GatewayService:
         if dialect.stream is not None and request.params.stream:
             return shaped_stream(self._stream_chat(call), functools.partial(dialect.stream, request))
         gens, engine_s = await self._generate(
-            session, call.call_id, call.plan.prompt_ids, call.sampling, request.params.top_logprobs
+            session,
+            call.call_id,
+            call.plan.prompt_ids,
+            call.sampling,
+            request.params.top_logprobs,
+            routing_start(call.plan.parent),
         )
         outputs = [self._chat_output(call, i, gen, engine_s) for i, gen in enumerate(gens)]
         self.metrics.overhead.observe(max(time.perf_counter() - t0 - engine_s, 0.0))
@@ -350,7 +358,12 @@ class GatewayService:
             final: Generation | None = None
             parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
             pieces = self.turns.stream(
-                call.session, call.call_id, call.plan.prompt_ids, call.sampling, params.top_logprobs
+                call.session,
+                call.call_id,
+                call.plan.prompt_ids,
+                call.sampling,
+                params.top_logprobs,
+                routing_start(call.plan.parent),
             )
             try:
                 async with contextlib.aclosing(pieces):
@@ -401,7 +414,9 @@ class GatewayService:
         max_tokens, clamped = self._max_tokens(request.params, len(ids))
         call_id = f"{dialect.call_id_prefix}{secrets.token_hex(12)}"
         sampling = SamplingParams(request.params.sampling, max_tokens)
-        gens, engine_s = await self._generate(session, call_id, ids, sampling, request.params.top_logprobs)
+        gens, engine_s = await self._generate(
+            session, call_id, ids, sampling, request.params.top_logprobs, routing_start(parent)
+        )
         outputs = []
         for i, gen in enumerate(gens):
             text, full = self._text_of(gen)
@@ -456,12 +471,19 @@ class GatewayService:
         return params.max_tokens or min(room, self.config.default_max_tokens), None
 
     async def _generate(
-        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
+        self,
+        session: Session,
+        call_id: str,
+        ids: list[int],
+        sampling: SamplingParams,
+        top_logprobs: int,
+        routed_from: int,
     ) -> tuple[list[Generation], float]:
-        """One whole call through the turn core (`turns.py`), and its engine seconds."""
+        """One whole call through the turn core (`turns.py`), and its engine seconds; `routed_from`:
+        the first position whose routed experts it asks (`trajectory.routing_start`)."""
         async with self.turns.admitted(session, ids, sampling):
             t0 = time.perf_counter()
-            gens = await self.turns.generate(session, call_id, ids, sampling, top_logprobs)
+            gens = await self.turns.generate(session, call_id, ids, sampling, top_logprobs, routed_from)
             return gens, time.perf_counter() - t0
 
     def _decode(self, ids: list[int]) -> str:
@@ -557,6 +579,7 @@ class GatewayService:
             output_logprobs=gen.logprobs,
             weight_version=gen.weight_version,
             weight_spans=gen.weight_versions,
+            routed=gen.routed,
             finish_reason=gen.finish_reason,
             latency_s=latency,
             cached_tokens=gen.cached_tokens,
@@ -588,20 +611,27 @@ class GatewayService:
             if status == "completed" and session.failed_calls:
                 status = "failed"  # an engine call failed: the trajectory may be incomplete
             leaves = sorted(session.leaves(), key=lambda t: t.turn_id)
-            samples = [
-                linearize(
-                    leaf,
-                    session_id=session.session_id,
-                    group_id=session.group_id,
-                    env=session.env,
-                    task_id=session.task_id,
-                    fork_index=i,
-                    reward=reward,
-                    metrics={**metrics, "failed_calls": float(len(session.failed_calls))},
-                    status=status,
-                )
-                for i, leaf in enumerate(leaves)
-            ]
+            samples, kept = [], []  # kept: the leaves whose samples go to the spool
+            for i, leaf in enumerate(leaves):
+                try:
+                    samples.append(
+                        linearize(
+                            leaf,
+                            session_id=session.session_id,
+                            group_id=session.group_id,
+                            env=session.env,
+                            task_id=session.task_id,
+                            fork_index=i,
+                            reward=reward,
+                            metrics={**metrics, "failed_calls": float(len(session.failed_calls))},
+                            status=status,
+                            routing=self.config.return_routed_experts,
+                        )
+                    )
+                    kept.append(leaf)
+                except RoutingError as exc:  # never trained on routing that is not the rollout's
+                    log.warning("sample %d dropped: %s", i, exc)
+                    self.metrics.samples_dropped.labels(reason="routing").inc()
             # the turns durable before their samples: a restart never finds samples of unknown turns
             await asyncio.to_thread(self.journal.sync)
             cursors = await asyncio.to_thread(self.spool.append, [s.to_dict() for s in samples])
@@ -609,7 +639,7 @@ class GatewayService:
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
             session.sampled_tokens = sum(s.num_sampled for s in samples)
-            session.release(leaves)  # a finished session takes no calls; its tokens are in the spool
+            session.release(kept)  # a finished session takes no calls; its tokens are in the spool
             self.journal.finished(session_id, {**replay.journal_answer(session), "metrics": metrics})
             self.metrics.samples.inc(len(samples))
             self.metrics.sessions_finished.labels(status=status).inc()

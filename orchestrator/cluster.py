@@ -201,7 +201,7 @@ class Cluster:
                     cfg.model.student,
                     self.router.url,
                     spool_dir,
-                    [*cfg.gateway.serve_flags(), *lora_gateway_flags(cfg)],
+                    [*cfg.gateway.serve_flags(), *lora_gateway_flags(cfg), *routing_gateway_flags(cfg)],
                     cfg.run.host,
                     keys,
                 )
@@ -514,6 +514,14 @@ def lora_gateway_flags(cfg: RunConfig) -> list[str]:
     """With trainer.lora: the gateway names the adapter in every engine call."""
     lora = cfg.trainer.lora
     return ["--engine-lora-adapter", lora.name] if lora.enabled else []
+
+
+def routing_gateway_flags(cfg: RunConfig) -> list[str]:
+    """With trainer.routing_replay r3: every engine call asks its routed experts, which the samples
+    carry (a gateway option the run config already turned on gives its flag itself)."""
+    if cfg.trainer.routing_replay == "r3" and not cfg.gateway.return_routed_experts:
+        return ["--return-routed-experts"]
+    return []
 
 
 def build_models(cfg: RunConfig) -> None:

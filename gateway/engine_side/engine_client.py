@@ -4,7 +4,9 @@
 so consistent hashing keeps a session on one worker and its prefix cache, or, given a
 `routing.CallRoute`, that route's headers (the placement layer's `X-SMG-Target-Worker` too; a 503
 from the router then re-places the call before the retry); when the policy is a LoRA adapter
-(`lora_adapter`), ``lora_path: <adapter>`` (SGLang's field). A call is retried only
+(`lora_adapter`), ``lora_path: <adapter>`` (SGLang's field); with `routed_experts` (the model's layers and
+top_k), ``return_routed_experts: true`` and ``routed_experts_start_len``, the first position whose
+routing the call needs (`RoutedExperts`: an engine that leaves the field out is refused, naming the flag). A call is retried only
 when no token can have been committed: the connection failed, or the engine answered 5xx / 503
 before streaming anything. Errors become OpenAI-style 503 (unreachable) / 504 (timeout) /
 400 (the engine refused the input) for the agent.
@@ -25,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
-from palaestra.gateway.engine_side.generation import FinishReason, Generation, SamplingParams, VersionSpan
+from palaestra.gateway.engine_side.generation import (
+    FinishReason,
+    Generation,
+    RoutedExperts,
+    SamplingParams,
+    VersionSpan,
+)
 from palaestra.gateway.engine_side.placement import ROUTING_HEADER
 from palaestra.gateway.errors import GatewayError
 
@@ -42,7 +50,35 @@ def _refused_target(status: int, raw: bytes) -> bool:
     )
 
 
-def _generation(answer: dict[str, Any]) -> Generation:
+ROUTING_FLAG_HINT = (
+    "start the engines with --enable-return-routed-experts, or set trainer.routing_replay: off"
+)
+
+
+@dataclass(frozen=True)
+class RoutingAsk:
+    """What one call asks of the routed experts: from position `start`, rows of `layers` x `top_k`."""
+
+    start: int
+    layers: int
+    top_k: int
+
+    def read(self, meta: dict[str, Any]) -> RoutedExperts:
+        data = meta.get("routed_experts")
+        if data is None:
+            raise GatewayError(
+                f"the engine answered without meta_info.routed_experts: {ROUTING_FLAG_HINT}",
+                502,
+                type="engine_error",
+                code="routing_unavailable",
+            )
+        try:
+            return RoutedExperts.from_wire(data, self.start, self.layers, self.top_k)
+        except ValueError as exc:
+            raise GatewayError(f"the engine's {exc}", 502, type="engine_error") from None
+
+
+def _generation(answer: dict[str, Any], routing: RoutingAsk | None = None) -> Generation:
     meta = answer.get("meta_info") or {}
     lps = meta.get("output_token_logprobs") or []
     ids = list(answer.get("output_ids") or [])
@@ -59,6 +95,7 @@ def _generation(answer: dict[str, Any]) -> Generation:
         weight_version=str(meta.get("weight_version", "default")),
         cached_tokens=int(meta.get("cached_tokens") or 0),
         weight_versions=[VersionSpan.of(s) for s in meta.get("weight_versions") or []],
+        routed=routing.read(meta) if routing is not None else None,
     )
 
 
@@ -74,8 +111,10 @@ class EngineClient:
         max_connections: int = 512,
         connect_timeout_s: float = 10.0,
         lora_adapter: str | None = None,
+        routed_experts: tuple[int, int] | None = None,
     ):
         self.url = url.rstrip("/")
+        self.routed_experts = routed_experts  # (layers, top_k): every call asks its routed experts
         self.lora_adapter = lora_adapter
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
@@ -106,8 +145,18 @@ class EngineClient:
         if self._client is not None:
             await self._client.close()
 
+    def _ask(self, routed_from: int) -> RoutingAsk | None:
+        if self.routed_experts is None:
+            return None
+        return RoutingAsk(routed_from, *self.routed_experts)
+
     def _body(
-        self, input_ids: list[int], sampling: SamplingParams, top_logprobs: int, stream: bool
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        top_logprobs: int,
+        stream: bool,
+        routing: RoutingAsk | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "input_ids": input_ids,
@@ -120,10 +169,12 @@ class EngineClient:
             body["top_logprobs_num"] = top_logprobs
         if stream:
             body["stream"] = True
+        if routing is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routing.start
         return body
 
-    @staticmethod
-    def _raise_for(status: int, raw: bytes) -> None:
+    def _raise_for(self, status: int, raw: bytes) -> None:
         text = raw.decode(errors="replace")
         try:
             detail = orjson.loads(raw)
@@ -131,6 +182,8 @@ class EngineClient:
         except (orjson.JSONDecodeError, AttributeError):
             message = text
         if 400 <= status < 500:
+            if self.routed_experts is not None and "routed_experts" in message:
+                message = f"{message} ({ROUTING_FLAG_HINT})"
             raise GatewayError(f"the engine refused the request: {message}", 400, code="engine_rejected")
         raise GatewayError(
             f"engine error {status}: {message}", 503, type="engine_error", code="engine_unavailable"
@@ -151,9 +204,12 @@ class EngineClient:
         sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,
+        routed_from: int = 0,
     ) -> list[Generation]:
-        """Non-streaming; returns one Generation per sample (`n` in sampling)."""
-        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, stream=False))
+        """Non-streaming; returns one Generation per sample (`n` in sampling). `routed_from`: the
+        first position whose routed experts the call asks (with `routed_experts`)."""
+        routing = self._ask(routed_from)
+        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, False, routing))
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
             try:
@@ -173,7 +229,8 @@ class EngineClient:
             else:
                 if status == 200:
                     answer = orjson.loads(raw)
-                    return [_generation(a) for a in (answer if isinstance(answer, list) else [answer])]
+                    answers = answer if isinstance(answer, list) else [answer]
+                    return [_generation(a, routing) for a in answers]
                 try:
                     self._raise_for(status, raw)
                 except GatewayError as exc:
@@ -207,15 +264,17 @@ class EngineClient:
         sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,
+        routed_from: int = 0,
     ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:
         """Streams (new ids, their logprobs, final Generation or None) for one sample. Attempts are
         retried as `generate`'s are while nothing was streamed; once a token went out, never."""
-        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, stream=True))
+        routing = self._ask(routed_from)
+        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, True, routing))
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
             progress = _Progress()
             try:
-                attempt_pieces = self._stream_attempt(session_id, body, route, progress)
+                attempt_pieces = self._stream_attempt(session_id, body, route, progress, routing)
                 async with contextlib.aclosing(attempt_pieces):  # a client gone: the answer is closed now
                     async for piece in attempt_pieces:
                         yield piece
@@ -246,7 +305,12 @@ class EngineClient:
         raise last
 
     async def _stream_attempt(
-        self, session_id: str, body: bytes, route: CallRoute | None, progress: _Progress
+        self,
+        session_id: str,
+        body: bytes,
+        route: CallRoute | None,
+        progress: _Progress,
+        routing: RoutingAsk | None = None,
     ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:
         """One POST of a streamed call, its pieces as they come; `progress` counts the ids that went
         out, or holds the error when the router refused the target (then nothing was streamed)."""
@@ -259,7 +323,7 @@ class EngineClient:
                     progress.refused = self._unreachable(RuntimeError(raw.decode(errors="replace")))
                     return
                 self._raise_for(r.status, raw)
-            sample = _StreamedSample(self.incremental_stream)
+            sample = _StreamedSample(self.incremental_stream, routing)
             head = b""  # the answer's first bytes, for the error when it is not an event stream
             async for line in self._lines(r.content):
                 if len(head) < 200:
@@ -310,8 +374,9 @@ class _StreamedSample:
     """One streamed sample's ids and logprobs so far, from SGLang's chunks: each the whole output so
     far (the default) or only the new part (`incremental`: --incremental-streaming-output)."""
 
-    def __init__(self, incremental: bool) -> None:
+    def __init__(self, incremental: bool, routing: RoutingAsk | None = None) -> None:
         self.incremental = incremental
+        self.routing = routing
         self.ids: list[int] = []
         self.lps: list[float] = []
         self.sent = 0  # ids already handed on
@@ -337,6 +402,7 @@ class _StreamedSample:
             {
                 "output_ids": self.ids,
                 "meta_info": {**meta, "output_token_logprobs": logprobs, "output_top_logprobs": None},
-            }
+            },
+            self.routing,
         )
         return fresh_ids, fresh_lps, final

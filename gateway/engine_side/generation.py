@@ -5,16 +5,22 @@ The wire format stays SGLang's `/generate` JSON: `SamplingParams.to_wire()` is t
 `sampling_params` object, key for key in the order the dialect set them with `max_new_tokens` last,
 and `FinishReason.wire` is the engine's `meta_info.finish_reason` as it sent it, which turns, the
 journal and samples record unchanged (`VersionSpan.to_wire()`: a `weight_versions` entry).
+`RoutedExperts` is a mixture-of-experts engine's `meta_info.routed_experts` (asked with
+`return_routed_experts`), decoded: the experts each position went to, from the position asked.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FinishKind", "FinishReason", "Generation", "SamplingParams", "VersionSpan"]
+import numpy as np
+
+__all__ = ["FinishKind", "FinishReason", "Generation", "RoutedExperts", "SamplingParams", "VersionSpan"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,60 @@ class VersionSpan:
         return {"version": self.version, "start": self.start, "end": self.end}
 
 
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts positions [start, start + len(experts)) of a sequence were routed to, per layer:
+    `experts` [n, layers, top_k], kept compact (uint8 while the expert ids fit, else uint16)."""
+
+    start: int
+    experts: np.ndarray
+
+    @property
+    def end(self) -> int:
+        """The first position not covered."""
+        return self.start + len(self.experts)
+
+    @classmethod
+    def of(cls, start: int, experts: np.ndarray) -> RoutedExperts:
+        experts = np.asarray(experts)
+        top = int(experts.max()) if experts.size else 0
+        return cls(start, np.ascontiguousarray(experts, dtype=np.uint8 if top < 256 else np.uint16))
+
+    @classmethod
+    def from_wire(cls, data: Any, start: int, layers: int, top_k: int) -> RoutedExperts:
+        """SGLang's `meta_info.routed_experts`: base64 of little-endian int32 [n, layers, top_k]."""
+        try:
+            flat = np.frombuffer(base64.b64decode(data, validate=True), dtype="<i4")
+        except (binascii.Error, TypeError, ValueError) as exc:
+            raise ValueError(f"routed_experts is not base64 of int32s: {exc}") from None
+        if flat.size % (layers * top_k) or (flat.size and flat.min() < 0):
+            raise ValueError(
+                f"routed_experts holds {flat.size} expert ids, not rows of {layers} layers x {top_k} "
+                "non-negative experts"
+            )
+        return cls.of(start, flat.reshape(-1, layers, top_k))
+
+    def then(self, rest: RoutedExperts) -> RoutedExperts:
+        """These positions followed by `rest`'s, which must start where these end."""
+        if rest.start != self.end:
+            raise ValueError(f"routing of positions [{self.start}, {self.end}) then from {rest.start}")
+        return RoutedExperts.of(self.start, np.concatenate([self.experts, rest.experts]))
+
+    def to_wire(self) -> dict[str, Any]:
+        """The journal's form: start, shape, dtype, base64."""
+        return {
+            "start": self.start,
+            "shape": list(self.experts.shape),
+            "dtype": self.experts.dtype.name,
+            "data": base64.b64encode(self.experts.tobytes()).decode("ascii"),
+        }
+
+    @classmethod
+    def from_journal(cls, wire: Mapping[str, Any]) -> RoutedExperts:
+        raw = np.frombuffer(base64.b64decode(wire["data"]), dtype=np.dtype(wire["dtype"]))
+        return cls(int(wire["start"]), raw.reshape(wire["shape"]))
+
+
 @dataclass
 class Generation:
     """One sampled sequence as the engine returned it."""
@@ -121,3 +181,5 @@ class Generation:
     cached_tokens: int = 0
     weight_versions: list[VersionSpan] = field(default_factory=list)
     """Which version sampled which tokens, when more than one did (empty: all `weight_version`)."""
+    routed: RoutedExperts | None = None
+    """The routed experts, when the call asked for them (a continuation's joined on: partial.py)."""

@@ -6,7 +6,9 @@ SGLang answers a pause-abort: HTTP 200, `finish_reason {"type": "abort", "status
 the tokens sampled so far, with their logprobs and version. The turn is not over: once the gateway
 is resumed (the new weights are loaded), the service sends the prompt plus those tokens again with
 what is left of the budget, and joins the two answers into one `Generation` whose
-`weight_versions` spans say which tokens each version sampled (`turns.py` runs the loop;
+`weight_versions` spans say which tokens each version sampled (with routed experts asked, the
+continuation asks them from where the interrupted part's ended, so the new tokens carry the new
+version's routing) (`turns.py` runs the loop;
 `FinishReason.interrupted` says which answers it continues, `SamplingParams.after` with what). The client sees one answer; the
 sample's per-token versions and behaviour logprobs are what the trainer's staleness bound and
 TIS/RS read.
@@ -42,6 +44,7 @@ def continued(first: Generation, rest: Generation | None, max_new_tokens: int = 
             weight_version=first.weight_version,
             cached_tokens=first.cached_tokens,
             weight_versions=first.weight_versions,
+            routed=first.routed,
         )
     spans: list[VersionSpan] = []
     for s in _spans(first, 0) + _spans(rest, len(first.output_ids)):
@@ -62,4 +65,7 @@ def continued(first: Generation, rest: Generation | None, max_new_tokens: int = 
         weight_version=rest.weight_version,
         cached_tokens=first.cached_tokens,
         weight_versions=spans if len(spans) > 1 else [],
+        routed=first.routed.then(rest.routed)
+        if first.routed is not None and rest.routed is not None
+        else None,
     )

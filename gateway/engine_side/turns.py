@@ -10,7 +10,9 @@ gets the call's generations from the engine:
 3. an answer a weight update interrupted is continued once the gate opens (`partial.py`): the
    prompt and the kept tokens sent again with the rest of the budget, the answers joined. This loop
    (`_choice`) is written once, for streamed calls (one engine stream after another) and whole
-   calls (each interrupted choice of an `n`-sample call continued on its own) alike.
+   calls (each interrupted choice of an `n`-sample call continued on its own) alike. With routed
+   experts asked (`EngineClient.routed_experts`), each call asks them from `routed_from` (the first
+   position the turn's routing must cover) and a continuation from where the interrupted part's end.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ Piece = tuple[list[int], list[float], Generation | None]
 """New output ids, their logprobs, and the Generation when the piece ends an engine call (the last
 piece of a choice carries the whole choice, continuations joined)."""
 
-_Call = Callable[[list[int], SamplingParams], AsyncIterator[Piece]]
+_Call = Callable[[list[int], SamplingParams, int], AsyncIterator[Piece]]
 
 
 def _max_new(sampling: SamplingParams) -> int:
@@ -84,16 +86,21 @@ class EngineTurns:
             self.gate.leave()
 
     async def generate(
-        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
+        self,
+        session: Session,
+        call_id: str,
+        ids: list[int],
+        sampling: SamplingParams,
+        top_logprobs: int,
+        routed_from: int = 0,
     ) -> list[Generation]:
         """One whole engine call (`n` choices), each interrupted choice continued; inside `admitted`."""
         pauses = self.gate.pauses
-        gens = await self._whole(session, call_id, ids, sampling, top_logprobs)
+        gens = await self._whole(session, call_id, ids, sampling, top_logprobs, routed_from)
         out = []
         for gen in gens:
-            pieces = self._choice(
-                session, call_id, ids, sampling, pauses, self._whole_call(session, call_id, top_logprobs), gen
-            )
+            call = self._whole_call(session, call_id, top_logprobs)
+            pieces = self._choice(session, call_id, ids, sampling, routed_from, pauses, call, gen)
             async with contextlib.aclosing(pieces):
                 async for _, _, final in pieces:
                     gen = final or gen
@@ -101,7 +108,13 @@ class EngineTurns:
         return out
 
     def stream(
-        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
+        self,
+        session: Session,
+        call_id: str,
+        ids: list[int],
+        sampling: SamplingParams,
+        top_logprobs: int,
+        routed_from: int = 0,
     ) -> AsyncIterator[Piece]:
         """One streamed choice as pieces, continued across interruptions; inside `admitted`."""
         return self._choice(
@@ -109,6 +122,7 @@ class EngineTurns:
             call_id,
             ids,
             sampling,
+            routed_from,
             self.gate.pauses,
             self._streamed_call(session, call_id, top_logprobs),
         )
@@ -120,6 +134,7 @@ class EngineTurns:
         call_id: str,
         ids: list[int],
         sampling: SamplingParams,
+        routed_from: int,
         pauses: int,
         call: _Call,
         first: Generation | None = None,
@@ -135,7 +150,7 @@ class EngineTurns:
             final = first
             if final is None:
                 async with contextlib.aclosing(
-                    call(ids + (done.output_ids if done else []), current)
+                    call(ids + (done.output_ids if done else []), current, routed_from)
                 ) as pieces:
                     async for new_ids, new_lps, end in pieces:
                         if end is None:
@@ -156,6 +171,8 @@ class EngineTurns:
             self.metrics.interrupted.inc()
             pauses = self.gate.pauses
             done = joined
+            if final.routed is not None:  # the continuation's routing starts where this part's ended
+                routed_from = final.routed.end
             rest = sampling.after(len(done.output_ids))
             if rest is None:  # the budget was spent at the interruption: the call ends as `length`
                 yield [], [], partial.continued(done, None, budget)
@@ -164,13 +181,21 @@ class EngineTurns:
 
     # -- one engine call, routed ---------------------------------------------------------------
     async def _whole(
-        self, session: Session, call_id: str, ids: list[int], sampling: SamplingParams, top_logprobs: int
+        self,
+        session: Session,
+        call_id: str,
+        ids: list[int],
+        sampling: SamplingParams,
+        top_logprobs: int,
+        routed_from: int,
     ) -> list[Generation]:
         route = self.routing.route(
             session.session_id, session.env, session.group_id, ids, sampling.max_new_tokens
         )
         try:
-            gens = await self.engine.generate(session.session_id, ids, sampling, top_logprobs, route)
+            gens = await self.engine.generate(
+                session.session_id, ids, sampling, top_logprobs, route, routed_from
+            )
         except GatewayError as exc:
             route.failed()
             self._record_failure(session, call_id, exc)
@@ -182,20 +207,22 @@ class EngineTurns:
         return gens
 
     def _whole_call(self, session: Session, call_id: str, top_logprobs: int) -> _Call:
-        async def call(ids: list[int], sampling: SamplingParams) -> AsyncIterator[Piece]:
-            gen = (await self._whole(session, call_id, ids, sampling, top_logprobs))[0]
+        async def call(ids: list[int], sampling: SamplingParams, routed_from: int) -> AsyncIterator[Piece]:
+            gen = (await self._whole(session, call_id, ids, sampling, top_logprobs, routed_from))[0]
             yield gen.output_ids, gen.logprobs, gen
 
         return call
 
     def _streamed_call(self, session: Session, call_id: str, top_logprobs: int) -> _Call:
-        async def call(ids: list[int], sampling: SamplingParams) -> AsyncIterator[Piece]:
+        async def call(ids: list[int], sampling: SamplingParams, routed_from: int) -> AsyncIterator[Piece]:
             route = self.routing.route(
                 session.session_id, session.env, session.group_id, ids, sampling.max_new_tokens
             )
             final: Generation | None = None
             try:
-                stream = self.engine.stream(session.session_id, ids, sampling, top_logprobs, route)
+                stream = self.engine.stream(
+                    session.session_id, ids, sampling, top_logprobs, route, routed_from
+                )
                 async with contextlib.aclosing(stream):
                     async for new_ids, new_lps, final in stream:
                         yield new_ids, new_lps, final

@@ -318,6 +318,8 @@ class SessionJournal:
             "fork_detail": turn.fork_detail,
             "created": turn.created,
         }
+        if turn.routed is not None:  # routing replay: the experts of positions [start, end), base64
+            t["routed"] = turn.routed.to_wire()
         if last is not None and last.call_id == turn.call_id and last.prompt is turn.prompt_ids:
             t["sib"] = last.turn_id  # another choice of the same call: same prompt, messages, context
         else:

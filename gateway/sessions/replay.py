@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from palaestra.gateway.engine_side.generation import FinishReason, VersionSpan
+from palaestra.gateway.engine_side.generation import FinishReason, RoutedExperts, VersionSpan
 from palaestra.gateway.renderer import chain_digests, message_digest
 from palaestra.gateway.sessions.session import Session
 from palaestra.gateway.sessions.spool import SampleSpool
@@ -105,6 +105,7 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
         output_logprobs=[float("-inf") if x is None else x for x in t["lp"]],  # orjson writes -inf as null
         weight_version=t["wv"],
         weight_spans=[VersionSpan.of(s) for s in t["spans"]],
+        routed=RoutedExperts.from_journal(t["routed"]) if t.get("routed") else None,  # older: none
         finish_reason=FinishReason(t["fin"]),
         latency_s=t["lat"],
         cached_tokens=t["cached"],
@@ -129,6 +130,8 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
 
 def _finish(session: Session, answer: dict[str, Any]) -> None:
     leaves = sorted(session.leaves(), key=lambda t: t.turn_id)  # sample i is leaves[i]'s
+    spooled = set(answer["sample_ids"])  # all but those dropped (routing that did not cover them)
+    leaves = [leaf for i, leaf in enumerate(leaves) if sample_id_for(session.session_id, i) in spooled]
     session.finished, session.status, session.reward = True, answer["status"], answer["reward"]
     session.metrics = dict(answer.get("metrics") or {})
     session.sample_ids = list(answer["sample_ids"])

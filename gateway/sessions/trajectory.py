@@ -7,7 +7,11 @@ turn that cannot continue anything starts a new root: a *fork*, with a named rea
 
 At reward time each leaf becomes one `Sample`: tokens = the leaf's prompt + output; loss_mask 1
 exactly on the output ids of the turns along its path, 0 on everything between them (template and
-tool tokens); rollout_logprobs and weight_versions aligned with it.
+tool tokens); rollout_logprobs and weight_versions aligned with it. With routed experts asked, the
+sample also carries the experts of positions [0, prompt + output - 1) of the leaf (the last token
+never went through the model), joined from the turns along its path: the root's from 0, each child's
+from where its parent's ended. A gap or a shape that differs is a `RoutingError` naming the session
+(the service drops that sample with the reason), never a sample trained on wrong routing.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from palaestra.gateway.engine_side.generation import FinishKind, FinishReason, VersionSpan
+import numpy as np
+
+from palaestra.gateway.engine_side.generation import FinishKind, FinishReason, RoutedExperts, VersionSpan
 from palaestra.sample import Sample, sample_id_for
 
 FORK_REASONS = (
@@ -55,6 +61,7 @@ class Turn:
     controls: dict[str, Any] | None = None
     """What the call asked that was not done as asked (service._controls): "ignored" (the recorded
     controls, gateway/dialects/controls.py) and "max_tokens" (a clamp: field, asked, granted); None: nothing."""
+    routed: RoutedExperts | None = None  # the experts the engine routed positions [start, end) to
     fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
     fork_detail: str = ""
     children: int = 0
@@ -104,6 +111,47 @@ class Turn:
         }
 
 
+class RoutingError(ValueError):
+    """A leaf's routed experts do not cover its path exactly (a gap, an overlap, another shape)."""
+
+
+def routing_start(parent: Turn | None) -> int:
+    """The first position a turn's routed experts must cover: 0 for a root, else where its parent's
+    ended (the parent's last output token never went through the model, so it is the child's)."""
+    if parent is None:
+        return 0
+    return max(len(parent.prompt_ids) + len(parent.output_ids) - 1, 0)
+
+
+def path_routing(path: list[Turn], session_id: str) -> np.ndarray:
+    """The experts of positions [0, prompt + output - 1) of the path's leaf, joined along the path."""
+    leaf = path[-1]
+    end = routing_start(leaf)
+    pieces: list[np.ndarray] = []
+    covered = 0
+    for turn in path:
+        routed = turn.routed
+        if routed is None:
+            raise RoutingError(f"session {session_id}: turn {turn.turn_id} has no routed experts")
+        if routed.start != covered:
+            raise RoutingError(
+                f"session {session_id}: turn {turn.turn_id}'s routed experts start at position "
+                f"{routed.start}, the turns before it cover [0, {covered})"
+            )
+        if pieces and routed.experts.shape[1:] != pieces[0].shape[1:]:
+            raise RoutingError(
+                f"session {session_id}: turn {turn.turn_id}'s routed experts have rows of shape "
+                f"{list(routed.experts.shape[1:])}, earlier turns' {list(pieces[0].shape[1:])}"
+            )
+        pieces.append(routed.experts)
+        covered = routed.end
+    if covered != end:
+        raise RoutingError(
+            f"session {session_id}: routed experts cover positions [0, {covered}), the sample needs [0, {end})"
+        )
+    return np.concatenate(pieces)
+
+
 def _versions(turn: Turn) -> list[str]:
     n = len(turn.output_ids)
     if not turn.weight_spans:
@@ -126,7 +174,9 @@ def linearize(
     reward: float,
     metrics: dict[str, float],
     status: str,
+    routing: bool = False,
 ) -> Sample:
+    """The leaf's sample; `routing`: with its routed experts (`path_routing`; RoutingError)."""
     path = leaf.path()
     root = path[0]
     prompt_len = len(root.prompt_ids)
@@ -146,7 +196,7 @@ def linearize(
         status = "truncated"
     if status == "completed" and leaf.finish_reason.kind == FinishKind.ABORT:
         status = "aborted"
-    return Sample(
+    sample = Sample(
         sample_id=sample_id_for(session_id, fork_index),
         session_id=session_id,
         group_id=group_id,
@@ -163,3 +213,6 @@ def linearize(
         fork_index=fork_index,
         fork_reason=next((t.fork_reason for t in reversed(path) if t.fork_reason), None),
     )
+    if routing:
+        sample.set_routing(path_routing(path, session_id))
+    return sample

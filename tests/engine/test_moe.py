@@ -16,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from palaestra.engine.protocol import RequestError, parse_generate
 from palaestra.weights_format import serialize_named_tensors
@@ -312,3 +314,41 @@ def test_parse_generate_routed_experts_fields():
     for bad in ("1", [True], {}, 0.0):
         with pytest.raises(RequestError, match="must be a boolean"):
             parse({"return_routed_experts": bad})
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.integers(min_value=-(2**70), max_value=2**70),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(routed=_JSON, start=_JSON)
+def test_routed_experts_fields_fuzzed_parse_as_documented_or_are_a_request_error(routed, start):
+    """Any JSON value for either field: the documented meaning, or a RequestError naming the field."""
+    body = {"input_ids": PROMPT, "return_routed_experts": routed, "routed_experts_start_len": start}
+    try:
+        spec = parse_generate(
+            body,
+            tokenize=None,
+            vocab_size=4096,
+            context_length=4096,
+            defaults={},
+            routed_experts_unavailable=None,
+        ).specs[0]
+    except RequestError as exc:
+        assert "return_routed_experts" in str(exc) or "routed_experts_start_len" in str(exc), exc
+        ok_routed = isinstance(routed, bool)
+        ok_start = start is None or (
+            isinstance(start, int) and not isinstance(start, bool) and 0 <= start <= len(PROMPT)
+        )
+        assert not (ok_routed and ok_start), f"{routed!r}, {start!r} refused: {exc}"
+        return
+    assert isinstance(routed, bool) and spec.return_routed_experts is routed
+    assert spec.routed_experts_start_len == (0 if start is None else start) <= len(PROMPT)
+    assert not isinstance(start, bool)

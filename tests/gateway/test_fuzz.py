@@ -15,6 +15,8 @@ tests are about what the gateway does with its input, not about generation. Run:
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 
 import httpx
@@ -411,3 +413,56 @@ small = st.text(alphabet="ab<\ufffd", max_size=12)
 @settings(FUZZ, max_examples=EXAMPLES * 20)
 def test_safe_prefix_matches_its_definition(text, markers, stops):
     assert safe_prefix(text, markers, stops) == _safe_prefix_by_definition(text, markers, stops)
+
+
+# -- routing replay: the gateway option and the engine's routed_experts field -------------------------
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12)
+    | st.integers(min_value=-(2**70), max_value=2**70),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@given(value=_JSON)
+@settings(FUZZ)
+def test_return_routed_experts_option_takes_a_boolean_only(value):
+    from palaestra.config import load_config
+    from palaestra.typed_config import ConfigError
+
+    override = f"gateway.return_routed_experts={json.dumps(value)}"  # YAML reads JSON
+    try:
+        cfg = load_config(None, [override])
+    except ConfigError as exc:
+        assert "return_routed_experts" in str(exc), exc
+        assert not isinstance(value, bool)
+        return
+    assert isinstance(value, bool) and cfg.gateway.return_routed_experts is value
+
+
+@given(
+    data=_JSON | st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode()),
+    start=st.integers(min_value=0, max_value=2**40),
+)
+@settings(FUZZ, max_examples=EXAMPLES * 5)
+def test_the_engines_routed_experts_field_is_read_or_a_502_naming_it(data, start):
+    """Whatever an engine puts in meta_info.routed_experts: rows of layers x top_k non-negative ids
+    from `start`, or a 502 (the flag named when the field is missing); never another exception."""
+    from palaestra.gateway.engine_side.engine_client import RoutingAsk
+    from palaestra.gateway.errors import GatewayError
+
+    ask = RoutingAsk(start, 2, 2)
+    meta = {} if data is None else {"routed_experts": data}
+    try:
+        routed = ask.read(meta)
+    except GatewayError as exc:
+        assert exc.status == 502, exc
+        assert "routed_experts" in exc.message
+        if data is None:
+            assert "--enable-return-routed-experts" in exc.message
+        return
+    assert routed.start == start and routed.experts.ndim == 3 and routed.experts.shape[1:] == (2, 2)
+    assert routed.end == start + len(routed.experts)

@@ -157,6 +157,18 @@ def test_a_lora_run_starts_its_engines_with_lora_and_its_gateway_naming_the_adap
                                                                           "gate_proj", "up_proj", "down_proj"]  # fmt: skip
 
 
+def test_an_r3_run_has_its_gateway_ask_the_routed_experts(config_file):
+    from palaestra.orchestrator.cluster import routing_gateway_flags
+
+    assert routing_gateway_flags(load_config(config_file, [])) == []
+    assert routing_gateway_flags(load_config(config_file, ["trainer.routing_replay=r2"])) == []
+    assert routing_gateway_flags(load_config(config_file, ["trainer.routing_replay=r3"])) == [
+        "--return-routed-experts"
+    ]
+    both = load_config(config_file, ["trainer.routing_replay=r3", "gateway.return_routed_experts=true"])
+    assert routing_gateway_flags(both) == [] and "--return-routed-experts" in both.gateway.serve_flags()
+
+
 def test_flat_placement_keys_of_earlier_configs_are_read_under_gateway_placement(tmp_path, caplog):
     """`gateway.placement: true` and `gateway.placement_<x>` (before placement was a section) are
     read as `gateway.placement.enabled` / `gateway.placement.<x>`, each with a warning naming it."""
@@ -222,6 +234,7 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.max_body_bytes=1048576",
             "gateway.stream_send_timeout_s=5",
             "gateway.max_tokens_over_context=reject",
+            "gateway.return_routed_experts=true",
             "gateway.placement.enabled=true",
             "gateway.placement.epsilon=0.5",
             "gateway.placement.move_epsilon=2.0",
