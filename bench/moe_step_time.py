@@ -66,7 +66,7 @@ def worker(out: Path, model: str, megatron: dict, world: int, steps: int) -> Non
         megatron=megatron,
         megatron_optimizer={"lr": 1e-4},
         dp_size=world // parallel,
-        dist_init_method=f"file://{out / 'rdzv'}" if world > 1 else None,
+        dist_init_method=f"file://{out / 'rdzv'}",
     )
     t = Trainer(config, resolve_model(model))
     rank = int(os.environ.get("RANK", "0"))
