@@ -222,15 +222,16 @@ class Engine:
         """Safetensors at `path` into the model: read straight into the parameters
         (`weights.load_safetensors_into`), or with `share` the parameters become the file's mapped
         bytes (`weights.SharedSafetensors`; load_format "mmap")."""
-        from palaestra.engine.weights import SharedSafetensors, load_safetensors_into
+        from palaestra.engine.weights import SharedSafetensors, load_safetensors_into, safetensors_names
 
         self._base_weights_change()  # before: a load that fails half-way has changed some
-        if not share:
-            return load_safetensors_into(path, self.runner.named_tensors())
         # Shared, the parameters become the file's bytes: only whole tensors under the model's own
-        # names (an MoE's fused expert tensors, not the per-expert views) can be shared.
+        # names (an MoE's fused expert tensors, not the per-expert views) can be shared. A file
+        # under per-expert names (the trainer's, a checkpoint's) is copied instead.
         params = dict(self.runner.model.named_parameters())
         params.update(dict(self.runner.model.named_buffers()))
+        if not share or not safetensors_names(path) <= params.keys():
+            return load_safetensors_into(path, self.runner.named_tensors())
         if self.shared_weights is None:
             self.shared_weights = SharedSafetensors()
         return self.shared_weights.share(path, params)

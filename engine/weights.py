@@ -36,6 +36,15 @@ def _safetensors_files(path: str | Path) -> list[Path]:
         raise RequestError(str(exc)) from None
 
 
+def safetensors_names(path: str | Path) -> set[str]:
+    """The tensor names of the safetensors file(s) at `path` (their headers only)."""
+    names: set[str] = set()
+    for file in _safetensors_files(path):
+        with open(file, "rb") as f:
+            names |= set(_read_header(f, file)[1])
+    return names
+
+
 def _read_header(f, path: Path) -> tuple[int, dict[str, dict]]:
     """(start of the data section, {name: {dtype, shape, data_offsets}}), validated against the file size."""
     size = os.fstat(f.fileno()).st_size

@@ -163,7 +163,7 @@ class Cluster:
             ) from None
         server = ray.remote(ServerHost)
         flags = cfg.engines.serve_flags() if cfg.engines.backend == "embedded" else cfg.engines.sglang_flags()
-        flags += lora_engine_flags(cfg)
+        flags += lora_engine_flags(cfg) + routing_engine_flags(cfg)
         for i, opts in enumerate(self.placement.engines):
             name = f"engine-{i}"
             self.engines.append(
@@ -508,6 +508,20 @@ def lora_engine_flags(cfg: RunConfig) -> list[str]:
     given = cfg.engines.engine if cfg.engines.backend == "embedded" else cfg.engines.sglang
     prefix = "--" if cfg.engines.backend == "embedded" else "--sglang-"
     return to_flags({k: v for k, v in wanted.items() if k not in given}, prefix)
+
+
+def routing_engine_flags(cfg: RunConfig) -> list[str]:
+    """With trainer.routing_replay r3 (the trainer replays the rollout's experts): the engine flag
+    that lets requests ask for them (SGLang's name, in both backends), unless already set."""
+    if cfg.trainer.routing_replay != "r3":
+        return []
+    given = cfg.engines.engine if cfg.engines.backend == "embedded" else cfg.engines.sglang
+    prefix = "--" if cfg.engines.backend == "embedded" else "--sglang-"
+    return (
+        []
+        if "enable_return_routed_experts" in given
+        else to_flags({"enable_return_routed_experts": True}, prefix)
+    )
 
 
 def lora_gateway_flags(cfg: RunConfig) -> list[str]:

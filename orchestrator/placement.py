@@ -28,8 +28,11 @@ __all__ = [
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
-    """Trainer ranks: `trainer.dp_size` data-parallel replicas × the Megatron tensor-parallel size."""
-    return cfg.trainer.dp_size * int(cfg.trainer.megatron.get("tensor_model_parallel_size") or 1)
+    """Trainer ranks: `trainer.dp_size` data-parallel replicas × the Megatron tensor- and
+    pipeline-parallel sizes (expert-parallel ranks are data-parallel ones)."""
+    megatron = cfg.trainer.megatron
+    tp = int(megatron.get("tensor_model_parallel_size") or 1)
+    return cfg.trainer.dp_size * tp * int(megatron.get("pipeline_model_parallel_size") or 1)
 
 
 def _with(bundle: dict[str, float], *extra: dict[str, float]) -> dict[str, float]:

@@ -75,3 +75,16 @@ def test_modes_compares_at_the_shortest_loop_time():
     assert lines[2].split()[:4] == ["sync", "20.0", "0.40", "1.00x"]
     assert lines[3].split()[:4] == ["async", "10.0", "0.80", "2.00x"]
     assert modes.per_step(runs)["sync"]["wall"] == 10
+
+
+def test_moe_benches_print_their_docstring_as_help(capsys):
+    """--help of the MoE benches parses without starting anything (engines, trainers, processes)."""
+    import pytest
+
+    from bench import moe_alignment, moe_step_time
+
+    for module in (moe_alignment, moe_step_time):
+        with pytest.raises(SystemExit) as exit_:
+            module.main(["--help"])
+        assert exit_.value.code == 0
+        assert module.__doc__.splitlines()[0] in capsys.readouterr().out

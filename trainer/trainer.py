@@ -372,9 +372,12 @@ class Trainer:
     def teacher_logprobs(self, samples: list[Sample]) -> list[list[float]] | None:
         """Per sample, its teacher's (or mixture's) logprob of each response token, for the
         trajectory viewer; None without teachers. Also records `Sample.teacher`."""
-        if self.distiller is None or not samples:
+        if self.distiller is None:
             return None
-        return self.distiller.viewer_logprobs(samples)
+        # rank 0 has the samples; the others score them too, since a forward pass under expert,
+        # tensor or pipeline parallelism is a collective (rank 0 alone waited forever under EP = 2)
+        samples = self._broadcast(samples)
+        return self.distiller.viewer_logprobs(samples) if samples else None
 
     def _advantages(self, samples: list[Sample], mbs: list[MicroBatch]) -> dict[str, float]:
         """The estimator's advantage per sample (`advantage_estimator`: a name in the table of

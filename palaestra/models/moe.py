@@ -14,7 +14,8 @@ an RL run meets in practice:
 Both have 4 layers and 8 experts, so expert parallelism 2 and pipeline parallelism 2 divide them,
 untied embeddings (as the real models), and `tiny`'s 4096-token tokenizer and Qwen2.5 chat
 template, copied file for file from the `tiny` build. Weights come from a fixed seed; a build
-takes seconds. There is no warm-started (SFT) MoE variant: the warm-start recipe runs the trainer.
+takes seconds. ``demo-moe-teacher``/``demo-moe-student`` are ``tiny-moe`` warm-started by the demo's
+SFT recipe (`palaestra.environments.math.warmstart`, configs/moe.yaml).
 
     palaestra model build tiny-moe
 """

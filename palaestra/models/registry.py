@@ -73,6 +73,12 @@ PRESETS: dict[str, Preset] = {
     "demo-student": Preset(
         _WARM_START, "the demo teacher's SFT run stopped early (~30% greedy; built with the teacher)"
     ),
+    "demo-moe-teacher": Preset(
+        _WARM_START, "tiny-moe after the demo teacher's 600 SFT steps (~98% greedy; ~3.5 min to build)"
+    ),
+    "demo-moe-student": Preset(
+        _WARM_START, "the MoE teacher's SFT run stopped at step 300 (~23% greedy; built with the teacher)"
+    ),
     "demo-steps-teacher": Preset(
         _WARM_START, "tiny after 1500 SFT steps on worked_steps tasks (answers written out step by step)"
     ),

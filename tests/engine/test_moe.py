@@ -352,3 +352,26 @@ def test_routed_experts_fields_fuzzed_parse_as_documented_or_are_a_request_error
     assert isinstance(routed, bool) and spec.return_routed_experts is routed
     assert spec.routed_experts_start_len == (0 if start is None else start) <= len(PROMPT)
     assert not isinstance(start, bool)
+
+
+def test_a_shared_load_under_per_expert_names_is_copied(tmp_path):
+    """load_format "mmap" (the shm weight sync) of a file under per-expert names, as the trainer
+    writes it: those names are views into the fused expert tensors, so the file is copied in (not
+    mapped), and the experts change."""
+    from safetensors.torch import load_file, save_file
+
+    from palaestra.engine.server import EngineConfig, EngineServer
+    from palaestra.models import resolve_model
+
+    model_dir = resolve_model("tiny-moe")
+    original = load_file(model_dir / "model.safetensors")
+    changed = {key: (tensor * -1.5 if ".mlp.experts." in key else tensor) for key, tensor in original.items()}
+    save_file(changed, tmp_path / "model.safetensors")
+    server = EngineServer(EngineConfig(model_path=str(model_dir)))
+    try:
+        assert server.engine.load_weights_from_file(str(tmp_path), share=True) == len(changed)
+        tensors = server.engine.runner.named_tensors()
+        key = "model.layers.1.mlp.experts.3.down_proj.weight"
+        assert torch.equal(tensors[key], changed[key]) and not torch.equal(tensors[key], original[key])
+    finally:
+        server.engine.shutdown()

@@ -169,6 +169,33 @@ def test_an_r3_run_has_its_gateway_ask_the_routed_experts(config_file):
     assert routing_gateway_flags(both) == [] and "--return-routed-experts" in both.gateway.serve_flags()
 
 
+def test_an_r3_run_starts_its_engines_returning_routed_experts(config_file):
+    from palaestra.orchestrator.cluster import routing_engine_flags
+
+    assert routing_engine_flags(load_config(config_file, [])) == []
+    assert routing_engine_flags(load_config(config_file, ["trainer.routing_replay=r2"])) == []
+    r3 = load_config(config_file, ["trainer.routing_replay=r3"])
+    assert routing_engine_flags(r3) == ["--enable-return-routed-experts"]
+    sglang = load_config(config_file, ["trainer.routing_replay=r3", "engines.backend=sglang"])
+    assert routing_engine_flags(sglang) == ["--sglang-enable-return-routed-experts"]
+    given = load_config(
+        config_file, ["trainer.routing_replay=r3", "engines.engine.enable_return_routed_experts=true"]
+    )
+    assert routing_engine_flags(given) == []  # set in engines.engine: passed on from there, once
+
+
+def test_trainer_ranks_count_pipeline_stages(config_file):
+    """dp_size replicas of TP × PP ranks (a PP = 2 run needs two ranks even at dp_size 1)."""
+    from palaestra.orchestrator.placement import trainer_world_size
+
+    assert trainer_world_size(load_config(config_file, [])) == 1
+    pp = ["trainer.megatron.pipeline_model_parallel_size=2"]
+    assert trainer_world_size(load_config(config_file, pp)) == 2
+    assert trainer_world_size(load_config(config_file, [*pp, "trainer.dp_size=2"])) == 4
+    ep = ["trainer.megatron.expert_model_parallel_size=2", "trainer.dp_size=2"]  # EP ranks are DP ranks
+    assert trainer_world_size(load_config(config_file, ep)) == 2
+
+
 def test_flat_placement_keys_of_earlier_configs_are_read_under_gateway_placement(tmp_path, caplog):
     """`gateway.placement: true` and `gateway.placement_<x>` (before placement was a section) are
     read as `gateway.placement.enabled` / `gateway.placement.<x>`, each with a warning naming it."""

@@ -117,7 +117,7 @@ def test_demo_presets_build_teacher_and_student_in_one_run(tmp_path, monkeypatch
     assert {"demo-teacher", "demo-student"} <= set(PRESETS)
     small = {
         k: warmstart.SFTRecipe(**{**asdict(r), "steps": n})
-        for (k, r), n in zip(warmstart.RECIPES.items(), (4, 2, 4, 2, 2), strict=True)
+        for (k, r), n in zip(warmstart.RECIPES.items(), (4, 2, 4, 2, 2, 4, 2), strict=True)
     }
     monkeypatch.setattr(warmstart, "RECIPES", small)
     student = resolve_model("demo-student", cache_dir=tmp_path)
@@ -134,3 +134,39 @@ def test_demo_presets_build_teacher_and_student_in_one_run(tmp_path, monkeypatch
     s = AutoModelForCausalLM.from_pretrained(student).state_dict()
     t = AutoModelForCausalLM.from_pretrained(teacher).state_dict()
     assert any(not torch.equal(s[k], t[k]) for k in s)  # two more steps moved the teacher
+
+
+def test_moe_pair_is_the_demo_recipe_on_the_moe_preset():
+    """`demo-moe-teacher`/`demo-moe-student`: the demo pair's recipes with only the base preset
+    changed, registered as warm-start presets, the student again the teacher's run stopped early."""
+    from palaestra.environments.math import warmstart
+    from palaestra.models import PRESETS
+
+    recipes = warmstart.RECIPES
+    for kind in ("teacher", "student"):
+        assert PRESETS[f"demo-moe-{kind}"].recipe == PRESETS[f"demo-{kind}"].recipe
+        assert recipes[f"moe-{kind}"] == warmstart.SFTRecipe(**{**asdict(recipes[kind]), "base": "tiny-moe"})
+        assert recipes[kind].base == "tiny"
+    assert recipes["moe-teacher"].steps == 600 and recipes["moe-student"].steps == 300
+    assert warmstart._student_is_teacher_prefix("moe-student")
+
+
+def test_moe_pair_builds_from_the_moe_preset_in_one_run(tmp_path, monkeypatch, capsys):
+    """Asking for the MoE student runs the MoE teacher's recipe once (shrunk to 2 and 1 steps) from
+    `tiny-moe` and exports a Qwen3-MoE model at both steps."""
+    from palaestra.environments.math import warmstart
+    from palaestra.models import resolve_model
+
+    small = dict(warmstart.RECIPES)
+    small["moe-teacher"] = warmstart.SFTRecipe(**{**asdict(small["moe-teacher"]), "steps": 2})
+    small["moe-student"] = warmstart.SFTRecipe(**{**asdict(small["moe-student"]), "steps": 1})
+    monkeypatch.setattr(warmstart, "RECIPES", small)
+    student = resolve_model("demo-moe-student", cache_dir=tmp_path)
+    teacher = resolve_model("demo-moe-teacher", cache_dir=tmp_path)
+    assert student.name == f"demo-moe-student-v{warmstart.VERSION}"
+    for path, steps in ((student, 1), (teacher, 2)):
+        marker = json.loads((path / "palaestra_preset.json").read_text())
+        assert marker["base"] == "tiny-moe" and marker["recipe"]["steps"] == steps
+        assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_moe"
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warm start: training")]
+    assert len(runs) == 1 and "moe-teacher" in runs[0], runs

@@ -1,0 +1,140 @@
+"""MoE trainer step time and memory: expert parallel 2 and pipeline parallel 2 against one process.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.moe_step_time              # tiny-moe, 5 timed steps
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.moe_step_time --layouts 1,ep2 --steps 10
+
+Trainer only (no engine): each layout runs as gloo processes started here (as
+tests/trainer/test_moe_parallel.py does), each a `Trainer` on the preset. `1`: one process; `ep2`:
+two ranks with ``expert_model_parallel_size=2`` (they are also the two data-parallel ranks, each
+trains half the batch and holds half the experts); `pp2`: two ranks with
+``pipeline_model_parallel_size=2`` (one data-parallel replica, stage 0 the first half of the
+layers). Every step is one `Trainer.step` on the same 16 sequences (prompts of 3-10 tokens,
+responses of 6-90, ~800 tokens; SFT loss, Adam), fed by rank 0. Printed per layout: the median
+step wall time over `--steps` steps after one untimed step (rank 0's), its ratio to one process,
+and the peak resident memory of every rank (`resource.getrusage` maxrss, which includes the
+Python/torch/Megatron imports). Run with OMP_NUM_THREADS=1: on a machine with fewer cores than
+ranks, two processes share the cores and the ratio measures the communication and
+duplication overhead, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import common
+
+LAYOUTS = {
+    "1": (1, {}),
+    "ep2": (2, {"expert_model_parallel_size": 2}),
+    "pp2": (2, {"pipeline_model_parallel_size": 2}),
+}
+
+
+def samples():
+    from palaestra.sample import Sample
+
+    rng = random.Random(11)
+    out = []
+    for i in range(16):
+        prompt = [rng.randrange(3, 4000) for _ in range(rng.randint(3, 10))]
+        s = Sample(sample_id=f"s{i}", session_id=f"s{i}", group_id=f"g{i // 4}", env="t", task_id="t",
+                   tokens=prompt, prompt_len=len(prompt))  # fmt: skip
+        n = rng.choice([6, 10, 40, 90])
+        s.append([rng.randrange(3, 4000) for _ in range(n)], sampled=True, logprobs=[-8.3] * n)
+        out.append(s)
+    return out
+
+
+def worker(out: Path, model: str, megatron: dict, world: int, steps: int) -> None:
+    """One rank: builds the trainer, takes 1 + `steps` steps, writes its times and peak memory."""
+    from palaestra.models import resolve_model
+    from palaestra.trainer import Trainer, TrainerConfig
+
+    parallel = int(megatron.get("pipeline_model_parallel_size", 1))
+    config = TrainerConfig(
+        advantage_estimator="sft",
+        megatron=megatron,
+        megatron_optimizer={"lr": 1e-4},
+        dp_size=world // parallel,
+        dist_init_method=f"file://{out / 'rdzv'}",
+    )
+    t = Trainer(config, resolve_model(model))
+    rank = int(os.environ.get("RANK", "0"))
+    times = []
+    for _ in range(steps + 1):
+        started = time.perf_counter()
+        t.step(samples() if rank == 0 else [])
+        times.append(time.perf_counter() - started)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (out / f"rank{rank}.json").write_text(json.dumps({"times": times[1:], "peak_mb": peak_mb}))
+
+
+def run_layout(name: str, model: str, steps: int, tmp: Path) -> dict:
+    world, megatron = LAYOUTS[name]
+    out = tmp / name
+    out.mkdir()
+    env = {**os.environ, "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    args = [sys.executable, "-m", "bench.moe_step_time", "--worker", str(out), "--model", model,
+            "--steps", str(steps), "--megatron", json.dumps(megatron)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            args,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=common.ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    for p in procs:
+        log = p.communicate(timeout=900)[0]
+        if p.returncode != 0:
+            raise RuntimeError(f"layout {name} failed:\n{log[-3000:]}")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return {"step s": statistics.median(ranks[0]["times"]), "peak MB": [r["peak_mb"] for r in ranks]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__doc__)
+    ap.add_argument("--model", default="tiny-moe", help="MoE preset or directory (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default: %(default)s)")
+    ap.add_argument(
+        "--layouts", default="1,ep2,pp2", help="comma-separated of 1, ep2, pp2 (default: %(default)s)"
+    )
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--megatron", default="{}", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)  # fmt: skip
+    if args.worker:
+        worker(Path(args.worker), args.model, json.loads(args.megatron), int(os.environ.get("WORLD_SIZE", "1")),
+               args.steps)  # fmt: skip
+        return 0
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-moe-step-") as tmp:
+        for name in common.csv(args.layouts):
+            results[name] = run_layout(name, args.model, args.steps, Path(tmp))
+            print(f"  {name}: {results[name]}", flush=True)
+    base = results.get("1", {}).get("step s")
+    print(f"\n== {args.model}: trainer step (16 sequences, ~800 tokens), median of {args.steps}; uptime: "
+          f"{os.getloadavg()[0]:.2f} load")  # fmt: skip
+    print(f"{'layout':7s} {'step s':>7s} {'vs 1':>6s}  peak MB per rank")
+    for name, r in results.items():
+        ratio = f"{r['step s'] / base:.2f}x" if base else "-"
+        peaks = ", ".join(f"{p:.0f}" for p in r["peak MB"])
+        print(f"{name:7s} {r['step s']:7.3f} {ratio:>6s}  {peaks}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
