@@ -34,7 +34,6 @@ Tokens never depend on any of this: the body of a call is not touched, only its 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -556,8 +555,3 @@ class SessionPlacement:
                 for env, st in sorted(self.envs.items())
             },
         }
-
-    @staticmethod
-    def imbalance(loads: Sequence[float]) -> float:
-        mean = sum(loads) / len(loads) if loads else 0.0
-        return max(loads) / mean if mean else math.nan
