@@ -89,7 +89,11 @@ def build_service(
         segment_bytes=config.journal_segment_bytes,
     )
     limits = Limits(config, sessions, spool, journal, metrics.registry)
-    routing_options = RoutingOptions(placement=config.placement, routing_trace=config.routing_trace)
+    routing_options = RoutingOptions(
+        placement=config.placement,
+        routing_trace=config.routing_trace,
+        direct=config.return_routed_experts,  # the router drops return_routed_experts: post to the worker
+    )
     routing = EngineRouting(routing_options, config.engine_url, metrics.registry)
     turns = EngineTurns(engine, routing, gate, journal, metrics)
     text = model_text(config, tokenizer, context_length)

@@ -136,6 +136,12 @@ class EngineClient:
             )
         return self._client
 
+    def _target(self, route: CallRoute | None) -> str:
+        """Where the call is posted: the router (or the one engine), or the placed worker itself when
+        calls bypass the router (routing replay: `RoutingOptions.direct`)."""
+        url = route.url if route is not None else None
+        return f"{url.rstrip('/') if url else self.url}/generate"
+
     @staticmethod
     def _headers(session_id: str, route: CallRoute | None) -> dict[str, str]:
         call_headers = route.call_headers() if route is not None else {ROUTING_HEADER: session_id}
@@ -214,18 +220,22 @@ class EngineClient:
         for attempt in range(self.retries + 1):
             try:
                 async with self._session().post(
-                    f"{self.url}/generate", data=body, headers=self._headers(session_id, route)
+                    self._target(route), data=body, headers=self._headers(session_id, route)
                 ) as r:
                     raw = await r.read()
                     status = r.status
             except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
                 last = self._unreachable(exc)
+                if await _replace_direct(route):
+                    continue
             except TimeoutError:  # aiohttp's timeouts are TimeoutErrors (checked before ClientError)
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
                 ) from None
             except aiohttp.ClientError as exc:  # nothing was generated: safe to retry
                 last = self._unreachable(exc)
+                if await _replace_direct(route):
+                    continue
             else:
                 if status == 200:
                     answer = orjson.loads(raw)
@@ -280,6 +290,8 @@ class EngineClient:
                         yield piece
             except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
                 last = self._unreachable(exc)
+                if await _replace_direct(route):
+                    continue
             except TimeoutError:
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
@@ -290,6 +302,8 @@ class EngineClient:
                         f"the engine connection broke mid-stream: {exc!r}", 502, type="engine_error"
                     ) from None
                 last = self._unreachable(exc)
+                if await _replace_direct(route):
+                    continue
             except GatewayError as exc:
                 if exc.status != 503 or progress.sent:
                     raise
@@ -315,7 +329,7 @@ class EngineClient:
         """One POST of a streamed call, its pieces as they come; `progress` counts the ids that went
         out, or holds the error when the router refused the target (then nothing was streamed)."""
         async with self._session().post(
-            f"{self.url}/generate", data=body, headers=self._headers(session_id, route)
+            self._target(route), data=body, headers=self._headers(session_id, route)
         ) as r:
             if r.status != 200:
                 raw = await r.read()
@@ -345,6 +359,12 @@ class EngineClient:
                     502,
                     type="engine_error",
                 )
+
+
+async def _replace_direct(route: CallRoute | None) -> bool:
+    """A call posted to a worker directly could not connect (nothing was sent): the worker is
+    quarantined and the call re-placed on another one (True); False when calls go through the router."""
+    return route is not None and route.url is not None and await route.retry()
 
 
 @dataclass

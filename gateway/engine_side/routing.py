@@ -49,6 +49,10 @@ class RoutingOptions:
     placement: PlacementConfig = PlacementConfig()
     routing_trace: str | None = None
     refresh_s: float = 2.0
+    direct: bool = False
+    """Calls go to the placed worker's own URL, not through the router: rollout routing replay needs
+    it, because sglang-router 0.3.2's typed /generate drops `return_routed_experts` (measured; the
+    router still gives the worker list, and placement keeps each session on its worker)."""
 
 
 class CallRoute:
@@ -77,6 +81,11 @@ class CallRoute:
 
     def call_headers(self) -> dict[str, str]:
         return self._route.call_headers() if self._route is not None else {ROUTING_HEADER: self._session}
+
+    @property
+    def url(self) -> str | None:
+        """The worker's own URL when calls bypass the router (`RoutingOptions.direct`), else None."""
+        return self._route.url if self._route is not None and self._owner.options.direct else None
 
     @property
     def worker(self) -> int | None:
@@ -112,7 +121,7 @@ class EngineRouting:
         self.options = options
         self.engine_url = engine_url.rstrip("/")
         self.placement: SessionPlacement | None = (
-            SessionPlacement(options.placement) if options.placement.enabled else None
+            SessionPlacement(options.placement) if options.placement.enabled or options.direct else None
         )
         self._calls: dict[str, int] = {}  # session -> engine calls so far (its turn index)
         self._first_prompt: OrderedDict[str, list[int]] = OrderedDict()  # env / group -> its first prompt
@@ -320,7 +329,11 @@ class EngineRouting:
             for env, t in sorted(self._env_totals.items())
         }
         out: dict[str, Any] = {
-            "mode": "placement" if self.placement is not None else "routing_key",
+            "mode": "direct"
+            if self.options.direct
+            else "placement"
+            if self.placement is not None
+            else "routing_key",
             "router": self.engine_url,
             "routing_trace": self.options.routing_trace,
             "traffic": envs,

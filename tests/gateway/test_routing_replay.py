@@ -373,3 +373,40 @@ def test_a_turn_a_weight_update_interrupted_carries_the_new_versions_routing(
         client.post("/continue_generation", json={})
         client.post("/update_weights_from_disk", json={"model_path": original, "weight_version": version0})
         client.close()
+
+
+@pytest.mark.engine
+def test_through_sglang_router_calls_go_to_the_placed_worker_and_carry_the_routing(
+    moe_engine, layout, tok, tmp_path
+):
+    """sglang-router 0.3.2's typed /generate drops `return_routed_experts` (so a call through it comes
+    back without routing): with routing on, the gateway reads the router's worker list and posts each
+    call to the session's worker itself. Without that bypass this test fails at its first turn."""
+    from palaestra.engine.router import RouterProcess
+
+    router = RouterProcess([moe_engine.url], log_level="warn")
+    try:
+        router.start()
+        with gateway_server(
+            router.url, tmp_path / "spool", tok, model=MODEL, return_routed_experts=True
+        ) as gw:
+            s = httpx.post(f"{gw.url}/sessions", json={"env": "e", "task_id": "t"}, headers=KEY).json()
+            first = [{"role": "user", "content": "Name a colour."}]
+            reply = _chat(s, first)
+            _chat(
+                s,
+                [
+                    *first,
+                    {"role": "assistant", "content": reply["content"]},
+                    {"role": "user", "content": "Why?"},
+                ],
+                stream=True,
+            )
+            (sample,) = _samples(gw, s["session_id"])
+            snap = httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()
+    finally:
+        router.stop()
+    assert snap["mode"] == "direct" and snap["workers_error"] is None, snap
+    assert [(w["url"], w["calls"]) for w in snap["placement"]["workers"]] == [(moe_engine.url, 2)]
+    assert sample.metrics["turns"] == 2.0
+    _assert_matches(sample, moe_engine.url, layout)
