@@ -411,6 +411,8 @@ class TrainerConfig:
         for name, section in SECTIONS.items():  # from_dict / a checkpoint's saved config
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, section(**getattr(self, name)))
+        if self.routing_replay is False:  # YAML 1.1 reads a bare `off` as false
+            self.routing_replay = "off"
         if self.routing_replay not in ("off", "r2", "r3"):
             raise ValueError(f"routing_replay must be off, r2 or r3; got {self.routing_replay!r}")
         self.megatron_optimizer = {**DEFAULT_OPTIMIZER, **self.megatron_optimizer}

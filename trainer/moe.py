@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -165,13 +166,19 @@ def rollout_routing(
 class RoutingReplay:
     """Records or replays the routing of this model's MoE routers, one micro-batch at a time."""
 
-    def __init__(self, gpt: torch.nn.Module):
+    def __init__(self, gpt: torch.nn.Module, own: Sequence[int] | None = None, total: int | None = None):
+        """`own`: which of the whole model's `total` MoE layers this model's routers are, in order
+        (a pipeline stage holds some of them); default: all of them."""
         from megatron.core.transformer.moe.router import TopKRouter
 
         routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
         if any(r.router_replay is None for r in routers):
             raise RuntimeError("the routers were built without moe_enable_routing_replay")
         self.replays = [r.router_replay for r in routers]
+        self.own = list(range(len(routers)) if own is None else own)
+        self.total = len(routers) if total is None else total
+        if len(self.own) != len(self.replays):
+            raise ValueError(f"{len(self.replays)} routers for MoE layers {self.own}")
         self.mode: str | None = None  # None | "record" | "replay"
 
     def _set(self, action) -> None:
@@ -199,15 +206,19 @@ class RoutingReplay:
         if self.mode == "record":
             self._set(RouterReplayAction.RECORD)
         elif self.mode == "replay" and mb.routing is not None:
-            if len(mb.routing) != len(self.replays):
+            routing = mb.routing  # the whole model's MoE layers (r3), or this model's own (r2's record)
+            if len(routing) == self.total:
+                routing = [routing[j] for j in self.own]
+            elif len(routing) != len(self.replays):
                 raise ValueError(
-                    f"routing for {len(mb.routing)} MoE layers; the model has {len(self.replays)}"
+                    f"routing for {len(routing)} MoE layers; the model has {self.total} "
+                    f"({len(self.replays)} here)"
                 )
             self._set(RouterReplayAction.REPLAY_FORWARD)
-            # REPLAY_FORWARD reads the target in the forward pass and again in an activation
-            # recompute: the no-pipelining schedule runs this micro-batch's backward before the
-            # next forward step sets another target.
-            for r, ids in zip(self.replays, mb.routing, strict=True):
+            # REPLAY_FORWARD reads the target in the forward pass only (activation recompute, which
+            # would read it again in the backward, is refused with routing replay under pipeline
+            # parallelism, where 1F1B runs other micro-batches' forwards in between).
+            for r, ids in zip(self.replays, routing, strict=True):
                 r.set_target_indices(ids)
         else:
             self._set(None)

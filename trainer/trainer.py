@@ -102,9 +102,11 @@ def _check_pipeline(arch: HFArchitecture, config: TrainerConfig) -> None:
         raise ValueError(
             "pipeline_model_parallel_size > 1 with trainer.lora is not supported (adapters gather over TP only)"
         )
-    if config.routing_replay != "off":
+    recompute = [k for k in ("recompute_granularity", "moe_layer_recompute") if config.megatron.get(k)]
+    if config.routing_replay != "off" and recompute:
         raise ValueError(
-            "routing_replay with pipeline_model_parallel_size > 1 is not supported (1F1B interleaves micro-batches)"
+            f"routing_replay with pipeline_model_parallel_size > 1 and trainer.megatron.{recompute[0]} is not "
+            "supported: 1F1B runs other micro-batches' forwards before a recompute reads the replayed routing"
         )
 
 
@@ -169,7 +171,7 @@ class Trainer:
             self._inject if config.lora.enabled else None,
         )
         self.gpt = unwrap(self.model)
-        self.replay = moe.RoutingReplay(self.gpt) if replay else None  # routing_replay r2 / r3
+        self.replay = self._routing_replay() if replay else None  # routing_replay r2 / r3
         self.load_hf_weights(self.model_dir)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**config.megatron_optimizer), [self.model])
         self._wire_megatron_schedule()
@@ -331,6 +333,13 @@ class Trainer:
                 f"routing_replay r3 dropped {len(reasons)} sample(s): " + "; ".join(reasons[:5]), stacklevel=3
             )
         return kept, {"train/routing_replay_dropped": float(len(reasons))}
+
+    def _routing_replay(self) -> moe.RoutingReplay:
+        """This model's routers under replay: under pipeline parallelism, this stage's MoE layers."""
+        _, _, stages, first = self._pp()
+        layers = range(first, first + self.arch.num_layers // stages)
+        own = [j for j, layer in enumerate(self.arch.moe_layers) if layer in layers]
+        return moe.RoutingReplay(self.gpt, own, len(self.arch.moe_layers))
 
     @contextlib.contextmanager
     def _routing(self, mode: str):

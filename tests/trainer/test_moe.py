@@ -260,6 +260,7 @@ def test_routing_replay_needs_a_moe_model(tiny_model_dir):
         Trainer(TrainerConfig(routing_replay="r3"), tiny_model_dir)
     with pytest.raises(ValueError, match="routing_replay must be"):
         TrainerConfig(routing_replay="r4")
+    assert TrainerConfig(routing_replay=False).routing_replay == "off"  # YAML's reading of a bare off
 
 
 def test_routed_experts_survive_the_sample_round_trip():

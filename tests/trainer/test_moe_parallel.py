@@ -93,32 +93,51 @@ def test_layouts_that_do_not_divide_the_model_are_refused(moe_dir):
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm_moe")
-    moe_models.build("glm_moe", path)
+    moe_models.build("glm_moe", path, layers=4)
     return path
 
 
 @pytest.mark.slow
-def test_two_pipeline_stages_match_one_process(tmp_path, glm_dir):
-    """PP = 2 on GLM-MoE: stage 0 holds the embedding and the dense layer, stage 1 the MoE layer,
-    the final norm and the head; Megatron's 1F1B schedule passes activations over gloo."""
+def test_two_pipeline_stages_replay_the_rollout_routing_like_one_process(tmp_path, glm_dir):
+    """PP = 2 on a 4-layer GLM-MoE with routing_replay r3: stage 0 holds the embedding, the dense
+    layer and MoE layer 1, stage 1 MoE layers 2-3, the final norm and the head; Megatron's 1F1B
+    schedule passes activations over gloo and each stage replays its own layers' rows of every
+    sample's routed experts. The step equals one process's on the same routing, which differs from
+    the step the routers would take choosing for themselves (a stage ignoring the routing fails)."""
     namespace: dict = {}
     exec(compile(WORKER.split("if __name__")[0], "worker", "exec"), namespace)
-    t = Trainer(TrainerConfig(**namespace["CONFIG"]), glm_dir)
-    batch = namespace["samples"]()
-    one = {
-        "start": {k: v.clone() for k, v in t.megatron_state().items()},
-        "logprobs": t.logprobs([build_micro_batch(batch, range(len(batch)))])[0],
-    }
-    one["metrics"] = t.step(batch)
-    one["weights"] = t.megatron_state()
-    ranks, result = run_two_ranks(tmp_path, {"pipeline_model_parallel_size": 2}, glm_dir)
+    steps = {}
+    for replay in ("off", "r3"):
+        t = Trainer(TrainerConfig(**namespace["CONFIG"], routing_replay=replay), glm_dir)
+        batch = namespace["samples"](t.arch)
+        steps[replay] = {
+            "start": {k: v.clone() for k, v in t.megatron_state().items()},
+            "logprobs": t.logprobs([build_micro_batch(batch, range(len(batch)))])[0],
+        }
+        steps[replay]["metrics"] = t.step(batch)
+        steps[replay]["weights"] = t.megatron_state()
+    assert abs(steps["r3"]["metrics"]["train/kl"] - steps["off"]["metrics"]["train/kl"]) > 1e-3
+    ranks, result = run_two_ranks(
+        tmp_path, {"pipeline_model_parallel_size": 2}, glm_dir, {"routing_replay": "r3"}
+    )
     assert all(r["load_exact"] for r in ranks)  # HF -> stages -> gather -> HF is bit-exact
     assert ranks[0]["microbatches"] == ranks[1]["microbatches"]  # stages share the data
-    compare(ranks, result, one, "PP=2")
+    compare(ranks, result, steps["r3"], "PP=2, r3")
     assert {p.name for p in (tmp_path / "ckpt").glob("optimizer_*")} == {
         "optimizer_tp0_pp0.pt",
         "optimizer_tp0_pp1.pt",
     }
+
+
+def test_routing_replay_with_recompute_under_pipeline_parallelism_is_refused(glm_dir):
+    with pytest.raises(ValueError, match="moe_layer_recompute is not supported"):
+        Trainer(
+            TrainerConfig(
+                routing_replay="r2",
+                megatron={"pipeline_model_parallel_size": 2, "moe_layer_recompute": True},
+            ),
+            glm_dir,
+        )
 
 
 def test_pipeline_with_tied_embeddings_is_refused_on_cpu(tiny_model_dir):

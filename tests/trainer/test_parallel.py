@@ -29,7 +29,9 @@ WORKER = textwrap.dedent(
     from palaestra.trainer import Trainer, TrainerConfig
     from palaestra.trainer.packing import build_micro_batch
 
-    def samples():
+    def samples(arch=None):
+        # 16 samples; given a MoE `arch`, each with random routed experts (routing_replay r3) in the
+        # engine's layout: a row for every layer, for every position but the last
         rng = random.Random(11)
         result = []
         for i in range(16):
@@ -38,6 +40,11 @@ WORKER = textwrap.dedent(
                        tokens=prompt, prompt_len=len(prompt), reward=float(i % 3 == 0))
             n = rng.choice([6, 10, 40, 90])
             s.append([rng.randrange(3, 4000) for _ in range(n)], sampled=True, logprobs=[-8.3] * n)
+            if arch is not None:
+                g = torch.Generator().manual_seed(i)
+                rows = [torch.randperm(arch.num_experts, generator=g)[:arch.moe_topk]
+                        for _ in range((len(s.tokens) - 1) * arch.num_layers)]
+                s.set_routing(torch.stack(rows).reshape(len(s.tokens) - 1, arch.num_layers, -1).numpy())
             result.append(s)
         return result
 
@@ -53,7 +60,8 @@ WORKER = textwrap.dedent(
         import torch.distributed as dist
         from palaestra.weights_format import read_safetensors
         rank = dist.get_rank()
-        batch = samples() if rank == 0 else []
+        arch = t.arch if cfg.routing_replay == "r3" else None
+        batch = samples(arch) if rank == 0 else []
         full = t._broadcast(batch)
         original = dict(read_safetensors(t.model_dir))
         loaded = t.hf_state()  # gathered over TP
@@ -65,7 +73,7 @@ WORKER = textwrap.dedent(
         adapter = {k: v.clone() for k, v in t.adapter_state().items()} if t.lora is not None else {}
         t.save(f"{out}/ckpt")  # resumed by the test in one process: a checkpoint fits any DP size
         # one sample for two DP ranks: rank 1 runs a dummy micro-batch and trains nothing
-        lonely = t.step(samples()[:1] if rank == 0 else [])
+        lonely = t.step(samples(arch)[:1] if rank == 0 else [])
         after_lonely = {k: v.clone() for k, v in t.megatron_state().items()}
         json.dump({"metrics": metrics, "microbatches": len(mbs), "rows": sum(mb.num_rows for mb in mbs),
                    "world": dist.get_world_size(), "load_exact": exact,
