@@ -208,6 +208,13 @@ class Batch:
     def empty(cls) -> Batch:
         return cls([], [], [], Counter())
 
+    def why_empty(self) -> str:
+        """Why no sample trains: the filters' counts, and the first distinct errors of the sessions
+        (when every session failed, those say why: an engine refusing, a gateway error)."""
+        errors = sorted({e for g in self.considered for e in g.errors})
+        said = f"; the sessions' errors: {' | '.join(errors[:3])}" if errors else ""
+        return f"{dict(self.counts)}{said}"
+
     def session_statuses(self) -> Counter[str]:
         """Sessions per status over every group looked at (kept or not)."""
         statuses: Counter[str] = Counter()

@@ -256,7 +256,7 @@ class Run:
                 ]
             self.last_samples, self.last_step = batch.samples, step + 1
         else:
-            log.warning("step %d: no sample left to train after filtering (%s)", step + 1, dict(batch.counts))
+            log.warning("step %d: no sample left to train after filtering (%s)", step + 1, batch.why_empty())
         self._times["train_s"] = time.perf_counter() - self._times["batch"] if batch.samples else 0.0
         metrics["perf/train_s"] = self._times["train_s"]
         return metrics

@@ -85,6 +85,18 @@ def test_select_batch_drops_or_masks_stale_samples_and_filters_flat_groups():
     assert masked.dropped == {"a": "stale_masked"}
 
 
+def test_a_batch_every_session_of_which_failed_says_why():
+    failing = _record(0, [], statuses={"failed": 2})
+    failing.errors = ["GatewayError: the engine answered without meta_info.routed_experts"] * 2
+    batch = select_batch([(failing, [])], 0, max_staleness=1, stale_policy="drop", filter_zero_variance=True)
+    assert batch.samples == [] and batch.counts["groups_empty"] == 1
+    assert batch.why_empty() == (
+        "{'groups_empty': 1}; the sessions' errors: GatewayError: the engine answered without "
+        "meta_info.routed_experts"
+    )
+    assert select_batch([], 0, 1, "drop", True).why_empty() == "{}"
+
+
 def test_rollout_metrics_count_what_the_filters_left_out():
     groups = [
         (_record(0, ["a", "b"], [1.0, 0.0], {"completed": 2, "failed": 1}), [_sample("a", ["2"], 1.0)]),
