@@ -183,7 +183,9 @@ class Trainer:
             host_budget_bytes=None if budget is None else int(budget * 1e9),
             spill_dir=config.snapshot.spill_dir,
             prefetch=config.snapshot.prefetch,
-            params=self.base_parameters(),  # with LoRA the base only: the adapters are swapped apart
+            # with LoRA the base only (the adapters are swapped apart); a teacher's own expert bias
+            # (GLM/DeepSeek routers) switches with its weights, or it would route by the student's
+            params=[*self.base_parameters(), *self.routing_buffers()],
         )
         if config.kl.coef > 0 and self.lora is None:  # with LoRA the reference is the frozen base
             self.snapshots.save("ref")
