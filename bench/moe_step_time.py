@@ -37,10 +37,20 @@ LAYOUTS = {
     "1": (1, {}),
     "ep2": (2, {"expert_model_parallel_size": 2}),
     "pp2": (2, {"pipeline_model_parallel_size": 2}),
+    "tp2ep2": (4, {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+    "pp2ep2": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+    "tp2pp2ep2": (
+        8,
+        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2},
+    ),
 }
 
 
-def samples():
+def samples(arch=None):
+    """16 sequences; given a MoE `arch`, each with random routed experts for routing_replay r3 (a row
+    for every layer, as engines send them)."""
+    import torch
+
     from palaestra.sample import Sample
 
     rng = random.Random(11)
@@ -51,42 +61,54 @@ def samples():
                    tokens=prompt, prompt_len=len(prompt))  # fmt: skip
         n = rng.choice([6, 10, 40, 90])
         s.append([rng.randrange(3, 4000) for _ in range(n)], sampled=True, logprobs=[-8.3] * n)
+        if arch is not None:
+            g = torch.Generator().manual_seed(i)
+            rows = (len(s.tokens) - 1) * arch.num_layers
+            experts = [torch.randperm(arch.num_experts, generator=g)[: arch.moe_topk] for _ in range(rows)]
+            s.set_routing(torch.stack(experts).reshape(len(s.tokens) - 1, arch.num_layers, -1).numpy())
         out.append(s)
     return out
 
 
-def worker(out: Path, model: str, megatron: dict, world: int, steps: int) -> None:
-    """One rank: builds the trainer, takes 1 + `steps` steps, writes its times and peak memory."""
+def worker(out: Path, model: str, megatron: dict, world: int, steps: int, replay: str) -> None:
+    """One rank: builds the trainer, takes 1 + `steps` steps, writes its times, peak memory and the
+    first step's loss."""
     from palaestra.models import resolve_model
     from palaestra.trainer import Trainer, TrainerConfig
 
-    parallel = int(megatron.get("pipeline_model_parallel_size", 1))
+    parallel = int(megatron.get("pipeline_model_parallel_size", 1)) * int(
+        megatron.get("tensor_model_parallel_size", 1)
+    )
     config = TrainerConfig(
         advantage_estimator="sft",
         megatron=megatron,
         megatron_optimizer={"lr": 1e-4},
         dp_size=world // parallel,
         dist_init_method=f"file://{out / 'rdzv'}",
+        routing_replay=replay,
     )
     t = Trainer(config, resolve_model(model))
     rank = int(os.environ.get("RANK", "0"))
-    times = []
+    batch = samples(t.arch if replay == "r3" else None)
+    times, losses = [], []
     for _ in range(steps + 1):
         started = time.perf_counter()
-        t.step(samples() if rank == 0 else [])
+        losses.append(t.step(batch if rank == 0 else [])["train/loss"])
         times.append(time.perf_counter() - started)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    (out / f"rank{rank}.json").write_text(json.dumps({"times": times[1:], "peak_mb": peak_mb}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"times": times[1:], "peak_mb": peak_mb, "loss": losses[0]})
+    )
 
 
-def run_layout(name: str, model: str, steps: int, tmp: Path) -> dict:
+def run_layout(name: str, model: str, steps: int, tmp: Path, replay: str) -> dict:
     world, megatron = LAYOUTS[name]
     out = tmp / name
     out.mkdir()
     env = {**os.environ, "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo"}
     env.setdefault("OMP_NUM_THREADS", "1")
     args = [sys.executable, "-m", "bench.moe_step_time", "--worker", str(out), "--model", model,
-            "--steps", str(steps), "--megatron", json.dumps(megatron)]  # fmt: skip
+            "--steps", str(steps), "--megatron", json.dumps(megatron), "--routing-replay", replay]  # fmt: skip
     procs = [
         subprocess.Popen(
             args,
@@ -103,7 +125,11 @@ def run_layout(name: str, model: str, steps: int, tmp: Path) -> dict:
         if p.returncode != 0:
             raise RuntimeError(f"layout {name} failed:\n{log[-3000:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return {"step s": statistics.median(ranks[0]["times"]), "peak MB": [r["peak_mb"] for r in ranks]}
+    return {
+        "step s": statistics.median(ranks[0]["times"]),
+        "peak MB": [r["peak_mb"] for r in ranks],
+        "loss": ranks[0]["loss"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,28 +137,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-moe", help="MoE preset or directory (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default: %(default)s)")
     ap.add_argument(
-        "--layouts", default="1,ep2,pp2", help="comma-separated of 1, ep2, pp2 (default: %(default)s)"
+        "--layouts",
+        default="1,ep2,pp2",
+        help=f"comma-separated of {', '.join(LAYOUTS)} (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--routing-replay",
+        default="off",
+        choices=["off", "r2", "r3"],
+        help="trainer.routing_replay; r3 gives every sequence random routed experts (default: %(default)s)",
     )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--megatron", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)  # fmt: skip
     if args.worker:
         worker(Path(args.worker), args.model, json.loads(args.megatron), int(os.environ.get("WORLD_SIZE", "1")),
-               args.steps)  # fmt: skip
+               args.steps, args.routing_replay)  # fmt: skip
         return 0
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-moe-step-") as tmp:
         for name in common.csv(args.layouts):
-            results[name] = run_layout(name, args.model, args.steps, Path(tmp))
+            results[name] = run_layout(name, args.model, args.steps, Path(tmp), args.routing_replay)
             print(f"  {name}: {results[name]}", flush=True)
     base = results.get("1", {}).get("step s")
-    print(f"\n== {args.model}: trainer step (16 sequences, ~800 tokens), median of {args.steps}; uptime: "
-          f"{os.getloadavg()[0]:.2f} load")  # fmt: skip
-    print(f"{'layout':7s} {'step s':>7s} {'vs 1':>6s}  peak MB per rank")
+    base_loss = results.get("1", {}).get("loss")
+    print(f"\n== {args.model}: trainer step (16 sequences, ~800 tokens), median of {args.steps}, routing_replay "
+          f"{args.routing_replay}; uptime: {os.getloadavg()[0]:.2f} load")  # fmt: skip
+    print(
+        f"{'layout':10s} {'ranks':>5s} {'step s':>7s} {'vs 1':>6s} {'first loss':>11s} {'vs 1':>8s}  peak MB per rank"
+    )
     for name, r in results.items():
         ratio = f"{r['step s'] / base:.2f}x" if base else "-"
+        dloss = f"{abs(r['loss'] - base_loss):.1e}" if base_loss is not None else "-"
         peaks = ", ".join(f"{p:.0f}" for p in r["peak MB"])
-        print(f"{name:7s} {r['step s']:7.3f} {ratio:>6s}  {peaks}")
+        print(
+            f"{name:10s} {len(r['peak MB']):5d} {r['step s']:7.3f} {ratio:>6s} {r['loss']:11.6f} {dloss:>8s}  {peaks}"
+        )
     return 0
 
 

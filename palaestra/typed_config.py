@@ -183,6 +183,8 @@ def _check(value: Any, hint: Any) -> Any:
     if origin is Literal:
         if value in args and type(value) in {type(a) for a in args}:
             return value
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            return "on" if value else "off"  # YAML 1.1 reads a bare on / off as true / false
         raise _Mismatch
     if hint is bool or hint is int or hint is str:
         if type(value) is hint:

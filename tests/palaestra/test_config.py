@@ -493,7 +493,7 @@ def test_help_mentions_every_field_with_type_default_and_doc():
             assert doc.splitlines()[0] in text
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "gpu-sglang.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "gpu-sglang.yaml", "moe.yaml"])
 def test_shipped_configs_load(name):
     """The configs in configs/ stay valid as the schema moves (the README points at them)."""
     root = Path(__file__).resolve().parents[2]
@@ -503,6 +503,14 @@ def test_shipped_configs_load(name):
         assert (cfg.model.student, cfg.model.teacher) == ("demo-student", "demo-teacher")
         assert cfg.trainer.opd.kl_coef > 0 and cfg.trainer.advantage_estimator == "grpo"
         assert cfg.engines.count >= 2 and cfg.env.args["difficulty"] == 0
+    if name == "moe.yaml":  # the documented commands: EP = 2 over its 2 ranks, or PP = 2 on one
+        assert cfg.trainer.routing_replay == "r3" and cfg.trainer.dp_size == 2
+        ep = load_config(root / "configs" / name, ["trainer.megatron.expert_model_parallel_size=2"])
+        assert ep.trainer.megatron["expert_model_parallel_size"] == 2
+        off = load_config(
+            root / "configs" / name, ["trainer.routing_replay=off"]
+        )  # YAML reads `off` as false
+        assert off.trainer.routing_replay == "off"
 
 
 def test_demo_picks_a_fresh_run_name(tmp_path, monkeypatch):
