@@ -72,7 +72,7 @@ def samples(arch=None):
 
 def worker(out: Path, model: str, megatron: dict, world: int, steps: int, replay: str) -> None:
     """One rank: builds the trainer, takes 1 + `steps` steps, writes its times, peak memory and the
-    first step's loss."""
+    first step's NLL and gradient norm (which every layout should reproduce)."""
     from palaestra.models import resolve_model
     from palaestra.trainer import Trainer, TrainerConfig
 
@@ -93,7 +93,8 @@ def worker(out: Path, model: str, megatron: dict, world: int, steps: int, replay
     times, losses = [], []
     for _ in range(steps + 1):
         started = time.perf_counter()
-        losses.append(t.step(batch if rank == 0 else [])["train/loss"])
+        metrics = t.step(batch if rank == 0 else [])
+        losses.append((metrics["train/nll"], metrics["train/grad_norm"]))
         times.append(time.perf_counter() - started)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / f"rank{rank}.json").write_text(
@@ -163,15 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     base_loss = results.get("1", {}).get("loss")
     print(f"\n== {args.model}: trainer step (16 sequences, ~800 tokens), median of {args.steps}, routing_replay "
           f"{args.routing_replay}; uptime: {os.getloadavg()[0]:.2f} load")  # fmt: skip
-    print(
-        f"{'layout':10s} {'ranks':>5s} {'step s':>7s} {'vs 1':>6s} {'first loss':>11s} {'vs 1':>8s}  peak MB per rank"
-    )
+    print(f"{'layout':10s} {'ranks':>5s} {'step s':>7s} {'vs 1':>6s} {'first nll':>11s} {'Δ vs 1':>8s} "
+          f"{'grad norm':>10s} {'Δ vs 1':>8s}  peak MB per rank")  # fmt: skip
     for name, r in results.items():
         ratio = f"{r['step s'] / base:.2f}x" if base else "-"
-        dloss = f"{abs(r['loss'] - base_loss):.1e}" if base_loss is not None else "-"
+        dloss = f"{abs(r['loss'][0] - base_loss[0]):.1e}" if base_loss is not None else "-"
+        dnorm = f"{abs(r['loss'][1] - base_loss[1]):.1e}" if base_loss is not None else "-"
         peaks = ", ".join(f"{p:.0f}" for p in r["peak MB"])
         print(
-            f"{name:10s} {len(r['peak MB']):5d} {r['step s']:7.3f} {ratio:>6s} {r['loss']:11.6f} {dloss:>8s}  {peaks}"
+            f"{name:10s} {len(r['peak MB']):5d} {r['step s']:7.3f} {ratio:>6s} {r['loss'][0]:11.6f} {dloss:>8s} "
+            f"{r['loss'][1]:10.5f} {dnorm:>8s}  {peaks}"
         )
     return 0
 

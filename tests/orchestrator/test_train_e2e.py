@@ -301,3 +301,35 @@ def test_a_lora_run_serves_and_syncs_only_the_adapter_and_exports_it(ray_local, 
     assert (ckpt / "adapter.pt").is_file() and not (ckpt / "model.pt").exists()
     assert main(["export", str(out), "--out", str(tmp_path / "peft")]) == 0
     assert read_adapter(tmp_path / "peft").rank == 8
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_moe_run_with_expert_parallelism_trains_on_the_engines_routing(ray_local, tmp_path):
+    """`tiny-moe` with routing_replay r3 and expert_model_parallel_size 2 (two trainer ranks): the
+    engines start with --enable-return-routed-experts, the gateway posts each call to its session's
+    worker (the router would drop the field) and stores the routing in every sample, and the trainer
+    replays it: no sample is dropped for its routing, the trainer's logprobs match the engines', and
+    a sync moves the expert weights (step 2 sampled on version 1 within the same bound)."""
+    from palaestra.train import train
+
+    moe = [
+        "model.student=tiny-moe",
+        "trainer.dp_size=2",
+        "trainer.megatron={expert_model_parallel_size: 2}",
+        "trainer.routing_replay=r3",
+        "trainer.advantage_estimator=sft",  # every sample pulls: the weights move whatever the rewards
+        "trainer.megatron_optimizer={lr: 1.0e-2}",
+    ]
+    result = train(make_config(tmp_path / "moe", "sync", *moe))
+    assert result.engine_versions_end == ["2", "2"]
+    assert [len(r.sample_ids) for r in result.trained] == [4, 4]
+    rows = [r for r in result.state.rows if "train/loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        print(f"step {r['train/step']:.0f}: mismatch max |Δlogprob| {r['mismatch/logprob_abs_diff']:.2e}, "
+              f"expert load imbalance {r['train/moe_load_imbalance']:.2f}")  # fmt: skip
+        assert r["train/routing_replay_dropped"] == 0.0
+        assert r["mismatch/logprob_abs_diff"] <= 1e-5
+        assert r["train/moe_load_imbalance"] >= 1.0
+    assert rows[1]["train/grad_norm"] > 0
