@@ -14,6 +14,11 @@ Checks, in order (a failed check marks the ones that need it as skipped, with th
    engine do not compute the same model (TF32 matmuls, a wrong conversion, ...).
 4. Weight sync: the trainer pushes its whole model to the embedded engine through the shm path
    (`sync.mode: shm`); bandwidth as a fraction of a memcpy of the same bytes, and the pause.
+5. Mixture of experts: the same steps on the `tiny-moe` preset with expert parallelism over the
+   ranks (EP = DP, Megatron's all-to-all dispatcher over NCCL; gloo with --cpu).
+
+Context parallelism is not checked: the trainer refuses it on every device (its attention is
+Megatron's local spec with packed sequences, and context parallelism needs TransformerEngine's).
 
 The `tiny` preset builds offline (local tokenizer, random weights), so nothing is downloaded.
 Exit status 0 when every check passes.
@@ -60,7 +65,7 @@ def dist_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def worker(out: Path, steps: int) -> None:
+def worker(out: Path, steps: int, model: str = "tiny", megatron: dict | None = None) -> None:
     """One trainer rank (RANK/WORLD_SIZE/LOCAL_RANK set by the parent): a few steps, then a JSON line."""
     import torch.distributed as dist
 
@@ -69,9 +74,13 @@ def worker(out: Path, steps: int) -> None:
 
     rdzv = f"file://{out / 'rdzv'}"
     config = TrainerConfig(
-        **STEPS_CONFIG, advantage_estimator="sft", dist_init_method=rdzv, dp_size=dist_size()
+        **STEPS_CONFIG,
+        advantage_estimator="sft",
+        dist_init_method=rdzv,
+        dp_size=dist_size(),
+        megatron=megatron or {},
     )
-    t = Trainer(config, resolve_model("tiny"))
+    t = Trainer(config, resolve_model(model))
     samples = batch(t.arch.vocab_size)
     losses, seconds = [], []
     for _ in range(steps):
@@ -86,14 +95,21 @@ def worker(out: Path, steps: int) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
-def run_ranks(world: int, steps: int, cpu: bool) -> list[dict]:
+WORKER_ARGV = [sys.executable, "-m", "bench.gpu_check"]
+"""How a trainer rank starts: as the module, from the repository root (`bench` is a package there)."""
+
+
+def run_ranks(
+    world: int, steps: int, cpu: bool, model: str = "tiny", megatron: dict | None = None
+) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
         if cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
             env["GLOO_SOCKET_IFNAME"] = "lo"
-        args = [sys.executable, __file__, "--worker", tmp, "--steps", str(steps)]
-        procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        args = [*WORKER_ARGV, "--worker", tmp, "--steps", str(steps), "--model", model,
+                "--megatron", json.dumps(megatron or {})]  # fmt: skip
+        procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=common.ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(world)]  # fmt: skip
         logs = [p.communicate(timeout=900)[0] for p in procs]
@@ -126,9 +142,11 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="run the checks on CPU (gloo, DP = 2)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per trainer rank")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="tiny", help=argparse.SUPPRESS)
+    ap.add_argument("--megatron", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(Path(args.worker), args.steps)
+        worker(Path(args.worker), args.steps, args.model, json.loads(args.megatron))
         return 0
 
     if args.cpu:  # before the first CUDA call, so that this process and its ranks see no GPU
@@ -164,6 +182,23 @@ def main() -> int:
             table.add(f"trainer: tiny, TP=1, DP={world}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
     else:
         table.add("trainer: tiny, TP=1, DP=#GPUs", None, "skipped: no usable CUDA/NCCL")
+
+    # -- mixture of experts: the same steps with expert parallelism over the ranks ----------------
+    ep = world if world in (1, 2, 4, 8) else 1  # tiny-moe has 8 experts
+    if ready:
+        try:
+            ranks = run_ranks(world, args.steps, args.cpu, "tiny-moe", {"expert_model_parallel_size": ep})
+            losses = [r["losses"] for r in ranks]
+            same = all(max(abs(a - b) for a, b in zip(ls, losses[0], strict=True)) <= 1e-5 for ls in losses)
+            finite = all(math.isfinite(x) for ls in losses for x in ls)
+            down = losses[0][-1] < losses[0][0]
+            table.add(f"trainer: tiny-moe, EP={ep}, DP={world}", same and finite and down,
+                      f"nll {' -> '.join(f'{x:.4f}' for x in losses[0])}, same on every rank: {same}; "
+                      f"{min(r['step_s'] for r in ranks) * 1e3:.0f} ms/step")  # fmt: skip
+        except Exception as exc:
+            table.add(f"trainer: tiny-moe, EP={ep}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
+    else:
+        table.add("trainer: tiny-moe, EP=DP=#GPUs", None, "skipped: no usable CUDA/NCCL")
 
     # -- logprobs against the embedded engine, and weight sync -----------------------------------
     if ready:

@@ -37,11 +37,19 @@ LAYOUTS = {
     "1": (1, {}),
     "ep2": (2, {"expert_model_parallel_size": 2}),
     "pp2": (2, {"pipeline_model_parallel_size": 2}),
-    "tp2ep2": (4, {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+    "tp2ep2": (
+        4,
+        {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True},
+    ),
     "pp2ep2": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
     "tp2pp2ep2": (
         8,
-        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2},
+        {
+            "tensor_model_parallel_size": 2,
+            "pipeline_model_parallel_size": 2,
+            "expert_model_parallel_size": 2,
+            "sequence_parallel": True,
+        },
     ),
 }
 

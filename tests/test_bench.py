@@ -88,3 +88,17 @@ def test_moe_benches_print_their_docstring_as_help(capsys):
             module.main(["--help"])
         assert exit_.value.code == 0
         assert module.__doc__.splitlines()[0] in capsys.readouterr().out
+
+
+def test_gpu_check_starts_its_trainer_ranks_as_the_module_from_the_repository_root(tmp_path):
+    """Its ranks once ran as a script (`python bench/gpu_check.py`), where `from bench import
+    common` fails: every trainer check of `make gpu-check` failed before doing anything."""
+    import subprocess
+
+    from bench import gpu_check
+
+    ranks = subprocess.run(
+        [*gpu_check.WORKER_ARGV, "--help"], cwd=common.ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert ranks.returncode == 0, ranks.stderr[-2000:]
+    assert gpu_check.__doc__.splitlines()[0] in ranks.stdout
