@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
+import logging
 import os
 import re
 import secrets
@@ -67,8 +69,11 @@ from palaestra.sandbox.cgroups import CgroupHost, SandboxCgroup
 from palaestra.sandbox.output import CappedOutput, build_result
 from palaestra.sandbox.pipes import feed, pump
 from palaestra.sandbox.seccomp import build_filter
+from palaestra.sandbox.share import bwrap_stand_in, closed_directory, stand_in
 
-__all__ = ["LocalBackend", "LocalSandbox"]
+__all__ = ["LocalBackend", "LocalSandbox", "closed_directory"]
+
+log = logging.getLogger("palaestra.sandbox.local")
 
 PROFILES = {"python": SANDBOX_PYTHON}
 """Profile → the host file it needs; the local backend's sandboxes see the host's /usr."""
@@ -80,16 +85,6 @@ NOBODY = 65534
 EXEC_GRACE_S = 5.0
 """How long past its timeout an exec may take before the sandbox counts as hung and is destroyed."""
 START_TIMEOUT_S = 30.0
-
-
-def closed_directory(path: str) -> Path | None:
-    """The first directory on the way to ``path`` (itself included when a directory) that other
-    users may not enter; None when there is none, or no such path (opening it says so)."""
-    full = Path(os.path.abspath(path))
-    if not full.exists():
-        return None
-    chain = [*reversed(full.parents), *([full] if full.is_dir() else [])]
-    return next((d for d in chain if not os.stat(d).st_mode & stat.S_IXOTH), None)
 
 
 def unreachable_bwrap(bwrap: str, uid: int, exc: OSError) -> str:
@@ -127,6 +122,11 @@ class LocalBackend(Backend):
     """"unprivileged" (bwrap as ``sandbox_uid``, a user namespace per exec), "root-userns" (root
     only: a user namespace mapped to host root, for hosts that refuse unprivileged ones), or
     "auto": the first, falling back to the second when this process is root."""
+    share: bool = True
+    """Started by root: bind readable stand-ins (``share.py``) of the bwrap binary and of read-only
+    mounts that lie under a directory uid ``sandbox_uid`` cannot enter (a checkout under /root,
+    ~/.cache), so those sandboxes stay unprivileged; False: such a mount makes that sandbox fall
+    back to a user namespace mapped to host root (auto) or is refused (unprivileged)."""
 
     name = "local"
     _mode: str | None = field(default=None, init=False, repr=False)
@@ -136,6 +136,7 @@ class LocalBackend(Backend):
     _prepared: bool = field(default=False, init=False, repr=False)
     _owner: str = field(default="", init=False, repr=False)
     _seccomp: bytes = field(default=b"", init=False, repr=False)
+    _fallbacks_said: set[str] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "unprivileged", "root-userns"):
@@ -151,6 +152,12 @@ class LocalBackend(Backend):
         if self._prepared:
             return
         self.bwrap = self.bwrap or find_bwrap()
+        if os.geteuid() == 0 and self.share and closed_directory(self.bwrap) is not None:
+            shared, why = bwrap_stand_in(self.bwrap)  # started as sandbox_uid, by its path
+            if shared is not None:
+                self.bwrap = shared
+            else:
+                log.warning("local sandboxes: %s; unprivileged ones cannot start bwrap", why)
         self._seccomp = build_filter()
         if self.use_cgroups:
             self._cgroups, self._cgroups_note = CgroupHost.detect()
@@ -168,17 +175,27 @@ class LocalBackend(Backend):
             return f"{self._cgroups.describe()} + rlimits"
         return f"rlimits only ({self._cgroups_note})"
 
-    def _closed_mount(self, mounts: tuple[Mount, ...]) -> str | None:
-        """Why a mount cannot be bound by an unprivileged bwrap (it runs as ``sandbox_uid`` when
-        this process is root, and bwrap opens a mount's source by its path), or None."""
+    def _reachable(self, mounts: tuple[Mount, ...]) -> tuple[tuple[Mount, ...], str | None]:
+        """The mounts an unprivileged bwrap can bind (it runs as ``sandbox_uid`` when this process
+        is root and opens a mount's source by its path): a read-only one under a closed directory
+        becomes its readable stand-in (``share``); and why one still cannot be bound, or None."""
         if os.geteuid() != 0:
-            return None
+            return mounts, None
+        out = []
         for mount in mounts:
             closed = closed_directory(mount.source)
-            if closed is not None:
-                mode = stat.S_IMODE(os.stat(closed).st_mode)
-                return f"the mount {mount.source} is under {closed} (mode {mode:o}), which uid {self.sandbox_uid} cannot enter"
-        return None
+            if closed is None:
+                out.append(mount)
+                continue
+            mode = stat.S_IMODE(os.stat(closed).st_mode)
+            why = f"the mount {mount.source} is under {closed} (mode {mode:o}), which uid {self.sandbox_uid} cannot enter"
+            if not self.share or mount.writable or mount.live:
+                return mounts, why
+            shared, problem = stand_in(mount.source)
+            if shared is None:
+                return mounts, f"{why}, and {problem}"
+            out.append(dataclasses.replace(mount, source=shared))
+        return tuple(out), None
 
     def _modes(self) -> list[str]:
         if self._mode is not None:
@@ -197,13 +214,18 @@ class LocalBackend(Backend):
             raise SandboxError(f"profile {profile!r} needs {PROFILES[profile]} on this host")
         self._prepare()
         modes = self._modes()
-        closed = self._closed_mount(mounts) if "unprivileged" in modes else None
+        closed = None
+        if "unprivileged" in modes:
+            mounts, closed = self._reachable(mounts)
         if closed and self.mode != "auto":
             raise SandboxError(
                 f"{closed}: let every user enter it (chmod o+x), keep what is mounted in such a directory "
                 "(an SWE instance's environment: env_cache_dir), or use LocalBackend(mode='root-userns')"
             )
         if closed:  # this sandbox only: the backend's own mode stays what it is
+            if closed not in self._fallbacks_said:
+                self._fallbacks_said.add(closed)
+                log.warning("local sandbox mapped to host root: %s", closed)
             box = await self._start("root-userns", limits, mounts)
             box.enforced = (
                 f"bubblewrap, user namespace mapped to host root ({closed}); commands without "
@@ -256,7 +278,7 @@ class LocalBackend(Backend):
                 binds += ["--ro-bind-data", str(fd), path]
             for mount in mounts:
                 # Opened here, by this process, so a missing source is this process's error; bwrap
-                # still resolves it by its path (the /proc/self/fd link), which `_closed_mount`
+                # still resolves it by its path (the /proc/self/fd link), which `_reachable`
                 # checks first. A file (a binary) or a directory; writable only when asked (a unix
                 # socket's directory, for connect).
                 try:

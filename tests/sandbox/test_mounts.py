@@ -59,8 +59,10 @@ def test_local_sandbox_sees_a_mount_read_only(open_dir):
 
 
 def test_local_backend_in_unprivileged_mode_refuses_a_source_its_user_cannot_reach(open_dir):
-    """In mode `auto` such a sandbox starts in root-userns instead (tests/environments/
-    test_swe_repo_env.py); a backend held to `unprivileged` says what to change."""
+    """Without readable stand-ins (`share=False`; by default a read-only mount gets one,
+    tests/environments/test_swe_repo_env.py) a backend held to `unprivileged` says what to change,
+    and in mode `auto` such a sandbox starts in root-userns instead; a writable mount never gets a
+    stand-in (the host must see what the sandbox writes)."""
     if "local" not in SANDBOX_BACKENDS:
         pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
     if os.geteuid() != 0:
@@ -75,4 +77,7 @@ def test_local_backend_in_unprivileged_mode_refuses_a_source_its_user_cannot_rea
     from palaestra.sandbox.local import LocalBackend
 
     with pytest.raises(SandboxError, match=f"under {closed} .mode 700., which uid 65534 cannot enter"):
-        asyncio.run(run(LocalBackend(mode="unprivileged")))
+        asyncio.run(run(LocalBackend(mode="unprivileged", share=False)))
+    writable = Mount(str(closed / "inner"), "/opt/inner", writable=True)
+    with pytest.raises(SandboxError, match=f"under {closed} .mode 700., which uid 65534 cannot enter"):
+        asyncio.run(LocalBackend(mode="unprivileged").create("python", mounts=(writable,)))
