@@ -42,6 +42,13 @@ def check_layout(arch: HFArchitecture, megatron: dict[str, Any]) -> None:
         )
     elif arch.is_moe and arch.num_experts % ep:
         problems.append(f"{arch.num_experts} experts do not divide over expert_model_parallel_size {ep}")
+    if arch.is_moe and tp > 1:
+        problems.append(
+            f"tensor_model_parallel_size {tp} on a mixture-of-experts model: megatron-core's MoE layer "
+            "trains under tensor parallelism only with sequence_parallel, which the trainer's local "
+            "layer spec (torch LayerNorm) does not support; split the experts with "
+            "expert_model_parallel_size and the layers with pipeline_model_parallel_size instead"
+        )
     if etp is not None and int(etp) != tp:
         problems.append(
             f"expert_tensor_parallel_size {etp} differs from tensor_model_parallel_size {tp}: the "

@@ -80,7 +80,11 @@ def test_layouts_that_do_not_divide_the_model_are_refused(moe_dir):
         ValueError, match="4 attention heads / 2 KV heads do not divide over tensor_model_parallel_size 4"
     ):
         check_layout(arch, {"tensor_model_parallel_size": 4})
-    check_layout(arch, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2})
+    check_layout(arch, {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+    with pytest.raises(
+        ValueError, match="tensor_model_parallel_size 2 on a mixture-of-experts model: .*sequence_parallel"
+    ):
+        check_layout(arch, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2})
     dense = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(moe_dir)).__class__
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         check_layout(
