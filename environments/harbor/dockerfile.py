@@ -200,9 +200,13 @@ def read_dockerfile(path: Path) -> BuildPlan:
                 resolved = (path.parent / source).resolve()
                 if not resolved.is_relative_to(path.parent.resolve()) or not resolved.exists():
                     refuse(f"source {source!r} is not in the task's environment/ context")
-            dest = posixpath.join(workdir, dest) if not dest.startswith("/") else dest
-            args = (*sources, dest if not words[-1].endswith("/") else dest.rstrip("/") + "/")
-            touched = [posixpath.normpath(dest)]
+            slash = dest.endswith("/") or posixpath.basename(dest) in (".", "..")
+            dest = posixpath.normpath(posixpath.join(workdir, dest))
+            slash = slash or dest in plan.roots  # a directory already: copied into
+            if dest.count("/") == 1 and not slash and not (path.parent / sources[0]).is_dir():
+                refuse(f"copies a file to {dest} directly under /: copy into a folder such as /app")
+            args = (*sources, dest + "/" if slash and dest != "/" else dest)
+            touched = [dest]
             keyword = "COPY"
         elif keyword == "RUN":
             command = rest
