@@ -47,6 +47,12 @@ class Episode:
     task_id: str
     task: HarborTask
 
+    @property
+    def kind(self) -> str | None:
+        """``[metadata].category`` (eval scores each kind apart when there are several)."""
+        category = self.task.metadata.get("category")
+        return category if isinstance(category, str) else None
+
 
 class HarborEnv(Environment):
     name = "harbor"
@@ -105,7 +111,10 @@ class HarborEnv(Environment):
         temperature = self.agent.temperature
         if session is not None and temperature is not None:
             asked = dict(session.sampling).get("temperature", temperature)
-            if asked != temperature:
+            # Training at another temperature would make the trainer's logprobs wrong: refused.
+            # Greedy (0: `palaestra eval`, a run's evaluations) only scores; the harness samples
+            # as it does.
+            if asked not in (0, temperature):
                 raise ValueError(
                     f"agent {self.agent.name} samples at its own temperature ({temperature}); this run asks "
                     f"for {asked}: set trainer.temperature={temperature}"
