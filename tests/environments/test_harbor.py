@@ -305,3 +305,12 @@ def test_the_environment_scores_the_oracle_full_and_names_every_reward(local):
 
 async def _twice(env, task):
     return [await env.rollout(None, task) for _ in range(2)]
+
+
+@pytest.mark.docker
+def test_an_example_validates_in_docker_containers(tmp_path, monkeypatch):
+    """The same build (a RUN step at build time) and verifier in the docker backend's containers."""
+    monkeypatch.setenv("PALAESTRA_HARBOR_CACHE", str(tmp_path / "cache"))
+    with SANDBOX_BACKENDS["docker"]() as make:  # skips, saying why, where no engine answers
+        result = asyncio.run(validate_task(EXAMPLES / "log-errors", make()))
+    assert result.valid and (result.oracle, result.empty) == (1.0, 0.0), result
