@@ -209,7 +209,7 @@ class HarnessAgent(Agent):
                     model,
                     trial.task.instruction,
                 )
-                env = {**trial.built.env, **env}
+                env = {**trial.built.env, **trial.task.env, **env}
                 config = {
                     "socket": f"{RUN_DIR}/tunnel.sock",
                     "port": PORT,

@@ -19,6 +19,7 @@ runs isolated: our sandboxes have none (the session tunnel is a harness's only w
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ class HarborTask:
     """Largest file a command may write (our sandboxes cap files, not a disk)."""
     wants_internet: bool
     """The task asked for the network (``network_mode`` public/allowlist, ``allow_internet``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """``[environment].env``: set for the agent's and the verifier's commands."""
     verifier_env: dict[str, str] = field(default_factory=dict)
     solution_env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
@@ -100,11 +103,25 @@ def _number(table: dict[str, Any], key: str, default: float | None, where: str) 
     return float(value)
 
 
+_TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}")
+
+
 def _strings(table: dict[str, Any], key: str, where: str) -> dict[str, str]:
+    """An env table: literal values, and ``${VAR:-default}`` templates as their default; a bare
+    ``${VAR}`` is refused (the host's environment does not pass into the sandbox)."""
     value = table.get(key, {})
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise TaskError(f"{where}.{key}: must be a table of strings; got {value!r}")
-    return dict(value)
+    out = {}
+    for name, text in value.items():
+        bare = next((m[1] for m in _TEMPLATE.finditer(text) if m[2] is None), None)
+        if bare is not None:
+            raise TaskError(
+                f"{where}.{key}.{name}: ${{{bare}}} reads the host's environment, which does not pass into "
+                "the sandbox: write the value, or ${VAR:-default}"
+            )
+        out[name] = _TEMPLATE.sub(lambda m: m[3], text)
+    return out
 
 
 def _refuse(where: str, what: str, why: str) -> None:
@@ -190,6 +207,7 @@ def load_task(path: str | Path, *, internet: str = "isolate") -> HarborTask:
         memory_mb=int(memory),
         storage_mb=int(storage) if storage else None,
         wants_internet=wants_internet and explicit,
+        env=_strings(env, "env", f"{where} [environment]"),
         verifier_env=_strings(verifier, "env", f"{where} [verifier]"),
         solution_env=_strings(solution, "env", f"{where} [solution]"),
         workdir=workdir,

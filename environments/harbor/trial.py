@@ -128,10 +128,10 @@ class Trial:
             await asyncio.to_thread(shutil.rmtree, host, True)
 
     def script(self, command: str, env: dict[str, str] | None = None) -> str:
-        """`command` as a script run in the task's WORKDIR with its ENV (and `env`)."""
-        exports = "".join(
-            f"export {k}={shlex.quote(v)}\n" for k, v in {**self.built.env, **(env or {})}.items()
-        )
+        """`command` as a script run in the task's WORKDIR with its Dockerfile ENV, its
+        ``[environment].env`` and `env`."""
+        values = {**self.built.env, **self.task.env, **(env or {})}
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items())
         return f"{exports}cd {shlex.quote(self.built.workdir)} && {command}\n"
 
     async def exec(

@@ -80,11 +80,23 @@ def test_the_examples_load_with_their_timeouts_and_resources():
         ("[verifier]\ntimeout_sec = -1\n", r"\[verifier\].timeout_sec: must be a positive number; got -1"),
         ("[environment]\nmemory_mb = 1e400\n", "memory_mb: must be a positive number"),
         ("[verifier\n", "task.toml does not parse"),
+        (
+            "[verifier.env]\nKEY = '${OPENAI_API_KEY}'\n",
+            r"\[verifier\].env.KEY: \$\{OPENAI_API_KEY\} reads the host",
+        ),
     ],
 )
 def test_what_we_cannot_honour_is_refused_naming_the_field(tmp_path, toml, match):
     with pytest.raises(TaskError, match=match):
         load_task(make_task(tmp_path, toml=toml))
+
+
+def test_env_tables_take_literals_and_template_defaults(tmp_path):
+    root = make_task(
+        tmp_path, toml="[environment.env]\nA = 'x'\nB = '${MODE:-fast}/y'\n[verifier.env]\nC = 'z'\n"
+    )
+    task = load_task(root)
+    assert (task.env, task.verifier_env) == ({"A": "x", "B": "fast/y"}, {"C": "z"})
 
 
 def test_a_task_asking_for_the_network_runs_isolated_or_is_refused(tmp_path):
@@ -314,3 +326,15 @@ def test_an_example_validates_in_docker_containers(tmp_path, monkeypatch):
     with SANDBOX_BACKENDS["docker"]() as make:  # skips, saying why, where no engine answers
         result = asyncio.run(validate_task(EXAMPLES / "log-errors", make()))
     assert result.valid and (result.oracle, result.empty) == (1.0, 0.0), result
+
+
+def test_the_verifier_runs_with_the_tasks_env_and_workdir(local, tmp_path):
+    """Dockerfile ENV and WORKDIR, [environment].env and [verifier].env all reach test.sh."""
+    root = make_task(
+        tmp_path,
+        "envs",
+        toml="[environment.env]\nA = '0.5'\n[verifier.env]\nB = 'x'\n",
+        docker="FROM python:3.12\nENV C=y\nWORKDIR /srv/site\n",
+        test='[ "$B$C$(pwd)" = xy/srv/site ] && echo $A > /logs/verifier/reward.txt\n',
+    )
+    assert asyncio.run(attempt_reward(load_task(root), local(), "none")) == 0.5
