@@ -338,3 +338,45 @@ def test_the_verifier_runs_with_the_tasks_env_and_workdir(local, tmp_path):
         test='[ "$B$C$(pwd)" = xy/srv/site ] && echo $A > /logs/verifier/reward.txt\n',
     )
     assert asyncio.run(attempt_reward(load_task(root), local(), "none")) == 0.5
+
+
+def test_palaestra_harbor_validate_prints_why_and_keeps_the_valid_tasks(local, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    tasks = tmp_path / "tasks"
+    shutil.copytree(EXAMPLES / "fix-greeting", tasks / "fix-greeting")
+    make_task(tasks, "solved-already", test="echo 1 > /logs/verifier/reward.txt\n")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "palaestra.cli",
+            "harbor",
+            "validate",
+            str(tasks),
+            "--out",
+            str(tmp_path / "ok"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PALAESTRA_HARBOR_CACHE": str(tmp_path / "cache")},
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = sorted(r.stdout.splitlines())
+    assert lines == [
+        "INVALID solved-already: the empty attempt already scores 1",
+        "valid   fix-greeting: oracle 1, empty attempt 0",
+    ], r.stdout
+    assert "1/2 tasks valid" in r.stderr and [p.name for p in (tmp_path / "ok").iterdir()] == ["fix-greeting"]
+
+
+def test_a_harness_refuses_a_training_temperature_other_than_its_own():
+    class Sampled:
+        sampling = {"temperature": 0.7}
+
+    env = HarborEnv(agent="claude-code", tasks=["set-port"])
+    with pytest.raises(ValueError, match=r"samples at its own temperature \(1.0\); this run asks for 0.7"):
+        asyncio.run(env.rollout(Sampled(), next(env.tasks(0))))
