@@ -16,6 +16,7 @@ Docker columns need a docker engine (they print "-" where none answers).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -24,6 +25,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench import common
 from palaestra.environments.harbor.build import build_environment
@@ -139,8 +141,13 @@ def main(argv: list[str] | None = None) -> None:
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
     backends = ["local", *(["docker"] if docker_answers() else [])]
-    work = Path(tempfile.mkdtemp(prefix="bench-harbor-"))
-    os.environ["PALAESTRA_HARBOR_CACHE"] = str(work / "cache")
+    with tempfile.TemporaryDirectory(prefix="bench-harbor-") as work:
+        os.environ["PALAESTRA_HARBOR_CACHE"] = str(Path(work) / "cache")
+        run(args, tok, backends, Path(work))
+
+
+def run(args: argparse.Namespace, tok: Any, backends: list[str], work: Path) -> None:
+    """The two tables of one run (module docstring), its files under `work`."""
     rows: dict[str, dict[str, object]] = {}
     for agent in common.csv(args.agents):
         row: dict[str, object] = {}
