@@ -11,7 +11,8 @@ the agent is asked), ``environment/Dockerfile`` (the agent's starting filesystem
 
 Refused, each with one line naming the task and the field (docs/environments.md, Harbor: why):
 multi-step tasks (``steps``), a separate verifier environment, a compose environment, Windows,
-GPUs/TPUs, MCP servers, healthchecks, a prebuilt ``docker_image`` without a Dockerfile, and (when
+GPUs/TPUs, MCP servers, healthchecks, skills, a prior ``trajectory.json``, artifacts, a prebuilt
+``docker_image`` without a Dockerfile (with one, the Dockerfile is built), and (when
 ``internet="refuse"``) a task that asks for the network. Otherwise a task that asks for the network
 runs isolated: our sandboxes have none (the session tunnel is a harness's only way out).
 """
@@ -168,6 +169,12 @@ def load_task(path: str | Path, *, internet: str = "isolate") -> HarborTask:
         _refuse(where, "[environment].mcp_servers", "give MCP servers through the harness environment")
     if env.get("healthcheck"):
         _refuse(where, "[environment].healthcheck", "nothing is started in the sandbox before the agent")
+    if env.get("skills_dir"):
+        _refuse(where, "[environment].skills_dir", "no harness here reads a skills directory")
+    if (root / "trajectory.json").is_file():
+        _refuse(
+            where, "trajectory.json (prior agent context)", "every episode starts from the instruction alone"
+        )
     if config.get("artifacts") or verifier.get("collect"):
         _refuse(where, "artifacts / [[verifier.collect]]", "the verifier's reward file is all that is read")
     for phase, table in (("agent", agent), ("verifier", verifier)):

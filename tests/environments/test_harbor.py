@@ -76,6 +76,8 @@ def test_the_examples_load_with_their_timeouts_and_resources():
         ("[environment]\nos = 'windows'\n", "os = 'windows'"),
         ("[environment]\nhealthcheck = {command = 'true'}\n", "healthcheck"),
         ("[agent]\nuser = 'agent'\n", r"\[agent\].user"),
+        ("[environment]\nskills_dir = '/skills'\n", "skills_dir"),
+        ("artifacts = ['/app/out']\n", "artifacts"),
         ("[agent]\ntimeout_sec = 'long'\n", r"\[agent\].timeout_sec: must be a positive number; got 'long'"),
         ("[verifier]\ntimeout_sec = -1\n", r"\[verifier\].timeout_sec: must be a positive number; got -1"),
         ("[environment]\nmemory_mb = 1e400\n", "memory_mb: must be a positive number"),
