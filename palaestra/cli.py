@@ -13,6 +13,7 @@ Each command group lives next to the code it drives and registers its sub-comman
     palaestra export                             trainer/export.py (PEFT adapter, merged HF model)
     palaestra swe generate|validate|fetch        environments/swe_agent/cli.py
     palaestra harness install|path               environments/harness/install.py (Claude Code, Codex)
+    palaestra harbor validate                    environments/harbor/cli.py (Harbor task directories)
 
 `palaestra --help` lists them (tests/palaestra/test_docs_true.py checks this list against it).
 """
@@ -42,6 +43,7 @@ COMMANDS: dict[str, str] = {
     "export": "palaestra.trainer.export",
     "swe": "palaestra.environments.swe_agent.cli",
     "harness": "palaestra.environments.harness.install",
+    "harbor": "palaestra.environments.harbor.cli",
 }
 
 

@@ -36,6 +36,7 @@ BUILTIN = {
     "textarena": "palaestra.environments.textarena.env:TextArenaEnv",
     "mix": "palaestra.environments.mix.env:MixEnv",
     "harness": "palaestra.environments.harness.env:HarnessEnv",
+    "harbor": "palaestra.environments.harbor.env:HarborEnv",
     "mcp-math": "palaestra.environments.mcp_tools.env:McpMathEnv",
     "judged-math": "palaestra.environments.judged.env:JudgedMathEnv",
 }

@@ -50,11 +50,11 @@ from palaestra.environments.mcp_tools.server import McpServer
 from palaestra.environments.swe_agent.instance import SweInstance
 from palaestra.environments.swe_agent.repo_env import activate
 from palaestra.environments.swe_agent.workspace import SweWorkspace, TaskSandbox
-from palaestra.sandbox.base import WORKDIR, ExecResult, Limits, Mount, SandboxError
+from palaestra.sandbox.base import WORKDIR, ExecResult, Limits, Mount, Sandbox, SandboxError
 from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session
 
-__all__ = ["HarnessEnv"]
+__all__ = ["HarnessEnv", "exec_harness", "tunnel_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +191,10 @@ class HarnessEnv(Environment):
                         agent_tree = await box.take_out()
                 except SandboxError:
                     episode.fail("sandbox_error")
-                    return Reward(0.0, episode.metrics(resolved=0.0, **metrics, **_tunnel_metrics(tunnel)))
+                    return Reward(0.0, episode.metrics(resolved=0.0, **metrics, **tunnel_metrics(tunnel)))
             finally:
                 await tunnel.stop()
-        metrics |= _tunnel_metrics(tunnel)
+        metrics |= tunnel_metrics(tunnel)
         return await self.workspace.grade(task, box.base, agent_tree, episode, **metrics)
 
     async def _run(
@@ -234,26 +234,33 @@ class HarnessEnv(Environment):
     async def _exec_harness(
         self, box: TaskSandbox, config: dict[str, Any], run_dir: str, tunnel: SessionTunnel
     ) -> ExecResult:
-        """forward.py + the harness as one exec; stopped through the stop file when the tunnel's
-        turn budget is spent (the exec's own timeout is the time budget)."""
-        run = asyncio.ensure_future(
-            box.sandbox.exec(["python3", "-I", "-S", f"{RUN_DIR}/forward.py"], stdin=json.dumps(config))
-        )
-        spent = asyncio.ensure_future(tunnel.spent.wait())
-        try:
-            await asyncio.wait({run, spent}, return_when=asyncio.FIRST_COMPLETED)
-            if spent.done() and not run.done():
-                (Path(run_dir) / "stop").touch()
-            return await run
-        finally:
-            spent.cancel()
-            if not run.done():
-                run.cancel()
-                with contextlib.suppress(BaseException):
-                    await run
+        return await exec_harness(box.sandbox, config, run_dir, tunnel)
 
 
-def _tunnel_metrics(tunnel: SessionTunnel) -> dict[str, float]:
+async def exec_harness(
+    sandbox: Sandbox, config: dict[str, Any], run_dir: str, tunnel: SessionTunnel
+) -> ExecResult:
+    """forward.py + the harness (`config`: what forward.py reads) as one exec in `sandbox`; stopped
+    through the stop file when the tunnel's turn budget is spent (the exec's own timeout is the
+    time budget). The harbor environment runs its harness agents through it too."""
+    run = asyncio.ensure_future(
+        sandbox.exec(["python3", "-I", "-S", f"{RUN_DIR}/forward.py"], stdin=json.dumps(config))
+    )
+    spent = asyncio.ensure_future(tunnel.spent.wait())
+    try:
+        await asyncio.wait({run, spent}, return_when=asyncio.FIRST_COMPLETED)
+        if spent.done() and not run.done():
+            (Path(run_dir) / "stop").touch()
+        return await run
+    finally:
+        spent.cancel()
+        if not run.done():
+            run.cancel()
+            with contextlib.suppress(BaseException):
+                await run
+
+
+def tunnel_metrics(tunnel: SessionTunnel) -> dict[str, float]:
     return {
         "harness/calls": float(tunnel.calls),
         "tunnel/refused": float(sum(tunnel.refused.values())),

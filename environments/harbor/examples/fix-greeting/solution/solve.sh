@@ -1,0 +1,5 @@
+#!/bin/bash
+cat > /app/greet.py <<'EOF'
+def greet(name):
+    return f"Hello, {name}!"
+EOF

@@ -1,0 +1,2 @@
+def total(n):
+    return sum(range(1, n))

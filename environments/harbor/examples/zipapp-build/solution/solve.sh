@@ -1,0 +1,2 @@
+#!/bin/bash
+sed -i 's/calc:mian/calc:main/' /app/build.sh
