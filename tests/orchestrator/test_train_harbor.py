@@ -28,7 +28,13 @@ def test_train_one_step_on_a_harbor_task(ray_local, tmp_path):
 
     if "local" not in SANDBOX_BACKENDS:
         pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
-    args = {"agent": "openai-tools", "backend": "local", "tasks": ["set-port"], "max_turns": 2, "max_tokens": 16}
+    args = {
+        "agent": "openai-tools",
+        "backend": "local",
+        "tasks": ["set-port"],
+        "max_turns": 2,
+        "max_tokens": 16,
+    }
     out = tmp_path / "run"
     result = train(
         make_config(
