@@ -76,6 +76,12 @@ from palaestra.trainer.weight_sync import WeightSync
 
 __all__ = ["Trainer", "format_metrics"]
 
+# megatron-core 0.16.1 gathers expert-parallel tokens with all_gather_into_tensor, which torch 2.13
+# deprecates at every call: a line per rank per step in a run's log that no user can act on
+warnings.filterwarnings(
+    "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+)
+
 _UNSUPPORTED_PARALLEL = {
     "context_parallel_size": "context parallelism needs TransformerEngine attention; the local spec has none",
 }
