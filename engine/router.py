@@ -16,8 +16,8 @@ option passes through under its own name with a `--router-` prefix (the prefixed
 are rejected so they can never silently disagree with them.
 
 What the router (0.3.2) does with a worker, measured against a stand-in (tests/engine/test_launchers.py):
-registration probes `GET /health`, an HTTP/2 prior-knowledge `PRI *` (gRPC detection; uvicorn
-logs "Invalid HTTP request received"), then `GET /server_info` and `GET /model_info`; after that
+registration probes `GET /health`, an HTTP/2 prior-knowledge `PRI *` (gRPC detection; plain
+uvicorn logs "Invalid HTTP request received", the embedded engine closes it quietly), then `GET /server_info` and `GET /model_info`; after that
 `GET /health` every `--router-health-check-interval-secs`. Its own `GET /health` answers 200 at
 once, before any worker is registered; `GET /readiness` reports `healthy_workers` /
 `total_workers`, so `RouterProcess` waits on that. `POST /generate` is parsed into smg's typed
