@@ -65,6 +65,9 @@ POLICIES = (
     "manual",
 )
 LOG_LEVELS = ("debug", "info", "warn", "error")
+# At info smg logs every request twice ("started processing request", "finished processing
+# request", coloured): warn keeps what needs a reader.
+DEFAULT_LOG_LEVEL = "warn"
 # Prefixed passthrough flags that duplicate one of our options -> the option to use instead.
 OWNED_PASSTHROUGH = {
     "--router-policy": "--policy",
@@ -224,7 +227,10 @@ def register(groups: argparse._SubParsersAction) -> None:
         help="port of the metrics server (default: --port + 10000, or a free port above 65535)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS, help="router log level (default: %(default)s)"
+        "--log-level",
+        default=DEFAULT_LOG_LEVEL,
+        choices=LOG_LEVELS,
+        help="router log level (default: %(default)s; info logs two lines per request)",
     )
 
     def command(args: argparse.Namespace, extra: Sequence[str]) -> int:
@@ -256,7 +262,7 @@ class RouterProcess(ServerProcess):
         port: int | None = None,
         policy: str = "consistent_hashing",
         prometheus_port: int | None = None,
-        log_level: str = "info",
+        log_level: str = DEFAULT_LOG_LEVEL,
         router_options: Sequence[str] = (),
         wait_for_workers: bool = True,
         startup_timeout: float = 60.0,
