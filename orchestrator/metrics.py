@@ -121,9 +121,10 @@ class NoopTracker:
 
 
 class JsonlTracker:
-    """Appends `{"step": k, **metrics}` per call. A step may have several rows (the held-out
-    evaluation after the last step is its own row) and a resumed run appends again: readers merge
-    the rows of a step, later keys winning."""
+    """Appends `{"step": k, **metrics}` per call: the run logs one row per step (step 0: the
+    held-out evaluation before training; the last step's row carries the evaluation after it). A
+    resumed run appends again, and faults counted after the last row add one: readers merge the
+    rows of a step, later keys winning."""
 
     def __init__(self, path: str | Path, *, append: bool = True):
         self.path = Path(path)
