@@ -538,6 +538,7 @@ class Run:
             self.out / "reward_curve.png",
             title=f"{cfg.run.name}: reward per step",
             teacher_accuracy=result.teacher_accuracy,
+            eval_tasks=cfg.env.eval_tasks,
         )
         if self.last_samples:
             shown = self.last_samples[:64]

@@ -66,6 +66,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     m: dict[str, float] = {
         "rollout/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
         "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/reward_min": min(rewards, default=math.nan),  # the reward curve's band stays within
+        "rollout/reward_max": max(rewards, default=math.nan),
         "rollout/samples": float(len(samples)),
         "rollout/groups": float(len(batch.groups)),
         "rollout/sampled_tokens": float(sum(s.num_sampled for s in samples)),
