@@ -558,7 +558,8 @@ class Run:
                 self.earlier_samples + samples,
                 tokenizer,
                 self.out / "viewer.html",
-                title=f"{cfg.run.name}: samples of every step (the last one with teacher logprobs)",
+                title=f"{cfg.run.name}: samples of every step"
+                + (" (the last one with teacher logprobs)" if any(teacher or []) else ""),
             )
         result.summary = summary_line(
             rows,
