@@ -331,6 +331,7 @@ class Run:
         state, steps, done = self.state, self.cfg.run.steps, step + 1
         state.step, state.rows = done, [*state.rows, metrics]
         metrics = {**metrics, **self.supervisor.new_counters()}
+        self._log_held({})  # a held last step that a fault's recovery made the run redo: its row too
         if done == steps and self.cfg.env.eval_tasks:
             self._held_row = (metrics, done)  # logged with the evaluation after it (`evaluate_after`)
         else:

@@ -122,3 +122,15 @@ def test_the_last_row_is_written_when_its_evaluation_never_comes_and_without_eva
         assert len(_rows(tmp_path / "none")) == 1  # written as the step ends, not held
         run.log(1, {"rollout/reward_mean": 0.25})
     assert [r["step"] for r in _rows(tmp_path / "none")] == [1, 2]
+
+
+def test_a_redone_last_step_keeps_both_rows_as_other_redone_steps_do(tmp_path):
+    run = _run_without_a_cluster(tmp_path, steps=1, eval_tasks=4)
+    with run:
+        run.log(0, {"train/loss": 1.0})  # held for the evaluation ...
+        run.log(0, {"train/loss": 0.5})  # ... but a fault's recovery redid the step
+        run.evaluate_after()
+    assert _rows(tmp_path) == [
+        {"step": 1, "train/loss": 1.0},
+        {"step": 1, "train/loss": 0.5, "eval/accuracy": 0.75},
+    ]
