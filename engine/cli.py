@@ -14,6 +14,31 @@ import sys
 
 from palaestra.net import ServerProcess, free_port
 
+# The HTTP/2 connection preface (RFC 9113 §3.4), sent first by a client with prior knowledge.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def http1_protocol() -> type:
+    """uvicorn's HTTP/1.1 protocol, closing a connection that opens with the HTTP/2 preface
+    without a word.
+
+    sglang-router probes every worker it registers with that preface (its gRPC detection, beside
+    `GET /health`); uvicorn answered each with `WARNING: Invalid HTTP request received.`, two
+    lines per engine at every start behind a router. Any other malformed request still warns."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HTTP1Protocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _first_bytes = True
+
+        def data_received(self, data: bytes) -> None:
+            first, self._first_bytes = self._first_bytes, False
+            if first and data.startswith(H2_PREFACE[:16]):
+                self.transport.close()  # the prober reads "not gRPC" and goes on with HTTP/1.1
+                return
+            super().data_received(data)
+
+    return HTTP1Protocol
+
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -51,7 +76,14 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"palaestra engine: serving {args.model} ({model_path}) on http://{args.host}:{args.port}", flush=True
     )
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        server.app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        http=http1_protocol(),
+    )
     return 0
 
 

@@ -16,8 +16,8 @@ option passes through under its own name with a `--router-` prefix (the prefixed
 are rejected so they can never silently disagree with them.
 
 What the router (0.3.2) does with a worker, measured against a stand-in (tests/engine/test_launchers.py):
-registration probes `GET /health`, an HTTP/2 prior-knowledge `PRI *` (gRPC detection; uvicorn
-logs "Invalid HTTP request received"), then `GET /server_info` and `GET /model_info`; after that
+registration probes `GET /health`, an HTTP/2 prior-knowledge `PRI *` (gRPC detection; plain
+uvicorn logs "Invalid HTTP request received", the embedded engine closes it quietly), then `GET /server_info` and `GET /model_info`; after that
 `GET /health` every `--router-health-check-interval-secs`. Its own `GET /health` answers 200 at
 once, before any worker is registered; `GET /readiness` reports `healthy_workers` /
 `total_workers`, so `RouterProcess` waits on that. `POST /generate` is parsed into smg's typed
@@ -65,6 +65,9 @@ POLICIES = (
     "manual",
 )
 LOG_LEVELS = ("debug", "info", "warn", "error")
+# At info smg logs every request twice ("started processing request", "finished processing
+# request", coloured): warn keeps what needs a reader.
+DEFAULT_LOG_LEVEL = "warn"
 # Prefixed passthrough flags that duplicate one of our options -> the option to use instead.
 OWNED_PASSTHROUGH = {
     "--router-policy": "--policy",
@@ -224,7 +227,10 @@ def register(groups: argparse._SubParsersAction) -> None:
         help="port of the metrics server (default: --port + 10000, or a free port above 65535)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS, help="router log level (default: %(default)s)"
+        "--log-level",
+        default=DEFAULT_LOG_LEVEL,
+        choices=LOG_LEVELS,
+        help="router log level (default: %(default)s; info logs two lines per request)",
     )
 
     def command(args: argparse.Namespace, extra: Sequence[str]) -> int:
@@ -256,7 +262,7 @@ class RouterProcess(ServerProcess):
         port: int | None = None,
         policy: str = "consistent_hashing",
         prometheus_port: int | None = None,
-        log_level: str = "info",
+        log_level: str = DEFAULT_LOG_LEVEL,
         router_options: Sequence[str] = (),
         wait_for_workers: bool = True,
         startup_timeout: float = 60.0,

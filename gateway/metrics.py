@@ -80,6 +80,13 @@ class GatewayMetrics:
             ["route", "control"],
             registry=r,
         )
+        self.sampling_contradicted = Counter(
+            f"{p}_sampling_contradicted",
+            "Calls that set a sampling field to another value than their session's sampling (the "
+            "session's was used; gateway/sessions/sampling.py), by route and field",
+            ["route", "control"],
+            registry=r,
+        )
         self.max_tokens_clamped = Counter(
             f"{p}_max_tokens_clamped",
             "Calls whose max_tokens did not fit in the context and were clamped to it, by route",

@@ -31,6 +31,7 @@ from palaestra.gateway.dialects import openapi_schemas as schemas
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import GuardedStream, count_rejection, read_json
 from palaestra.gateway.service import GatewayService
+from palaestra.gateway.sessions import sampling as session_sampling
 from palaestra.sample import STATUSES
 
 
@@ -265,7 +266,8 @@ async def create_session(request: Request) -> dict[str, Any]:
         raise GatewayError("'session_id' must be letters, digits and dashes", param="session_id")
     if not isinstance(metadata, dict):
         raise GatewayError("'metadata' must be an object", param="metadata")
-    session = svc.create_session(env, task_id, group_id, metadata, session_id)
+    sampling = session_sampling.parse(body.get("sampling"))
+    session = svc.create_session(env, task_id, group_id, metadata, session_id, sampling)
     base = (svc.config.public_url or str(request.base_url)).rstrip("/")
     return {
         "session_id": session.session_id,

@@ -62,6 +62,7 @@ from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.metrics import GatewayMetrics
 from palaestra.gateway.renderer import ChatRenderer, message_digest
 from palaestra.gateway.sessions import replay
+from palaestra.gateway.sessions import sampling as session_sampling
 from palaestra.gateway.sessions.journal import SessionJournal
 from palaestra.gateway.sessions.limits import Limits
 from palaestra.gateway.sessions.session import Session
@@ -161,10 +162,12 @@ class GatewayService:
         group_id: str | None,
         metadata: dict[str, Any],
         session_id: str | None = None,
+        sampling: dict[str, Any] | None = None,
     ) -> Session:
-        """A new session, if the limits admit one (429 otherwise); journaled before it is answered."""
+        """A new session, if the limits admit one (429 otherwise); journaled before it is answered.
+        `sampling` (checked by `session_sampling.parse`) applies to each of its calls."""
         self.limits.admit()
-        session = self.sessions.create(env, task_id, group_id, metadata, session_id)
+        session = self.sessions.create(env, task_id, group_id, metadata, session_id, sampling)
         self.journal.opened(session)
         return session
 
@@ -228,7 +231,33 @@ class GatewayService:
                 )
             request.messages[request.preamble : request.preamble] = kept
         controls.resolve(request, self.caps)
+        self._session_sampling(session, dialect.name, body, request.params.sampling, request.ignored)
         return request
+
+    def _session_sampling(
+        self, session: Session, route: str, body: dict[str, Any], sampling: dict[str, Any], ignored: list[str]
+    ) -> None:
+        """The session's sampling into the call's (gateway/sessions/sampling.py): a contradicted
+        field is recorded with the call's ignored controls, counted, and logged once per session."""
+        if not session.sampling:
+            return
+        contradicted = session_sampling.apply(session.sampling, body, sampling)
+        if not contradicted:
+            return
+        ignored.extend(contradicted)
+        for name in contradicted:
+            self.metrics.sampling_contradicted.labels(route=route, control=name.split("=", 1)[0]).inc()
+        if not session.sampling_warned:
+            session.sampling_warned = True
+            log.warning(
+                "session %s (env %s): a call on %s sent %s; the session's sampling is used (the "
+                "environment should pass session.sampling on every call); recorded in the session's "
+                "ignored_controls, not logged again for this session",
+                session.session_id,
+                session.env,
+                route,
+                ", ".join(contradicted),
+            )
 
     def _plan_chat(self, session: Session, request: TurnRequest, dialect: Dialect[TurnRequest]) -> _ChatCall:
         digests = session.history.of(request.messages)
@@ -398,6 +427,8 @@ class GatewayService:
     ) -> dict[str, Any]:
         session = self.sessions.open(session_id)
         request = dialect.parse(body)
+        ignored: list[str] = []
+        self._session_sampling(session, dialect.name, body, request.params.sampling, ignored)
         if request.params.stream:
             raise GatewayError("streaming is not supported on this route", param="stream")
         prompt = request.prompt
@@ -433,7 +464,7 @@ class GatewayService:
                 output_text=full,
                 fork_reason=fork,
                 fork_detail="the prompt does not extend an earlier one" if fork else "",
-                controls=self._controls(dialect.name, [], clamped) if i == 0 else None,
+                controls=self._controls(dialect.name, ignored, clamped) if i == 0 else None,
             )
             self.journal.turn(session, turn)
             # completions report no alternatives (top_logprobs: null), so none are decoded

@@ -139,6 +139,8 @@ class Run:
         self.not_trained: dict[str, str] = {}  # the batches' dropped samples, and undone steps' ones
         self._stepping = False
         self.deferred: Replaced | None = None  # a fault seen mid-sync, redone at the next step
+        # The last step's row, held for the evaluation after it: metrics.jsonl gets one row per step.
+        self._held_row: tuple[dict[str, float], int] | None = None
 
     def _new_source(self):
         """The mode's source from the run's state (a new attempt after each fault)."""
@@ -158,6 +160,7 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.feed.close()
+        self._log_held({})  # the last step's row, when its evaluation never came
         self.tracker.close()
 
     def at(self, phase: str, step: int) -> None:
@@ -190,7 +193,9 @@ class Run:
     def evaluate_before(self) -> None:
         """Held-out accuracy before training: the reward curve's first point (step 0)."""
         self.eval_before = self.evaluate("before")
-        self.state.rows.append({"train/step": 0.0, **eval_row(self.eval_before)})
+        row = {"train/step": 0.0, **eval_row(self.eval_before)}
+        self.state.rows.append(row)
+        self.tracker.log(row, 0)  # metrics.jsonl's step-0 row
 
     @contextmanager
     def stepping(self) -> Iterator[None]:
@@ -326,7 +331,11 @@ class Run:
         state, steps, done = self.state, self.cfg.run.steps, step + 1
         state.step, state.rows = done, [*state.rows, metrics]
         metrics = {**metrics, **self.supervisor.new_counters()}
-        self.tracker.log(metrics, done)
+        self._log_held({})  # a held last step that a fault's recovery made the run redo: its row too
+        if done == steps and self.cfg.env.eval_tasks:
+            self._held_row = (metrics, done)  # logged with the evaluation after it (`evaluate_after`)
+        else:
+            self.tracker.log(metrics, done)
         if done % self.cfg.logging.console_every == 0 or done == steps:
             _print(console_line(done, steps, metrics), self._bar)
         if self._bar is not None:
@@ -444,9 +453,18 @@ class Run:
         state = self.state
         self.eval_after = self.evaluate("after")
         row = eval_row(self.eval_after)
-        self.tracker.log(row, state.step)
+        self._log_held(row)
         if state.rows and state.step > 0:
             state.rows[-1].update(row)
+
+    def _log_held(self, extra: dict[str, float]) -> None:
+        """The held last step's row with `extra` in it (one row per step); `extra` alone at the
+        run's step when no row is held (a run resumed after its last step)."""
+        held, self._held_row = self._held_row, None
+        if held is not None:
+            self.tracker.log({**held[0], **extra}, held[1])
+        elif extra:
+            self.tracker.log(extra, self.state.step)
 
     def evaluate_teacher(self) -> float | None:
         """The teacher's held-out accuracy, for reference. Runs after the last checkpoint: the
@@ -521,6 +539,7 @@ class Run:
             self.out / "reward_curve.png",
             title=f"{cfg.run.name}: reward per step",
             teacher_accuracy=result.teacher_accuracy,
+            eval_tasks=cfg.env.eval_tasks,
         )
         if self.last_samples:
             shown = self.last_samples[:64]
@@ -540,7 +559,8 @@ class Run:
                 self.earlier_samples + samples,
                 tokenizer,
                 self.out / "viewer.html",
-                title=f"{cfg.run.name}: samples of every step (the last one with teacher logprobs)",
+                title=f"{cfg.run.name}: samples of every step"
+                + (" (the last one with teacher logprobs)" if any(teacher or []) else ""),
             )
         result.summary = summary_line(
             rows,

@@ -66,6 +66,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     m: dict[str, float] = {
         "rollout/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
         "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/reward_min": min(rewards, default=math.nan),  # the reward curve's band stays within
+        "rollout/reward_max": max(rewards, default=math.nan),
         "rollout/samples": float(len(samples)),
         "rollout/groups": float(len(batch.groups)),
         "rollout/sampled_tokens": float(sum(s.num_sampled for s in samples)),
@@ -121,9 +123,10 @@ class NoopTracker:
 
 
 class JsonlTracker:
-    """Appends `{"step": k, **metrics}` per call. A step may have several rows (the held-out
-    evaluation after the last step is its own row) and a resumed run appends again: readers merge
-    the rows of a step, later keys winning."""
+    """Appends `{"step": k, **metrics}` per call: the run logs one row per step (step 0: the
+    held-out evaluation before training; the last step's row carries the evaluation after it). A
+    resumed run appends again, and faults counted after the last row add one: readers merge the
+    rows of a step, later keys winning."""
 
     def __init__(self, path: str | Path, *, append: bool = True):
         self.path = Path(path)

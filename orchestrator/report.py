@@ -21,9 +21,11 @@ __all__ = [
     "REWARD_STD",
     "STEP",
     "TEACHER_ACCURACY",
+    "accuracy_points",
     "dropped_totals",
     "fault_summary",
     "plot_reward_curve",
+    "reward_band",
     "summary_line",
 ]
 
@@ -31,6 +33,9 @@ __all__ = [
 STEP = "train/step"
 REWARD_MEAN = "rollout/reward_mean"
 REWARD_STD = "rollout/reward_std"
+REWARD_MIN = "rollout/reward_min"  # the step's least and greatest reward: the band stays within them
+REWARD_MAX = "rollout/reward_max"
+EVAL_TASKS = "eval/tasks"  # tasks an evaluation scored, where a row has it
 EVAL_ACCURACY = "eval/accuracy"  # held-out accuracy of the student, on evaluation steps
 TEACHER_ACCURACY = "eval/teacher_accuracy"  # the teacher's held-out accuracy (a reference line)
 
@@ -42,30 +47,64 @@ def _number(row: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def _steps(rows: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Each row's step: `train/step`, its index when absent."""
+    steps = [_number(r, STEP) for r in rows]
+    return [float(i) if s is None else s for i, s in enumerate(steps)]
+
+
+def reward_band(rows: Sequence[Mapping[str, Any]]) -> list[tuple[float, float, float, float]]:
+    """(step, mean, low, high) of each row with a reward: mean ± std, clipped to the step's least
+    and greatest reward (`rollout/reward_min`/`max`) where the row has them: rewards in [0, 1] give
+    a band in [0, 1], never below 0."""
+    out = []
+    for step, row in zip(_steps(rows), rows, strict=True):
+        mean = _number(row, REWARD_MEAN)
+        if mean is None:
+            continue
+        std = _number(row, REWARD_STD) or 0.0
+        least, most = _number(row, REWARD_MIN), _number(row, REWARD_MAX)
+        low = mean - std if least is None else max(mean - std, least)
+        high = mean + std if most is None else min(mean + std, most)
+        out.append((step, mean, low, high))
+    return out
+
+
+def accuracy_points(
+    rows: Sequence[Mapping[str, Any]], eval_tasks: int | None = None
+) -> list[tuple[float, float, float | None]]:
+    """(step, accuracy, binomial standard error √(p(1-p)/n)) of each evaluation row; n is the row's
+    `eval/tasks`, else `eval_tasks`; the error is None when neither is known."""
+    out = []
+    for step, row in zip(_steps(rows), rows, strict=True):
+        p = _number(row, EVAL_ACCURACY)
+        if p is None:
+            continue
+        n = _number(row, EVAL_TASKS) or eval_tasks
+        out.append((step, p, math.sqrt(p * (1 - p) / n) if n else None))
+    return out
+
+
 def plot_reward_curve(
     rows: Sequence[Mapping[str, Any]],
     path: str | Path,
     *,
     title: str = "Training reward",
     teacher_accuracy: float | None = None,
+    eval_tasks: int | None = None,
 ) -> Path:
-    """Reward mean (± std band) per step, held-out accuracy where measured, the teacher's as a line.
+    """Reward mean (± std band, `reward_band`) per step, held-out accuracy where measured (error
+    bars: its binomial standard error over `eval_tasks` tasks, `accuracy_points`), the teacher's as
+    a line.
 
-    A row's step is `train/step` (its index when absent). `teacher_accuracy` defaults to the last
-    `eval/teacher_accuracy` in the rows. Writes a PNG (matplotlib's Agg canvas; no display needed).
+    `teacher_accuracy` defaults to the last `eval/teacher_accuracy` in the rows. Writes a PNG
+    (matplotlib's Agg canvas; no display needed).
     """
     from matplotlib.figure import Figure  # a Figure without pyplot: no global backend or state
     from matplotlib.ticker import MaxNLocator
 
-    steps = [_number(r, STEP) for r in rows]
-    steps = [float(i) if s is None else s for i, s in enumerate(steps)]
-    reward = [
-        (s, _number(r, REWARD_MEAN), _number(r, REWARD_STD) or 0.0) for s, r in zip(steps, rows, strict=True)
-    ]
-    reward = [(s, m, sd) for s, m, sd in reward if m is not None]
-    accuracy = [
-        (s, a) for s, r in zip(steps, rows, strict=True) if (a := _number(r, EVAL_ACCURACY)) is not None
-    ]
+    reward = reward_band(rows)
+    accuracy = accuracy_points(rows, eval_tasks)
     if teacher_accuracy is None:
         teacher_values = [t for r in rows if (t := _number(r, TEACHER_ACCURACY)) is not None]
         teacher_accuracy = teacher_values[-1] if teacher_values else None
@@ -77,15 +116,15 @@ def plot_reward_curve(
     else:
         ax, acc_ax = fig.subplots(1, 1), None
     if reward:
-        xs, means, stds = zip(*reward, strict=True)
+        xs, means, lows, highs = zip(*reward, strict=True)
         ax.fill_between(
             xs,
-            [m - s for m, s in zip(means, stds, strict=True)],
-            [m + s for m, s in zip(means, stds, strict=True)],
+            lows,
+            highs,
             color="tab:blue",
             alpha=0.2,
             linewidth=0,
-            label="± std over the step's samples",
+            label="± std over the step's samples (within their range)",
         )
         ax.plot(xs, means, color="tab:blue", marker="o", markersize=3, label="mean reward")
         ax.legend(loc="best", fontsize="small")
@@ -97,9 +136,19 @@ def plot_reward_curve(
     bottom = ax
     if acc_ax is not None:
         if accuracy:
-            xs, values = zip(*accuracy, strict=True)
-            acc_ax.plot(xs, values, color="tab:green", marker="s", markersize=5, label="student")
-            for x, v in accuracy:
+            xs, values, errors = zip(*accuracy, strict=True)
+            known = all(e is not None for e in errors)
+            acc_ax.errorbar(
+                xs,
+                values,
+                yerr=list(errors) if known else None,
+                color="tab:green",
+                marker="s",
+                markersize=5,
+                capsize=3,
+                label="student (± binomial standard error)" if known else "student",
+            )
+            for x, v, _ in accuracy:
                 acc_ax.annotate(
                     f"{v:.2f}",
                     (x, v),

@@ -127,9 +127,10 @@ def write_trajectory_viewer(
     samples: Sequence[Mapping[str, Any] | Sample], tokenizer, path: str | Path, *, title: str
 ) -> Path:
     """One self-contained HTML file: the samples (`Sample`s or their `to_dict()`), filterable by
-    step, reward range, status, failure and fork reason; the selected one as a conversation (each
-    model turn with its tool calls, each environment reply, masked vs sampled) or as tokens
-    coloured by loss mask or by the student−teacher logprob gap (where it has teacher logprobs).
+    step, reward range, status, failure and fork reason; the selected one with its prompt open, as a
+    conversation (each model turn with its tool calls, each environment reply, masked vs sampled)
+    or as tokens coloured by loss mask or, when some sample has teacher logprobs, by the
+    student−teacher logprob gap (a page without any offers no such colouring).
     A dict may carry ``step`` (an int): then the page navigates the run step by step."""
     samples = [s.to_dict() if isinstance(s, Sample) else s for s in samples]
     records = [_sample_record(s, tokenizer, i) for i, s in enumerate(samples)]
@@ -153,7 +154,8 @@ def write_trajectory_viewer(
             f'data-fork="{_cell(s.get("fork_reason") or "")}" data-step="{_cell(step)}" '
             f'data-failures="{_cell(" ".join(failed))}"><td>{i}</td><td>{_cell(step if step is not None else "—")}</td>'
             f"<td>{reward:.3f}</td><td>{_cell(s.get('status'))}</td>"
-            f'<td class="fail">{_cell(", ".join(failed) or "—")}</td><td>{_cell(s.get("fork_reason") or "—")}</td>'
+            f'<td class="{"fail" if failed else "none"}">{_cell(", ".join(failed) or "—")}</td>'
+            f"<td>{_cell(s.get('fork_reason') or '—')}</td>"
             f"<td>{_cell(s.get('env'))}</td><td>{_cell(s.get('task_id'))}</td>"
             f"<td>{response}</td><td>{sum(records[i]['mask'])}</td>"
             f'<td class="mono">{_cell(s.get("sample_id"))}</td></tr>'
@@ -177,7 +179,7 @@ def write_trajectory_viewer(
         "RMIN": repr(min(rewards)),
         "RMAX": repr(max(rewards)),
         "SCALE": f"{scale:g}",
-        "DATA": _script_json({"samples": records, "scale": scale, "steps": steps}),
+        "DATA": _script_json({"samples": records, "scale": scale, "steps": steps, "teacher": bool(gaps)}),
     }
     # One pass, so text inside a slot (a task id, a token) is never taken for another slot.
     page = re.sub(r"__([A-Z_]+)__", lambda m: slots[m.group(1)], _PAGE)
@@ -230,6 +232,7 @@ details pre{white-space:pre-wrap;word-break:break-word;background:#fff;border:1p
 .turn .call{background:#fff3e0}
 #why{background:#ffebee;border:1px solid #ef9a9a;padding:6px 8px;margin:6px 0}
 td.fail{color:#c62828}
+td.none{color:#9e9e9e}
 </style></head>
 <body>
 <header><h1>__TITLE__</h1><p>__COUNT__ samples &middot; click one to see its tokens</p></header>
@@ -267,7 +270,7 @@ __ROWS__
  <div id="meta" class="empty">Select a sample on the left.</div>
  <div id="why" hidden></div>
  <details id="metrics-box"><summary>metrics</summary><pre id="metrics"></pre></details>
- <details id="prompt-box"><summary>prompt</summary><pre id="prompt"></pre></details>
+ <details id="prompt-box" open><summary>prompt</summary><pre id="prompt"></pre></details>
  <div id="turns"></div>
  <div id="tokens" hidden></div>
 </div>
@@ -325,7 +328,7 @@ function render() {
   const m = mode(), v = view();
   $("turns").hidden = v !== "turns";
   $("tokens").hidden = v !== "tokens";
-  $("colour-by").hidden = v !== "tokens";
+  $("colour-by").hidden = v !== "tokens" || !DATA.teacher;  // no teacher: the loss mask only
   $("legend-mask").hidden = v !== "tokens" || m !== "mask";
   $("legend-gap").hidden = v !== "tokens" || m !== "gap";
   if (current === null) return;
@@ -407,7 +410,7 @@ $("prev-step").addEventListener("click", () => stepBy(-1));
 $("next-step").addEventListener("click", () => stepBy(1));
 // A link can open a given sample and colouring: viewer.html#sample=3&mode=gap
 const want = new URLSearchParams(location.hash.slice(1));
-if (want.get("mode") === "gap") document.querySelector("input[name=mode][value=gap]").checked = true;
+if (want.get("mode") === "gap" && DATA.teacher) document.querySelector("input[name=mode][value=gap]").checked = true;
 if (want.get("mode") || want.get("view") === "tokens") document.querySelector("input[name=view][value=tokens]").checked = true;
 if (want.get("step")) { $("step").value = want.get("step"); }
 applyFilters();

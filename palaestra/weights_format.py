@@ -17,6 +17,8 @@
   and checks one (the engine). An adapter the trainer writes carries the checksum of the base
   weights it was trained on (`base_checksum`, in the safetensors metadata under
   `BASE_CHECKSUM_KEY`); `files_stamp` tells whether a directory's files changed since.
+* Files users load elsewhere (exports, adapters, built presets) are written by `save_safetensors`:
+  safetensors' own writer leaves them mode 0600, which other users and containers cannot read.
 
 Everything wrong with a file or payload is a `FormatError` (a ValueError) that says what is wrong;
 the engine answers it as a client error.
@@ -52,6 +54,7 @@ __all__ = [
     "read_safetensors",
     "safetensors_dtype",
     "safetensors_files",
+    "save_safetensors",
     "serialize_named_tensors",
     "write_adapter",
 ]
@@ -290,6 +293,17 @@ def read_adapter(path: str | Path) -> AdapterFiles:
     return AdapterFiles(str(p), rank, float(alpha), scale, targets, weights, checksum, cfg)
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> Path:
+    """`safetensors.torch.save_file`, then mode 0644 (what every other file of a model directory
+    has): safetensors writes through a private temporary file and keeps its mode, 0600.
+    (Reading the umask to honour it would briefly change it for every thread of the process.)"""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o644)
+    return Path(path)
+
+
 def write_adapter(
     path: str | Path,
     config: dict[str, Any],
@@ -298,8 +312,6 @@ def write_adapter(
 ) -> Path:
     """Writes a PEFT LoRA directory (config + safetensors with PEFT's names), atomically: into
     ``<path>.tmp`` first, renamed into place."""
-    from safetensors.torch import save_file
-
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -308,10 +320,8 @@ def write_adapter(
     metadata = {"format": "pt"}
     if base_checksum is not None:
         metadata[BASE_CHECKSUM_KEY] = base_checksum
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        str(tmp / WEIGHTS_FILE),
-        metadata=metadata,
+    save_safetensors(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata
     )
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)

@@ -31,6 +31,8 @@ from typing import Any
 from palaestra.sdk.environment import Environment, as_reward, check_task
 from palaestra.sdk.session import GatewayClient
 
+FAILURE_PREFIX = "failure/"  # what went wrong in an episode, counted per rollout
+
 
 @dataclass
 class RolloutResult:
@@ -88,12 +90,23 @@ class RolloutSummary:
         )
 
     def metrics_line(self) -> str:
-        """``metrics (mean over N rollouts): correct 0.500, tool_calls 1.250`` ('' without metrics)."""
+        """``metrics (mean over N rollouts): correct 0.500, tool_calls 1.250; failures: none`` ('' without
+        metrics). Of the ``failure/<name>`` counters only those that happened are named (an
+        environment reports every one it knows, mostly at 0); `metrics` keeps them all."""
         metrics = self.metrics
         if not metrics:
             return ""
         n = sum(r.status != "failed" for r in self.results)
-        return f"metrics (mean over {n} rollouts): " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        failures = {
+            k.removeprefix(FAILURE_PREFIX): v for k, v in metrics.items() if k.startswith(FAILURE_PREFIX)
+        }
+        line = f"metrics (mean over {n} rollouts): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in metrics.items() if not k.startswith(FAILURE_PREFIX)
+        )
+        if failures:
+            happened = ", ".join(f"{k} {v:.3f}" for k, v in failures.items() if v)
+            line += f"; failures: {happened or 'none'}"
+        return line
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:

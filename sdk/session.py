@@ -33,6 +33,20 @@ class GatewayError(RuntimeError):
 
 
 TRANSIENT = {0, 429, 502, 503, 504}
+GATEWAY_SAMPLING = frozenset(
+    (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+    )
+)
+"""The `Session.sampling` keys the gateway holds for the session (gateway/sessions/sampling.py's
+FIELDS) and applies to every call; any other key (e.g. `max_tokens`) stays the environment's to pass."""
 
 
 def _retry_after(r: httpx.Response) -> float | None:
@@ -131,9 +145,11 @@ class GatewayClient:
         `max_retries` is the agent client's (openai's backoff: 0.5 s doubling, capped at 8 s): 6
         rides out ~20 s of an unreachable gateway, longer than a supervised gateway restart
         (docs/reliability-faults.md), after which the session continues from its journal."""
-        info = await self._post(
-            "/sessions", {"env": env, "task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
-        )
+        body = {"env": env, "task_id": task_id, "group_id": group_id, "metadata": metadata or {}}
+        held = {k: v for k, v in (sampling or {}).items() if k in GATEWAY_SAMPLING}
+        if held:  # the gateway applies them to every call of the session
+            body["sampling"] = held
+        info = await self._post("/sessions", body)
         if not info.get("api_key"):
             raise GatewayError(
                 f"the gateway at {self.url} returned no session token ('api_key') from POST /sessions; "
@@ -184,7 +200,9 @@ class Session:
     whoever runs it: `run_rollouts(sampling=..., seed=...)` (`temperature`; `seed`, this episode's
     own, so its samples are reproducible), which `palaestra train` sets to the trainer's
     temperature (the trainer's logprobs are only right at it) and `palaestra eval` to greedy.
-    Pass them all: `create(..., **session.sampling)`; empty: the gateway's defaults."""
+    Pass them all: `create(..., **session.sampling)`; empty: the gateway's defaults. The gateway
+    holds them too (sent at session creation): a call that omits one gets the session's value, and
+    one that contradicts it is overruled and recorded (`ignored_controls`, a warning)."""
 
     @property
     def finished(self) -> bool:

@@ -208,17 +208,15 @@ def _load_adapters(trainer: Trainer, path: Path, state: dict) -> None:
 
 
 def export_hf(trainer: Trainer, path: Path) -> Path:
-    from safetensors.torch import save_file
+    from palaestra.weights_format import save_safetensors
 
     hf = trainer.hf_state(merged=True)  # every rank takes part (a collective over TP)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         for old in path.glob("*.safetensors"):
             old.unlink()
-        save_file(
-            {k: v.contiguous() for k, v in hf.items()},
-            str(path / "model.safetensors"),
-            metadata={"format": "pt"},
+        save_safetensors(
+            {k: v.contiguous() for k, v in hf.items()}, path / "model.safetensors", {"format": "pt"}
         )
         skip = {"model.safetensors.index.json", "palaestra_preset.json"}
         for f in Path(trainer.model_dir).iterdir():

@@ -12,6 +12,9 @@ From a checkpoint (no Megatron, no model built: the files are converted):
   with the adapter folded in, W + (α/r)·B·A per projection;
 * a full fine-tuning checkpoint (``model.pt``): the HF model directory (``--merged`` or not).
 
+Every file is mode 0644; the adapter's ``base_model_name_or_path`` is the preset's name (``tiny``,
+``demo-student``) for a built preset, else the model directory given (`models.cache.model_name`).
+
 An HF directory holds ``model.safetensors`` plus the base model's config, generation config and
 tokenizer files, so `from_pretrained` and `palaestra engine serve --model DIR` read it. The
 adapter's safetensors metadata carries the base model's checksum (`weights_format.base_checksum`):
@@ -59,13 +62,16 @@ def export_adapter(trainer: Trainer, path: Path) -> Path:
     """The trainer's adapters as a PEFT directory at `path` (every rank calls; rank 0 writes)."""
     import torch.distributed as dist
 
+    from palaestra.models.cache import model_name
     from palaestra.weights_format import write_adapter
 
     if trainer.lora is None:
         raise ValueError("export_adapter needs trainer.lora (rank > 0); export_hf writes the full model")
     tensors = trainer.adapter_state()  # a collective over TP
     if dist.get_rank() == 0:
-        write_adapter(path, trainer.lora.peft_config(str(trainer.model_dir)), tensors, trainer.base_checksum)
+        write_adapter(
+            path, trainer.lora.peft_config(model_name(trainer.model_dir)), tensors, trainer.base_checksum
+        )
     if dist.get_world_size() > 1:
         dist.barrier()
     return path
@@ -95,13 +101,13 @@ def _copy_model_files(model_dir: Path, out: Path) -> None:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, merged: bool = False) -> Path:
     """Writes the export of `checkpoint` (module docstring) to `out`; returns `out`."""
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from palaestra.models.cache import model_name
     from palaestra.trainer.config import TrainerConfig
     from palaestra.trainer.convert import HFArchitecture, megatron_to_hf
     from palaestra.trainer.lora import Adapters, LoraOptions
-    from palaestra.weights_format import base_checksum, read_safetensors, write_adapter
+    from palaestra.weights_format import base_checksum, read_safetensors, save_safetensors, write_adapter
 
     ckpt = _checkpoint_dir(Path(checkpoint))
     state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -112,7 +118,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merged: bool = Fa
         adapter = torch.load(ckpt / "adapter.pt", weights_only=True)
         arch = HFArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir))
         options: LoraOptions = config.lora
-        peft_config = Adapters(options, arch, 0, 1).peft_config(str(model_dir))
+        peft_config = Adapters(options, arch, 0, 1).peft_config(model_name(model_dir))
         if not merged:
             return write_adapter(out, peft_config, adapter, state.get("base_checksum"))
         base = dict(read_safetensors(model_dir))
@@ -128,9 +134,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merged: bool = Fa
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.safetensors"):
         old.unlink()
-    save_file(
-        {k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
-    )
+    save_safetensors({k: v.contiguous() for k, v in hf.items()}, out / "model.safetensors", {"format": "pt"})
     _copy_model_files(model_dir, out)
     return out
 

@@ -13,6 +13,13 @@ search off, so the tools are listed with their schemas) and
 Codex's ``mcp_servers.<name>`` table (``-c`` overrides). The harness starts them itself, as its
 children, inside the same sandbox.
 
+`Budget` is what a harness is told of the served model, so that truncation is the exception: its
+context window (the gateway's `max_model_len`) and an output budget per call (default
+`default_output_tokens`: an eighth of the window, 256 to 8,192 tokens). Claude Code gets them as
+`CLAUDE_CODE_MAX_CONTEXT_TOKENS` and `CLAUDE_CODE_MAX_OUTPUT_TOKENS`; Codex as
+`model_context_window`, `model_max_output_tokens` and `model_auto_compact_token_limit` (window
+less the output budget: it compacts its history before a full reply would no longer fit).
+
 `command` is what the harness environment runs in a sandbox: the whole environment (nothing of the
 host's) and argv of one headless run on a task, with tools allowed without asking (the sandbox is
 the boundary). The turn limit is the tunnel's (`SessionTunnel.max_calls`), the same for every harness.
@@ -22,35 +29,86 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from palaestra.environments.mcp_tools.server import McpServer
 
-__all__ = ["TOKEN_VAR", "claude_code", "codex", "command", "mcp_settings"]
+__all__ = [
+    "TOKEN_VAR",
+    "Budget",
+    "claude_code",
+    "codex",
+    "command",
+    "default_output_tokens",
+    "mcp_settings",
+]
 
 TOKEN_VAR = "PALAESTRA_SESSION_KEY"
 """The environment variable Codex reads the session token from (its provider's `env_key`)."""
 
 
-def claude_code(base_url: str, token: str) -> dict[str, str]:
-    """The environment for `claude` to use the session at `base_url` (`.../s/<id>/v1`)."""
-    return {
+def default_output_tokens(context_window: int) -> int:
+    """A call's output budget for a model with this context window: an eighth of it, 256 to 8,192
+    (32k -> 4,096; the harnesses' own defaults, 32k and more, exceed small models' windows)."""
+    return max(256, min(8192, context_window // 8))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The served model's context window and the output tokens a harness may ask per call."""
+
+    context_window: int
+    max_output_tokens: int
+
+    @classmethod
+    def of(cls, context_window: int, max_output_tokens: int | None = None) -> Budget:
+        """`max_output_tokens` None: `default_output_tokens(context_window)`; it must leave room
+        for a prompt (ValueError naming both otherwise)."""
+        out = default_output_tokens(context_window) if max_output_tokens is None else int(max_output_tokens)
+        if not 0 < out < context_window:
+            raise ValueError(
+                f"max_output_tokens {out} must be positive and below the model's context window "
+                f"({context_window} tokens)"
+            )
+        return cls(int(context_window), out)
+
+
+def claude_code(base_url: str, token: str, budget: Budget | None = None) -> dict[str, str]:
+    """The environment for `claude` to use the session at `base_url` (`.../s/<id>/v1`), told the
+    model's `budget` when given."""
+    env = {
         "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
         "ANTHROPIC_API_KEY": token,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_AUTOUPDATER": "1",
         "IS_SANDBOX": "1",  # the harness runs in a sandbox: it may run tools without asking
     }
+    if budget is not None:
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(budget.context_window)
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(budget.max_output_tokens)
+    return env
 
 
-def codex(base_url: str, token: str, model: str) -> tuple[dict[str, str], list[str]]:
-    """(environment, `codex exec` arguments before the prompt) to use the session at `base_url`."""
+def codex(
+    base_url: str, token: str, model: str, budget: Budget | None = None
+) -> tuple[dict[str, str], list[str]]:
+    """(environment, `codex exec` arguments before the prompt) to use the session at `base_url`,
+    told the model's `budget` when given."""
     provider = {"name": "palaestra", "base_url": base_url, "wire_api": "responses", "env_key": TOKEN_VAR}
     args = ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
     for key, value in provider.items():
         args += ["-c", f"model_providers.palaestra.{key}={json.dumps(value)}"]
     args += ["-c", "model_provider=palaestra", "-m", model]
+    if budget is not None:
+        settings = {
+            "model_context_window": budget.context_window,
+            "model_max_output_tokens": budget.max_output_tokens,
+            "model_auto_compact_token_limit": budget.context_window - budget.max_output_tokens,
+        }
+        for key, value in settings.items():
+            args += ["-c", f"{key}={value}"]
     return {TOKEN_VAR: token}, args
 
 
@@ -101,13 +159,15 @@ def command(
     model: str,
     prompt: str,
     mcp_servers: Sequence[McpServer] = (),
+    budget: Budget | None = None,
 ) -> tuple[dict[str, str], list[str]]:
     """(environment, argv) of one headless run of harness `name` (its binary at `binary`) on
-    `prompt`, talking to the session at `base_url` with `token`, given `mcp_servers`."""
+    `prompt`, talking to the session at `base_url` with `token`, given `mcp_servers`, told the
+    model's `budget`."""
     env = {**SANDBOX_ENV, "HOME": HOME}
     mcp = mcp_settings(name, mcp_servers)
     if name == "claude-code":
-        env |= claude_code(base_url, token)
+        env |= claude_code(base_url, token, budget)
         if mcp:
             # MCP tools listed with their schemas: Claude Code's tool search would defer them behind
             # its ToolSearch tool, whose results (tool_reference blocks) the gateway does not take.
@@ -116,6 +176,6 @@ def command(
         # harness (Claude Code's own would end it first, exiting 1 "Reached max turns").
         return env, [binary, "-p", prompt, "--model", model, "--dangerously-skip-permissions", *mcp]
     if name == "codex":
-        extra, args = codex(base_url, token, model)
+        extra, args = codex(base_url, token, model, budget)
         return env | extra | {"CODEX_HOME": f"{HOME}/.codex"}, [binary, *args, *mcp, prompt]
     raise ValueError(f"no headless command for harness {name!r}: one of claude-code, codex")

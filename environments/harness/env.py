@@ -18,11 +18,15 @@ One episode:
    has no network;
 3. one exec: `forward.py` listens on 127.0.0.1:8080 of the sandbox's own network namespace, relays
    to the tunnel's socket, and runs the harness pointed at ``http://127.0.0.1:8080/s/<id>/v1`` with
-   the session's token (configure.command), its home in /work/home;
+   the session's token (configure.command), its home in /work/home, told the served model's
+   context window (the session's `GET /models`, `max_model_len`) and the output budget per call
+   (`max_output_tokens`, default an eighth of the window: `configure.Budget`);
 4. the harness ends by itself, or at the time budget (`time_limit_s`: the exec's wall clock), or
    at the turn budget (the tunnel refuses call `max_turns` + 1 and the host creates the stop file:
    `forward.py` kills the harness) — both `failure/harness_timeout`; a non-zero exit is
-   `failure/harness_exit`, its exit status in `harness/exit_code` and its last output logged;
+   `failure/harness_exit`, its exit status in `harness/exit_code` and its last output logged
+   under a line saying what happened when the output names it (`exit 1 (max_output_tokens)`:
+   `exit_reason`);
 5. the repository is taken out of the sandbox, diffed against the base and graded as in swe.
 
 A request the gateway refuses is the gateway's to record (`refused` in GET /sessions/{id}); what the
@@ -41,6 +45,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from palaestra.environments.episode import EpisodeLog
 from palaestra.environments.harness import configure
@@ -71,6 +77,19 @@ PROMPT = (
     "tests; run the tests with `{test_cmd}` to check. Stop when the fix is done."
 )
 OUTPUT_TAIL = 2000
+EXIT_REASONS = (
+    ("max_output_tokens", "max_output_tokens"),  # Codex: a reply cut at its output budget
+    ("context_length_exceeded", "context_length_exceeded"),
+    ("maximum context length", "context_length_exceeded"),
+    ("max_tokens", "max_tokens"),  # Claude Code: the same, in Anthropic's words
+    ("Reached max turns", "max_turns"),
+)
+"""(text in a harness's last output, what it means), first match wins: `exit_reason`."""
+
+
+def exit_reason(output: str) -> str | None:
+    """What a harness that exited non-zero said it stopped on, from its last output; None: unknown."""
+    return next((reason for text, reason in EXIT_REASONS if text in output), None)
 
 
 class HarnessEnv(Environment):
@@ -92,6 +111,7 @@ class HarnessEnv(Environment):
         find_links: list[str] | None = None,
         index: bool = True,
         mcp_servers: Sequence[McpServer | Mapping[str, Any]] = (),
+        max_output_tokens: int | None = None,
     ):
         """`harness` NAME or NAME@VERSION (`palaestra harness install` it first); `data` a
         SWE-bench-style JSONL (default: swe's generated set); `backend` a sandbox spec or a
@@ -100,12 +120,17 @@ class HarnessEnv(Environment):
         harness runtimes reserve GiBs). `cache_dir`, `generate_seed`, `env_cache_dir`, `find_links`
         and `index` are swe's (`SweAgentEnv`): the tasks and how their environments are built.
         `mcp_servers` (`McpServer`s or their fields) are given to the harness through its own MCP
-        settings; their `files` are uploaded to the work directory first."""
+        settings; their `files` are uploaded to the work directory first. `max_output_tokens` the
+        output budget per call the harness is told (default: an eighth of the served model's
+        context window, `configure.default_output_tokens`; on a CPU, docs/harnesses.md)."""
         name = harness.partition("@")[0]
         if name not in HARNESSES:
             raise ValueError(f"unknown harness {harness!r}: one of {', '.join(sorted(HARNESSES))}")
         if max_turns < 1 or not time_limit_s > 0:
             raise ValueError(f"max_turns and time_limit_s must be positive; got {max_turns}, {time_limit_s}")
+        if max_output_tokens is not None and max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be positive; got {max_output_tokens}")
+        self.max_output_tokens = max_output_tokens
         self.workspace = SweWorkspace.from_args(
             data, backend, cache_dir, generate_seed, env_cache_dir, find_links, index
         )
@@ -141,10 +166,18 @@ class HarnessEnv(Environment):
         mounts = (harness_mount, Mount(run_dir, RUN_DIR, live=True))
         return await self.workspace.start(task, self.box_limits, episode, mounts), binary
 
-    def config(self, box: TaskSandbox, binary: str, session_id: str, api_key: str) -> dict[str, Any]:
+    def config(
+        self,
+        box: TaskSandbox,
+        binary: str,
+        session_id: str,
+        api_key: str,
+        budget: configure.Budget | None = None,
+    ) -> dict[str, Any]:
         """What forward.py reads on its stdin: the tunnel's socket, its port, the stop file, and
         the harness's command, environment (the instance's environment first on PATH, when it has
-        one) and working directory, for session `session_id` with its token `api_key`."""
+        one) and working directory, for session `session_id` with its token `api_key`, told the
+        model's `budget`."""
         env, argv = configure.command(
             self.harness_name,
             binary,
@@ -153,6 +186,7 @@ class HarnessEnv(Environment):
             self.model,
             PROMPT.format(problem=box.task.problem_statement, test_cmd=box.task.test_cmd),
             self.mcp_servers,
+            budget,
         )
         if box.has_env:
             env = activate(env)
@@ -208,7 +242,8 @@ class HarnessEnv(Environment):
         metrics: dict[str, float],
     ) -> None:
         """Runs the harness in `box` on its task, to its end or its budget."""
-        config = self.config(box, binary, session.session_id, session.api_key)
+        budget = configure.Budget.of(await self.context_window(session), self.max_output_tokens)
+        config = self.config(box, binary, session.session_id, session.api_key, budget)
         for server in self.mcp_servers:  # the harness starts them itself, in this sandbox
             for path, text in server.files.items():
                 await box.sandbox.upload(path, text)
@@ -221,15 +256,28 @@ class HarnessEnv(Environment):
         elif not result.ok:
             episode.fail("harness_exit")
             tail = (result.stdout + "\n" + result.stderr).strip()[-OUTPUT_TAIL:]
+            reason = exit_reason(tail)
+            what = f"exit {result.exit_code}" + (f" ({reason})" if reason else "")
+            if result.status != "ok":  # the exec itself went wrong (killed, out of memory, ...)
+                what = f"{result.status}, {what}"
             log.warning(
-                "harness %s in session %s: %s, exit %s %s; last output:\n%s",
+                "harness %s in session %s: %s%s; last output:\n%s",
                 self.harness,
                 session.session_id,
-                result.status,
-                result.exit_code,
-                result.detail,
+                what,
+                f" {result.detail}" if result.detail else "",
                 tail,
             )
+
+    @staticmethod
+    async def context_window(session: Session) -> int:
+        """The served model's context window: `max_model_len` of the session's `GET /models`."""
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            r = await client.get(
+                f"{session.base_url}/models", headers={"Authorization": f"Bearer {session.api_key}"}
+            )
+            r.raise_for_status()
+            return int(r.json()["data"][0]["max_model_len"])
 
     async def _exec_harness(
         self, box: TaskSandbox, config: dict[str, Any], run_dir: str, tunnel: SessionTunnel

@@ -25,6 +25,7 @@ is reported when a run's config is checked, naming the dataset and its error.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,11 @@ from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.mix import Entry, WeightedMix
 from palaestra.sdk.options import OptionError, read_options
 from palaestra.sdk.session import Session
+
+# reasoning-gym imports cellpylib (game_of_life), whose 2.4.0 sources compare with `is` to
+# literals: compiled without a cached .pyc (a fresh install), each such line printed a
+# SyntaxWarning at every import. Only cellpylib's own files, only that category.
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[/\\]cellpylib[/\\]")
 
 __all__ = [
     "DatasetError",

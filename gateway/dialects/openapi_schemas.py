@@ -280,6 +280,16 @@ SESSION: dict[str, Any] = {
         "group_id": _STR,
         "session_id": {"type": "string", "pattern": "^[A-Za-z0-9-]+$"},
         "metadata": _OBJ,
+        "sampling": {  # gateway/sessions/sampling.py: applied to every call of the session
+            "type": "object",
+            "properties": {
+                **{k: {"type": "number"} for k in ("temperature", "top_p", "min_p", "repetition_penalty")},
+                **{k: {"type": "number"} for k in ("presence_penalty", "frequency_penalty")},
+                "top_k": {"type": "integer"},
+                "seed": {"type": "integer"},
+            },
+            "additionalProperties": False,
+        },
     },
     "additionalProperties": False,
 }

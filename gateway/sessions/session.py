@@ -38,6 +38,10 @@ class Session:
     metadata: dict[str, Any]
     token: str = ""
     """The session's own credential (gateway/auth.py): opens only its /s/<id>/v1 routes."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """The run's sampling, applied to every call (gateway/sessions/sampling.py); {}: the calls'."""
+    sampling_warned: bool = field(default=False, init=False)
+    """A contradicting call was logged (once per session; not journaled)."""
     created: float = field(default_factory=time.time)
     turns: list[Turn] = field(default_factory=list)
     by_digest: dict[int, list[Turn]] = field(default_factory=dict)
@@ -129,6 +133,7 @@ class Session:
             "task_id": self.task_id,
             "group_id": self.group_id,
             "metadata": self.metadata,
+            "sampling": self.sampling,
             "finished": self.finished,
             "status": self.status,
             "reward": self.reward,

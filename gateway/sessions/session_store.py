@@ -34,12 +34,19 @@ class SessionStore:
         group_id: str | None,
         metadata: dict[str, Any],
         session_id: str | None = None,
+        sampling: dict[str, Any] | None = None,
     ) -> Session:
         sid = session_id or uuid.uuid4().hex
         if sid in self._sessions:
             raise GatewayError(f"session {sid!r} already exists", 409, code="session_exists")
         session = Session(
-            sid, env, task_id, group_id or f"{env}/{task_id}", metadata, token=mint_session_token(sid)
+            sid,
+            env,
+            task_id,
+            group_id or f"{env}/{task_id}",
+            metadata,
+            token=mint_session_token(sid),
+            sampling=dict(sampling or {}),
         )
         self._sessions[sid] = session
         self.metrics.sessions_created.inc()

@@ -19,7 +19,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["MARKER", "build_once", "cache_root", "is_built", "models_dir", "preset_dir", "write_marker"]
+__all__ = [
+    "MARKER",
+    "build_once",
+    "cache_root",
+    "is_built",
+    "model_name",
+    "models_dir",
+    "preset_dir",
+    "write_marker",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +57,16 @@ def preset_dir(name: str, version: int, cache_dir: str | Path | None = None) -> 
 def is_built(directory: Path) -> bool:
     """Whether `directory` is a complete build (its `MARKER` exists)."""
     return (directory / MARKER).is_file()
+
+
+def model_name(directory: str | Path) -> str:
+    """What to call the model in files users carry elsewhere (an adapter's
+    ``base_model_name_or_path``): a built preset's name (``tiny``), not its cache path, which means
+    nothing on another machine; any other directory as given."""
+    try:
+        return str(json.loads((Path(directory) / MARKER).read_text())["name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(directory)
 
 
 def write_marker(out_dir: Path, name: str, version: int, **fields: object) -> None:

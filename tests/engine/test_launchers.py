@@ -50,7 +50,7 @@ def test_router_defaults_are_loopback_and_consistent_hashing():
     assert ra.worker_urls == [W1, W2]
     assert (ra.host, ra.port, ra.policy) == ("127.0.0.1", 30000, "consistent_hashing")
     assert (ra.prometheus_host, ra.prometheus_port) == ("127.0.0.1", 40000)
-    assert ra.log_level == "info"
+    assert ra.log_level == "warn"  # info logs two lines per request
     # Untouched router options keep sglang-router's own defaults.
     assert ra.health_check_interval_secs == 60 and ra.health_check_endpoint == "/health"
 
@@ -347,6 +347,9 @@ def test_real_router_keeps_each_routing_key_on_one_worker(stand_in_workers):
             no_key = client.post("/generate", json=body)
             assert no_key.status_code == 200 and no_key.json()["output_ids"] == [7]
             assert httpx.get(proc.metrics_url, timeout=5, trust_env=False).status_code == 200
+        # at the default log level (warn) the router logs nothing per request (info: two lines each)
+        log = proc.log_tail(100_000)
+        assert "router: http://" in log and "processing request" not in log, log[-2000:]
         proc_for_exit = proc
     assert proc_for_exit.poll() is not None  # stop() ended the subprocess
 

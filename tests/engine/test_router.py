@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import socket
+import threading
+
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 
-from palaestra.engine.cli import engine_process
+from palaestra.engine.cli import H2_PREFACE, engine_process, http1_protocol
 from palaestra.engine.router import RouterProcess
+from palaestra.net import wait_http_ok
 
 pytestmark = pytest.mark.engine  # two embedded engines behind the router
 
@@ -74,3 +81,50 @@ def test_full_protocol_survives_the_router(fleet):
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 3
     assert len(meta["input_token_logprobs"]) == 4 and meta["input_token_logprobs"][0][0] is None
     assert len(meta["output_top_logprobs"]) == 3
+
+
+def test_engines_behind_the_router_log_no_invalid_request(fleet):
+    # The router's gRPC detection opens with the HTTP/2 preface; uvicorn warned once per probe.
+    _, engines = fleet
+    for engine in engines:
+        assert "serving tiny" in engine.log_tail()
+        assert "Invalid HTTP request" not in engine.log_tail(), engine.log_tail()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_the_http2_preface_is_closed_quietly_and_other_garbage_still_warns():
+    app = FastAPI()
+    app.get("/health")(lambda: {})
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http1_protocol()))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    records = _Records()  # uvicorn's loggers do not propagate to pytest's
+    logging.getLogger("uvicorn.error").addHandler(records)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=10)
+
+        def send(data: bytes) -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(data)
+                return conn.recv(4096)
+
+        assert send(H2_PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00") == b""  # closed, no answer
+        assert send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+        assert records.messages == []
+        assert send(b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400")
+        assert records.messages == ["Invalid HTTP request received."]
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+        server.should_exit = True
+        thread.join(timeout=5)

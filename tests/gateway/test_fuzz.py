@@ -29,6 +29,7 @@ from hypothesis.errors import Unsatisfiable
 
 from palaestra.gateway.dialects import anthropic_api, controls
 from palaestra.gateway.guards import BODY_REASONS
+from palaestra.gateway.sessions import sampling as session_sampling
 from palaestra.gateway.streaming import safe_prefix
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
@@ -466,3 +467,38 @@ def test_the_engines_routed_experts_field_is_read_or_a_502_naming_it(data, start
         return
     assert routed.start == start and routed.experts.ndim == 3 and routed.experts.shape[1:] == (2, 2)
     assert routed.end == start + len(routed.experts)
+
+
+# -- a session's sampling (POST /sessions' `sampling`, gateway/sessions/sampling.py) --------------
+def _encodable(value: object) -> bool:
+    """JSON the gateway can read at all: finite numbers, integers within 64 bits."""
+    if isinstance(value, float):
+        return value == value and abs(value) != float("inf")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -(2**63) <= value < 2**64
+    if isinstance(value, list):
+        return all(_encodable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_encodable(v) for v in value.values())
+    return True
+
+
+@given(
+    key=st.sampled_from(sorted(session_sampling.FIELDS)) | st.text(max_size=6),
+    value=(_JSON | st.floats(-3, 3) | st.integers(-(2**63), 2**63 - 1)).filter(_encodable),
+)
+@settings(FUZZ, max_examples=EXAMPLES * 2)
+def test_session_sampling_is_taken_in_range_or_refused_naming_the_field(gateway, key, value):
+    _, _, client = gateway
+    r = client.post("/sessions", json={"env": "fuzz", "sampling": {key: value}})
+    check_answer("/sessions", r.status_code, r.content)
+    spec = session_sampling.FIELDS.get(key)
+    number = spec is not None and (isinstance(value, int) if spec[3] else isinstance(value, (int, float)))
+    valid = number and not isinstance(value, bool) and spec[1] <= value <= spec[2]
+    if valid:
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        assert client.get(f"/sessions/{sid}").json()["sampling"] == {key: value}
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"sampling.{key}", r.text

@@ -1,5 +1,6 @@
 """The driver's console says, once, when a run trains on no learning signal (every group's rewards
-equal: advantage 0 everywhere, gradient 0), with the counts and what to change."""
+equal: advantage 0 everywhere, gradient 0), with the counts and what to change; and metrics.jsonl
+gets one row per step, the step-0 evaluation's included."""
 
 from __future__ import annotations
 
@@ -60,3 +61,76 @@ def test_the_message_names_the_estimator_when_the_groups_differ():
     m = no_signal_message(7, {**FLAT, "train/zero_variance_groups": 1.0, "train/groups": 4.0})
     assert m.startswith("step 7: no learning signal: the advantage estimator gave 0 to every sample "
                         "(1 of 4 groups had equal rewards) and no teacher added a term")  # fmt: skip
+
+
+# -- metrics.jsonl's rows, as the run's loop logs them ------------------------------------------
+class _Counters:
+    """TEST DOUBLE of the run's supervisor: no faults counted."""
+
+    def new_counters(self) -> dict[str, float]:
+        return {}
+
+
+class _Feed:
+    def close(self) -> None:
+        pass
+
+
+def _run_without_a_cluster(tmp_path, steps: int, eval_tasks: int):
+    """The real `Run` methods that log rows, on a `Run` built without a cluster: its evaluation a
+    TEST DOUBLE answering accuracy 0.25 before and 0.75 after."""
+    from palaestra.config import load_config
+    from palaestra.orchestrator.checkpoint import RunState
+    from palaestra.orchestrator.loop import Run
+
+    run = Run.__new__(Run)
+    run.cfg = load_config(None, [f"run.steps={steps}", f"env.eval_tasks={eval_tasks}"])
+    run.state, run._bar, run._held_row = RunState(), None, None
+    run.tracker = make_tracker(LoggingOptions(), tmp_path, run_name="t", config={})
+    run.supervisor, run.feed = _Counters(), _Feed()
+    run.evaluate = lambda tag: {"accuracy": 0.25 if tag == "before" else 0.75, "tasks": float(eval_tasks)}
+    return run
+
+
+def _rows(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_jsonl_has_the_step_0_evaluation_and_one_row_per_step(tmp_path):
+    run = _run_without_a_cluster(tmp_path, steps=2, eval_tasks=4)
+    with run:
+        run.evaluate_before()
+        for step in range(2):
+            run.log(step, {"rollout/reward_mean": 0.5 + step})
+        run.evaluate_after()
+    assert _rows(tmp_path) == [
+        {"step": 0, "train/step": 0.0, "eval/accuracy": 0.25},
+        {"step": 1, "rollout/reward_mean": 0.5},
+        {"step": 2, "rollout/reward_mean": 1.5, "eval/accuracy": 0.75},
+    ]
+    assert run.state.rows[-1] == {"rollout/reward_mean": 1.5, "eval/accuracy": 0.75}
+
+
+def test_the_last_row_is_written_when_its_evaluation_never_comes_and_without_evaluations(tmp_path):
+    run = _run_without_a_cluster(tmp_path / "cut", steps=1, eval_tasks=4)
+    with run:
+        run.log(0, {"rollout/reward_mean": 0.5})  # the evaluation after it fails: the run exits
+    assert _rows(tmp_path / "cut") == [{"step": 1, "rollout/reward_mean": 0.5}]
+    run = _run_without_a_cluster(tmp_path / "none", steps=2, eval_tasks=0)
+    with run:
+        run.log(0, {"rollout/reward_mean": 0.5})
+        assert len(_rows(tmp_path / "none")) == 1  # written as the step ends, not held
+        run.log(1, {"rollout/reward_mean": 0.25})
+    assert [r["step"] for r in _rows(tmp_path / "none")] == [1, 2]
+
+
+def test_a_redone_last_step_keeps_both_rows_as_other_redone_steps_do(tmp_path):
+    run = _run_without_a_cluster(tmp_path, steps=1, eval_tasks=4)
+    with run:
+        run.log(0, {"train/loss": 1.0})  # held for the evaluation ...
+        run.log(0, {"train/loss": 0.5})  # ... but a fault's recovery redid the step
+        run.evaluate_after()
+    assert _rows(tmp_path) == [
+        {"step": 1, "train/loss": 1.0},
+        {"step": 1, "train/loss": 0.5, "eval/accuracy": 0.75},
+    ]

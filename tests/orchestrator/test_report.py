@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from palaestra.orchestrator.report import plot_reward_curve
+from palaestra.orchestrator.report import accuracy_points, plot_reward_curve, reward_band
 from palaestra.orchestrator.viewer import token_texts, write_trajectory_viewer
 from palaestra.sample import Sample, sample_id_for
 
@@ -144,7 +144,7 @@ def test_reward_curve_png(tmp_path):
         {"train/step": k, "rollout/reward_mean": 0.1 * k, "rollout/reward_std": 0.2} for k in range(1, 6)
     ]
     rows[-1]["eval/accuracy"] = 0.5
-    path = plot_reward_curve(rows, tmp_path / "out" / "reward_curve.png", title="demo")
+    path = plot_reward_curve(rows, tmp_path / "out" / "reward_curve.png", title="demo", eval_tasks=20)
     width, height = _png_size(path)
     assert 600 <= width <= 2000 and 400 <= height <= 1500
     assert 10_000 < path.stat().st_size < 500_000
@@ -154,3 +154,25 @@ def test_reward_curve_png(tmp_path):
         [{"rollout/reward_mean": 0.5}, {"rollout/reward_mean": float("nan")}], tmp_path / "r.png"
     )
     assert _png_size(only)[1] < height
+
+
+def test_the_reward_band_stays_within_the_steps_rewards():
+    rows = [
+        {"train/step": 1, "rollout/reward_mean": 0.1, "rollout/reward_std": 0.3,
+         "rollout/reward_min": 0.0, "rollout/reward_max": 1.0},
+        {"train/step": 2, "rollout/reward_mean": 0.9, "rollout/reward_std": 0.3,
+         "rollout/reward_min": 0.0, "rollout/reward_max": 1.0},
+        {"train/step": 3, "rollout/reward_mean": -0.5, "rollout/reward_std": 0.25},  # no range: ± std
+        {"train/step": 4, "eval/accuracy": 0.5},  # no reward: no band
+    ]  # fmt: skip
+    band = [(s, m, round(lo, 6), round(hi, 6)) for s, m, lo, hi in reward_band(rows)]
+    assert band == [(1.0, 0.1, 0.0, 0.4), (2.0, 0.9, 0.6, 1.0), (3.0, -0.5, -0.75, -0.25)]
+
+
+def test_accuracy_points_carry_their_binomial_standard_error():
+    rows = [{"eval/accuracy": 0.1}, {"rollout/reward_mean": 0.3}, {"eval/accuracy": 0.25, "eval/tasks": 40.0}]
+    points = accuracy_points(rows, eval_tasks=20)
+    assert [(s, p) for s, p, _ in points] == [(0.0, 0.1), (2.0, 0.25)]
+    assert points[0][2] == pytest.approx((0.1 * 0.9 / 20) ** 0.5)  # 0.067: 0.10 -> 0.25 is ~2 s.e.
+    assert points[1][2] == pytest.approx((0.25 * 0.75 / 40) ** 0.5)  # the row's own task count wins
+    assert accuracy_points(rows)[0][2] is None  # no task count known: no error bar

@@ -58,11 +58,16 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
     for name in ("reward_curve.png", "viewer.html", "config.yaml"):
         assert (out / name).stat().st_size > 0, name
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 2] and "rollout/reward_mean" in rows[0]
-    # logged after the step: the accuracy, and each task kind's (the tasks mix two kinds)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "rollout/reward_mean" in rows[1]
+    assert rows[0]["eval/accuracy"] == first.eval_before["accuracy"]  # the evaluation before training
+    # on the last step's row: the accuracy after it, and each task kind's (the tasks mix two kinds)
     kinds = {f"eval/{k}": v for k, v in first.eval_after.items() if k.startswith("accuracy/")}
     assert set(kinds) == {"eval/accuracy/arithmetic", "eval/accuracy/word_problem"}
-    assert rows[2] == {"step": 2, "eval/accuracy": first.eval_after["accuracy"], **kinds}
+    assert "rollout/reward_mean" in rows[2]
+    assert {k: rows[2][k] for k in ("eval/accuracy", *kinds)} == {
+        "eval/accuracy": first.eval_after["accuracy"],
+        **kinds,
+    }
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
 

@@ -92,6 +92,17 @@ def test_viewer_shows_tool_episodes_steps_and_failures(browser, page_path):
     assert page.locator("#rows tr:not([hidden])").count() == 9
     assert page.inner_text("#shown") == "showing 9 of 9"
 
+    # The question is shown with its answer: the prompt is open above the conversation.
+    assert page.locator("#prompt").is_visible() and "Write f (task 1-0)" in page.inner_text("#prompt")
+    # A clean episode's failures cell is a neutral dash; a failed one's is red.
+    clean = next(i for i, s in enumerate(samples) if s["reward"] == 1.0)
+    cell = page.locator(f'#rows tr[data-i="{clean}"] td').nth(4)
+    assert (
+        cell.inner_text() == "—" and cell.evaluate("td => getComputedStyle(td).color") == "rgb(158, 158, 158)"
+    )
+    red = page.locator("#rows tr td.fail").first.evaluate("td => getComputedStyle(td).color")
+    assert red == "rgb(198, 40, 40)"
+
     # The first sample opens as a conversation: 3 model turns (tool calls marked), 2 environment replies.
     assert page.locator(".turn.model").count() == 3 and page.locator(".turn.env").count() == 2
     assert "<tool_response>" in page.locator(".turn.env").first.inner_text()
@@ -109,9 +120,10 @@ def test_viewer_shows_tool_episodes_steps_and_failures(browser, page_path):
     page.click("#metrics-box summary")
     assert "failure/sandbox_timeout = 2.000" in page.inner_text("#metrics")
 
-    # The token view: every response token, masked ones marked.
+    # The token view: every response token, masked ones marked; no teacher, so no teacher colouring.
     page.check("input[name=view][value=tokens]")
     assert page.locator("#turns").is_hidden() and page.locator("#tokens").is_visible()
+    assert page.locator("#colour-by").is_hidden() and page.locator("#legend-mask").is_visible()
     response = len(samples[failed]["tokens"]) - samples[failed]["prompt_len"]
     assert page.locator("#tokens span").count() == response
     assert page.locator("#tokens span.m0").count() == response - sum(samples[failed]["loss_mask"])
@@ -134,3 +146,17 @@ def test_viewer_shows_tool_episodes_steps_and_failures(browser, page_path):
     shown = page.locator("#rows tr:not([hidden])").evaluate_all("rows => rows.map(r => Number(r.dataset.i))")
     assert shown == [i for i, s in enumerate(samples) if s["reward"] == 1.0]
     assert not errors, errors
+
+
+def test_student_teacher_colouring_is_offered_only_with_teacher_logprobs(browser, page_path, tok, tmp_path):
+    _, samples = page_path
+    taught = [{**s, "teacher_logprobs": [lp - 0.5 for lp in s["rollout_logprobs"]]} for s in samples[:2]]
+    path = write_trajectory_viewer(taught, tok, tmp_path / "viewer.html", title="run: with a teacher")
+    page = browser.new_page()
+    page.goto(path.as_uri() + "#mode=gap")
+    assert page.locator("#colour-by").is_visible() and page.locator("#legend-gap").is_visible()
+    assert page.locator("#tokens span[style]").count() > 0  # coloured by the gap
+    untaught = write_trajectory_viewer(samples[:2], tok, tmp_path / "plain.html", title="run")
+    page.goto(untaught.as_uri() + "#mode=gap")  # asked for, but there is nothing to colour by
+    assert page.locator("#colour-by").is_hidden() and page.locator("#legend-gap").is_hidden()
+    assert page.locator("#tokens span.m1").count() > 0  # the loss mask instead

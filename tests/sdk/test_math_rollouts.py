@@ -122,6 +122,24 @@ class Exploding(Environment):
         raise RuntimeError("the environment broke")
 
 
+def test_the_metrics_line_names_only_the_failures_that_happened():
+    from palaestra.sdk.runner import RolloutResult, RolloutSummary
+
+    def result(metrics):
+        return RolloutResult("t", "g", "s", 1.0, "completed", metrics)
+
+    clean = {"correct": 1.0, "failure/harness_exit": 0.0, "failure/sandbox_timeout": 0.0}
+    summary = RolloutSummary([result(clean), result(clean)], wall_s=1.0)
+    assert summary.metrics_line() == "metrics (mean over 2 rollouts): correct 1.000; failures: none"
+    assert set(summary.metrics) == set(clean)  # --json keeps every counter
+    summary = RolloutSummary([result(clean), result({**clean, "failure/sandbox_timeout": 1.0})], wall_s=1.0)
+    assert summary.metrics_line().endswith("correct 1.000; failures: sandbox_timeout 0.500")
+    # an environment without failure counters gets no failures clause
+    assert RolloutSummary([result({"correct": 0.0})], 1.0).metrics_line() == (
+        "metrics (mean over 1 rollouts): correct 0.000"
+    )
+
+
 def test_a_rollout_that_raises_closes_its_session_as_failed(gateway):
     async def run():
         gw = GatewayClient(gateway.url, "k-sdk")

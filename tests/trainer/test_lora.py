@@ -11,6 +11,7 @@ trainer-vs-engine logprob check with the adapter on): tests/orchestrator/test_tr
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -156,6 +157,12 @@ def test_peft_loads_the_export_with_the_same_logprobs(tiny_model_dir, trained, t
     delta = (torch.cat(theirs) - ours).abs().max().item()
     print(f"\npeft {type(model).__name__} vs the trainer: max |Δlogprob| {delta:.2e}")
     assert delta <= 1e-5
+    # files another user or a container can read, naming the preset rather than this cache's path
+    assert {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()} == {
+        "adapter_config.json": 0o644,
+        "adapter_model.safetensors": 0o644,
+    }
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
 
 
 def test_palaestra_export_writes_the_adapter_and_a_merged_model(tiny_model_dir, trained, tmp_path):
@@ -190,6 +197,12 @@ def test_palaestra_export_writes_the_adapter_and_a_merged_model(tiny_model_dir, 
         load_file(str(tmp_path / "merged-live" / "model.safetensors")),
     )
     assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
+    for out in ("peft", "merged", "merged-live"):
+        modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / out).iterdir()}
+        assert set(modes.values()) == {"0o644"}, (out, modes)
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "tiny"
+    )
 
 
 def test_bad_options_name_what_to_change(tiny_model_dir):
