@@ -30,7 +30,9 @@ class RunState:
 
     step: int = 0  # steps done
     weight_version: int = 0  # what the engines hold, as the trainer reported it after its last sync
-    cursor: int = 0  # the gateway spool position read so far
+    cursors: list[int] = field(
+        default_factory=lambda: [0]
+    )  # per gateway shard: its spool position read so far
     watermark: int = 0  # every task index below it was consumed (trained or dropped)
     consumed_above: list[int] = field(default_factory=list)  # consumed indices >= watermark (async)
     rows: list[dict[str, float]] = field(default_factory=list)  # per-step metrics (the reward curve)
@@ -70,7 +72,10 @@ def prepare_run(cfg: RunConfig) -> tuple[RunState, Path | None]:
             log.warning("run.resume: no checkpoint in %s; starting at step 0", out / "checkpoints")
         return RunState(), None
     ckpt = out / "checkpoints" / latest.read_text().strip()
-    state = RunState(**json.loads((ckpt / "state.json").read_text()))
+    saved = json.loads((ckpt / "state.json").read_text())
+    if "cursor" in saved:  # a checkpoint of one gateway before shards: its one cursor
+        saved["cursors"] = [saved.pop("cursor")]
+    state = RunState(**saved)
     log.info("resuming from %s: step %d, weight version %d", ckpt, state.step, state.weight_version)
     return state, ckpt
 

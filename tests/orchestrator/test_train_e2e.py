@@ -68,7 +68,7 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
 
     resumed = train(make_config(out, "sync", "run.steps=3", "run.resume=true"))
     assert (resumed.start_step, resumed.start_weight_version) == (2, 2)
-    assert resumed.start_cursor == first.state.cursor > 0
+    assert resumed.start_cursors == first.state.cursors and first.state.cursors[0] > 0
     assert resumed.engine_versions_start == ["2", "2"] and resumed.engine_versions_end == ["3", "3"]
     assert len(resumed.trained) == 1 and resumed.trained[0].trainer_version == 2
     expected = [t.task_id for t in take_tasks(load_environment("math", difficulty=1), 6, seed=0)]
