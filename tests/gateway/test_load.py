@@ -24,9 +24,9 @@ On the gateway before finished sessions dropped their token lists, a round added
 session (32.7 MiB) and this test failed. Peaks are printed with the rest.
 
 The same agents also run through two gateway shards behind their front (gateway/shards.py):
-SHARDED_SESSIONS sessions in one round (250 in CI; `python -m bench load --shards 2` runs the
-full 1,000), every turn and sample checked as above, each sample in the spool of the shard that
-owns its session.
+SHARDED_SESSIONS sessions in one round (250 in CI; the full 1,000 with
+`PALAESTRA_LOAD_SHARDED_SESSIONS=1000 ... -k two_shards`, as docs/gateway.md reports), every turn
+and sample checked as above, each sample in the spool of the shard that owns its session.
 
 1,000 agents hold 1,000 connections to the gateway, which holds as many plus up to 512 to the
 engine: the test raises its soft RLIMIT_NOFILE (inherited by the servers it starts) and skips,
@@ -57,8 +57,7 @@ from tests.support.load_agents import run_agents as _run_agents
 
 SESSIONS = 1000
 SHARDED_SESSIONS = int(os.environ.get("PALAESTRA_LOAD_SHARDED_SESSIONS", "250"))
-"""Sessions of the two-shard round: 250 in CI (its time), the full 1,000 from
-`python -m bench load --shards 2` (it sets this variable)."""
+"""Sessions of the two-shard round: 250 in CI (its time), the full 1,000 with this variable set."""
 TURNS = 3
 ROUNDS = ("warm", "again", "load")
 """Rounds of SESSIONS sessions; the RSS after the next-to-last is the baseline (see the docstring)."""
