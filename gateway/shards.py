@@ -91,8 +91,10 @@ class Front:
 
     async def start(self, _app: web.Application | None = None) -> None:
         # No total timeout: a generation or a sample stream lasts as long as it lasts (the shards
-        # time their engine calls); no connection limit: the shards' admission limits decide.
-        connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
+        # time their engine calls); no connection limit: the shards' admission limits decide. Idle
+        # connections are dropped after 2 s, before a shard (uvicorn) closes them at 5 s, so a call
+        # is never sent on a connection the shard is closing.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         self.http = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
@@ -186,8 +188,12 @@ class Front:
                 await out.write(chunk)
             await out.write_eof()
             return out
-        except (aiohttp.ClientError, ConnectionResetError):  # the shard died mid-answer
-            request.transport and request.transport.close()  # the client sees what a dead gateway shows
+        except (aiohttp.ClientError, ConnectionResetError):
+            # the shard died mid-answer, or the client went away: the other side sees its connection
+            # closed, as with one gateway (a shard drops the engine request of a client gone)
+            upstream.close()
+            if request.transport is not None:
+                request.transport.close()
             return out
         finally:
             upstream.release()

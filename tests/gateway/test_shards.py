@@ -52,6 +52,15 @@ def test_metrics_of_every_shard_carry_a_shard_label_under_one_help_line():
     assert 'open{shard="0"} 1.0' in text and 'open{shard="1"} 2.0' in text
 
 
+@pytest.mark.parametrize("value", [0, 65, -1, True, "2", 1.5])
+def test_gateway_shards_outside_1_to_64_is_refused_naming_the_field(value):
+    from palaestra.gateway.options import GatewayOptions
+
+    with pytest.raises(ValueError, match=r"gateway.shards must be an integer from 1 to 64"):
+        GatewayOptions(shards=value)
+    assert "--shards" not in GatewayOptions(shards=2).serve_flags()  # a run's topology, not a flag
+
+
 # -- the front, over two echoing shards -----------------------------------------------------------
 def _echo_shard(index: int) -> web.Application:
     async def echo(request: web.Request) -> web.StreamResponse:
@@ -115,8 +124,9 @@ def test_the_front_sends_each_call_to_its_sessions_shard_and_answers_for_the_fle
                 assert named["shard"] == 1 and json.loads(named["body"]) == {"session_id": "abc"}
                 assert (await c.post("/sessions", content=b"[1]")).json()["shard"] == 0  # its error
                 # the spool is per shard
-                r = await c.get("/samples", params={"after": 0})
-                assert r.status_code == 400 and "?shard=<0..1>" in r.json()["error"]["message"]
+                for bad in ({}, {"shard": "2"}, {"shard": "-1"}, {"shard": "1e3"}, {"shard": "9" * 40}):
+                    r = await c.get("/samples", params={"after": 0, **bad})
+                    assert r.status_code == 400 and "?shard=<0..1>" in r.json()["error"]["message"]
                 assert (await c.get("/samples?after=3&shard=1")).json() == {
                     "shard": 1,
                     "path": "/samples?after=3&shard=1",
