@@ -382,7 +382,7 @@ class Run:
         latest = self.out / "checkpoints" / "latest"
         ckpt = self.out / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
         if ckpt is not None:
-            self.state = RunState(**json.loads((ckpt / "state.json").read_text()))
+            self.state = RunState.load(ckpt / "state.json")
             self.restore(ckpt)
         else:
             before = [r for r in self.state.rows if r.get("train/step") == 0.0]  # evaluate_before's

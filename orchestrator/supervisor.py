@@ -83,7 +83,13 @@ class Supervisor:
             return {}
         out = {"faults/total": float(len(self.faults))}
         for fault in new:
-            kind = "engine" if fault.component.startswith("engine-") else fault.component.replace(" ", "_")
+            kind = (
+                "engine"
+                if fault.component.startswith("engine-")
+                else "gateway_shard"
+                if fault.component.startswith("gateway-shard-")
+                else fault.component.replace(" ", "_")
+            )
             out[f"faults/{kind}"] = out.get(f"faults/{kind}", 0.0) + 1.0
             out[f"faults/{kind}_recovery_s"] = fault.recovery_s
         return out

@@ -329,3 +329,13 @@ def test_async_mode_interrupts_weight_syncs_unless_told_to_drain():
     for overrides in (["run.mode=async", "run.partial_rollouts=false"], ["run.mode=one_step_off"], []):
         cfg = load_config("configs/demo.yaml", overrides)
         assert not interrupting(cfg) and trainer_options(cfg)["sync"]["pause_mode"] == "in_place", overrides
+
+
+def test_a_checkpoint_of_one_gateway_resumes_as_one_shards_cursor(tmp_path):
+    import json
+
+    (tmp_path / "state.json").write_text(json.dumps({"step": 2, "cursor": 7}))
+    assert RunState.load(tmp_path / "state.json").cursors == [7]
+    (tmp_path / "state.json").write_text(json.dumps({"step": 2, "cursors": [3, 4]}))
+    assert RunState.load(tmp_path / "state.json").cursors == [3, 4]
+    assert RunState().cursors == []  # fresh: the feed starts every shard at 0
