@@ -62,8 +62,19 @@ def test_gateway_shards_outside_1_to_64_is_refused_naming_the_field(value):
 
 
 # -- the front, over two echoing shards -----------------------------------------------------------
-def _echo_shard(index: int) -> web.Application:
+def _echo_shard(index: int, cut: list[int] | None = None) -> web.Application:
     async def echo(request: web.Request) -> web.StreamResponse:
+        if request.path.endswith("/long-stream"):  # until the client goes: `cut` records that it saw it
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            try:
+                for k in range(500):
+                    await out.write(f"data: {k}\n\n".encode())
+                    await asyncio.sleep(0.01)
+            except (ConnectionResetError, RuntimeError):
+                assert cut is not None
+                cut.append(index)
+            return out
         if request.path.endswith("/stream"):  # an SSE answer in three chunks, with pauses between
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
@@ -102,7 +113,8 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 def test_the_front_sends_each_call_to_its_sessions_shard_and_answers_for_the_fleet():
     async def main() -> None:
-        shards = [await _serve(_echo_shard(i)) for i in range(2)]
+        cut: list[int] = []
+        shards = [await _serve(_echo_shard(i, cut)) for i in range(2)]
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         runner, url = await _serve(front_app([u for _, u in shards]))
         down_runner, down_url = await _serve(front_app([shards[0][1], dead]))
@@ -138,6 +150,16 @@ def test_the_front_sends_each_call_to_its_sessions_shard_and_answers_for_the_fle
                     assert s.headers["content-type"] == "text/event-stream"
                     chunks = [chunk async for chunk in s.aiter_bytes()]
                 assert b"".join(chunks) == b"data: 1-0\n\ndata: 1-1\n\ndata: 1-2\n\n"
+                # a client gone mid-stream: the shard sees its own stream's client go (and, a gateway,
+                # drops the engine request) within a few chunks, not after the 500
+                async with c.stream("GET", "/s/abc/v1/long-stream") as s:
+                    async for _ in s.aiter_bytes():
+                        break
+                for _ in range(200):
+                    if cut:
+                        break
+                    await asyncio.sleep(0.01)
+                assert cut == [1]
                 # admin: every shard, summed; an unauthorised call is refused as a shard refuses it
                 assert (await c.post("/admin/pause")).status_code == 401
                 paused = (await c.post("/admin/pause", headers={"Authorization": "Bearer admin"})).json()
