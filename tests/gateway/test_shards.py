@@ -230,3 +230,13 @@ def test_a_killed_shard_restarts_and_its_sessions_continue_exactly_through_the_f
             done = ChatAgent(c, create(c, fleet.url, "done")["base_url"])  # new sessions go on too
             done.step(0)
             assert reward(c, fleet.url, "done")["durable"]
+
+
+def test_a_shards_death_is_counted_as_a_gateway_shard_fault_per_process():
+    from palaestra.orchestrator.supervisor import Supervisor
+
+    supervisor = Supervisor(cluster=None, max_restarts=1)
+    supervisor._noticed("gateway-shard-1", "generation", "exited with code -9")
+    supervisor._noticed("gateway-shard-0", "generation", "exited with code -9")
+    assert supervisor.new_counters()["faults/gateway_shard"] == 2.0
+    assert supervisor.restarts == {"gateway-shard-1": 1, "gateway-shard-0": 1}  # each its own budget
