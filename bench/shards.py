@@ -71,22 +71,17 @@ class Row:
         return self.turns / self.wall_s
 
 
-def measure(layout: str, url: str, pids: list[int], n: int, turns: int, replies: ZeroReplies) -> Row:
+def measure(
+    layout: str, url: str, shards: list[int], fronts: list[int], n: int, turns: int, replies: ZeroReplies
+) -> Row:
     asyncio.run(run_agents(url, HEADERS, n, turns, f"w{n}", replies))  # warm: pools, caches
     time.sleep(0.5)
-    cpu0 = cpu_s(pids)
+    cpu0, front0 = cpu_s(shards + fronts), cpu_s(fronts)
     records, wall = asyncio.run(run_agents(url, HEADERS, n, turns, f"m{n}", replies))
-    cpu = cpu_s(pids) - cpu0
+    cpu, front = cpu_s(shards + fronts) - cpu0, cpu_s(fronts) - front0
     lat = [s for r in records for s in r.latencies]
-    return Row(
-        layout,
-        n,
-        len(lat),
-        wall,
-        statistics.median(lat) * 1e3,
-        percentile(lat, 0.99) * 1e3,
-        cpu * 1e3 / len(lat),
-    )
+    p50, p99 = statistics.median(lat) * 1e3, percentile(lat, 0.99) * 1e3
+    return Row(layout, n, len(lat), wall, p50, p99, cpu * 1e3 / len(lat), front * 1e3 / len(lat))
 
 
 def run_layout(
