@@ -27,7 +27,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         **{f.name: getattr(args, f"placement_{f.name}") for f in dataclasses.fields(PlacementConfig)}
     )
     return GatewayConfig(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(GatewayConfig) if f.name != "placement"},
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(GatewayConfig)
+            if f.name not in ("placement", "shards")
+        },
         placement=placement,
     )
 
@@ -80,12 +84,13 @@ def register(groups: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     tunable = {f.name for f in dataclasses.fields(GatewayOptions)}
+    topology = ("placement", "shards")  # a section of its own; the run's topology (gateway/shards.py)
     add_arguments(
         p, GatewayConfig, [f.name for f in dataclasses.fields(GatewayConfig) if f.name not in tunable]
     )
     tuned = p.add_argument_group("options a run tunes (its config's gateway: section)")
     add_arguments(
-        tuned, GatewayOptions, [f.name for f in dataclasses.fields(GatewayOptions) if f.name != "placement"]
+        tuned, GatewayOptions, [f.name for f in dataclasses.fields(GatewayOptions) if f.name not in topology]
     )
     placed = p.add_argument_group(
         "placement (its config's gateway.placement: section)", field_docs(GatewayOptions)["placement"]
@@ -96,6 +101,29 @@ def register(groups: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_serve)
+    f = sub.add_parser(
+        "front",
+        help="forward each session's calls to the gateway shard that owns it",
+        description="The front of N gateway shards (each a `palaestra gateway serve` with its own "
+        "--spool-dir): every request goes to the shard that owns its session (a hash of the session "
+        "id), streams come back unchanged, /admin/pause|resume go to every shard, /metrics answers "
+        "every shard's series with a shard label, /samples* take ?shard=<i>. Holds no key: the shards "
+        "check them. See gateway/shards.py and docs/gateway.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    f.add_argument(
+        "--shard-url", action="append", required=True, help="a shard's URL, once per shard, in shard order"
+    )
+    f.add_argument("--host", default="127.0.0.1", help="Bind address.")
+    f.add_argument("--port", type=int, default=8000, help="TCP port.")
+    f.set_defaults(func=_front)
+
+
+def _front(args: argparse.Namespace) -> int:
+    from palaestra.gateway.shards import serve_front
+
+    serve_front(args.shard_url, args.host, args.port)
+    return 0
 
 
 def gateway_process(

@@ -110,17 +110,27 @@ class GatewayOptions:
     """Append one JSON line per engine call (session, env, group, turn, prompt / cached / output
     tokens, engine seconds) to this file: the traffic bench/routing.py --trace replays."""
 
+    shards: int = 1
+    """Gateway processes of a run (`palaestra train`): with N > 1, N gateways each own the sessions
+    whose id hashes to them, each with its own spool and journal (<spool>/shard-<i>), behind one
+    front (`palaestra gateway front`, gateway/shards.py). The limits above hold per shard. Not a
+    flag of `palaestra gateway serve`: one serve is one shard."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.placement, PlacementConfig):  # `placement: bool` before it was a section
             raise TypeError(
                 f"placement must be a PlacementConfig (got {self.placement!r}); on/off is placement.enabled"
             )
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or not 1 <= self.shards <= 64:
+            raise ValueError(f"gateway.shards must be an integer from 1 to 64 (got {self.shards!r})")
 
     def serve_flags(self) -> list[str]:
         """`palaestra gateway serve` arguments for these options (None = left to the gateway); the
         run adds model, URLs, keys and spool dir. Placement's are ``--placement-<field>``."""
         flat: dict[str, Any] = {}
         for f in dataclasses.fields(GatewayOptions):
+            if f.name == "shards":  # the run's topology, not a gateway's option
+                continue
             if f.name == "placement":
                 for p in dataclasses.fields(PlacementConfig):
                     flat[f"placement_{p.name}"] = getattr(self.placement, p.name)

@@ -1,16 +1,17 @@
 """What trains: finished groups, read from the gateway's sample cursor, through the staleness bound
 and the filters into one step's `Batch`. No Ray here: every piece is testable alone.
 
-    feed = SampleFeed(gateway_url, api_key, run_id)          # the trainer's side of /samples
+    feed = SampleFeed(gateway_url, api_key, run_id, shards=2) # the trainer's side of /samples
     feed.poll(); samples = feed.claim(record)                 # a finished group's samples, or None
     batch = select_batch([(record, samples)], trainer_version=3, max_staleness=1,
                          stale_policy="drop", filter_zero_variance=True)
 
 * `GroupRecord` — one finished group (a task's `samples_per_task` sessions) as the environment
   runner reports it: task index, sample ids, rewards, statuses, timing.
-* `SampleFeed` — reads `/samples?after=CURSOR`: deduplicates by `sample_id`, drops failed/aborted
-  samples and those of evaluations or of another launch (all counted), and hands out a group's
-  samples once they are all read; `ack(cursor)` lets the gateway delete what a checkpoint holds.
+* `SampleFeed` — reads `/samples?after=CURSOR` of every gateway shard (one cursor per shard's
+  spool, gateway/shards.py): deduplicates by `sample_id`, drops failed/aborted samples and those of
+  evaluations or of another launch (all counted), and hands out a group's samples once they are
+  all read; `ack(cursors)` lets each shard delete what a checkpoint holds.
   After a fault the driver `retire`s the groups in flight: their samples, read already or later,
   are recorded as not trained with the fault as the reason.
 * `sample_lag` — how many weight versions a sample is behind the trainer (its oldest sampled token).
@@ -75,11 +76,21 @@ class GroupRecord:
 # Samples: the gateway's cursor
 # ----------------------------------------------------------------------------------------------
 class SampleFeed:
-    """Reads `/samples?after=CURSOR`, keeps trainable samples of this launch until their group is
-    claimed. `cursor` is the last spool position read: everything up to it has been seen."""
+    """Reads `/samples?after=CURSOR` of each gateway shard, keeps trainable samples of this launch
+    until their group is claimed. `cursors[i]` is the last position read in shard i's spool:
+    everything up to it has been seen. With one shard the gateway is asked as always; with more,
+    the front is asked for each shard's spool (``&shard=<i>``)."""
 
-    def __init__(self, gateway_url: str, api_key: str, run_id: str, cursor: int = 0):
-        self.url, self.run_id, self.cursor = gateway_url.rstrip("/"), run_id, cursor
+    def __init__(
+        self, gateway_url: str, api_key: str, run_id: str, cursors: list[int] | None = None, shards: int = 1
+    ):
+        self.url, self.run_id, self.shards = gateway_url.rstrip("/"), run_id, shards
+        self.cursors = list(cursors) if cursors else [0] * shards
+        if len(self.cursors) != shards:
+            raise ValueError(
+                f"{len(self.cursors)} spool cursors for {shards} gateway shards: a run resumes with the "
+                f"gateway.shards it was checkpointed with ({len(self.cursors)})"
+            )
         self.headers = {"Authorization": f"Bearer {api_key}"}
         self.seen: set[str] = set()
         self.buffer: dict[str, Sample] = {}
@@ -91,6 +102,9 @@ class SampleFeed:
         self.client = httpx.Client(timeout=60, trust_env=False, headers=self.headers)
         self.attempt = 0  # groups of earlier attempts (`ledger.group_run_id`) never train
         self.retired: dict[int, str] = {}  # attempt -> why its unclaimed groups were abandoned
+
+    def _shard(self, shard: int) -> dict[str, int]:
+        return {"shard": shard} if self.shards > 1 else {}
 
     def retire(self, reason: str) -> int:
         """Abandons every group not claimed yet (a fault ended the try that was generating them):
@@ -115,23 +129,30 @@ class SampleFeed:
         return group_id.rsplit("/", 1)[-1].startswith(self.run_id + ".")
 
     def poll(self) -> int:
-        """Reads every sample after the cursor; returns how many were new."""
+        """Reads every sample after the cursor of each shard; returns how many were new."""
         new = 0
-        while True:
-            r = self.client.get(f"{self.url}/samples", params={"after": self.cursor, "limit": 1000})
-            r.raise_for_status()
-            page = r.json()
-            for data in page["samples"]:
-                new += self._take(data)
-            self.cursor = int(page["cursor"])
-            if not page["samples"] or self.cursor >= int(page["last_cursor"]):
-                return new
+        for shard in range(self.shards):
+            while True:
+                params = {"after": self.cursors[shard], "limit": 1000, **self._shard(shard)}
+                r = self.client.get(f"{self.url}/samples", params=params)
+                r.raise_for_status()
+                page = r.json()
+                for data in page["samples"]:
+                    new += self._take(data)
+                self.cursors[shard] = int(page["cursor"])
+                if not page["samples"] or self.cursors[shard] >= int(page["last_cursor"]):
+                    break
+        return new
 
-    def ack(self, cursor: int) -> None:
-        """Tells the gateway that everything up to `cursor` is consumed for good (a checkpoint records
-        it: a resumed run reads after it), so the spool may delete those samples (`POST /samples/ack`)."""
-        r = self.client.post(f"{self.url}/samples/ack", json={"cursor": cursor})
-        r.raise_for_status()
+    def ack(self, cursors: list[int]) -> None:
+        """Tells each shard that everything up to its cursor is consumed for good (a checkpoint
+        records them: a resumed run reads after them), so its spool may delete those samples
+        (`POST /samples/ack`)."""
+        for shard, cursor in enumerate(cursors):
+            r = self.client.post(
+                f"{self.url}/samples/ack", params=self._shard(shard), json={"cursor": cursor}
+            )
+            r.raise_for_status()
 
     def _take(self, data: dict[str, Any]) -> int:
         sid = data["sample_id"]

@@ -30,11 +30,20 @@ class RunState:
 
     step: int = 0  # steps done
     weight_version: int = 0  # what the engines hold, as the trainer reported it after its last sync
-    cursor: int = 0  # the gateway spool position read so far
+    cursors: list[int] = field(default_factory=list)  # per gateway shard: spool position read ([] = none)
     watermark: int = 0  # every task index below it was consumed (trained or dropped)
     consumed_above: list[int] = field(default_factory=list)  # consumed indices >= watermark (async)
     rows: list[dict[str, float]] = field(default_factory=list)  # per-step metrics (the reward curve)
     counts: dict[str, int] = field(default_factory=dict)  # run totals: drops, statuses, ...
+
+    @classmethod
+    def load(cls, path: Path) -> RunState:
+        """The state a checkpoint's `state.json` holds (one written before gateway shards has one
+        `cursor`: the one gateway's)."""
+        saved = json.loads(path.read_text())
+        if "cursor" in saved:
+            saved["cursors"] = [saved.pop("cursor")]
+        return cls(**saved)
 
     def consume(self, indices: list[int]) -> None:
         """Marks these task indices consumed (trained, or dropped by the filters)."""
@@ -70,7 +79,7 @@ def prepare_run(cfg: RunConfig) -> tuple[RunState, Path | None]:
             log.warning("run.resume: no checkpoint in %s; starting at step 0", out / "checkpoints")
         return RunState(), None
     ckpt = out / "checkpoints" / latest.read_text().strip()
-    state = RunState(**json.loads((ckpt / "state.json").read_text()))
+    state = RunState.load(ckpt / "state.json")
     log.info("resuming from %s: step %d, weight version %d", ckpt, state.step, state.weight_version)
     return state, ckpt
 

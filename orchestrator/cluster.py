@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from palaestra.config import RunConfig, to_flags
+from palaestra.gateway.shards import shard_spool
 from palaestra.orchestrator.errors import RunFailed, root_cause
 from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
@@ -116,7 +117,8 @@ class Cluster:
     cfg: RunConfig
     engines: list[Box] = field(default_factory=list)
     router: Box | None = None
-    gateway: Box | None = None
+    gateway: Box | None = None  # what clients call: the gateway, or with gateway.shards > 1 the front
+    gateway_shards: list[Box] = field(default_factory=list)  # the gateway processes (one: `gateway`)
     rollout: Any = None
     trainer: list[Any] = field(default_factory=list)
     api_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))
@@ -140,7 +142,8 @@ class Cluster:
         return [
             *self.engines,
             *([self.router] if self.router else []),
-            *([self.gateway] if self.gateway else []),
+            *self.gateway_shards,
+            *([self.gateway] if self.gateway and self.gateway not in self.gateway_shards else []),
         ]
 
     def start(self, *, weight_version: int, spool_dir: str, log_dir: str) -> Cluster:
@@ -193,21 +196,7 @@ class Cluster:
             ],
             "starting the router",
         )[0]
-        self.gateway = Box("gateway", light.remote("gateway", log_dir), log=f"{log_dir}/gateway.log")
-        keys = {"PALAESTRA_API_KEY": self.api_key, "PALAESTRA_ADMIN_KEY": self.admin_key}
-        self.gateway.url = self._get_all(
-            [
-                self.gateway.actor.start_gateway.remote(
-                    cfg.model.student,
-                    self.router.url,
-                    spool_dir,
-                    [*cfg.gateway.serve_flags(), *lora_gateway_flags(cfg), *routing_gateway_flags(cfg)],
-                    cfg.run.host,
-                    keys,
-                )
-            ],
-            "starting the gateway",
-        )[0]
+        self._start_gateways(light, spool_dir, log_dir)
         self.startup_s["servers"] = time.perf_counter() - t0
         self.rollout = self._start_rollout()
         rollout_info = self._get_all([self.rollout.info.remote()], "starting the environment")[0]
@@ -217,6 +206,34 @@ class Cluster:
         for line in self.placement_lines:
             log.info("%s", line)
         return self
+
+    def _start_gateways(self, light: Any, spool_dir: str, log_dir: str) -> None:
+        """The gateway, or with gateway.shards=N its N shards (each spooling to its own
+        `spool/shard-<i>`) started together, then their front (`palaestra gateway front`), which is
+        `self.gateway` then: every client's URL (gateway/shards.py)."""
+        cfg, n = self.cfg, self.cfg.gateway.shards
+        keys = {"PALAESTRA_API_KEY": self.api_key, "PALAESTRA_ADMIN_KEY": self.admin_key}
+        flags = [*cfg.gateway.serve_flags(), *lora_gateway_flags(cfg), *routing_gateway_flags(cfg)]
+        names = ["gateway"] if n == 1 else [f"gateway-shard-{i}" for i in range(n)]
+        self.gateway_shards = [
+            Box(name, light.remote(name, log_dir), log=f"{log_dir}/{name}.log") for name in names
+        ]
+        refs = [
+            box.actor.start_gateway.remote(
+                cfg.model.student, self.router.url, shard_spool(spool_dir, i, n), flags, cfg.run.host, keys
+            )
+            for i, box in enumerate(self.gateway_shards)
+        ]
+        for box, url in zip(self.gateway_shards, self._get_all(refs, "starting the gateway"), strict=True):
+            box.url = url
+        if n == 1:
+            self.gateway = self.gateway_shards[0]
+            return
+        self.gateway = Box("gateway", light.remote("gateway", log_dir), log=f"{log_dir}/gateway.log")
+        self.gateway.url = self._get_all(
+            [self.gateway.actor.start_front.remote([b.url for b in self.gateway_shards], cfg.run.host)],
+            "starting the gateway front",
+        )[0]
 
     def _start_rollout(self) -> Any:
         """The environment runner actor, with its own session ledger (`ledger.py`)."""
@@ -429,10 +446,11 @@ class Cluster:
     def restart_args(self, box: Box) -> list[str]:
         """What a restart of `box` adds to its command: the gateway starts paused while the run
         holds it paused (the weights on the engines are changing)."""
-        return ["--start-paused"] if box is self.gateway and self.gateway_paused else []
+        return ["--start-paused"] if box in self.gateway_shards and self.gateway_paused else []
 
     def gateway_overhead_s(self) -> float:
-        """Total gateway time outside the engine so far (its Prometheus histogram's sum)."""
+        """Total gateway time outside the engine so far (its Prometheus histogram's sum, over every
+        shard: the front labels each shard's)."""
         assert self.gateway is not None
         try:
             with httpx.Client(timeout=30, trust_env=False) as client:
@@ -441,10 +459,11 @@ class Cluster:
                 )
         except httpx.HTTPError:  # the gateway is down (its supervisor restarts it): no figure now
             return 0.0
-        for line in r.text.splitlines():
-            if line.startswith("palaestra_gateway_call_overhead_seconds_sum"):
-                return float(line.split()[-1])
-        return 0.0
+        return sum(
+            float(line.split()[-1])
+            for line in r.text.splitlines()
+            if line.startswith("palaestra_gateway_call_overhead_seconds_sum")
+        )
 
     # -- the trainer (every rank is called; rank 0 answers) -------------------------------------
     def trainer_call(self, method: str, *args: Any, rank0_args: tuple | None = None) -> list:

@@ -89,7 +89,7 @@ class RunResult:
     output_dir: Path
     start_step: int
     start_weight_version: int
-    start_cursor: int
+    start_cursors: list[int]  # per gateway shard
     state: RunState
     engine_versions_start: list[str]
     engine_versions_end: list[str]
@@ -113,12 +113,17 @@ class Run:
     ):
         self.cfg, self.cluster, self.state, self.hook = cfg, cluster, state, hook
         self.out = cfg.output_dir
-        self.start = (state.step, state.weight_version, state.cursor)
+        self.start = (state.step, state.weight_version, list(state.cursors))
         self.tracker = make_tracker(
             cfg.logging, self.out, run_name=cfg.run.name, config=config_to_dict(cfg), fresh=fresh
         )
         assert cluster.gateway is not None and cluster.gateway.url is not None
-        self.feed = SampleFeed(cluster.gateway.url, cluster.api_key, cluster.run_id, cursor=state.cursor)
+        try:
+            self.feed = SampleFeed(
+                cluster.gateway.url, cluster.api_key, cluster.run_id, state.cursors, cfg.gateway.shards
+            )
+        except ValueError as exc:
+            raise RunFailed(str(exc)) from None
         self.supervisor = Supervisor(cluster, cfg.run.max_restarts)
         self.waiter = Waiter(self.supervisor, cfg.run.step_timeout_s)
         self.initial = copy.deepcopy(state)  # what a trainer death rolls back to without a checkpoint
@@ -297,7 +302,7 @@ class Run:
     def end_step(self, step: int, batch: Batch) -> dict[str, float]:
         """The tasks the step consumed, the spool cursor, and the step's timing (`perf/*`)."""
         self.state.consume([g.task_index for g in batch.considered])
-        self.state.cursor = self.feed.cursor
+        self.state.cursors = list(self.feed.cursors)
         t = self._times
         wall = time.perf_counter() - t["start"]
         return {
@@ -386,7 +391,7 @@ class Run:
         latest = self.out / "checkpoints" / "latest"
         ckpt = self.out / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
         if ckpt is not None:
-            self.state = RunState(**json.loads((ckpt / "state.json").read_text()))
+            self.state = RunState.load(ckpt / "state.json")
             self.restore(ckpt)
         else:
             before = [r for r in self.state.rows if r.get("train/step") == 0.0]  # evaluate_before's
@@ -401,7 +406,7 @@ class Run:
         if self.last_step > self.state.step:
             self.last_samples, self.last_step = [], 0
         self.counts = Counter(self.state.counts)
-        self.feed.cursor = self.state.cursor  # read again: the feed's seen-set skips them
+        self.feed.cursors = list(self.state.cursors)  # read again: the feed's seen-set skips them
         # async mode: a sync cut short may have left it paused (resuming an unpaused one is a no-op)
         self.waiter.call(self.cluster.resume_gateway, "resuming the gateway")
         where = ckpt.name if ckpt is not None else "the run's start"
@@ -421,8 +426,10 @@ class Run:
         self.waiter.get(self.cluster.trainer_call("save", str(ckpt / "trainer")), "saving the trainer")
         commit_checkpoint(self.cfg, self.state, ckpt)
         self.at("checkpoint_saved", step)
-        cursor = self.state.cursor  # a resume reads after it: the spool may delete up to here
-        self.waiter.call(lambda: self.feed.ack(cursor), "acknowledging the checkpoint to the gateway's spool")
+        cursors = list(self.state.cursors)  # a resume reads after them: each spool may delete up to its own
+        self.waiter.call(
+            lambda: self.feed.ack(cursors), "acknowledging the checkpoint to the gateway's spool"
+        )
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, tag: str) -> dict[str, float]:
@@ -492,12 +499,12 @@ class Run:
     def result(self) -> RunResult:
         """What the run did (the engines' versions are read now)."""
         self.waiter.begin("the run's result")
-        step, version, cursor = self.start
+        step, version, cursors = self.start
         return RunResult(
             output_dir=self.out,
             start_step=step,
             start_weight_version=version,
-            start_cursor=cursor,
+            start_cursors=cursors,
             state=self.state,
             engine_versions_start=self.engine_versions_start,
             engine_versions_end=self._engine_versions(),

@@ -1,5 +1,6 @@
 """`ServerHost`, the Ray actor that runs one HTTP server subprocess: an inference engine (embedded
-or SGLang), the sglang-router or the gateway (`cluster.Cluster` places it).
+or SGLang), the sglang-router, a gateway (or shard) or the front of gateway shards (`cluster.Cluster`
+places it).
 
 It answers with the server's URL and reports the process's exit code and log tail, so the driver
 can say *which* box died and why; `restart` brings the same command back on the same port. Ray
@@ -110,6 +111,14 @@ class ServerHost:
         argv += [*flags, "--host", host]
         # Keys travel in the environment, not argv (argv is visible to every local user in `ps`).
         return self._run(argv, host, port, env=keys, timeout=180.0)
+
+    def start_front(self, shard_urls: Sequence[str], host: str) -> str:
+        """The front of gateway shards (`palaestra gateway front`, gateway/shards.py); it holds no key."""
+        from palaestra.gateway.shards import front_process
+        from palaestra.net import free_port
+
+        port = free_port(node_address(host)[0])
+        return self._run(front_process(shard_urls, port=port, host=host).argv, host, port, timeout=60.0)
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None

@@ -9,7 +9,8 @@ What a death costs, per box (docs/reliability-faults.md has the measured recover
 
 * an engine, the router, the gateway (server subprocesses of `server_host.ServerHost`): restarted in
   place with the same command on the same port, so every URL the others hold stays valid (the
-  gateway on the same spool directory, with the same keys). A restarted engine loads the weights
+  gateway on the same spool directory, with the same keys; so is each shard of gateway.shards > 1
+  and their front, which holds no state). A restarted engine loads the weights
   the others hold (`Cluster.bring_engine_up_to_date`) before the wait goes on. Episodes whose
   calls failed meanwhile retry or end failed, counted by their groups. A gateway that comes back
   without the sessions open at its death (no session journal) makes the run redo the generation
@@ -82,7 +83,13 @@ class Supervisor:
             return {}
         out = {"faults/total": float(len(self.faults))}
         for fault in new:
-            kind = "engine" if fault.component.startswith("engine-") else fault.component.replace(" ", "_")
+            kind = (
+                "engine"
+                if fault.component.startswith("engine-")
+                else "gateway_shard"
+                if fault.component.startswith("gateway-shard-")
+                else fault.component.replace(" ", "_")
+            )
             out[f"faults/{kind}"] = out.get(f"faults/{kind}", 0.0) + 1.0
             out[f"faults/{kind}_recovery_s"] = fault.recovery_s
         return out
@@ -153,7 +160,7 @@ class Supervisor:
             action = f"restarted on the same port ({box.url})" + (f" with {' '.join(extra)}" if extra else "")
             if box in self.cluster.engines:
                 action += "; " + self.cluster.bring_engine_up_to_date(box)
-            if box is self.cluster.gateway:
+            if box in self.cluster.gateway_shards:  # a shard is a gateway: its own journal and spool
                 lost = self.cluster.sessions_lost()
                 if lost:  # without a session journal the restarted gateway knows none of them
                     action += f"; {lost} open sessions lost with it: their groups are generated again"

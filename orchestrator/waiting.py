@@ -3,7 +3,7 @@
     waiter = Waiter(supervisor, timeout_s=cfg.run.step_timeout_s)
     waiter.start_step(step)                                  # a new deadline, named "step k+1"
     metrics = waiter.get(cluster.trainer_call("train", ...), "training")[0]
-    waiter.call(lambda: feed.ack(cursor), "acknowledging the spool cursor")   # an HTTP call to a server
+    waiter.call(lambda: feed.ack(cursors), "acknowledging the spool cursors")  # an HTTP call to a server
 
 A wait that outlives the deadline raises `StepTimeout` with the phase it was in. Between polls the
 watched object (`supervisor.Supervisor`; `Cluster.check_alive` unsupervised) checks the servers: a

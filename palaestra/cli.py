@@ -6,7 +6,7 @@ Each command group lives next to the code it drives and registers its sub-comman
     palaestra router serve                       engine/router.py (sglang-router)
     palaestra sglang launch                      engine/sglang_launcher.py (a real SGLang server)
     palaestra model build                        palaestra/models/cli.py (model presets)
-    palaestra gateway serve                      gateway/cli.py
+    palaestra gateway serve | front              gateway/cli.py (front: gateway/shards.py)
     palaestra rollout | eval | session new|reward  sdk/cli.py (environments through a gateway)
     palaestra sandbox exec|serve|build-images    sandbox/cli.py
     palaestra train                              palaestra/train.py (a run on Ray)

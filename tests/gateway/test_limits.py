@@ -166,8 +166,8 @@ def test_the_trainers_feed_acknowledges_and_the_spool_deletes(scripted, tok, tmp
         feed = SampleFeed(gw.url, "k-test", run_id="other")
         try:
             feed.poll()
-            assert feed.cursor == 3
-            feed.ack(feed.cursor)
+            assert feed.cursors == [3]
+            feed.ack(feed.cursors)
         finally:
             feed.close()
         assert metric(c, gw, "palaestra_gateway_spool_acked_cursor") == 3

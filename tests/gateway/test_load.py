@@ -23,6 +23,11 @@ checks read the samples back in pages of 100, so that their own transient memory
 On the gateway before finished sessions dropped their token lists, a round added 34 KiB per
 session (32.7 MiB) and this test failed. Peaks are printed with the rest.
 
+The same agents also run through two gateway shards behind their front (gateway/shards.py):
+SHARDED_SESSIONS sessions in one round (250 in CI; the full 1,000 with
+`PALAESTRA_LOAD_SHARDED_SESSIONS=1000 ... -k two_shards`, as docs/gateway.md reports), every turn
+and sample checked as above, each sample in the spool of the shard that owns its session.
+
 1,000 agents hold 1,000 connections to the gateway, which holds as many plus up to 512 to the
 engine: the test raises its soft RLIMIT_NOFILE (inherited by the servers it starts) and skips,
 saying why, only where the hard limit is too low for that.
@@ -31,6 +36,7 @@ saying why, only where the hard limit is too low for that.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 
@@ -38,6 +44,7 @@ import httpx
 import pytest
 
 from palaestra.gateway.cli import gateway_process
+from palaestra.gateway.shards import GatewayFleet, shard_of
 from tests.support.load_agents import (
     AgentRecord,
     ZeroReplies,
@@ -49,6 +56,8 @@ from tests.support.load_agents import (
 from tests.support.load_agents import run_agents as _run_agents
 
 SESSIONS = 1000
+SHARDED_SESSIONS = int(os.environ.get("PALAESTRA_LOAD_SHARDED_SESSIONS", "250"))
+"""Sessions of the two-shard round: 250 in CI (its time), the full 1,000 with this variable set."""
 TURNS = 3
 ROUNDS = ("warm", "again", "load")
 """Rounds of SESSIONS sessions; the RSS after the next-to-last is the baseline (see the docstring)."""
@@ -91,8 +100,11 @@ def run_agents(url: str, n: int, tag: str, replies: ZeroReplies, pid: int) -> tu
     return records, peak
 
 
-def check_recorded(url: str, records: list[AgentRecord], replies: ZeroReplies, after: int) -> int:
-    """Every session's turns and sample hold exactly what its engine produced; returns the last cursor."""
+def check_recorded(
+    url: str, records: list[AgentRecord], replies: ZeroReplies, after: int, shards: int = 1
+) -> int:
+    """Every session's turns and sample hold exactly what its engine produced, each sample in the
+    spool of the shard that owns its session; returns the last cursor (of the last shard)."""
     by_id = {r.session_id: r for r in records}
     assert len(by_id) == len(records), "two agents were given the same session"
     outputs: dict[str, list[int]] = {}
@@ -117,24 +129,32 @@ def check_recorded(url: str, records: list[AgentRecord], replies: ZeroReplies, a
             outputs[r.session_id + "/last"] = turns[-1]["prompt_ids"] + turns[-1]["output_ids"]
 
         seen: set[str] = set()
-        cursor = after
-        while True:
-            page = http.get("/samples", params={"after": cursor, "limit": 100}).json()
-            if not page["samples"]:
-                break
-            cursor = page["cursor"]
-            for s in page["samples"]:
-                r = by_id[s["session_id"]]
-                assert s["sample_id"] in r.sample_ids and s["sample_id"] not in seen
-                seen.add(s["sample_id"])
-                assert s["tokens"] == outputs[r.session_id + "/last"]
-                response = s["tokens"][s["prompt_len"] :]
-                masked = [t for t, m in zip(response, s["loss_mask"], strict=True) if m]
-                assert masked == outputs[r.session_id], f"{r.tag}: its loss-masked ids are not its turns'"
-                tags = set(TAG.findall(replies.tokenizer.decode(s["tokens"])))
-                assert tags == {r.tag}, f"{r.tag}: its sample holds text of {sorted(tags - {r.tag})}"
+        for shard in range(shards):
+            cursor = after
+            while True:
+                params = {"after": cursor, "limit": 100, **({"shard": shard} if shards > 1 else {})}
+                page = http.get("/samples", params=params).json()
+                if not page["samples"]:
+                    break
+                cursor = page["cursor"]
+                for s in page["samples"]:
+                    assert shards == 1 or shard_of(s["session_id"], shards) == shard
+                    check_sample(s, by_id, outputs, seen, replies)
     assert len(seen) == len(records), f"{len(seen)} samples spooled for {len(records)} sessions"
     return cursor
+
+
+def check_sample(s: dict, by_id: dict, outputs: dict, seen: set[str], replies: ZeroReplies) -> None:
+    """One spooled sample: its session's, once, its tokens and loss-masked ids exactly its turns'."""
+    r = by_id[s["session_id"]]
+    assert s["sample_id"] in r.sample_ids and s["sample_id"] not in seen
+    seen.add(s["sample_id"])
+    assert s["tokens"] == outputs[r.session_id + "/last"]
+    response = s["tokens"][s["prompt_len"] :]
+    masked = [t for t, m in zip(response, s["loss_mask"], strict=True) if m]
+    assert masked == outputs[r.session_id], f"{r.tag}: its loss-masked ids are not its turns'"
+    tags = set(TAG.findall(replies.tokenizer.decode(s["tokens"])))
+    assert tags == {r.tag}, f"{r.tag}: its sample holds text of {sorted(tags - {r.tag})}"
 
 
 def test_thousand_concurrent_sessions_exact_and_memory_returns(servers, replies: ZeroReplies) -> None:
@@ -161,3 +181,29 @@ def test_thousand_concurrent_sessions_exact_and_memory_returns(servers, replies:
         f"gateway RSS grew {(after - baseline) / 1024:.1f} MiB over a round of {SESSIONS} finished sessions"
     )
     assert gw.poll() is None
+
+
+@pytest.fixture(scope="module")
+def fleet(replies: ZeroReplies, tmp_path_factory: pytest.TempPathFactory):
+    needed = 2 * fds_needed(SHARDED_SESSIONS)  # the front holds an agent's connection and its shard's
+    soft = raise_fd_limit(needed)
+    if soft < needed:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {soft} < {needed} descriptors the front's connections need")
+    spool = tmp_path_factory.mktemp("load-shards")
+    with replies.engine() as engine, GatewayFleet("tiny", engine.url, str(spool), 2, env=ENV) as gws:
+        yield gws
+
+
+def test_concurrent_sessions_through_two_shards_are_exact_each_in_its_shards_spool(
+    fleet, replies: ZeroReplies
+):
+    """The same agents through a front over two gateway shards (gateway/shards.py): every turn and
+    sample exact, each sample spooled by the shard that owns its session, both shards used."""
+    pid = fleet.front.pid
+    assert pid is not None
+    records, _ = run_agents(fleet.url, SHARDED_SESSIONS, "sharded", replies, pid)
+    check_recorded(fleet.url, records, replies, 0, shards=2)
+    owned = [sum(shard_of(r.session_id, 2) == i for r in records) for i in range(2)]
+    print(f"sessions per shard: {owned}")
+    assert min(owned) > 0
+    assert all(p.poll() is None for p in [fleet.front, *fleet.shards])

@@ -362,7 +362,13 @@ def test_the_cluster_restarts_its_gateway_paused_only_while_the_run_holds_it_pau
 
     cluster = Cluster(load_config(None, ["model.student=tiny"]))
     cluster.gateway, cluster.router = Box("gateway", None), Box("router", None)
+    cluster.gateway_shards = [cluster.gateway]  # one gateway: it is its only shard
     assert cluster.restart_args(cluster.gateway) == []
     cluster.gateway_paused = True  # set by pause_gateway before its call, cleared by resume_gateway
     assert cluster.restart_args(cluster.gateway) == ["--start-paused"]
     assert cluster.restart_args(cluster.router) == []
+    # gateway.shards=2: each shard is a gateway that comes back paused; the front holds no pause
+    cluster.gateway_shards = [Box("gateway-shard-0", None), Box("gateway-shard-1", None)]
+    assert cluster.restart_args(cluster.gateway_shards[1]) == ["--start-paused"]
+    assert cluster.restart_args(cluster.gateway) == []
+    assert [b.name for b in cluster.servers] == ["router", "gateway-shard-0", "gateway-shard-1", "gateway"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 from fastapi import FastAPI
 
 from palaestra.orchestrator.batching import Batch, GroupRecord, SampleFeed, sample_lag, select_batch
@@ -168,7 +169,7 @@ def test_sample_feed_keeps_this_launchs_trainable_samples_once_until_claimed():
         feed = SampleFeed(server.url, "key", run_id="run1")
         try:
             assert feed.claim(_record(0, ["a", "e"])) is None  # nothing read yet
-            assert feed.poll() == 2 and feed.cursor == 6
+            assert feed.poll() == 2 and feed.cursors == [6]
             assert feed.counts == Counter(duplicates=1, status_failed=1, other_run=1, eval=1)
             assert feed.dropped == {"b": "failed"}
             claimed = feed.claim(_record(0, ["a", "e"]))
@@ -176,6 +177,50 @@ def test_sample_feed_keeps_this_launchs_trainable_samples_once_until_claimed():
             assert feed.poll() == 0  # the cursor moved on: nothing is read twice
         finally:
             feed.close()
+
+
+def _sharded_endpoint(shards: list[list[dict]], acks: list[tuple[int, int]]) -> FastAPI:
+    """TEST DOUBLE of a front's ``/samples?shard=`` and ``/samples/ack?shard=`` over fixed spools."""
+    app = FastAPI()
+
+    @app.get("/samples")
+    async def samples(shard: int, after: int = 0, limit: int = 100) -> dict:
+        records = shards[shard]
+        page = [(i + 1, r) for i, r in enumerate(records) if i + 1 > after][:limit]
+        return {
+            "samples": [r for _, r in page],
+            "cursor": page[-1][0] if page else after,
+            "last_cursor": len(records),
+        }
+
+    @app.post("/samples/ack")
+    async def ack(shard: int, body: dict) -> dict:
+        acks.append((shard, body["cursor"]))
+        return {"acked": body["cursor"]}
+
+    return app
+
+
+def test_the_feed_reads_and_acknowledges_every_shards_spool_by_its_own_cursor():
+    g = "env/t0/run1.0"
+    spools = [
+        [_sample("a", ["0"], group_id=g).to_dict(), _sample("b", ["0"], group_id=g).to_dict()],
+        [_sample("c", ["0"], group_id=g).to_dict()],
+    ]
+    acks: list[tuple[int, int]] = []
+    with ThreadServer(_sharded_endpoint(spools, acks)) as server:
+        feed = SampleFeed(server.url, "key", run_id="run1", cursors=[1, 0], shards=2)  # a resume
+        try:
+            assert feed.poll() == 2 and feed.cursors == [2, 1]  # shard 0's "a" was read before
+            assert [s.sample_id for s in feed.claim(_record(0, ["b", "c"]))] == ["b", "c"]
+            spools[1].append(_sample("d", ["0"], group_id=g).to_dict())
+            assert feed.poll() == 1 and feed.cursors == [2, 2]
+            feed.ack(feed.cursors)
+            assert acks == [(0, 2), (1, 2)]
+        finally:
+            feed.close()
+    with pytest.raises(ValueError, match="resumes with the gateway.shards it was checkpointed with"):
+        SampleFeed("http://x", "key", run_id="run1", cursors=[3], shards=2)
 
 
 def test_failed_and_aborted_samples_are_counted_in_the_step_that_takes_their_group():
@@ -296,3 +341,13 @@ def test_async_mode_interrupts_weight_syncs_unless_told_to_drain():
     for overrides in (["run.mode=async", "run.partial_rollouts=false"], ["run.mode=one_step_off"], []):
         cfg = load_config("configs/demo.yaml", overrides)
         assert not interrupting(cfg) and trainer_options(cfg)["sync"]["pause_mode"] == "in_place", overrides
+
+
+def test_a_checkpoint_of_one_gateway_resumes_as_one_shards_cursor(tmp_path):
+    import json
+
+    (tmp_path / "state.json").write_text(json.dumps({"step": 2, "cursor": 7}))
+    assert RunState.load(tmp_path / "state.json").cursors == [7]
+    (tmp_path / "state.json").write_text(json.dumps({"step": 2, "cursors": [3, 4]}))
+    assert RunState.load(tmp_path / "state.json").cursors == [3, 4]
+    assert RunState().cursors == []  # fresh: the feed starts every shard at 0

@@ -6,6 +6,7 @@ module, everything on 127.0.0.1:
 * sync, then resume from its checkpoint: samples flow, every engine's `/get_weight_version` goes
   0 -> 2 -> 3, metrics are finite, the report files exist; the resumed run starts at step 2,
   weight version 2 and the saved cursor, and trains the tasks an uninterrupted run would have;
+  once with one gateway and once with `gateway.shards=2` (two shards, a front, a cursor per shard);
 * one-step-off: every batch is exactly one weight version old (the first: zero);
 * async (the two-turn environment's gate holds one task's sessions between their turns across the
   first weight sync): no trained sample is older than `run.max_staleness`, and sessions in flight
@@ -43,13 +44,15 @@ def assert_finite(rows: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_local, tmp_path):
+@pytest.mark.parametrize("shards", [1, 2])  # 2: two gateway shards behind a front (gateway/shards.py)
+def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_local, tmp_path, shards):
     from palaestra.sdk import load_environment
     from palaestra.sdk.runner import take_tasks
     from palaestra.train import train
 
     out = tmp_path / "sync"
-    first = train(make_config(out, "sync", "logging.tensorboard_dir=tb"))
+    sharded = (f"gateway.shards={shards}",)
+    first = train(make_config(out, "sync", "logging.tensorboard_dir=tb", *sharded))
     assert first.engine_versions_start == ["0", "0"] and first.engine_versions_end == ["2", "2"]
     assert [len(r.sample_ids) for r in first.trained] == [4, 4]  # 2 tasks x 2 samples per step
     assert all(lag == 0 for r in first.trained for lag in r.lags)
@@ -71,9 +74,12 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
 
-    resumed = train(make_config(out, "sync", "run.steps=3", "run.resume=true"))
+    resumed = train(make_config(out, "sync", "run.steps=3", "run.resume=true", *sharded))
     assert (resumed.start_step, resumed.start_weight_version) == (2, 2)
-    assert resumed.start_cursor == first.state.cursor > 0
+    assert resumed.start_cursors == first.state.cursors and len(first.state.cursors) == shards
+    assert all(c > 0 for c in first.state.cursors)  # every shard spooled samples of the run
+    if shards > 1:
+        assert sorted(p.name for p in (out / "spool").iterdir() if p.is_dir()) == ["shard-0", "shard-1"]
     assert resumed.engine_versions_start == ["2", "2"] and resumed.engine_versions_end == ["3", "3"]
     assert len(resumed.trained) == 1 and resumed.trained[0].trainer_version == 2
     expected = [t.task_id for t in take_tasks(load_environment("math", difficulty=1), 6, seed=0)]

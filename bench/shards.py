@@ -1,0 +1,151 @@
+"""Gateway shard scaling, one run: turns/s and p99 added latency vs concurrent sessions, for one
+gateway, one gateway behind a front, and 2 shards behind a front.
+
+    .venv/bin/python -m bench.shards [--levels 16 64 256] [--turns 4] [--shards 1 2]
+
+Every layout runs over the zero-work engine (`palaestra.testing.zero`, alphabet mode: an answer
+costs the engine nothing), so what saturates is the gateway: a chat call's latency as the agent
+measures it is the gateway's added latency (plus one local HTTP hop to the engine). At each level
+that many agents (tests/support/load_agents.py, the agents tests/gateway/test_load.py verifies)
+open their sessions, all before the first turn, chat `--turns` turns each and reward them; each
+checks every answer is the one its engine produced for its session. Two rounds per level; the
+second is measured. Printed per layout and level: chat turns/s (the round's chat turns / its wall
+time, session creation and reward included), p50/p99 of the chat calls' latency, and the CPU
+seconds per turn of the gateway processes (the front and every shard, from /proc); then the
+ratios of each layout to one gateway. Layouts: ``1`` = one `palaestra gateway serve`;
+``1+front`` = the same behind `palaestra gateway front` (what the front's hop costs);
+``2`` = two shards behind a front (gateway/shards.py).
+
+The driver, the engine, the front and the shards share the machine's cores: on a 2-core machine
+two shards cannot run in parallel with the driver and the front, so the 2-shard rows there show
+the cost of the extra hop more than the scaling; the CPU per turn says what the front adds and
+what a core per shard would allow. Run it where each process has its own core for the scaling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+from bench import common
+from palaestra.gateway.shards import GatewayFleet, front_process
+from tests.support.load_agents import ZeroReplies, fds_needed, raise_fd_limit, run_agents
+
+KEY = "bench"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+ENV = {"PALAESTRA_API_KEY": KEY, "PALAESTRA_ADMIN_KEY": "bench-admin"}
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of `pids` so far (/proc/<pid>/stat)."""
+    total = 0
+    for pid in pids:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / TICK
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class Row:
+    layout: str
+    sessions: int
+    turns: int
+    wall_s: float
+    p50_ms: float
+    p99_ms: float
+    cpu_ms_per_turn: float  # the front's and every shard's
+    front_cpu_ms_per_turn: float
+
+    @property
+    def rate(self) -> float:
+        return self.turns / self.wall_s
+
+
+def measure(
+    layout: str, url: str, shards: list[int], fronts: list[int], n: int, turns: int, replies: ZeroReplies
+) -> Row:
+    asyncio.run(run_agents(url, HEADERS, n, turns, f"w{n}", replies))  # warm: pools, caches
+    time.sleep(0.5)
+    cpu0, front0 = cpu_s(shards + fronts), cpu_s(fronts)
+    records, wall = asyncio.run(run_agents(url, HEADERS, n, turns, f"m{n}", replies))
+    cpu, front = cpu_s(shards + fronts) - cpu0, cpu_s(fronts) - front0
+    lat = [s for r in records for s in r.latencies]
+    p50, p99 = statistics.median(lat) * 1e3, percentile(lat, 0.99) * 1e3
+    return Row(layout, n, len(lat), wall, p50, p99, cpu * 1e3 / len(lat), front * 1e3 / len(lat))
+
+
+def run_layout(
+    layout: str, engine_url: str, levels: list[int], turns: int, replies: ZeroReplies
+) -> list[Row]:
+    shards = 1 if layout.startswith("1") else int(layout)
+    with tempfile.TemporaryDirectory(prefix="palaestra-bench-shards-") as spool:
+        with GatewayFleet("tiny", engine_url, spool, shards, env=ENV) as fleet:
+            front = front_process([fleet.shards[0].url]) if layout == "1+front" else None
+            try:
+                if front is not None:
+                    front.start()
+                url = (front or fleet).url
+                shard_pids = [p.pid for p in fleet.shards if p.pid is not None]
+                front_pids = [p.pid for p in (fleet.front, front) if p is not None and p.pid is not None]
+                return [measure(layout, url, shard_pids, front_pids, n, turns, replies) for n in levels]
+            finally:
+                if front is not None:
+                    front.stop()
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--levels", type=int, nargs="+", default=[16, 64, 256], help="concurrent sessions")
+    ap.add_argument("--turns", type=int, default=4, help="chat turns per session")
+    ap.add_argument(
+        "--layouts", nargs="+", default=["1", "1+front", "2"], help="1, 1+front, or a shard count (2, 4, ...)"
+    )
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from palaestra.models import resolve_model
+
+    needed = 2 * fds_needed(max(args.levels))
+    if raise_fd_limit(needed) < needed:
+        raise SystemExit(f"RLIMIT_NOFILE hard limit below {needed}: raise it (ulimit -Hn) or lower --levels")
+    replies = ZeroReplies.for_tokenizer(AutoTokenizer.from_pretrained(resolve_model("tiny")))
+    rows: list[Row] = []
+    with replies.engine() as engine:
+        for layout in args.layouts:
+            rows += run_layout(layout, engine.url, args.levels, args.turns, replies)
+
+    print(f"gateway layouts over the zero-work engine, {args.turns} chat turns per session; {common_load()}")
+    print("layout    sessions  turns/s  p50 ms  p99 ms  CPU ms/turn: all gateway processes  of it the front")
+    for r in rows:
+        print(
+            f"{r.layout:<8}  {r.sessions:>8}  {r.rate:>7.1f}  {r.p50_ms:>6.1f}  {r.p99_ms:>6.1f}  "
+            f"{r.cpu_ms_per_turn:>34.2f}  {r.front_cpu_ms_per_turn:>14.2f}"
+        )
+    base = {r.sessions: r for r in rows if r.layout == args.layouts[0]}
+    for r in rows:
+        if r.layout != args.layouts[0] and r.sessions in base:
+            b = base[r.sessions]
+            print(
+                f"{r.layout} vs {b.layout} at {r.sessions} sessions: turns/s {r.rate / b.rate:.2f}x, "
+                f"p99 {r.p99_ms / b.p99_ms:.2f}x, CPU per turn {r.cpu_ms_per_turn / b.cpu_ms_per_turn:.2f}x"
+            )
+
+
+def common_load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{os.cpu_count()} cores, load average {one:.1f} (1 min) {five:.1f} (5 min)"
+
+
+if __name__ == "__main__":
+    main()
