@@ -273,12 +273,16 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.placement.admit_fill=0.8",
             "gateway.placement.admit_wait_s=10",
             "gateway.routing_trace=runs/routing.jsonl",
+            "gateway.shards=2",
         ],
     ).gateway
     config = served(tuned.serve_flags())
     for f in dataclasses.fields(GatewayOptions):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
         assert getattr(tuned, f.name) != default, f.name
+        if f.name == "shards":  # the run's topology: each `serve` is one shard, not a flag of it
+            assert "--shards" not in tuned.serve_flags() and config.shards == 1
+            continue
         assert getattr(config, f.name) == getattr(tuned, f.name), f.name
     for f in dataclasses.fields(PlacementConfig):  # every placement setting, reachable from a run config
         assert getattr(tuned.placement, f.name) != f.default, f.name
@@ -287,6 +291,8 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
         parser.parse_args(["gateway", "serve", "--help"])
     help_text = "".join(capsys.readouterr().out.split())
     for name, doc in field_docs(GatewayConfig).items():
+        if name == "shards":  # not a flag of one shard (above)
+            continue
         assert f"--{name.replace('_', '-')}" in help_text, name
         assert doc and "".join(doc.split()) in help_text, name
 
