@@ -88,7 +88,9 @@ def _offline_env(tmp_path) -> dict[str, str]:
     return {**keep, "HOME": str(home), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
 
 
-def _check_round_trip(gw, engine, script, sid, done):
+def _check_round_trip(gw, engine, script, sid, done, side_conversations: int = 0):
+    """`side_conversations`: how many of the harness's side requests (OpenCode's title) start a
+    conversation of their own, which the gateway records as a fork of the session."""
     assert done.returncode == 0, (
         f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}"
     )
@@ -109,7 +111,9 @@ def _check_round_trip(gw, engine, script, sid, done):
     assert MARK in tail, tail  # the tool ran, and its output is what the next turn adds
     assert MARK in done.stdout, done.stdout[-2000:]
     turns = {t["call_id"]: t for t in traj["turns"]}
-    assert len(turns) == len(kinds) and traj["forks"] == [], traj["forks"]  # one sample, bridged
+    assert len(turns) == len(kinds), (turns, kinds)
+    # the agent's own turns are one sample, bridged; a side conversation is a fork of its own
+    assert [f["reason"] for f in traj["forks"]] == ["prefix_changed"] * side_conversations, traj["forks"]
     return traj
 
 
@@ -153,3 +157,32 @@ def _tool_names(script, engine) -> list[str]:
     """The tool names rendered into the first engine prompt (for a failure message)."""
     prompt = script.tok.decode(engine.exchanges[0].body["input_ids"])
     return re.findall(r'"name": "([^"]+)"', prompt)
+
+
+def test_opencode_tool_round_trip(harness_stack, tmp_path):
+    opencode = _installed("opencode")
+    gw, engine, script = harness_stack("bash", {"command": COMMAND, "description": "print the number"})
+    s = new_session(gw)
+    work = tmp_path / "work"
+    work.mkdir()
+    extra, args = configure.opencode(s["base_url"], s["api_key"], "tiny")
+    env = {**_offline_env(tmp_path), **extra}
+    cmd = [str(opencode), *args, "Run the command and tell me what it printed."]
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    traj = _check_round_trip(gw, engine, script, s["session_id"], done, side_conversations=1)
+    print(traj["ignored_controls"])
+
+
+def test_mini_swe_agent_tool_round_trip(harness_stack, tmp_path):
+    mini = _installed("mini-swe-agent")
+    gw, engine, script = harness_stack("bash", {"command": COMMAND})
+    s = new_session(gw)
+    work = tmp_path / "work"
+    work.mkdir()
+    extra, args = configure.mini_swe_agent(s["base_url"], s["api_key"], "tiny")
+    env = {**_offline_env(tmp_path), **extra}
+    python = mini.parent / "python"
+    cmd = [str(python), "-m", "minisweagent", *args, "Run the command and tell me what it printed."]
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    traj = _check_round_trip(gw, engine, script, s["session_id"], done)
+    print(traj["ignored_controls"])
