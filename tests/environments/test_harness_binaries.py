@@ -38,15 +38,15 @@ class ToolScript:
     harness's shell tool, a call of it; once the tool's output is in the prompt, a final text;
     any other call (a harness's side requests: titles, quota checks) a short text."""
 
-    def __init__(self, tok, tool: str, arguments: dict):
-        self.tok, self.tool, self.arguments = tok, tool, arguments
+    def __init__(self, tok, tool: str, arguments: dict, final: str = f"The command printed {MARK}."):
+        self.tok, self.tool, self.arguments, self.final = tok, tool, arguments, final
         self.end = tok.convert_tokens_to_ids("<|im_end|>")
         self.calls: list[tuple[int, str]] = []  # (call index, what was answered)
 
     def __call__(self, input_ids: list[int], index: int) -> list[int]:
         prompt = self.tok.decode(input_ids)
         if MARK in prompt:
-            kind, text = "final", f"The command printed {MARK}."
+            kind, text = "final", self.final
         elif f'"name": "{self.tool}"' in prompt and not any(k == "tool" for _, k in self.calls):
             kind = "tool"
             text = "Running it.\n" + render_tool_call_text("hermes", self.tool, json.dumps(self.arguments))
@@ -58,11 +58,12 @@ class ToolScript:
 
 @pytest.fixture
 def harness_stack(tok, tmp_path):
-    """start(tool, arguments) -> (gateway, engine, script): a `ToolScript` engine behind a gateway."""
+    """start(tool, arguments[, final=]) -> (gateway, engine, script): a `ToolScript` engine behind a
+    gateway."""
     with contextlib.ExitStack() as stack:
 
-        def start(tool: str, arguments: dict):
-            script = ToolScript(tok, tool, arguments)
+        def start(tool: str, arguments: dict, **final):
+            script = ToolScript(tok, tool, arguments, **final)
             engine = ScriptedEngine(script, stop_ids={script.end})
             eng = stack.enter_context(ThreadServer(engine.app()))
             gw = stack.enter_context(gateway_server(eng.url, tmp_path / "spool", tok))
@@ -88,8 +89,9 @@ def _offline_env(tmp_path) -> dict[str, str]:
     return {**keep, "HOME": str(home), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
 
 
-def _check_round_trip(gw, engine, script, sid, done, side_conversations: int = 0):
-    """`side_conversations`: how many of the harness's side requests (OpenCode's title) start a
+def _check_round_trip(gw, engine, script, sid, done, side_conversations: int = 0, streams: bool = True):
+    """`streams`: whether the harness streams its turns (mini-swe-agent does not);
+    `side_conversations`: how many of the harness's side requests (OpenCode's title) start a
     conversation of their own, which the gateway records as a fork of the session."""
     assert done.returncode == 0, (
         f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}"
@@ -103,7 +105,7 @@ def _check_round_trip(gw, engine, script, sid, done, side_conversations: int = 0
     )
     final_at = next(i for i, k in script.calls if k == "final")
     before, after = engine.exchanges[tool_at], engine.exchanges[final_at]
-    assert all(e.body.get("stream") for e in (before, after)), "the harness streams its turns"
+    assert all(bool(e.body.get("stream")) == streams for e in (before, after)), "streamed or not, as it does"
     sampled = before.answer["output_ids"]
     head = list(before.body["input_ids"]) + list(sampled)
     assert list(after.body["input_ids"][: len(head)]) == head, "the next prompt extends prompt + sampled ids"
@@ -175,7 +177,9 @@ def test_opencode_tool_round_trip(harness_stack, tmp_path):
 
 def test_mini_swe_agent_tool_round_trip(harness_stack, tmp_path):
     mini = _installed("mini-swe-agent")
-    gw, engine, script = harness_stack("bash", {"command": COMMAND})
+    # it ends by running its finishing command (an answer without a tool call is a format error)
+    finish = render_tool_call_text("hermes", "bash", json.dumps({"command": f"echo {configure.MINI_FINISH}"}))
+    gw, engine, script = harness_stack("bash", {"command": COMMAND}, final=finish)
     s = new_session(gw)
     work = tmp_path / "work"
     work.mkdir()
@@ -184,5 +188,5 @@ def test_mini_swe_agent_tool_round_trip(harness_stack, tmp_path):
     python = mini.parent / "python"
     cmd = [str(python), "-m", "minisweagent", *args, "Run the command and tell me what it printed."]
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
-    traj = _check_round_trip(gw, engine, script, s["session_id"], done)
+    traj = _check_round_trip(gw, engine, script, s["session_id"], done, streams=False)
     print(traj["ignored_controls"])

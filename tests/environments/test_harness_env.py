@@ -1,4 +1,4 @@
-"""The harness environment: the real Claude Code / Codex binaries run on a SWE instance inside a
+"""The harness environment: the real Claude Code / Codex / OpenCode / mini-swe-agent harnesses run on a SWE instance inside a
 sandbox whose only way out is their session's tunnel: the local (bubblewrap) backend, and the
 docker backend (containers with no network; those cases are marked `docker` and skip, saying why,
 where no docker engine answers).
@@ -20,6 +20,7 @@ import shlex
 import httpx
 import pytest
 
+from palaestra.environments.harness import configure
 from palaestra.environments.harness.env import HarnessEnv
 from palaestra.environments.harness.install import HARNESSES, binary, install_root, native
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
@@ -32,8 +33,15 @@ pytestmark = pytest.mark.slow
 
 MARK = "PALAESTRA-42"
 WRITE = "import base64, sys; open(sys.argv[1], 'wb').write(base64.b64decode(sys.argv[2]))"
-SHELL = {"claude-code": ("Bash", "command"), "codex": ("exec_command", "cmd")}
+SHELL = {
+    "claude-code": ("Bash", "command"),
+    "codex": ("exec_command", "cmd"),
+    "opencode": ("bash", "command"),
+    "mini-swe-agent": ("bash", "command"),
+}
 """Each harness's shell tool and its command argument."""
+NEW = ["opencode", "mini-swe-agent"]
+"""The harnesses added after Claude Code and Codex: the probe and refusal tests run them too."""
 
 
 def _installed(name: str) -> None:
@@ -75,11 +83,15 @@ class ShellScript:
         self.tool, self.argument = SHELL[harness]
         self.command = command
         self.calls: list[str] = []
+        self.final = "Done."
+        if harness == "mini-swe-agent":  # it ends by running its finishing command, nothing else
+            finish = json.dumps({"command": f"echo {configure.MINI_FINISH}"})
+            self.final = render_tool_call_text("hermes", self.tool, finish)
 
     def __call__(self, input_ids: list[int], index: int) -> list[int]:
         prompt = self.tok.decode(input_ids)
         if MARK in prompt:
-            kind, text = "final", "Done."
+            kind, text = "final", self.final
         elif f'"name": "{self.tool}"' in prompt and "tool" not in self.calls:
             kind = "tool"
             text = render_tool_call_text("hermes", self.tool, json.dumps({self.argument: self.command}))
@@ -108,10 +120,11 @@ def _fix_command(instance) -> str:
     return " && ".join(parts) + " && echo PALAESTRA-$((6*7))"
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+@pytest.mark.parametrize("harness", sorted(SHELL))
 def test_the_sandbox_runs_the_native_binary_not_the_npm_launcher(harness, tmp_path):
-    """What a sandbox mounts and runs is the platform package's ELF binary (no node needed); an
-    install without it is refused naming the command that reinstalls it."""
+    """What a sandbox mounts and runs is the platform package's ELF binary (no node needed; for
+    mini-swe-agent its venv's python, a link to the sandbox's); an install without it is refused
+    naming the command that reinstalls it."""
     _installed(harness)
     folder, path = native(install_root(harness), harness)
     with open(folder / path, "rb") as f:
@@ -121,7 +134,7 @@ def test_the_sandbox_runs_the_native_binary_not_the_npm_launcher(harness, tmp_pa
         native(tmp_path / f"{harness}@0.0.0", harness)
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "codex"])
+@pytest.mark.parametrize("harness", sorted(SHELL))
 def test_harness_fixes_the_instance_in_the_sandbox(tok, tmp_path, backend, swe_data, harness):
     _installed(harness)
     env = HarnessEnv(harness=harness, data=str(swe_data), backend=backend, max_turns=8, time_limit_s=300)
@@ -140,10 +153,19 @@ def test_harness_fixes_the_instance_in_the_sandbox(tok, tmp_path, backend, swe_d
 
 
 PROBE = r"""
-import json, os, socket, sys, urllib.error, urllib.request
+import json, os, re, socket, sys, urllib.error, urllib.request
 other, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
-own = os.environ["ANTHROPIC_BASE_URL"].rstrip("/").rsplit("/", 1)[1]  # .../s/<own id>
-token = os.environ["ANTHROPIC_API_KEY"]
+seen, pid = [], os.getpid()
+while pid > 1:  # the harness's own URL and token, wherever it keeps them: its processes' env and argv
+    try:
+        seen += [open(f"/proc/{pid}/{f}", "rb").read().decode(errors="replace") for f in ("environ", "cmdline")]
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        break
+text = "\0".join(seen)
+own = re.search(r"/s/([0-9a-f]{32})/v1", text).group(1)
+names = ("ANTHROPIC_API_KEY", "PALAESTRA_SESSION_KEY", "OPENAI_API_KEY")
+token = next(v for k, _, v in (e.partition("=") for e in text.split("\0")) if k in names)
 out = {"tcp": {}, "http": {}}
 for port in ports:  # the host's loopback servers (gateway, engine): not in this network namespace
     s = socket.socket()
@@ -183,17 +205,18 @@ class LoopScript(ShellScript):
         return self.tok.encode(text, add_special_tokens=False) + [self.end]
 
 
+@pytest.mark.parametrize("harness", ["claude-code", *NEW])
 def test_harness_sandbox_reaches_only_its_own_session_and_its_turn_budget_ends_it(
-    tok, tmp_path, backend, swe_data
+    tok, tmp_path, backend, swe_data, harness
 ):
     """From inside the sandbox, by the harness's own shell tool: the host's loopback ports and any
     other address are unreachable; through the tunnel, another session's routes, the session and
     admin API and every spelling that climbs out of its own prefix are 403 and counted; its own
     route is reached. Then the agent loops, and the turn budget (3 model calls) stops it."""
-    _installed("claude-code")
-    env = HarnessEnv(harness="claude-code", data=str(swe_data), backend=backend, max_turns=3)
+    _installed(harness)
+    env = HarnessEnv(harness=harness, data=str(swe_data), backend=backend, max_turns=3)
     instance = env.tasks(0)[0]
-    script = LoopScript(tok, "claude-code", "")
+    script = LoopScript(tok, harness, "")
     with stack(tok, tmp_path, script) as (gw, engine):
         other = new_session(gw)
         ports = [url.rsplit(":", 1)[1] for url in (gw.url, gw.engine_url)]
@@ -219,22 +242,34 @@ def test_harness_sandbox_reaches_only_its_own_session_and_its_turn_budget_ends_i
     assert metrics["resolved"] == 0.0 and "patch_applies" in metrics, metrics
 
 
+REFUSE = {
+    "claude-code": ({"max_tokens_over_context": "reject"}, ":max_tokens"),
+    "opencode": ({"context_length": 1024}, ":messages"),
+    "mini-swe-agent": ({"context_length": 1024}, ":messages"),
+}
+"""How the gateway is set to refuse each harness's first request, and the field it names: Claude
+Code's `max_tokens: 32000` does not fit the context beside its prompt (with
+`max_tokens_over_context: reject`); the others send no max_tokens that large, so their first
+prompt is made longer than the context."""
+
+
+@pytest.mark.parametrize("harness", sorted(REFUSE))
 def test_a_refused_request_ends_the_harness_non_zero_and_names_the_field(
-    tok, tmp_path, local_backend, swe_data
+    tok, tmp_path, local_backend, swe_data, harness
 ):
-    """With `max_tokens_over_context: reject`, Claude Code's `max_tokens: 32000` does not fit the
-    context beside its prompt: the gateway refuses it (400 naming max_tokens, recorded in the
+    """The gateway refuses the harness's first request (a 400 naming the field, recorded in the
     session), the harness exits non-zero, and the episode records `failure/harness_exit` with the
     exit status and is still graded."""
-    _installed("claude-code")
-    env = HarnessEnv(harness="claude-code", data=str(swe_data), backend=local_backend, max_turns=4)
-    script = ShellScript(tok, "claude-code", "echo unused")
-    with stack(tok, tmp_path, script, max_tokens_over_context="reject") as (gw, engine):
+    _installed(harness)
+    options, field = REFUSE[harness]
+    env = HarnessEnv(harness=harness, data=str(swe_data), backend=local_backend, max_turns=4)
+    script = ShellScript(tok, harness, "echo unused")
+    with stack(tok, tmp_path, script, **options) as (gw, engine):
         result = rollouts(gw.url, ENV_KEY, env, [env.tasks(0)[0]]).results[0]
         assert result.status == "completed", result.error
         traj = trajectory(gw, result.session_id)
     metrics = result.metrics
     assert script.calls == [] and engine.exchanges == [], "nothing reached the engine"
-    assert any(key.endswith(":max_tokens") for key in traj["refused"]), traj["refused"]
+    assert any(key.endswith(field) for key in traj["refused"]), traj["refused"]
     assert metrics["failure/harness_exit"] == 1 and metrics["harness/exit_code"] not in (0, -1), metrics
     assert metrics["failure/harness_timeout"] == 0 and metrics["resolved"] == 0.0, metrics
