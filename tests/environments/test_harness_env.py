@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import re
 import shlex
 
 import httpx
@@ -145,7 +146,8 @@ def test_harness_fixes_the_instance_in_the_sandbox(tok, tmp_path, backend, swe_d
         assert result.status == "completed", result.error
         traj = httpx.get(f"{gw.url}/sessions/{result.session_id}", headers=AUTH).json()
     metrics = result.metrics
-    assert "tool" in script.calls and "final" in script.calls, script.calls
+    last = tok.decode(engine.exchanges[-1].body["input_ids"])[-1500:] if engine.exchanges else ""
+    assert "tool" in script.calls and "final" in script.calls, (script.calls, last)
     assert traj["refused"] == {} and traj["failed_calls"] == [], (traj["refused"], traj["failed_calls"])
     assert metrics["failure/harness_exit"] == 0 and metrics["failure/harness_timeout"] == 0, metrics
     assert metrics["harness/calls"] == len(script.calls) and metrics["tunnel/refused"] == 0, metrics
@@ -153,17 +155,18 @@ def test_harness_fixes_the_instance_in_the_sandbox(tok, tmp_path, backend, swe_d
 
 
 PROBE = r"""
-import json, os, re, socket, sys, urllib.error, urllib.request
+import base64, json, os, re, socket, sys, urllib.error, urllib.request
 other, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
-seen, pid = [], os.getpid()
+seen, pid = [f"{k}={v}" for k, v in os.environ.items()], os.getppid()
 while pid > 1:  # the harness's own URL and token, wherever it keeps them: its processes' env and argv
-    try:
-        seen += [open(f"/proc/{pid}/{f}", "rb").read().decode(errors="replace") for f in ("environ", "cmdline")]
-        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        break
+    for name in ("environ", "cmdline"):
+        try:
+            seen.append(open(f"/proc/{pid}/{name}", "rb").read().decode(errors="replace"))
+        except OSError:  # a process that is not dumpable
+            pass
+    pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
 text = "\0".join(seen)
-own = re.search(r"/s/([0-9a-f]{32})/v1", text).group(1)
+own = re.search(r"/s/([0-9a-f]{32})", text).group(1)  # its base URL: .../s/<own id>[/v1]
 names = ("ANTHROPIC_API_KEY", "PALAESTRA_SESSION_KEY", "OPENAI_API_KEY")
 token = next(v for k, _, v in (e.partition("=") for e in text.split("\0")) if k in names)
 out = {"tcp": {}, "http": {}}
@@ -186,7 +189,7 @@ for method, path in paths:
         out["http"][method + " " + path] = urllib.request.urlopen(req, timeout=10).status
     except urllib.error.HTTPError as exc:
         out["http"][method + " " + path] = exc.code
-print("PROBE" + json.dumps(out) + "END")
+print("PROBE" + base64.b64encode(json.dumps(out).encode()).decode() + "END")  # quoted as-is in any tool result
 """
 
 
@@ -226,9 +229,9 @@ def test_harness_sandbox_reaches_only_its_own_session_and_its_turn_budget_ends_i
         other_after = trajectory(gw, other["session_id"])
     metrics = result.metrics
     prompts = [tok.decode(e.body["input_ids"]) for e in engine.exchanges]
-    found = [p.split('PROBE{"tcp"', 1)[1].split("END", 1)[0] for p in prompts if 'PROBE{"tcp"' in p]
-    assert found, f"the probe's output reached no prompt; calls: {script.calls}"
-    probe = json.loads('{"tcp"' + found[0])
+    found = re.findall(r"PROBE([A-Za-z0-9+/=]+)END", "".join(prompts))
+    assert found, f"the probe's output reached no prompt; calls: {script.calls}; {prompts[-1][-1500:]}"
+    probe = json.loads(base64.b64decode(found[0]))
     assert all(code != 0 for code in probe["tcp"].values()), probe["tcp"]  # nothing connects
     own_route = next(k for k in probe["http"] if k.endswith("/v1/models") and other["session_id"] not in k)
     refused = {k: v for k, v in probe["http"].items() if k != own_route}
