@@ -247,13 +247,13 @@ def test_harness_sandbox_reaches_only_its_own_session_and_its_turn_budget_ends_i
 
 REFUSE = {
     "claude-code": ({"max_tokens_over_context": "reject"}, ":max_tokens"),
-    "opencode": ({"context_length": 1024}, ":messages"),
+    "opencode": ({"max_tokens_over_context": "reject"}, ":max_tokens"),
     "mini-swe-agent": ({"context_length": 1024}, ":messages"),
 }
 """How the gateway is set to refuse each harness's first request, and the field it names: Claude
-Code's `max_tokens: 32000` does not fit the context beside its prompt (with
-`max_tokens_over_context: reject`); the others send no max_tokens that large, so their first
-prompt is made longer than the context."""
+Code's and OpenCode's `max_tokens: 32000` does not fit the context beside the prompt (with
+`max_tokens_over_context: reject`); mini-swe-agent sends no max_tokens, so its first prompt is made
+longer than the context."""
 
 
 @pytest.mark.parametrize("harness", sorted(REFUSE))
