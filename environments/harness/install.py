@@ -235,14 +235,16 @@ def _install_commands(harness: Harness, version: str, into: Path) -> list[list[s
 
 def _install(args: argparse.Namespace) -> int:
     specs = args.harness or sorted(HARNESSES)
-    for spec in specs:
+    failed = 0
+    for spec in specs:  # one that cannot be installed (no npm, say) does not stop the others
         try:
             path = install(spec)
         except (ValueError, RuntimeError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            print(f"error: {spec}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         print(f"{spec}: {path}")
-    return 0
+    return 2 if failed else 0
 
 
 def _path(args: argparse.Namespace) -> int:

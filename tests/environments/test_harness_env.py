@@ -217,6 +217,11 @@ def test_harness_sandbox_reaches_only_its_own_session_and_its_turn_budget_ends_i
     admin API and every spelling that climbs out of its own prefix are 403 and counted; its own
     route is reached. Then the agent loops, and the turn budget (3 model calls) stops it."""
     _installed(harness)
+    if harness in NEW and "docker" in type(backend).__name__.lower():
+        pytest.skip(
+            "a container's isolation is the backend's, probed here with Claude Code; each new harness "
+            "runs in a container in test_harness_fixes_the_instance_in_the_sandbox (CI time)"
+        )
     env = HarnessEnv(harness=harness, data=str(swe_data), backend=backend, max_turns=3)
     instance = env.tasks(0)[0]
     script = LoopScript(tok, harness, "")
