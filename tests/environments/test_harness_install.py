@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from palaestra.environments.harness import configure
 from palaestra.environments.harness import install as inst
 
 
@@ -20,6 +21,7 @@ def test_the_registry_maps_each_name_to_its_harness():
     assert {"claude-code", "codex", "opencode", "mini-swe-agent"} <= set(inst.HARNESSES)
     assert all(name == h.name for name, h in inst.HARNESSES.items())
     assert {h.registry for h in inst.HARNESSES.values()} == {"npm", "pypi"}
+    assert set(configure.HARNESS_NAMES) == set(inst.HARNESSES)  # each has its headless command
 
 
 def test_a_pypi_harness_is_found_in_its_venv_and_mounted_whole(cache):
