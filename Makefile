@@ -27,8 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	# verifiers 0.4.0 pins openai<3 (palaestra runs openai 3; its eval client talks httpx, tested in
 	# tests/gateway/test_header_sessions.py): without its deps, which dev's verifiers-deps installs.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "verifiers==0.4.0"
-	# the coding-agent harnesses at their pinned versions, from npm into ~/.cache/palaestra/harnesses
-	# (cached; tests/environments/test_harness_binaries.py skips, saying so, without npm)
+	# the coding-agent harnesses at their pinned versions, from npm (and mini-swe-agent from PyPI, a
+	# venv) into ~/.cache/palaestra/harnesses (cached; a harness's tests skip, saying so, without it)
 	$(PY) -m palaestra.cli harness install || echo "warning: harnesses not installed (needs npm): their tests skip"
 	# pytest's wheels and two real packages' sdists into ~/.cache/palaestra/swe/packages: SWE instances'
 	# environments build offline from them, and `palaestra swe generate --real` plants bugs in them

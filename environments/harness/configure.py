@@ -5,7 +5,13 @@ talk to the session's base URL with the session's token, and to nothing else it 
 `/v1` (the CLI adds `/v1/messages`), `ANTHROPIC_API_KEY` the session token, and its non-essential
 traffic (telemetry, update checks) is switched off. `codex` configures Codex CLI (`codex exec`): a
 `model_providers.palaestra` entry with `wire_api = "responses"` and the token in an environment
-variable it names (`env_key`), passed as `-c` overrides so no config file is written.
+variable it names (`env_key`), passed as `-c` overrides so no config file is written. `opencode`
+configures OpenCode (`opencode run`): an OpenAI-compatible provider (its bundled
+`@ai-sdk/openai-compatible`, Chat Completions) in `OPENCODE_CONFIG_CONTENT`, the token read from
+an environment variable, every permission allowed, models.dev, updates, sharing and LSP downloads
+off. `mini_swe_agent` configures mini-swe-agent (`python -m minisweagent`, its `mini.yaml` agent
+in yolo mode): litellm's `openai/<model>` with `api_base` the session URL and the token in
+`OPENAI_API_KEY`; litellm's cost map is its bundled copy (no fetch), cost tracking off.
 
 `mcp_settings` gives a harness MCP servers through its own configuration: Claude Code's
 ``--mcp-config`` (a JSON object of ``mcpServers``, with ``--strict-mcp-config``: only these; tool
@@ -43,6 +49,8 @@ __all__ = [
     "command",
     "default_output_tokens",
     "mcp_settings",
+    "mini_swe_agent",
+    "opencode",
 ]
 
 TOKEN_VAR = "PALAESTRA_SESSION_KEY"
@@ -112,12 +120,61 @@ def codex(
     return {TOKEN_VAR: token}, args
 
 
+def opencode(base_url: str, token: str, model: str) -> tuple[dict[str, str], list[str]]:
+    """(environment, `opencode` arguments before the prompt) to use the session at `base_url`."""
+    config = {
+        "provider": {
+            "palaestra": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "palaestra",
+                "options": {"baseURL": base_url, "apiKey": f"{{env:{TOKEN_VAR}}}"},
+                "models": {model: {"name": model}},
+            }
+        },
+        "model": f"palaestra/{model}",
+        "permission": {"*": "allow"},  # the sandbox is the boundary
+        "autoupdate": False,
+        "share": "disabled",
+    }
+    env = {
+        TOKEN_VAR: token,
+        "OPENCODE_CONFIG_CONTENT": json.dumps(config),
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_SHARE": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+        "OPENCODE_DISABLE_CLAUDE_CODE": "1",  # no ~/.claude prompts or skills read
+        "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1",
+    }
+    return env, ["run", "--model", f"palaestra/{model}"]
+
+
+MINI_FINISH = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+"""What mini-swe-agent's bash command prints to end its run (its `mini.yaml`)."""
+
+
+def mini_swe_agent(base_url: str, token: str, model: str) -> tuple[dict[str, str], list[str]]:
+    """(environment, arguments after `python -m minisweagent`, before the task) to use the session
+    at `base_url`. Its own step and cost limits are off: the tunnel's turn budget is the limit."""
+    env = {
+        "OPENAI_API_KEY": token,
+        "MSWEA_CONFIGURED": "true",  # no first-run setup prompt
+        "MSWEA_COST_TRACKING": "ignore_errors",  # a session's model has no price in litellm's map
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm's bundled map, not a download at import
+    }
+    args = ["-c", "mini.yaml", "-c", f"model.model_kwargs.api_base={base_url}"]
+    args += ["-c", "agent.step_limit=0", "-c", "agent.cost_limit=0", "-m", f"openai/{model}"]
+    return env, [*args, "--yolo", "--exit-immediately", "-o", f"{HOME}/mini.traj.json", "-t"]
+
+
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox"}
 HOME = "/work/home"
 """The harness's home inside the sandbox, beside the repository (/work/repo): its state (~/.claude,
 $CODEX_HOME) stays out of the diff that is graded. Not under /tmp: Codex makes no helper
 binaries under a temporary directory."""
 HOME_DIRS = ("HOME", "CODEX_HOME")
+HARNESS_NAMES = ("claude-code", "codex", "opencode", "mini-swe-agent")
 """The variables naming folders that must exist before the harness starts."""
 
 
@@ -178,4 +235,12 @@ def command(
     if name == "codex":
         extra, args = codex(base_url, token, model, budget)
         return env | extra | {"CODEX_HOME": f"{HOME}/.codex"}, [binary, *args, *mcp, prompt]
-    raise ValueError(f"no headless command for harness {name!r}: one of claude-code, codex")
+    if mcp:
+        raise ValueError(f"no MCP settings for harness {name!r}: one of claude-code, codex")
+    if name == "opencode":
+        extra, args = opencode(base_url, token, model)
+        return env | extra, [binary, *args, prompt]
+    if name == "mini-swe-agent":
+        extra, args = mini_swe_agent(base_url, token, model)
+        return env | extra, [binary, "-m", "minisweagent", *args, prompt]
+    raise ValueError(f"no headless command for harness {name!r}: one of {', '.join(HARNESS_NAMES)}")

@@ -1,4 +1,5 @@
-"""The harness environment: a real CLI coding agent (Claude Code, Codex) fixes a SWE task in a sandbox.
+"""The harness environment: a real coding agent (Claude Code, Codex, OpenCode, mini-swe-agent) fixes
+a SWE task in a sandbox.
 
     palaestra rollout --env harness --env-args '{"harness": "claude-code", "backend": "local"}' --tasks 2
 
@@ -11,7 +12,7 @@ One episode:
 1. the episode's run directory on the host: `SessionTunnel`'s unix socket (this session's
    `/s/<id>/v1/` routes, nothing else, at most `max_turns` model calls) and `forward.py`;
 2. a sandbox with the repository in /work/repo, the harness's native binary's folder (`native`:
-   no npm launcher, so no node) read-only at /opt/harness/NAME@VERSION, the run directory
+   no npm launcher, so no node; mini-swe-agent's venv) read-only at /opt/harness/NAME@VERSION, the run directory
    read-only and live at /run/palaestra (the docker backend copies the binary into an image layer
    once, and bind-mounts the run directory) and the instance's environment, when it needs one, at
    /venv (first on the harness's PATH: its shell runs the tests as the grader does). The sandbox
@@ -146,6 +147,7 @@ class HarnessEnv(Environment):
         )
         self._root: Path | None = None
         self.mcp_servers = tuple(s if isinstance(s, McpServer) else McpServer(**s) for s in mcp_servers)
+        configure.mcp_settings(name, self.mcp_servers)  # a harness without MCP settings refuses them now
 
     def tasks(self, seed: int) -> list[SweInstance]:
         return self.workspace.tasks(seed)

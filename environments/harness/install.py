@@ -1,14 +1,21 @@
 """Harness binaries, pinned and cached: `palaestra harness install NAME[@VERSION]`.
 
-Each harness is an npm package (`HARNESSES`) installed with `npm install --prefix` into
-`cache_dir()/NAME@VERSION` (`$PALAESTRA_HARNESS_CACHE`, default `~/.cache/palaestra/harnesses`).
-Once installed it runs offline: Claude Code's package carries its native binary (glibc) as an
-optional dependency, Codex's its static musl binary. `native` finds that binary and the folder a
-sandbox mounts for it: the harness environment runs it directly, without the npm launcher (a node
-script for Codex), so a sandbox needs no node. `make install` installs the pinned versions; `binary` finds an
-installed one, or None (the tests that drive them then skip, saying which command installs it).
-`shared_root` gives an install at a path every user can enter, which a sandbox run by another user
-(uid 65534 when root starts it) can mount: the cache itself, or a hard-linked copy of it.
+Each harness (`HARNESSES`, a name → `Harness` mapping) is installed into
+`cache_dir()/NAME@VERSION` (`$PALAESTRA_HARNESS_CACHE`, default `~/.cache/palaestra/harnesses`)
+from its registry, and runs offline afterwards:
+
+- npm (`npm install --prefix`): Claude Code's package carries its native binary (glibc) as an
+  optional dependency, Codex's its static musl binary, OpenCode's its bun-compiled binary;
+- PyPI (a venv of the sandbox's Python, /usr/bin/python3, under `venv/`, filled by this
+  interpreter's pip): mini-swe-agent, whose venv is mounted read-only and run by its own
+  `bin/python` (the venv's interpreter is a link to /usr/bin/python3, which every sandbox has).
+
+`native` finds the binary and the folder a sandbox mounts for it: the harness environment runs it
+directly, without the npm launcher (a node script for Codex), so a sandbox needs no node. `make
+install` installs the pinned versions; `binary` finds an installed one, or None (the tests that
+drive them then skip, saying which command installs it). `shared_root` gives an install at a path
+every user can enter, which a sandbox run by another user (uid 65534 when root starts it) can
+mount: the cache itself, or a hard-linked copy of it.
 """
 
 from __future__ import annotations
@@ -46,10 +53,17 @@ class Harness:
     bin: str
     """The command the package installs under node_modules/.bin."""
     native_dir: str
-    """The folder, under node_modules, of the platform package's native binary (``{arch}``: npm's
-    name of this machine's architecture, ``{machine}``: the kernel's)."""
+    """The folder, inside the install, of the platform package's native binary (``{arch}``: npm's
+    name of this machine's architecture, ``{machine}``: the kernel's); a venv for PyPI harnesses."""
     native_bin: str
     """The native binary's path inside `native_dir`."""
+    registry: str = "npm"
+    """Where it installs from: "npm" (into node_modules/) or "pypi" (into a venv, venv/)."""
+
+    @property
+    def launcher(self) -> str:
+        """The command's path inside the install."""
+        return f"node_modules/.bin/{self.bin}" if self.registry == "npm" else f"venv/bin/{self.bin}"
 
 
 HARNESSES = {
@@ -59,7 +73,7 @@ HARNESSES = {
         "@anthropic-ai/claude-code",
         "2.1.328",
         "claude",
-        "@anthropic-ai/claude-code-linux-{arch}",
+        "node_modules/@anthropic-ai/claude-code-linux-{arch}",
         "claude",
     ),
     # Codex's launcher (.bin/codex) is a node script that execs vendor/<triple>/bin/codex; the
@@ -69,10 +83,23 @@ HARNESSES = {
         "@openai/codex",
         "0.169.0",
         "codex",
-        "@openai/codex-linux-{arch}/vendor/{machine}-unknown-linux-musl",
+        "node_modules/@openai/codex-linux-{arch}/vendor/{machine}-unknown-linux-musl",
         "bin/codex",
     ),
+    # OpenCode's launcher (.bin/opencode) is a node script that finds the platform package's
+    # binary (a bun-compiled executable, glibc; npm also installs the -baseline one for older CPUs).
+    "opencode": Harness(
+        "opencode", "opencode-ai", "1.18.33", "opencode", "node_modules/opencode-linux-{arch}/bin", "opencode"
+    ),
+    # mini-swe-agent is Python: the venv is what a sandbox mounts, run as `bin/python -m minisweagent`
+    # (the `mini` script's shebang names the host's path of the venv).
+    "mini-swe-agent": Harness(
+        "mini-swe-agent", "mini-swe-agent", "2.4.6", "mini", "venv", "bin/python", registry="pypi"
+    ),
 }
+SANDBOX_PYTHON = "/usr/bin/python3"
+"""The interpreter a PyPI harness's venv is made from: the one every sandbox has (the local
+backend's sees the host's /usr; the docker images carry the host's Python at the same path)."""
 _NPM_ARCH = {"x86_64": "x64", "aarch64": "arm64", "arm64": "arm64"}
 
 
@@ -91,7 +118,7 @@ def _split(spec: str) -> tuple[Harness, str]:
 def binary(spec: str) -> Path | None:
     """The installed binary of `spec` (NAME or NAME@VERSION, default the pinned version), or None."""
     harness, version = _split(spec)
-    path = cache_dir() / f"{harness.name}@{version}" / "node_modules" / ".bin" / harness.bin
+    path = cache_dir() / f"{harness.name}@{version}" / harness.launcher
     return path if path.exists() else None
 
 
@@ -107,11 +134,7 @@ def native(root: Path, name: str) -> tuple[Path, str]:
     has none for this machine (npm skipped the platform package)."""
     harness = HARNESSES[name]
     machine = platform.machine()
-    folder = (
-        root
-        / "node_modules"
-        / harness.native_dir.format(arch=_NPM_ARCH.get(machine, machine), machine=machine)
-    )
+    folder = root / harness.native_dir.format(arch=_NPM_ARCH.get(machine, machine), machine=machine)
     if not (folder / harness.native_bin).is_file():
         raise RuntimeError(
             f"{root} has no native {harness.name} binary for {machine} at {folder / harness.native_bin}: "
@@ -155,7 +178,7 @@ def shared_root(spec: str) -> Path:
         )
     os.chmod(shared, 0o755)
     target = shared / source.name
-    if not (target / "node_modules" / ".bin" / harness.bin).exists():
+    if not (target / harness.launcher).exists():
         partial = Path(tempfile.mkdtemp(prefix=source.name + ".", suffix=".partial", dir=shared))
         shutil.copytree(source, partial / "tree", symlinks=True, copy_function=_link_or_copy)
         try:
@@ -167,31 +190,22 @@ def shared_root(spec: str) -> Path:
 
 
 def install(spec: str, quiet: bool = False) -> Path:
-    """Installs `spec` from npm (nothing to do when it is in the cache); returns its binary."""
+    """Installs `spec` from its registry (nothing to do when it is in the cache); returns its binary."""
     harness, version = _split(spec)
     found = binary(f"{harness.name}@{version}")
     if found is not None:
         return found
-    npm = shutil.which("npm")
-    if npm is None:
-        raise RuntimeError("npm is not on PATH: install Node.js (>= 20) to install harnesses")
     prefix = cache_dir() / f"{harness.name}@{version}"
     partial = prefix.with_name(prefix.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    cmd = [
-        npm,
-        "install",
-        "--no-audit",
-        "--no-fund",
-        "--prefix",
-        str(partial),
-        f"{harness.package}@{version}",
-    ]
-    done = subprocess.run(cmd, capture_output=quiet, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or "")[-2000:] if quiet else ""
-        raise RuntimeError(f"npm install {harness.package}@{version} failed ({done.returncode}) {tail}")
+    for cmd in _install_commands(harness, version, partial):
+        done = subprocess.run(cmd, capture_output=quiet, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or "")[-2000:] if quiet else ""
+            raise RuntimeError(
+                f"{' '.join(cmd[:3])} ... {harness.package}=={version} failed ({done.returncode}) {tail}"
+            )
     partial.rename(prefix)  # only a whole install is ever found by `binary`
     found = binary(f"{harness.name}@{version}")
     if found is None:
@@ -199,16 +213,38 @@ def install(spec: str, quiet: bool = False) -> Path:
     return found
 
 
+def _install_commands(harness: Harness, version: str, into: Path) -> list[list[str]]:
+    if harness.registry == "npm":
+        npm = shutil.which("npm")
+        if npm is None:
+            raise RuntimeError("npm is not on PATH: install Node.js (>= 20) to install harnesses")
+        return [
+            [npm, "install", "--no-audit", "--no-fund", "--prefix", str(into), f"{harness.package}@{version}"]
+        ]
+    if not os.access(SANDBOX_PYTHON, os.X_OK):
+        raise RuntimeError(
+            f"{SANDBOX_PYTHON} is not there: a PyPI harness's venv is made from the sandbox's Python"
+        )
+    venv = into / "venv"
+    return [
+        [SANDBOX_PYTHON, "-m", "venv", "--without-pip", str(venv)],
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), "install", "--quiet",
+         "--disable-pip-version-check", f"{harness.package}=={version}"],
+    ]  # fmt: skip
+
+
 def _install(args: argparse.Namespace) -> int:
     specs = args.harness or sorted(HARNESSES)
-    for spec in specs:
+    failed = 0
+    for spec in specs:  # one that cannot be installed (no npm, say) does not stop the others
         try:
             path = install(spec)
         except (ValueError, RuntimeError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            print(f"error: {spec}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         print(f"{spec}: {path}")
-    return 0
+    return 2 if failed else 0
 
 
 def _path(args: argparse.Namespace) -> int:
@@ -228,10 +264,12 @@ def _path(args: argparse.Namespace) -> int:
 
 
 def register(groups: argparse._SubParsersAction) -> None:
-    group = groups.add_parser("harness", help="coding-agent harness binaries (Claude Code, Codex)")
+    group = groups.add_parser(
+        "harness", help="coding-agent harness binaries (Claude Code, Codex, OpenCode, mini-swe-agent)"
+    )
     cmds = group.add_subparsers(dest="cmd", metavar="SUBCOMMAND", required=True)
     pinned = ", ".join(f"{h.name}@{h.version}" for h in HARNESSES.values())
-    p = cmds.add_parser("install", help=f"install harnesses from npm into the cache (pinned: {pinned})")
+    p = cmds.add_parser("install", help=f"install harnesses from npm/PyPI into the cache (pinned: {pinned})")
     p.add_argument("harness", nargs="*", help="NAME or NAME@VERSION (default: every harness, pinned)")
     p.set_defaults(func=_install)
     p = cmds.add_parser("path", help="print an installed harness's binary (exit 1 if not installed)")

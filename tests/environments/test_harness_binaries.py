@@ -38,15 +38,15 @@ class ToolScript:
     harness's shell tool, a call of it; once the tool's output is in the prompt, a final text;
     any other call (a harness's side requests: titles, quota checks) a short text."""
 
-    def __init__(self, tok, tool: str, arguments: dict):
-        self.tok, self.tool, self.arguments = tok, tool, arguments
+    def __init__(self, tok, tool: str, arguments: dict, final: str = f"The command printed {MARK}."):
+        self.tok, self.tool, self.arguments, self.final = tok, tool, arguments, final
         self.end = tok.convert_tokens_to_ids("<|im_end|>")
         self.calls: list[tuple[int, str]] = []  # (call index, what was answered)
 
     def __call__(self, input_ids: list[int], index: int) -> list[int]:
         prompt = self.tok.decode(input_ids)
         if MARK in prompt:
-            kind, text = "final", f"The command printed {MARK}."
+            kind, text = "final", self.final
         elif f'"name": "{self.tool}"' in prompt and not any(k == "tool" for _, k in self.calls):
             kind = "tool"
             text = "Running it.\n" + render_tool_call_text("hermes", self.tool, json.dumps(self.arguments))
@@ -58,11 +58,12 @@ class ToolScript:
 
 @pytest.fixture
 def harness_stack(tok, tmp_path):
-    """start(tool, arguments) -> (gateway, engine, script): a `ToolScript` engine behind a gateway."""
+    """start(tool, arguments[, final=]) -> (gateway, engine, script): a `ToolScript` engine behind a
+    gateway."""
     with contextlib.ExitStack() as stack:
 
-        def start(tool: str, arguments: dict):
-            script = ToolScript(tok, tool, arguments)
+        def start(tool: str, arguments: dict, **final):
+            script = ToolScript(tok, tool, arguments, **final)
             engine = ScriptedEngine(script, stop_ids={script.end})
             eng = stack.enter_context(ThreadServer(engine.app()))
             gw = stack.enter_context(gateway_server(eng.url, tmp_path / "spool", tok))
@@ -88,7 +89,10 @@ def _offline_env(tmp_path) -> dict[str, str]:
     return {**keep, "HOME": str(home), "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
 
 
-def _check_round_trip(gw, engine, script, sid, done):
+def _check_round_trip(gw, engine, script, sid, done, side_conversations: int = 0, streams: bool = True):
+    """`streams`: whether the harness streams its turns (mini-swe-agent does not);
+    `side_conversations`: how many of the harness's side requests (OpenCode's title) start a
+    conversation of their own, which the gateway records as a fork of the session."""
     assert done.returncode == 0, (
         f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}"
     )
@@ -101,7 +105,7 @@ def _check_round_trip(gw, engine, script, sid, done):
     )
     final_at = next(i for i, k in script.calls if k == "final")
     before, after = engine.exchanges[tool_at], engine.exchanges[final_at]
-    assert all(e.body.get("stream") for e in (before, after)), "the harness streams its turns"
+    assert all(bool(e.body.get("stream")) == streams for e in (before, after)), "streamed or not, as it does"
     sampled = before.answer["output_ids"]
     head = list(before.body["input_ids"]) + list(sampled)
     assert list(after.body["input_ids"][: len(head)]) == head, "the next prompt extends prompt + sampled ids"
@@ -109,7 +113,9 @@ def _check_round_trip(gw, engine, script, sid, done):
     assert MARK in tail, tail  # the tool ran, and its output is what the next turn adds
     assert MARK in done.stdout, done.stdout[-2000:]
     turns = {t["call_id"]: t for t in traj["turns"]}
-    assert len(turns) == len(kinds) and traj["forks"] == [], traj["forks"]  # one sample, bridged
+    assert len(turns) == len(kinds), (turns, kinds)
+    # the agent's own turns are one sample, bridged; a side conversation is a fork of its own
+    assert [f["reason"] for f in traj["forks"]] == ["prefix_changed"] * side_conversations, traj["forks"]
     return traj
 
 
@@ -153,3 +159,34 @@ def _tool_names(script, engine) -> list[str]:
     """The tool names rendered into the first engine prompt (for a failure message)."""
     prompt = script.tok.decode(engine.exchanges[0].body["input_ids"])
     return re.findall(r'"name": "([^"]+)"', prompt)
+
+
+def test_opencode_tool_round_trip(harness_stack, tmp_path):
+    opencode = _installed("opencode")
+    gw, engine, script = harness_stack("bash", {"command": COMMAND, "description": "print the number"})
+    s = new_session(gw)
+    work = tmp_path / "work"
+    work.mkdir()
+    extra, args = configure.opencode(s["base_url"], s["api_key"], "tiny")
+    env = {**_offline_env(tmp_path), **extra}
+    cmd = [str(opencode), *args, "Run the command and tell me what it printed."]
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    traj = _check_round_trip(gw, engine, script, s["session_id"], done, side_conversations=1)
+    print(traj["ignored_controls"])
+
+
+def test_mini_swe_agent_tool_round_trip(harness_stack, tmp_path):
+    mini = _installed("mini-swe-agent")
+    # it ends by running its finishing command (an answer without a tool call is a format error)
+    finish = render_tool_call_text("hermes", "bash", json.dumps({"command": f"echo {configure.MINI_FINISH}"}))
+    gw, engine, script = harness_stack("bash", {"command": COMMAND}, final=finish)
+    s = new_session(gw)
+    work = tmp_path / "work"
+    work.mkdir()
+    extra, args = configure.mini_swe_agent(s["base_url"], s["api_key"], "tiny")
+    env = {**_offline_env(tmp_path), **extra}
+    python = mini.parent / "python"
+    cmd = [str(python), "-m", "minisweagent", *args, "Run the command and tell me what it printed."]
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    traj = _check_round_trip(gw, engine, script, s["session_id"], done, streams=False)
+    print(traj["ignored_controls"])

@@ -111,3 +111,15 @@ def test_claude_code_calls_an_mcp_server_in_its_sandbox(tok, tmp_path, local_bac
     assert traj["refused"] == {} and traj["failed_calls"] == [], (traj["refused"], traj["failed_calls"])
     assert script.calls.index("tool") < script.calls.index("final"), script.calls  # listed, called, answered
     assert result.metrics["failure/harness_exit"] == 0 and result.metrics["failure/harness_timeout"] == 0
+
+
+def test_opencode_and_mini_swe_agent_take_no_mcp_servers_and_no_token_in_argv():
+    """The harnesses without MCP settings here refuse servers by name; every harness's token is in
+    its environment, never its argv (forward.py gets it on stdin)."""
+    for name in ("opencode", "mini-swe-agent"):
+        with pytest.raises(ValueError, match=f"no MCP settings for harness '{name}'"):
+            configure.command(name, "/bin/x", "http://h/s/1/v1", "tok", "m", "fix it", [SERVER])
+    for name in configure.HARNESS_NAMES:
+        env, argv = configure.command(name, "/bin/x", "http://h/s/1/v1", "secret-token", "m", "fix it")
+        assert not any("secret-token" in a for a in argv) and "secret-token" in env.values(), (name, argv)
+        assert any("http://h/s/1" in a for a in [*argv, *env.values()]) and "fix it" in argv, argv

@@ -1,0 +1,59 @@
+"""The harness registry and its install cache, without a registry: paths of npm and PyPI installs
+laid out by hand in a temporary cache, and `palaestra harness install` going on past a failure."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from palaestra.environments.harness import configure
+from palaestra.environments.harness import install as inst
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PALAESTRA_HARNESS_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_the_registry_maps_each_name_to_its_harness():
+    assert {"claude-code", "codex", "opencode", "mini-swe-agent"} <= set(inst.HARNESSES)
+    assert all(name == h.name for name, h in inst.HARNESSES.items())
+    assert {h.registry for h in inst.HARNESSES.values()} == {"npm", "pypi"}
+    assert set(configure.HARNESS_NAMES) == set(inst.HARNESSES)  # each has its headless command
+
+
+def test_a_pypi_harness_is_found_in_its_venv_and_mounted_whole(cache):
+    h = inst.HARNESSES["mini-swe-agent"]
+    assert inst.binary("mini-swe-agent") is None and inst.install_root("mini-swe-agent") is None
+    root = cache / f"mini-swe-agent@{h.version}"
+    (root / "venv/bin").mkdir(parents=True)
+    (root / "venv/bin/mini").write_text("#!/x/python\n")
+    (root / "venv/bin/python").write_text("")
+    assert inst.binary("mini-swe-agent") == root / "venv/bin/mini"
+    assert inst.native(root, "mini-swe-agent") == (root / "venv", "bin/python")
+
+
+def test_an_npm_harness_without_its_platform_binary_is_refused_naming_the_command(cache):
+    h = inst.HARNESSES["opencode"]
+    root = cache / f"opencode@{h.version}"
+    (root / "node_modules/.bin").mkdir(parents=True)
+    (root / "node_modules/.bin/opencode").write_text("")
+    assert inst.install_root("opencode") == root
+    with pytest.raises(RuntimeError, match=f"palaestra harness install opencode@{h.version}"):
+        inst.native(root, "opencode")
+
+
+def test_install_goes_on_past_a_harness_that_fails(monkeypatch, capsys):
+    done = []
+
+    def fake(spec, quiet=False):
+        if spec == "codex":
+            raise RuntimeError("npm is not on PATH")
+        done.append(spec)
+        return f"/bin/{spec}"
+
+    monkeypatch.setattr(inst, "install", fake)
+    assert inst._install(argparse.Namespace(harness=["codex", "opencode"])) == 2
+    assert done == ["opencode"] and "error: codex: npm is not on PATH" in capsys.readouterr().err
