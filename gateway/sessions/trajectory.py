@@ -101,6 +101,9 @@ class Turn:
             "output_ids": self.output_ids,
             "output_logprobs": self.output_logprobs,
             "weight_version": self.weight_version,
+            # an answer a weight update interrupted and the new weights continued: which version
+            # sampled which output tokens (empty: all `weight_version`)
+            "weight_spans": [s.to_wire() for s in self.weight_spans],
             "finish_reason": self.finish_reason.wire,
             "latency_s": self.latency_s,
             "cached_tokens": self.cached_tokens,
