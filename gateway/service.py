@@ -56,7 +56,7 @@ from palaestra.gateway.dialect import (
     reply_message,
 )
 from palaestra.gateway.dialects import controls, template_caps
-from palaestra.gateway.engine_side.generation import Generation, SamplingParams
+from palaestra.gateway.engine_side.generation import Generation, SamplingParams, constrained
 from palaestra.gateway.engine_side.turns import EngineTurns
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.metrics import GatewayMetrics
@@ -264,6 +264,7 @@ class GatewayService:
                 "fork_detail": plan.fork_detail,
                 "context_key": context_key,
                 "controls": turn_controls,
+                "constrained": constrained(request.params.sampling),
             },
             context=context,
         )
@@ -448,6 +449,7 @@ class GatewayService:
                 "completion",
                 rendered=prompt + full,
                 output_text=full,
+                constrained=constrained(request.params.sampling),
                 fork_reason=fork,
                 fork_detail="the prompt does not extend an earlier one" if fork else "",
                 controls=self._controls(dialect.name, [], clamped) if i == 0 else None,

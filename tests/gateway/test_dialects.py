@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from palaestra.gateway.parsers import render_tool_call_text
-from tests.support.sessions import AUTH, CALC, new_session, reward, trajectory
+from tests.support.sessions import AUTH, CALC, new_session, reward, samples, trajectory
 
 CALC_RESPONSES = {
     "type": "function",
@@ -280,6 +280,32 @@ def test_streamed_calls_feed_the_overhead_histogram_and_record_their_engine_late
         assert 0 < after[1] - total < engine.delay_s, (route, after[1] - total)  # the engine's wait left out
     turns = trajectory(gw, s["session_id"])["turns"]
     assert len(turns) == 4 and all(t["latency_s"] >= engine.delay_s for t in turns), turns
+
+
+def test_a_turn_sampled_under_a_constraint_is_marked_in_its_sample(stack):
+    """The engine reports a constrained turn's logprobs from the grammar-masked distribution: the
+    turn says so, and its sample marks exactly its tokens (`Sample.constrained`), so the trainer
+    leaves them out of the mismatch metrics and TIS / RS (tests/trainer/test_constrained.py)."""
+    gw, engine, script = stack
+    s = new_session(gw)
+    script.queue += ['{"a": 1}', "Done."]
+    oa = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    history = [{"role": "user", "content": "json please"}]
+    c = oa.chat.completions.create(
+        model="tiny", messages=history, max_tokens=16, response_format={"type": "json_object"}
+    )
+    history += [
+        {"role": "assistant", "content": c.choices[0].message.content},
+        {"role": "user", "content": "ok"},
+    ]
+    oa.chat.completions.create(model="tiny", messages=history, max_tokens=16)
+    first, second = bridged(gw, s["session_id"])
+    assert first["constrained"] is True and second["constrained"] is False
+    reward(gw, s["session_id"])
+    (sample,) = [x for x in samples(gw)["samples"] if x["session_id"] == s["session_id"]]
+    n1, n2 = len(first["output_ids"]), len(second["output_ids"])
+    marks = [m for m, sampled in zip(sample["constrained"], sample["loss_mask"], strict=True) if sampled]
+    assert marks == [1] * n1 + [0] * n2
 
 
 # -- parse status ----------------------------------------------------------------------------------
