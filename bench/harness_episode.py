@@ -16,7 +16,7 @@ real engine's `cached_tokens` over the prompt. Printed:
   to the next: the answer streamed back through the gateway, the harness's tool, the next request
   rendered and bridged), mean of the first 4 tool turns vs the last 4, and its ratio (an append
   renders only what is new: the goal is <= 1.2x), beside the gateway's own
-  `call_overhead_seconds` mean (which only unstreamed calls feed: harnesses stream);
+  `call_overhead_seconds` mean (streamed calls included: the engine's and the client's time left out);
 * the engine's prefix-cache hit rate over the episode and on the last turn;
 * per call, the share of the previous call's prompt the engine found in its prefix cache (goal:
   >= 0.95 on every bridged turn), and the lowest;
@@ -156,7 +156,7 @@ def main() -> None:
         + (
             f"gateway call overhead {over_sum / over_n * 1e3:.1f} ms (mean of {int(over_n)} calls)"
             if over_n
-            else "call_overhead_seconds observed no call (the gateway observes it for unstreamed calls only)"
+            else "call_overhead_seconds observed no call"
         )
     )
     print(

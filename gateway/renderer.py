@@ -33,7 +33,9 @@ def _text(content: Any, where: str) -> str | None:
             if isinstance(part, str):
                 parts.append(part)
             elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                parts.append(str(part.get("text", "")))
+                if not isinstance(part.get("text", ""), str):
+                    raise GatewayError(f"{where}: a text part's 'text' must be a string", param="messages")
+                parts.append(part.get("text", ""))
             elif isinstance(part, dict):
                 raise GatewayError(
                     f"{where}: content part type {part.get('type')!r} is not supported (text only)",
@@ -61,7 +63,7 @@ def normalize_more(messages: list[Any], offset: int = 0) -> list[dict[str, Any]]
     out = []
     for i, m in enumerate(messages, offset):
         # the common case first, with no copy: this loop runs over the whole history on every call
-        if type(m) is dict and len(m) == 2 and type(m.get("content")) is str and m["role"] in _PLAIN:
+        if type(m) is dict and len(m) == 2 and type(m.get("content")) is str and m.get("role") in _PLAIN:
             out.append(m)
             continue
         where = f"messages[{i}]"
@@ -120,6 +122,8 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
             )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise GatewayError(f"tools[{i}].function.name must be a non-empty string", param="tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise GatewayError(f"tools[{i}].function.description must be a string", param="tools")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise GatewayError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")

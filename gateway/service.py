@@ -56,7 +56,7 @@ from palaestra.gateway.dialect import (
     reply_message,
 )
 from palaestra.gateway.dialects import controls, template_caps
-from palaestra.gateway.engine_side.generation import Generation, SamplingParams
+from palaestra.gateway.engine_side.generation import Generation, SamplingParams, constrained
 from palaestra.gateway.engine_side.turns import EngineTurns
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.metrics import GatewayMetrics
@@ -195,7 +195,7 @@ class GatewayService:
                 session.note_refusal(dialect.name, exc)
             raise
         if dialect.stream is not None and request.params.stream:
-            return shaped_stream(self._stream_chat(call), functools.partial(dialect.stream, request))
+            return shaped_stream(self._stream_chat(call, t0), functools.partial(dialect.stream, request))
         gens, engine_s = await self._generate(
             session,
             call.call_id,
@@ -293,6 +293,7 @@ class GatewayService:
                 "fork_detail": plan.fork_detail,
                 "context_key": context_key,
                 "controls": turn_controls,
+                "constrained": constrained(request.params.sampling),
             },
             context=context,
         )
@@ -375,12 +376,20 @@ class GatewayService:
             self.metrics.parse_errors.labels(reason=error["reason"]).inc()
         return status
 
-    async def _stream_chat(self, call: _ChatCall) -> AsyncGenerator[StreamEvent, None]:
-        """The call as events: started, safe text deltas, then finished (recorded) or failed."""
+    async def _stream_chat(self, call: _ChatCall, t0: float) -> AsyncGenerator[StreamEvent, None]:
+        """The call as events: started, safe text deltas, then finished (recorded) or failed.
+
+        `call_overhead_seconds` of a stream, as of an unstreamed call, is the time since the call
+        arrived (`t0`) outside the engine: less the waits for the engine's next piece and the time
+        each event spends with the consumer (shaping it and the client reading it, which an
+        unstreamed call's answer is not counted for either)."""
         created = int(time.time())
         params = call.request.params
+        engine_s = away_s = 0.0
         async with self.turns.admitted(call.session, call.plan.prompt_ids, call.sampling):
+            sent = time.perf_counter()
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
+            away_s += time.perf_counter() - sent
             markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
             text = HeldBackText(self._decode, markers, params.stop, hold_space=call.request.tools_on)
             ids: list[int] = []
@@ -396,22 +405,31 @@ class GatewayService:
             )
             try:
                 async with contextlib.aclosing(pieces):
+                    asked = time.perf_counter()
                     async for new_ids, new_lps, end in pieces:
+                        engine_s += time.perf_counter() - asked
                         ids += new_ids
                         if end is not None:  # an engine call's last piece: parsed whole below
                             final = end
-                        if end is not None or parse_whole:
-                            continue
-                        delta = text.advance(ids)
-                        if delta:
-                            lps = self._token_logprobs(new_ids, new_lps, None, 0) if params.logprobs else None
-                            yield TextDelta(delta, lps)
+                        elif not parse_whole:
+                            delta = text.advance(ids)
+                            if delta:
+                                lps = (
+                                    self._token_logprobs(new_ids, new_lps, None, 0)
+                                    if params.logprobs
+                                    else None
+                                )
+                                sent = time.perf_counter()
+                                yield TextDelta(delta, lps)
+                                away_s += time.perf_counter() - sent
+                        asked = time.perf_counter()
             except GatewayError as exc:  # recorded on the session by the turn core
                 yield StreamFailed(exc)
                 return
         assert final is not None
-        output = self._chat_output(call, 0, final, 0.0)
+        output = self._chat_output(call, 0, final, engine_s)  # the turn's latency, as unstreamed
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
+        self.metrics.overhead.observe(max(time.perf_counter() - t0 - engine_s - away_s, 0.0))
         yield StreamFinished(result, text.unsent(output.content or ""))
 
     def count_tokens(self, session_id: str, body: dict[str, Any], parse: Any) -> int:
@@ -462,6 +480,7 @@ class GatewayService:
                 "completion",
                 rendered=prompt + full,
                 output_text=full,
+                constrained=constrained(request.params.sampling),
                 fork_reason=fork,
                 fork_detail="the prompt does not extend an earlier one" if fork else "",
                 controls=self._controls(dialect.name, ignored, clamped) if i == 0 else None,

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-SCHEMA_VERSION = "1.1"  # 1.1: routed_experts
+SCHEMA_VERSION = "1.2"  # 1.1: routed_experts; 1.2: constrained
 Status = Literal["completed", "truncated", "aborted", "failed"]
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 
@@ -62,6 +62,11 @@ class Sample:
     # {"shape": [n, layers, top_k], "dtype": "uint8" | "uint16" | "int32", "data": base64}: the
     # rollout engine's expert choice per token (MoE policies with routing replay); see `routing()`.
     routed_experts: dict[str, Any] | None = None
+    constrained: list[int] | None = None
+    """Per response token, 1 where the policy sampled it under a decoding constraint (regex, JSON
+    schema, grammar): the engine's logprob is then of the constrained distribution, which the
+    trainer does not compute, so these tokens stay out of the mismatch metrics and of TIS / RS
+    (trainer/objective.py). None: no token was."""
     schema_version: str = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -91,6 +96,10 @@ class Sample:
             )
         if self.routed_experts is not None:
             self._check_routing_shape(self.routed_experts.get("shape"))
+        if self.constrained is not None and len(self.constrained) != n:
+            raise SampleError(
+                f"constrained has {len(self.constrained)} entries for {n} response tokens (sample {self.sample_id})"
+            )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise SampleError("loss_mask entries must be 0 or 1")
         if self.status not in STATUSES:

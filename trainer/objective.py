@@ -31,7 +31,7 @@ __all__ = ["NO_SIGNAL_ATOL", "SUM_KEYS", "microbatch_loss", "step_metrics", "tok
 SUM_KEYS = (
     "loss_num", "loss_den", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "ratio", "tokens",
     "mask_tokens", "abs_diff", "mismatch_kl", "tis_clipped", "rs_masked", "opd_rkl", "teacher_tokens",
-    "nll", "no_signal",
+    "nll", "no_signal", "mismatch_tokens",
 )  # fmt: skip
 
 NO_SIGNAL_ATOL = 1e-8
@@ -55,14 +55,22 @@ def token_inputs(mb: MicroBatch, per_sample: torch.Tensor, c: TrainerConfig) -> 
         kl = losses.kl_estimate(mb.old_logprobs, mb.ref_logprobs, c.kl.estimator)
         a = adv.kl_reward_adjust(a, kl, c.kl.coef)
     mb.advantages = a
+    # rows sampled under a decoding constraint: the engine's logprob is the constrained one, so the
+    # ratio old / rollout measures the grammar, not a mismatch; they keep weight 1 (Sample.constrained)
+    free = None if mb.constrained is None else mb.constrained == 0
     keep = torch.ones_like(mb.loss_mask)
     if c.rs.mode is not None:
+        mask = mb.loss_mask if free is None else mb.loss_mask * free
         keep = losses.rs_keep_mask(
-            mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, mb.seq_index, c.rs.low, c.rs.high, c.rs.mode
+            mb.old_logprobs, mb.rollout_logprobs, mask, mb.seq_index, c.rs.low, c.rs.high, c.rs.mode
         )
+        if free is not None:
+            keep = torch.where(free, keep, torch.ones_like(keep))
     mb.loss_weight = mb.loss_mask * keep
     if c.tis.enabled:
         w, clipped = losses.tis_weights(mb.old_logprobs, mb.rollout_logprobs, c.tis.clip_low, c.tis.clip_high)
+        if free is not None:
+            w, clipped = torch.where(free, w, torch.ones_like(w)), clipped & free
         mb.tis_weight, mb.tis_clipped = w, clipped.float()
     mb.check()
 
@@ -121,6 +129,7 @@ def microbatch_loss(
     num, den = losses.aggregate(token_loss, weight, mb.seq_index.to(dev), c.loss_agg)
     with torch.no_grad():
         m = mb.loss_mask.to(dev)
+        mm = m if mb.constrained is None else m * (1 - mb.constrained.to(dev))  # rows the trainer can compare
         roll = mb.rollout_logprobs.to(dev)
         zero = m.new_zeros(())
         teacher = mb.teacher_logprobs.to(dev) if mb.teacher_logprobs is not None else None
@@ -138,14 +147,15 @@ def microbatch_loss(
             "ratio": (pl.ratio * weight).sum(),
             "tokens": weight.sum(),
             "mask_tokens": m.sum(),
-            "abs_diff": ((old - roll).abs() * m).sum(),
-            "mismatch_kl": (losses.kl_estimate(roll, old, "k3") * m).sum(),
-            "tis_clipped": (mb.tis_clipped.to(dev) * m).sum() if c.tis.enabled else zero,
-            "rs_masked": ((1 - weight) * m).sum(),
+            "abs_diff": ((old - roll).abs() * mm).sum(),
+            "mismatch_kl": (losses.kl_estimate(roll, old, "k3") * mm).sum(),
+            "tis_clipped": (mb.tis_clipped.to(dev) * mm).sum() if c.tis.enabled else zero,
+            "rs_masked": ((1 - weight) * mm).sum(),
             "opd_rkl": ((old - teacher) * m).sum() if teacher is not None else zero,
             "teacher_tokens": m.sum() if teacher is not None else zero,
             "nll": (-old * weight).sum(),
             "no_signal": (silent.float() * weight).sum(),
+            "mismatch_tokens": mm.sum(),
         }
         sums = torch.stack([stats[k].float() for k in SUM_KEYS])
         if teacher is not None:
@@ -160,13 +170,14 @@ def step_metrics(sums: torch.Tensor, c: TrainerConfig) -> dict[str, float]:
     """train/, mismatch/ and opd/ metrics from `SUM_KEYS` sums over the whole step (all DP ranks).
 
     train/* averages over the tokens that train (loss mask after RS); mismatch/* over every
-    policy-sampled token; opd/reverse_kl is the k1 estimate mean(old − teacher) over them.
+    policy-sampled token but those sampled under a decoding constraint (whose engine logprob is the
+    constrained distribution's; mismatch/constrained_fraction is their share); opd/reverse_kl is the k1 estimate mean(old − teacher) over them.
     train/zero_advantage_fraction is the share of training tokens that carry no learning signal:
     |Â_t| ≤ `NO_SIGNAL_ATOL` and no topk/full distillation term (the KL to the reference is not
     counted: it only pulls back towards the initial weights). 1.0 means a zero policy gradient.
     """
     s = dict(zip(SUM_KEYS, sums.tolist(), strict=True))
-    tok, mask = max(s["tokens"], 1.0), max(s["mask_tokens"], 1.0)
+    tok, mask = max(s["tokens"], 1.0), max(s["mismatch_tokens"], 1.0)
     metrics = {
         "train/loss": s["loss_num"] / max(s["loss_den"], 1.0),
         "train/pg_loss": s["pg_loss"] / tok,
@@ -182,6 +193,7 @@ def step_metrics(sums: torch.Tensor, c: TrainerConfig) -> dict[str, float]:
         "mismatch/kl": s["mismatch_kl"] / mask,
         "mismatch/tis_clip_frac": s["tis_clipped"] / mask,
         "mismatch/rs_mask_frac": s["rs_masked"] / mask,
+        "mismatch/constrained_fraction": 1.0 - s["mismatch_tokens"] / max(s["mask_tokens"], 1.0),
     }
     if c.opd.enabled:
         metrics["opd/reverse_kl"] = s["opd_rkl"] / max(s["teacher_tokens"], 1.0)

@@ -189,6 +189,11 @@ class MicroBatch:
     dummy: bool = False
     """A rank with no real work runs one of these (one row, loss mask 0) so collectives still match."""
 
+    constrained: torch.Tensor | None = None
+    """1.0 on rows the policy sampled under a decoding constraint (`Sample.constrained`): their
+    rollout logprob is the constrained distribution's, which the trainer does not compute, so they
+    stay out of TIS, RS and the mismatch metrics (objective.py), [R]. None: no row was."""
+
     routing: list[torch.Tensor] | None = None
     """Routing replay (trainer/moe.py): per MoE layer, the experts of every packed token, [T, top_k]
     (r3: the rollout's; r2: recorded in the old-policy pass). None: the routers choose."""
@@ -322,7 +327,7 @@ class MicroBatch:
 
 # The step's per-row fields of `MicroBatch`: one value per response row, shape (R,).
 _ROW_FIELDS = (
-    "old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages", "loss_weight", "tis_weight",
+    "constrained", "old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages", "loss_weight", "tis_weight",
     "tis_clipped", "opd_coef_sampled", "opd_coef_topk", "opd_coef_full", "opd_route", "opd_rkl",
 )  # fmt: skip
 
@@ -331,6 +336,8 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> Micr
     """Packs `samples[i] for i in indices` into one `MicroBatch` (no padding)."""
     tokens, positions, cu = [], [], [0]
     label_pos, targets, mask, rollout, seq_index, offsets = [], [], [], [], [], [0]
+    constrained: list[int] = []
+    any_constrained = any(samples[i].constrained is not None for i in indices)
     for s_i, idx in enumerate(indices):
         s = samples[idx]
         n, p = len(s.tokens), s.prompt_len
@@ -346,6 +353,8 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> Micr
         targets.extend(s.tokens[p:])
         mask.extend(s.loss_mask)
         rollout.extend(s.rollout_logprobs)
+        if any_constrained:
+            constrained.extend(s.constrained if s.constrained is not None else [0] * (n - p))
         seq_index.extend([s_i] * (n - p))
         offsets.append(offsets[-1] + n - p)
     mb = MicroBatch(
@@ -359,6 +368,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> Micr
         rollout_logprobs=torch.tensor(rollout, dtype=torch.float32),
         seq_index=torch.tensor(seq_index, dtype=torch.long),
         response_offsets=offsets,
+        constrained=torch.tensor(constrained, dtype=torch.float32) if any_constrained else None,
     )
     mb.check()
     return mb

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import configparser
+import functools
 import hashlib
 import json
 import re
@@ -90,6 +91,15 @@ class RepoEnvError(RuntimeError):
     """An instance's environment could not be built; the message names the requirement and why."""
 
 
+@functools.cache
+def python_version(python: str) -> str:
+    """`sys.version` of the interpreter `python`, asked once per process: every instance's key needs
+    it, and an interpreter started per key made building a task list of thousands slow (issue 37)."""
+    return subprocess.run(
+        [python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True
+    ).stdout.strip()
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     """What an environment holds: it is identified by its `key`, a hash of these fields."""
@@ -101,10 +111,11 @@ class EnvSpec:
     python: str = SANDBOX_PYTHON
 
     def key(self) -> str:
-        version = subprocess.run(
-            [self.python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True
-        ).stdout.strip()
-        data = {"recipe": RECIPE_VERSION, "python": version, "requirements": list(self.requirements)}
+        data = {
+            "recipe": RECIPE_VERSION,
+            "python": python_version(self.python),
+            "requirements": list(self.requirements),
+        }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -29,7 +29,6 @@ calls are parsed whole and arrive at the end.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -47,7 +46,7 @@ from palaestra.gateway.dialect import (
 )
 from palaestra.gateway.dialects.controls import MESSAGES, Recorder, screen
 from palaestra.gateway.dialects.sealed import seal, unseal
-from palaestra.gateway.dialects.validate import number, stop_list
+from palaestra.gateway.dialects.validate import MAX_NEW_TOKENS, number, stop_list
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.renderer import normalize_messages, normalize_more
 from palaestra.gateway.sessions.history import ParseMemo
@@ -104,7 +103,9 @@ def _screen(body: dict[str, Any], table: dict[str, Any], headers: dict[str, str]
 def _params(body: dict[str, Any]) -> GenerationParams:
     if body.get("max_tokens") is None:
         raise GatewayError("max_tokens: Field required", param="max_tokens")
-    max_tokens = number(body, "max_tokens", 1, math.inf, integer=True)  # bounded by the context (service)
+    max_tokens = number(
+        body, "max_tokens", 1, MAX_NEW_TOKENS, integer=True
+    )  # clamped to the context (service)
     temperature, top_p = number(body, "temperature", 0, 1), number(body, "top_p", 0, 1)
     sampling: dict[str, Any] = {
         "temperature": 1.0 if temperature is None else temperature,  # Anthropic's default
@@ -125,9 +126,22 @@ def _text(content: Any, where: str) -> str:
     """A system prompt or a text-only content: a string or text blocks."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text", ""), str)
+        for b in content
+    ):
+        return "".join(b.get("text", "") for b in content)
     raise GatewayError(f"{where}: must be a string or an array of text blocks", param=where.split(".")[0])
+
+
+def _string(block: dict[str, Any], key: str, where: str) -> str:
+    """A block's string field (absent or null: empty); another type is a 400 naming it."""
+    value = block.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise GatewayError(f"{where}.{key}: must be a string", param="messages")
+    return value
 
 
 def _history(system: Any, raw: Any, memo: ParseMemo | None) -> list[dict[str, Any]]:
@@ -152,9 +166,10 @@ def _convert(raw: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
                 continue
             if role == "assistant" and type(content) is list and len(content) == 1:
                 block = content[0]
-                if type(block) is dict and block.get("type") == "text" and len(block) == 2:
-                    out.append({"role": "assistant", "content": str(block.get("text", ""))})
-                    continue
+                if type(block) is dict and block.get("type") == "text" and type(block.get("text")) is str:
+                    if len(block) == 2:
+                        out.append({"role": "assistant", "content": block["text"]})
+                        continue
         where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
             raise GatewayError(f"{where}.role: must be 'user', 'assistant' or 'system'", param="messages")
@@ -176,11 +191,12 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
-            msg["content"] += str(b.get("text", ""))
+            msg["content"] += _string(b, "text", f"{where}.content.{j}")
         elif kind == "thinking":
             # the text as sent, or (display "omitted": empty) the reasoning sealed in the signature
-            text = str(b.get("thinking") or "")
-            msg["reasoning_content"] = text or unseal(b.get("signature")) or ""
+            text = _string(b, "thinking", f"{where}.content.{j}")
+            signature = _string(b, "signature", f"{where}.content.{j}")
+            msg["reasoning_content"] = text or unseal(signature) or ""
         elif kind == "tool_use":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str):
                 raise GatewayError(f"{where}.content.{j}: tool_use needs 'id' and 'name'", param="messages")
@@ -201,14 +217,15 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
-            text.append(str(b.get("text", "")))
+            text.append(_string(b, "text", f"{where}.content.{j}"))
         elif kind == "tool_result":
             if text:  # text before a result stays before it
                 out.append({"role": "user", "content": "".join(text)})
                 text = []
             body = b.get("content", "")
             result = _text(body, f"{where}.content.{j}.content") if body is not None else ""
-            out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": result})
+            call_id = _string(b, "tool_use_id", f"{where}.content.{j}")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
         else:
             raise GatewayError(
                 f"{where}.content.{j}.type: {kind!r} is not supported in user messages (text, tool_result: "
@@ -271,6 +288,8 @@ def _tools(raw: Any, recorder: Recorder) -> list[dict[str, Any]] | None:
         if not isinstance(t, dict):
             raise GatewayError(f"tools.{i}: must be an object", param="tools")
         kind = t.get("type", "custom")
+        if not isinstance(kind, str):  # (an object or array is no tool type, and unhashable)
+            raise GatewayError(f"tools.{i}.type: must be a string; got {kind!r:.80}", param="tools")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise GatewayError(f"tools.{i}.name: must be a non-empty string", param="tools")
         if kind in CLIENT_TOOLS:
@@ -279,7 +298,11 @@ def _tools(raw: Any, recorder: Recorder) -> list[dict[str, Any]] | None:
             recorder.note("tools", kind)
             continue
         elif kind == "custom":
-            description, schema = t.get("description") or "", t.get("input_schema")
+            description, schema = t.get("description", ""), t.get("input_schema")
+            if description is None:
+                description = ""
+            if not isinstance(description, str):
+                raise GatewayError(f"tools.{i}.description: must be a string", param="tools")
             if not isinstance(schema, dict):
                 raise GatewayError(
                     f"tools.{i}.input_schema: Field required (a JSON schema object)", param="tools"
@@ -313,7 +336,9 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None, recorder: Recorde
             raise GatewayError("tool_choice: 'any' needs tools", param="tool_choice")
         return "required", None
     if kind == "tool":
-        if not tools or raw.get("name") not in {t["function"]["name"] for t in tools}:
+        if not isinstance(raw.get("name"), str):
+            raise GatewayError("tool_choice.name: must be a string", param="tool_choice")
+        if not tools or raw["name"] not in {t["function"]["name"] for t in tools}:
             raise GatewayError(f"tool_choice.name: {raw.get('name')!r} is not in tools", param="tool_choice")
         return "named", raw["name"]
     raise GatewayError("tool_choice.type: must be 'auto', 'any', 'tool' or 'none'", param="tool_choice")
@@ -340,7 +365,12 @@ def _reasoning(body: dict[str, Any], recorder: Recorder, shaping: dict[str, Any]
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind not in ("enabled", "adaptive", "disabled"):
         raise GatewayError("thinking.type: must be 'enabled', 'adaptive' or 'disabled'", param="thinking")
-    if raw.get("budget_tokens") is not None:
+    budget = raw.get("budget_tokens")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= MAX_NEW_TOKENS:
+            raise GatewayError(
+                f"thinking.budget_tokens: must be an integer between 1 and {MAX_NEW_TOKENS}", param="thinking"
+            )
         recorder.note("thinking.budget_tokens")
     display = raw.get("display")
     if display not in (None, "summarized", "omitted"):
@@ -354,6 +384,8 @@ def _reasoning(body: dict[str, Any], recorder: Recorder, shaping: dict[str, Any]
 def _output_format(body: dict[str, Any], recorder: Recorder) -> dict[str, str]:
     """`output_config.format` -> constrained decoding (`openai_request.constraint`'s mapping)."""
     config = body.get("output_config") or {}
+    if not isinstance(config, dict):
+        raise GatewayError("output_config: must be an object", param="output_config")
     for key in sorted(set(config) - {"effort", "format"}):
         recorder.note(f"output_config.{key}")
     fmt = config.get("format")

@@ -11,12 +11,11 @@ shaped by `openai_response.py`; `dialect.py` describes the seam.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, Reasoning, TextRequest, TurnRequest
 from palaestra.gateway.dialects.controls import CHAT, COMPLETIONS, Recorder, Rule, screen
-from palaestra.gateway.dialects.validate import SEED_RANGE, number, stop_list
+from palaestra.gateway.dialects.validate import MAX_NEW_TOKENS, SEED_RANGE, number, stop_list
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.renderer import normalize_messages, normalize_tools
 from palaestra.gateway.sessions.history import ParseMemo
@@ -70,9 +69,9 @@ def parse_generation(body: dict[str, Any], chat: bool, recorder: Recorder | None
     max_field = (
         "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    # no upper bound here: a max_tokens beyond the context is clamped, or refused with
-    # max_tokens_over_context=reject, by the service (the same for every dialect)
-    max_tokens = number(body, max_field, 1, math.inf, integer=True)
+    # a max_tokens past the context is clamped, or refused with max_tokens_over_context=reject, by
+    # the service (the same for every dialect)
+    max_tokens = number(body, max_field, 1, MAX_NEW_TOKENS, integer=True)
     stops = stop_list(body, "stop", one_string=True)
     if stops:
         sampling["stop"] = stops
@@ -160,7 +159,12 @@ def parse_chat(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnReque
     tool_choice = body.get("tool_choice", "auto" if tools else "none")
     named = None
     if isinstance(tool_choice, dict):
-        named = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(named, str):
+            raise GatewayError(
+                "tool_choice must name a function: {'function': {'name': ...}}", param="tool_choice"
+            )
         if not tools or named not in {t["function"]["name"] for t in tools}:
             raise GatewayError(f"tool_choice names a function not in 'tools': {named!r}", param="tool_choice")
         tool_choice = "named"

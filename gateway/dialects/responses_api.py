@@ -27,14 +27,13 @@ default, as upstream) the session keeps each response's conversation for `previo
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from palaestra.gateway.dialect import GenerationParams, Reasoning, TurnRequest
 from palaestra.gateway.dialects.controls import RESPONSES, Recorder, screen
 from palaestra.gateway.dialects.openai_request import EFFORTS, constraints
 from palaestra.gateway.dialects.sealed import unseal
-from palaestra.gateway.dialects.validate import SEED_RANGE, number, stop_list
+from palaestra.gateway.dialects.validate import MAX_NEW_TOKENS, SEED_RANGE, number, stop_list
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.renderer import normalize_messages, normalize_more
 from palaestra.gateway.sessions.history import ParseMemo
@@ -80,8 +79,8 @@ def _params(body: dict[str, Any], recorder: Recorder) -> GenerationParams:
     stops = stop_list(body, "stop")
     if stops:
         sampling["stop"] = stops
-    # no upper bound here: beyond the context it is clamped, or refused (service, max_tokens_over_context)
-    max_tokens = number(body, "max_output_tokens", 1, math.inf, integer=True)
+    # past the context it is clamped, or refused (service, max_tokens_over_context)
+    max_tokens = number(body, "max_output_tokens", 1, MAX_NEW_TOKENS, integer=True)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise GatewayError("'stream' must be a boolean", param="stream")
@@ -135,6 +134,14 @@ def _check_text(body: dict[str, Any], recorder: Recorder) -> None:
         recorder.note("text.verbosity")
 
 
+def _description(t: dict[str, Any], where: str) -> str:
+    """A tool's `description`: a string, or absent (the template prints it as it is)."""
+    description = t.get("description")
+    if description is not None and not isinstance(description, str):
+        raise GatewayError(f"{where}.description must be a string", param="tools")
+    return description or ""
+
+
 def _function(t: dict[str, Any], where: str, name: str, recorder: Recorder) -> dict[str, Any]:
     """A function tool (top level or in a namespace) in `renderer.normalize_tools`' form."""
     params = t.get("parameters")
@@ -143,17 +150,19 @@ def _function(t: dict[str, Any], where: str, name: str, recorder: Recorder) -> d
     for extra in ("strict", "defer_loading", "output_schema", "allowed_callers"):
         if t.get(extra):
             recorder.note(f"tools.{extra}")
-    fn = {"name": name, "description": t.get("description") or "", "parameters": params or {}}
+    fn = {"name": name, "description": _description(t, where), "parameters": params or {}}
     return {"type": "function", "function": fn}
 
 
-def _custom(t: dict[str, Any], name: str, recorder: Recorder) -> dict[str, Any]:
+def _custom(t: dict[str, Any], where: str, name: str, recorder: Recorder) -> dict[str, Any]:
     """A custom (free-form input) tool: rendered as a function of one string `input`; a grammar
     format is recorded (not enforced)."""
     fmt = t.get("format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        recorder.note("tools.format", fmt.get("type"))
-    fn = {"name": name, "description": t.get("description") or "", "parameters": CUSTOM_INPUT}
+    if fmt is not None and not (isinstance(fmt, dict) and isinstance(fmt.get("type", "text"), str)):
+        raise GatewayError(f"{where}.format must be an object with a string 'type'", param="tools")
+    if fmt is not None and fmt.get("type", "text") != "text":
+        recorder.note("tools.format", fmt["type"])
+    fn = {"name": name, "description": _description(t, where), "parameters": CUSTOM_INPUT}
     return {"type": "function", "function": fn}
 
 
@@ -179,13 +188,17 @@ def _tools(raw: Any, recorder: Recorder, aliases: dict[str, Any]) -> list[dict[s
         if kind == "function":
             out.append(_function(t, where, name, recorder))
         else:
-            out.append(_custom(t, name, recorder))
+            out.append(_custom(t, where, name, recorder))
         if kind == "custom" or namespace:  # plain functions need no mapping back
             aliases[name] = (kind, t["name"], namespace)
 
     for i, t in enumerate(raw):
         kind = t.get("type") if isinstance(t, dict) else None
         where = f"tools[{i}]"
+        if not isinstance(kind, str):  # (an object or array here is no tool type, and unhashable)
+            raise GatewayError(
+                f"{where} must be an object whose 'type' is a string; got {t!r:.80}", param="tools"
+            )
         if kind in ("function", "custom"):
             add(t, where, None)
         elif kind == "namespace":
@@ -225,6 +238,8 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None, recorder: Recorde
         return raw, None
     if isinstance(raw, dict) and raw.get("type") in ("function", "custom"):
         name = raw.get("name")
+        if not isinstance(name, str):
+            raise GatewayError("tool_choice.name must be a string", param="tool_choice")
         if isinstance(raw.get("namespace"), str):
             name = f"{raw['namespace']}.{name}"
         if not tools or name not in {t["function"]["name"] for t in tools}:
@@ -249,7 +264,9 @@ def _output_text(content: Any) -> str:
         if all(isinstance(t, str) for t in texts):
             return "".join(texts)
         raise GatewayError("input: a content part's 'text' must be a string", param="input")
-    return ""
+    if content is None:
+        return ""
+    raise GatewayError("input: an item's 'content' must be a string or an array of parts", param="input")
 
 
 def _history(preamble: list[dict[str, Any]], items: Any, memo: ParseMemo | None) -> list[dict[str, Any]]:
@@ -302,8 +319,11 @@ def _convert(items: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
                 turn = None  # reasoning opens the next assistant turn
             # the text as sent; else the reasoning sealed in encrypted_content (sealed.py); else
             # the summary's text
+            sealed = item.get("encrypted_content")
+            if sealed is not None and not isinstance(sealed, str):
+                raise GatewayError(f"input[{i}].encrypted_content must be a string", param="input")
             text = _output_text(item.get("content") or [])
-            text = text or unseal(item.get("encrypted_content")) or _output_text(item.get("summary") or [])
+            text = text or unseal(sealed) or _output_text(item.get("summary") or [])
             assistant()["reasoning_content"] = text
         elif kind in ("function_call", "custom_tool_call"):
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
@@ -314,6 +334,8 @@ def _convert(items: list[Any], start: int) -> tuple[list[dict[str, Any]], bool]:
             if kind == "function_call":
                 arguments = item.get("arguments", "{}")
             else:  # a custom tool is rendered as a function of one string input (`_custom`)
+                if not isinstance(item.get("input", ""), str):
+                    raise GatewayError(f"input[{i}].input must be a string", param="input")
                 arguments = {"input": item.get("input", "")}
             call = {"id": item["call_id"], "type": "function"}
             call["function"] = {"name": name, "arguments": arguments}

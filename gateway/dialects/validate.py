@@ -20,10 +20,16 @@ from typing import Any
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.streaming import MAX_STOP_CHARS
 
-__all__ = ["MAX_STOPS", "SEED_RANGE", "number", "stop_list"]
+__all__ = ["MAX_NEW_TOKENS", "MAX_STOPS", "SEED_RANGE", "number", "stop_list"]
 
 MAX_STOPS = 16
 """Most stop strings one call may set, in every dialect (each is checked on every streamed token)."""
+
+MAX_NEW_TOKENS = (1 << 31) - 1
+"""Largest turn budget (max_tokens, max_output_tokens) any dialect takes: far past every context, so
+only a typo or a fuzzer meets it; a budget past the context but under it is clamped to the context,
+or refused (option max_tokens_over_context). Without a bound `1e308` would be read as an integer of
+1024 bits that no engine, nor the answer's JSON, can carry."""
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 """A sampling seed is a signed 64-bit integer (the engines seed a torch generator with it)."""

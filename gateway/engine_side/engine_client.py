@@ -247,8 +247,9 @@ class EngineClient:
                     if exc.status != 503:
                         raise
                     last = exc
-                    if route is not None and _refused_target(status, raw) and await route.retry():
-                        continue  # the router refused the target: the next attempt goes elsewhere
+                    reason = "refused" if _refused_target(status, raw) else "engine_error"
+                    if route is not None and await route.retry(reason):
+                        continue  # the router refused the target, or its engine failed: try elsewhere
             if attempt < self.retries:
                 await asyncio.sleep(self.retry_backoff_s * (2**attempt))
         assert last is not None
@@ -333,9 +334,13 @@ class EngineClient:
         ) as r:
             if r.status != 200:
                 raw = await r.read()
-                if route is not None and _refused_target(r.status, raw) and await route.retry():
-                    progress.refused = self._unreachable(RuntimeError(raw.decode(errors="replace")))
-                    return
+                refused = _refused_target(r.status, raw)
+                if route is not None and (refused or r.status >= 500):
+                    # nothing streamed: the router refused the target, or its engine failed the call
+                    error = self._unreachable(RuntimeError(raw.decode(errors="replace")))
+                    if await route.retry("refused" if refused else "engine_error"):
+                        progress.refused = error
+                        return
                 self._raise_for(r.status, raw)
             sample = _StreamedSample(self.incremental_stream, routing)
             head = b""  # the answer's first bytes, for the error when it is not an event stream

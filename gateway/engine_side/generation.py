@@ -20,7 +20,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FinishKind", "FinishReason", "Generation", "RoutedExperts", "SamplingParams", "VersionSpan"]
+__all__ = [
+    "CONSTRAINTS", "FinishKind", "FinishReason", "Generation", "RoutedExperts", "SamplingParams", "VersionSpan",
+    "constrained",
+]  # fmt: skip
+
+CONSTRAINTS = ("regex", "json_schema", "ebnf")
+"""SGLang's constrained-decoding sampling fields: the engine masks the logits to the grammar before
+it samples, and reports the logprobs of that masked distribution."""
+
+
+def constrained(options: Mapping[str, Any]) -> bool:
+    """Whether sampling `options` constrain the output (the turn's logprobs are the constrained ones)."""
+    return any(options.get(key) for key in CONSTRAINTS)
 
 
 @dataclass(frozen=True)

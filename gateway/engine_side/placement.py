@@ -126,10 +126,11 @@ class Route:
     def call_headers(self) -> dict[str, str]:
         return {ROUTING_HEADER: self.session, TARGET_HEADER: str(self.target)}
 
-    def retry(self) -> Route:
-        """The router refused this worker (503 before anything was generated): a new route."""
+    def retry(self, engine_error: bool = False) -> Route:
+        """The router refused this worker (503 before anything was generated), or with `engine_error`
+        its engine answered the call with an error (nothing kept): a new route."""
         assert self.placement is not None and self._call is not None
-        self.placement.refused(self)
+        self.placement.refused(self, engine_error)
         return self.placement.choose(self._call)
 
     def done(self, cached_tokens: int, output_tokens: int) -> None:
@@ -214,6 +215,7 @@ class SessionPlacement:
         self.moves = 0
         self.moves_by_reason: dict[str, int] = {}
         self.refusals = 0
+        self.engine_errors = 0  # calls an engine answered with an error (5xx) and that were moved off it
         self.pool_long: set[int] = set()
         self.set_workers(worker_urls)
 
@@ -483,9 +485,13 @@ class SessionPlacement:
             w = self.workers[route.worker]
             w.inflight = max(0, w.inflight - 1)
 
-    def refused(self, route: Route) -> None:
-        """The router answered 503 for this target: keep new calls off it for a while."""
-        self.refusals += 1
+    def refused(self, route: Route, engine_error: bool = False) -> None:
+        """The router answered 503 for this target, or (`engine_error`) its engine failed the call:
+        keep new calls off it for a while."""
+        if engine_error:
+            self.engine_errors += 1
+        else:
+            self.refusals += 1
         self.released(route)
         if route.worker < len(self.workers) and self.workers[route.worker].url == route.url:
             self.workers[route.worker].refused_until = self.clock() + self.config.quarantine_s
@@ -538,6 +544,7 @@ class SessionPlacement:
                 "wait_s_total": round(self.admit_wait_s, 3),
             },
             "refusals": self.refusals,
+            "engine_errors": self.engine_errors,
             "sessions_live": len(self.sessions),
             "envs": {
                 env: {

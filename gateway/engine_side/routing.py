@@ -91,14 +91,16 @@ class CallRoute:
     def worker(self) -> int | None:
         return self._route.worker if self._route is not None else None
 
-    async def retry(self) -> bool:
-        """The router refused the target before generating: re-read its worker list, re-place the
-        call and say so (True); False with placement off (the caller retries as it always did)."""
+    async def retry(self, reason: str = "refused") -> bool:
+        """The router refused the target before generating (`refused`), or its engine answered the
+        call with an error (`engine_error`: nothing of it is kept): re-read the worker list, re-place
+        the call on another worker and say so (True); False with placement off (the caller retries
+        as it always did, where the router sends it)."""
         if self._route is None:
             return False
         await self._owner.refresh_workers()
-        self._route = self._route.retry()
-        self._owner.moves.labels(reason="refused").inc()
+        self._route = self._route.retry(engine_error=reason == "engine_error")
+        self._owner.moves.labels(reason=reason).inc()
         return True
 
     def done(self, cached_tokens: int, output_tokens: int) -> None:
@@ -154,7 +156,7 @@ class EngineRouting:
         self.moves = Counter(
             f"{p}_moves",
             "Calls the placement layer sent to another worker than the session's (placement: overload or a "
-            "worker gone; refused: the router refused the target)",
+            "worker gone; refused: the router refused the target; engine_error: the engine failed the call)",
             ["reason"],
             registry=registry,
         )

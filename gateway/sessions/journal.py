@@ -318,6 +318,8 @@ class SessionJournal:
             "fork_detail": turn.fork_detail,
             "created": turn.created,
         }
+        if turn.constrained:  # sampled under a regex / JSON schema / grammar (older journals: never)
+            t["con"] = True
         if turn.routed is not None:  # routing replay: the experts of positions [start, end), base64
             t["routed"] = turn.routed.to_wire()
         if last is not None and last.call_id == turn.call_id and last.prompt is turn.prompt_ids:

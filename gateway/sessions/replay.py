@@ -106,6 +106,7 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
         weight_version=t["wv"],
         weight_spans=[VersionSpan.of(s) for s in t["spans"]],
         routed=RoutedExperts.from_journal(t["routed"]) if t.get("routed") else None,  # older: none
+        constrained=t.get("con", False),
         finish_reason=FinishReason(t["fin"]),
         latency_s=t["lat"],
         cached_tokens=t["cached"],

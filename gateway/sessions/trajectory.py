@@ -62,6 +62,7 @@ class Turn:
     """What the call asked that was not done as asked (service._controls): "ignored" (the recorded
     controls, gateway/dialects/controls.py) and "max_tokens" (a clamp: field, asked, granted); None: nothing."""
     routed: RoutedExperts | None = None  # the experts the engine routed positions [start, end) to
+    constrained: bool = False  # sampled under a decoding constraint: the logprobs are the constrained ones
     fork_reason: str | None = None  # why this turn starts a new sample (None: continues or first)
     fork_detail: str = ""
     children: int = 0
@@ -101,6 +102,9 @@ class Turn:
             "output_ids": self.output_ids,
             "output_logprobs": self.output_logprobs,
             "weight_version": self.weight_version,
+            # an answer a weight update interrupted and the new weights continued: which version
+            # sampled which output tokens (empty: all `weight_version`)
+            "weight_spans": [s.to_wire() for s in self.weight_spans],
             "finish_reason": self.finish_reason.wire,
             "latency_s": self.latency_s,
             "cached_tokens": self.cached_tokens,
@@ -108,6 +112,7 @@ class Turn:
             "fork_detail": self.fork_detail,
             "parse": self.parse,
             "controls": self.controls,
+            "constrained": self.constrained,
         }
 
 
@@ -185,6 +190,7 @@ def linearize(
     mask = [0] * n
     logprobs = [0.0] * n
     versions = [""] * n
+    constrained = [0] * n if any(t.constrained for t in path) else None
     for turn in path:
         start = len(turn.prompt_ids) - prompt_len
         end = start + len(turn.output_ids)
@@ -192,6 +198,8 @@ def linearize(
         mask[start:end] = [1] * len(turn.output_ids)
         logprobs[start:end] = turn.output_logprobs
         versions[start:end] = _versions(turn)
+        if constrained is not None and turn.constrained:
+            constrained[start:end] = [1] * len(turn.output_ids)
     if status == "completed" and leaf.finish_reason.kind == FinishKind.LENGTH:
         status = "truncated"
     if status == "completed" and leaf.finish_reason.kind == FinishKind.ABORT:
@@ -212,6 +220,7 @@ def linearize(
         status=status,
         fork_index=fork_index,
         fork_reason=next((t.fork_reason for t in reversed(path) if t.fork_reason), None),
+        constrained=constrained,
     )
     if routing:
         sample.set_routing(path_routing(path, session_id))

@@ -11,15 +11,18 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from palaestra.environments.swe_agent import repo_env
 from palaestra.environments.swe_agent.grading import grade, grading_tree, validate
 from palaestra.environments.swe_agent.instance import instance_from_json
 from palaestra.environments.swe_agent.repo_env import (
     ACTIVATE,
     EnvOptions,
+    EnvSpec,
     RepoEnvError,
     build_env,
     env_spec,
@@ -65,6 +68,17 @@ def test_requirements_come_from_the_instance_and_the_repositorys_declarations(tm
     pinned = env_spec(instance_from_json({**row, "test_cmd": PYTEST, "requirements": ["pytest==9.1.1"]}), {})
     assert pinned.requirements == ("pytest==9.1.1",)  # pytest declared: not added a second time
     assert spec.key() != pinned.key() and pinned.key() == pinned.key()
+
+
+def test_an_env_key_asks_the_interpreter_its_version_once_per_process(monkeypatch):
+    """Every instance's key needs the sandbox Python's version: one subprocess, not one per key."""
+    started = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: started.append(a) or real(*a, **k))
+    repo_env.python_version.cache_clear()
+    keys = {EnvSpec((f"pkg{i}",), python=sys.executable).key() for i in range(20)}
+    assert len(keys) == 20 and len(started) == 1, started
+    assert EnvSpec(("pkg0",), python=sys.executable).key() in keys  # the same spec, the same key
 
 
 def _git(*args: str, cwd: Path) -> str:

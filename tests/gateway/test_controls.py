@@ -23,6 +23,7 @@ from palaestra.gateway.dialect import Reasoning, TurnRequest
 from palaestra.gateway.dialects import anthropic_api, controls, responses_api
 from palaestra.gateway.dialects.sealed import seal, unseal
 from palaestra.gateway.dialects.template_caps import TemplateCaps, probe
+from palaestra.gateway.dialects.validate import MAX_NEW_TOKENS
 from palaestra.gateway.parsers import render_tool_call_text
 from tests.support.servers import ThreadServer, gateway_server
 from tests.support.sessions import AUTH, new_session, trajectory
@@ -273,18 +274,26 @@ def test_claude_code_first_turn_is_served_and_its_controls_recorded(small_contex
     assert 'palaestra_gateway_max_tokens_clamped_total{route="messages"} 1.0' in metrics
 
 
-def test_a_max_tokens_past_64_bits_is_clamped_and_recorded(small_context):
-    """Found by the schemathesis fuzz: 2**64 was clamped, then the journal could not write it (500)."""
+def test_the_largest_max_tokens_is_clamped_and_recorded_and_one_past_it_is_a_400(small_context):
+    """Found by the schemathesis fuzz: 2**64 was clamped, then the journal could not write it (500);
+    then 1e308 (an integer of 1024 bits) broke the Responses echo (500, issue 37). A budget is at
+    most `MAX_NEW_TOKENS`: that one is clamped to the context, one more is a 400 naming the field."""
     gw, engine, script = small_context
     s = new_session(gw)
     script.queue.append("ok")
-    huge = 1 << 64
-    body = {"model": "m", "max_tokens": huge, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": "m", "max_tokens": MAX_NEW_TOKENS, "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(f"{s['base_url']}/messages", json=body, headers={"x-api-key": s["api_key"]}, timeout=60)
     assert r.status_code == 200, r.text
     (turn,) = trajectory(gw, s["session_id"])["turns"]
     room = 16384 - len(engine.exchanges[-1].body["input_ids"])
-    assert turn["controls"]["max_tokens"] == {"field": "max_tokens", "asked": str(huge), "granted": room}
+    assert turn["controls"]["max_tokens"] == {"field": "max_tokens", "asked": MAX_NEW_TOKENS, "granted": room}
+    for huge in (MAX_NEW_TOKENS + 1, 1 << 64, 1e308):
+        body["max_tokens"] = huge
+        r = httpx.post(
+            f"{s['base_url']}/messages", json=body, headers={"x-api-key": s["api_key"]}, timeout=60
+        )
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens: "), r.text
+        assert str(MAX_NEW_TOKENS) in r.json()["error"]["message"]
 
 
 def test_codex_first_turn_maps_namespace_tools_and_seals_reasoning(stack):

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from palaestra.gateway.parsers import render_tool_call_text
-from tests.support.sessions import CALC, new_session, reward, trajectory
+from tests.support.sessions import AUTH, CALC, new_session, reward, samples, trajectory
 
 CALC_RESPONSES = {
     "type": "function",
@@ -243,6 +243,69 @@ def test_one_session_mixes_the_three_dialects(stack):
     turns = bridged(gw, s["session_id"])
     assert [t["parent"] for t in turns] == [None, turns[0]["turn_id"], turns[1]["turn_id"]]
     assert len(reward(gw, s["session_id"])["sample_ids"]) == 1
+
+
+def test_streamed_calls_feed_the_overhead_histogram_and_record_their_engine_latency(stack):
+    """`call_overhead_seconds` is the gateway's time per call outside the engine: every harness
+    streams, so a streamed call counts too (it did not: issue 37), with the engine's time left out,
+    and its turn records the engine's latency (it recorded 0)."""
+    gw, engine, script = stack
+    engine.delay_s = 0.5
+    s = new_session(gw)
+    base, key = s["base_url"], {"Authorization": "Bearer k-test"}
+    msgs = [{"role": "user", "content": "hi"}]
+    calls = [
+        ("chat/completions", {"messages": msgs, "max_tokens": 8, "stream": True}),
+        ("responses", {"input": "hi", "max_output_tokens": 8, "stream": True}),
+        ("messages", {"messages": msgs, "max_tokens": 8, "stream": True}),
+        ("chat/completions", {"messages": msgs, "max_tokens": 8}),
+    ]
+
+    def overhead() -> tuple[float, float]:
+        rows = httpx.get(f"{gw.url}/metrics", headers=AUTH).text.splitlines()
+        value = {
+            r.split()[0]: float(r.split()[1]) for r in rows if r.startswith("palaestra_gateway_call_overhead")
+        }
+        return value["palaestra_gateway_call_overhead_seconds_count"], value[
+            "palaestra_gateway_call_overhead_seconds_sum"
+        ]
+
+    for route, body in calls:
+        script.queue.append("Fine.")
+        count, total = overhead()
+        r = httpx.post(f"{base}/{route}", json=body, headers=key, timeout=60)
+        assert r.status_code == 200, r.text
+        after = overhead()
+        assert after[0] == count + 1, (route, body)
+        assert 0 < after[1] - total < engine.delay_s, (route, after[1] - total)  # the engine's wait left out
+    turns = trajectory(gw, s["session_id"])["turns"]
+    assert len(turns) == 4 and all(t["latency_s"] >= engine.delay_s for t in turns), turns
+
+
+def test_a_turn_sampled_under_a_constraint_is_marked_in_its_sample(stack):
+    """The engine reports a constrained turn's logprobs from the grammar-masked distribution: the
+    turn says so, and its sample marks exactly its tokens (`Sample.constrained`), so the trainer
+    leaves them out of the mismatch metrics and TIS / RS (tests/trainer/test_constrained.py)."""
+    gw, engine, script = stack
+    s = new_session(gw)
+    script.queue += ['{"a": 1}', "Done."]
+    oa = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    history = [{"role": "user", "content": "json please"}]
+    c = oa.chat.completions.create(
+        model="tiny", messages=history, max_tokens=16, response_format={"type": "json_object"}
+    )
+    history += [
+        {"role": "assistant", "content": c.choices[0].message.content},
+        {"role": "user", "content": "ok"},
+    ]
+    oa.chat.completions.create(model="tiny", messages=history, max_tokens=16)
+    first, second = bridged(gw, s["session_id"])
+    assert first["constrained"] is True and second["constrained"] is False
+    reward(gw, s["session_id"])
+    (sample,) = [x for x in samples(gw)["samples"] if x["session_id"] == s["session_id"]]
+    n1, n2 = len(first["output_ids"]), len(second["output_ids"])
+    marks = [m for m, sampled in zip(sample["constrained"], sample["loss_mask"], strict=True) if sampled]
+    assert marks == [1] * n1 + [0] * n2
 
 
 # -- parse status ----------------------------------------------------------------------------------

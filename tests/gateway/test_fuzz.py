@@ -390,6 +390,262 @@ def test_dialect_shapes_never_5xx_and_refusals_name_the_field(gateway, route):
     assert statuses.get(400, 0) > 10, statuses
 
 
+# -- one hostile value in an otherwise well-formed harness request -----------------------------------
+# The mixed strategies above seldom get a body past its first refusal, so a shape read late (a tool's
+# type, a thinking block, a custom tool call) is rarely reached. Here every request is one the
+# harnesses send (Codex's Responses call, Claude Code's Messages call, an OpenAI SDK agent's chat
+# call: namespace, custom and hosted tools, `include`, `reasoning`, `context_management`,
+# `output_config`, system messages inside `messages`, thinking blocks), with exactly one value, at
+# any depth, replaced by a wrong type or an extreme value (or its key dropped).
+_PARAMS = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
+HARNESS_BODIES = {
+    "responses": {
+        "model": "gpt-5-codex",
+        "instructions": "You are a coding agent.",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "env"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
+            {
+                "type": "reasoning",
+                "summary": [{"type": "summary_text", "text": "look"}],
+                "content": [{"type": "reasoning_text", "text": "think"}],
+                "encrypted_content": None,
+            },
+            {"type": "function_call", "name": "shell", "arguments": '{"cmd": "ls"}', "call_id": "c1"},
+            {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+            {"type": "custom_tool_call", "name": "apply_patch", "input": "*** Begin Patch", "call_id": "c2"},
+            {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"},
+            {
+                "type": "function_call",
+                "namespace": "mcp",
+                "name": "fetch",
+                "arguments": "{}",
+                "call_id": "c3",
+            },
+            {
+                "type": "function_call_output",
+                "call_id": "c3",
+                "output": [{"type": "input_text", "text": "x"}],
+            },
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "name": "shell",
+                "description": "run",
+                "strict": False,
+                "parameters": _PARAMS,
+            },
+            {"type": "custom", "name": "apply_patch", "description": "patch", "format": {"type": "text"}},
+            {"type": "namespace", "name": "mcp", "tools": [{"type": "function", "name": "fetch"}]},
+            {"type": "web_search", "search_context_size": "low"},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+        "top_logprobs": 2,
+        "prompt_cache_key": "k",
+        "text": {"verbosity": "low"},
+        "context_management": [{"type": "compaction", "compact_threshold": 1000}],
+        "client_metadata": {"x-codex-turn": "1"},
+        "max_output_tokens": 2,
+        "stream": True,
+    },
+    "messages": {
+        "model": "claude-sonnet-4-5",
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "fix it", "cache_control": {"type": "ephemeral"}}],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "look", "signature": "sig"},
+                    {"type": "text", "text": "running"},
+                    {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "ls"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "text", "text": "a.py"}],
+                    },
+                    {"type": "text", "text": "go on"},
+                ],
+            },
+            {"role": "system", "content": "<system-reminder>todo list is empty</system-reminder>"},
+            {"role": "user", "content": "and?"},
+        ],
+        "tools": [
+            {
+                "name": "Bash",
+                "description": "run",
+                "input_schema": _PARAMS,
+                "cache_control": {"type": "ephemeral"},
+            },
+            {"type": "bash_20250124", "name": "bash"},
+            {"type": "web_search_20250305", "name": "web_search", "max_uses": 2},
+        ],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": False},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "output_config": {"effort": "medium"},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+        "metadata": {"user_id": "u"},
+        "temperature": 1,
+        "max_tokens": 2,
+        "stream": True,
+    },
+    "chat/completions": {
+        "model": "gpt-4o",
+        "messages": [
+            {"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": [{"type": "text", "text": "fix it"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "look",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "shell", "arguments": '{"cmd": "ls"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": "shell", "description": "run", "parameters": _PARAMS}}
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "shell"}},
+        "reasoning_effort": "low",
+        "stream_options": {"include_usage": True},
+        "logprobs": True,
+        "top_logprobs": 2,
+        "seed": 7,
+        "stop": ["\n\n\n"],
+        "max_completion_tokens": 2,
+        "stream": True,
+    },
+}
+STREAM_ENDS = {
+    "responses": "event: response.",
+    "messages": "event: message_stop",
+    "chat/completions": "[DONE]",
+}
+"""How each dialect's event stream ends when the stream ran to its end."""
+_DROP = object()  # the hostile "value" that removes the key
+hostile = (
+    junk
+    | st.sampled_from([{}, [], ["function"], {"type": {}}, {"type": {"type": "bogus"}}, _DROP])
+    | st.sampled_from([1e308, -1e308, 2**64 - 1, -(2**63), 2**63, 0, -1, 0.5, "", "\x00" * 3])
+)
+
+
+def _paths(value: object, at: tuple = ()) -> list[tuple]:
+    """Every key and index inside `value`, as paths from the top."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return [p for k, v in items for p in [(*at, k), *_paths(v, (*at, k))]]
+
+
+def _replaced(body: dict, path: tuple, value: object) -> dict:
+    body = json.loads(json.dumps(body))
+    parent = body
+    for k in path[:-1]:
+        parent = parent[k]
+    if value is _DROP:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return body
+
+
+def harness_call(route: str, stream: bool) -> st.SearchStrategy:
+    base = {**HARNESS_BODIES[route], "stream": stream}
+    return st.tuples(st.sampled_from(_paths(base)), hostile).map(lambda pv: _replaced(base, *pv))
+
+
+def _post(client: httpx.Client, sid: str, route: str, body: dict) -> None:
+    path = f"/s/{sid}/v1/{route}"
+    r = client.post(path, json=body)
+    check_answer(path, r.status_code, r.content, body)
+    if r.status_code == 200 and body.get("stream") is True:
+        assert STREAM_ENDS[route] in r.text.rstrip().rsplit("\n\n", 1)[-1], (
+            f"stream cut short for {body!r:.600}: {r.text[-600:]}"
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+@pytest.mark.parametrize("route", HARNESS_BODIES)
+def test_one_hostile_value_in_a_harness_request_is_a_4xx_naming_its_field(gateway, route, stream):
+    gw, _, client = gateway
+    sid = open_session(client)
+    r = client.post(f"/s/{sid}/v1/{route}", json={**HARNESS_BODIES[route], "stream": stream})
+    assert r.status_code == 200, r.text  # the unharmed request is served: the values below reach deep
+
+    @given(body=harness_call(route, stream))
+    @settings(FUZZ, max_examples=max(EXAMPLES // 2, 10))
+    def run(body):
+        _post(client, sid, route, body)
+
+    run()
+
+
+# The shapes that answered 500 once (issue 37), each on both the streamed and the unstreamed call.
+_R, _M, _C = HARNESS_BODIES["responses"], HARNESS_BODIES["messages"], HARNESS_BODIES["chat/completions"]
+REGRESSIONS = [
+    ("responses", ("tools", 0, "type"), {}, "tools"),
+    ("responses", ("tools", 0, "type"), ["function"], "tools"),
+    ("responses", ("tools", 0, "type"), {"type": "bogus"}, "tools"),
+    ("responses", ("tools", 3, "type"), ["web_search"], "tools"),
+    ("responses", ("max_output_tokens",), 1e308, "max_output_tokens"),
+    ("responses", ("tool_choice",), {"type": "function", "name": ["shell"]}, "tool_choice"),
+    ("responses", ("tools", 0, "description"), {"text": "run"}, "tools"),
+    ("responses", ("tools", 1, "format"), ["text"], "tools"),
+    ("responses", ("input", 2, "encrypted_content"), {}, "input"),
+    ("responses", ("input", 5, "input"), {"patch": 1}, "input"),
+    ("messages", ("tools", 1, "type"), ["bash_20250124"], "tools"),
+    ("messages", ("tools", 0, "description"), {}, "tools"),
+    ("messages", ("tool_choice",), {"type": "tool", "name": ["Bash"]}, "tool_choice"),
+    ("messages", ("max_tokens",), 1e308, "max_tokens"),
+    ("messages", ("thinking", "budget_tokens"), 1e308, "thinking"),
+    ("messages", ("messages", 1, "content", 0, "thinking"), {"a": 1}, "messages"),
+    ("messages", ("messages", 1, "content", 0, "signature"), [], "messages"),
+    ("messages", ("messages", 1, "content", 1, "text"), ["running"], "messages"),
+    ("messages", ("messages", 2, "content", 0, "tool_use_id"), {}, "messages"),
+    ("messages", ("messages", 3, "content"), [{"type": "text", "text": {}}], "messages"),
+    ("messages", ("system", 0, "text"), 5, "system"),
+    ("chat/completions", ("max_completion_tokens",), 1e308, "max_completion_tokens"),
+    ("chat/completions", ("tool_choice", "function"), ["shell"], "tool_choice"),
+    ("chat/completions", ("tool_choice", "function", "name"), {}, "tool_choice"),
+    ("chat/completions", ("tools", 0, "function", "description"), 7, "tools"),
+    ("chat/completions", ("messages", 1, "content", 0, "text"), None, "messages"),
+    ("chat/completions", ("messages", 0), {"content": "x", "name": "n"}, "messages"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+@pytest.mark.parametrize(("route", "path", "value", "field"), REGRESSIONS, ids=lambda v: str(v)[:40])
+def test_wrong_types_and_extremes_found_once_are_a_400_naming_the_field(
+    gateway, route, path, value, field, stream
+):
+    gw, _, client = gateway
+    sid = open_session(client)
+    body = _replaced({**HARNESS_BODIES[route], "stream": stream}, path, value)
+    r = client.post(f"/s/{sid}/v1/{route}", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    named = err["message"].split(":")[0].split(".")[0] if route == "messages" else err["param"]
+    assert named == field, err
+
+
 # -- the per-token stop-string check: fast, and the same answer as the plain definition ----------
 def _safe_prefix_by_definition(text: str, markers: list[str], stops: list[str]) -> str:
     """What `streaming.safe_prefix` answers, written the obvious way (quadratic in the stop length)."""

@@ -16,10 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from palaestra.gateway.engine_side.generation import FinishReason, VersionSpan
 from palaestra.gateway.sessions.journal import SessionJournal
 from palaestra.gateway.sessions.replay import restore
 from palaestra.gateway.sessions.session import Session
 from palaestra.gateway.sessions.spool import SampleSpool
+from palaestra.gateway.sessions.trajectory import Turn, linearize
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
 KEY = {"Authorization": "Bearer k-test"}
@@ -262,6 +264,36 @@ def test_every_plain_field_of_a_session_survives(tmp_path):
         f.name: getattr(session, f.name) for f in plain
     }
     assert {"env", "task_id", "group_id", "metadata", "created"} <= {f.name for f in plain}
+
+
+def test_an_interrupted_and_continued_turn_keeps_each_tokens_weight_version_through_replay(tmp_path):
+    """A turn a weight update interrupted (v1 sampled 3 tokens, v2 the other 2) is journaled with its
+    version spans: the replayed turn, its trajectory record and its sample keep every token's
+    version, not only the last one (issue 37)."""
+    session = Session("s", "e", "t", "g", {})
+    turn = Turn(
+        turn_id=1, call_id="c1", choice=0, parent=None, prompt_ids=[1, 2, 3], output_ids=[4, 5, 6, 7, 8],
+        output_logprobs=[-0.1] * 5, weight_version="v2", weight_spans=[VersionSpan("v1", 0, 3), VersionSpan("v2", 3, 5)],
+        finish_reason=FinishReason({"type": "length", "length": 5}), latency_s=0.0, cached_tokens=0,
+        kind="completion",
+    )  # fmt: skip
+    journal = SessionJournal(tmp_path, fsync="off")
+    journal.recover()
+    journal.opened(session)
+    journal.turn(session, turn)
+    journal.close()
+    (restored,), _ = restore(SessionJournal(tmp_path, fsync="off").recover(), lambda ids: "")
+    (replayed,) = restored.turns
+    assert replayed.weight_spans == turn.weight_spans
+    assert replayed.summary()["weight_spans"] == [
+        {"version": "v1", "start": 0, "end": 3},
+        {"version": "v2", "start": 3, "end": 5},
+    ]
+    sample = linearize(
+        replayed, session_id="s", group_id="g", env="e", task_id="t", fork_index=0, reward=1.0, metrics={},
+        status="completed",
+    )  # fmt: skip
+    assert sample.weight_versions[-5:] == ["v1", "v1", "v1", "v2", "v2"]
 
 
 def test_a_failed_call_survives_and_still_marks_the_session(engine, tok, tmp_path):

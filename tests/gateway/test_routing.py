@@ -147,6 +147,8 @@ class ListedRouter:
         self.urls = list(urls)
         self.refuse = 0
         self.refused: list[dict[str, str]] = []
+        self.fail = 0  # the next `fail` calls: a 500 from the engine itself (nothing generated)
+        self.failed: list[dict[str, str]] = []
         self.app = engine.app()
 
         @self.app.get("/workers")
@@ -161,6 +163,12 @@ class ListedRouter:
                 self.refuse -= 1
                 self.refused.append({k.lower(): v for k, v in request.headers.items()})
                 return JSONResponse({"error": {"code": "no_available_workers"}}, status_code=503)
+            if request.url.path == "/generate" and self.fail > 0:
+                self.fail -= 1
+                self.failed.append({k.lower(): v for k, v in request.headers.items()})
+                return JSONResponse(
+                    {"error": {"message": "CUDA error: an illegal memory access"}}, status_code=500
+                )
             return await call_next(request)
 
 
@@ -233,3 +241,39 @@ def test_placement_never_changes_what_the_engine_is_sent_or_the_samples(tok, tmp
     moves = on["snap"]["placement"]["moves_by_reason"]
     assert moves.get("worker_gone", 0) >= 2, moves  # the removed worker's sessions, and the refused call
     assert on["snap"]["placement"]["refusals"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed", "streamed"])
+def test_a_call_an_engine_fails_is_moved_to_another_engine_and_counted(tok, tmp_path, stream):
+    """An engine that answers a call with an error (a 500, nothing generated): the call is placed on
+    another worker at once, the agent gets its answer, and the move is counted (issue 37)."""
+    script = TextScript(tok)
+    engine = ScriptedEngine(script, stop_ids={script.end})
+    router = ListedRouter(engine, [f"http://10.0.0.{i}:30000" for i in range(3)])
+    with (
+        ThreadServer(router.app) as eng,
+        gateway_server(eng.url, tmp_path, tok, placement=PlacementConfig(enabled=True)) as gw,
+    ):
+        sid = new_session(gw, env="math")["session_id"]
+        msgs = [{"role": "user", "content": "what is 1 + 1?"}]
+        msgs.append(chat(gw, sid, msgs)["choices"][0]["message"])
+        msgs.append({"role": "user", "content": "and 2 + 2?"})
+        router.fail = 1
+        body = {"messages": msgs, "max_tokens": 16, "stream": stream}
+        r = httpx.post(f"{gw.url}/s/{sid}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and ("[DONE]" in r.text if stream else r.json()["choices"]), r.text
+        (failed,) = router.failed
+        first, retried = engine.exchanges[0].headers, engine.exchanges[-1].headers
+        assert len(engine.exchanges) == 2  # the failed call never reached the engine's double
+        assert failed["x-smg-target-worker"] == first["x-smg-target-worker"]  # the session's worker failed
+        snap = httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()["placement"]
+        workers = snap["workers"]
+        assert (
+            workers[int(retried["x-smg-target-worker"])]["url"]
+            != workers[int(first["x-smg-target-worker"])]["url"]
+        )
+        assert snap["engine_errors"] == 1 and snap["refusals"] == 0
+        metrics = httpx.get(f"{gw.url}/metrics", headers=AUTH).text
+        assert 'palaestra_gateway_routing_moves_total{reason="engine_error"} 1.0' in metrics, [
+            line for line in metrics.splitlines() if "moves" in line
+        ]
