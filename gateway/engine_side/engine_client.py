@@ -369,7 +369,7 @@ class EngineClient:
 async def _replace_direct(route: CallRoute | None) -> bool:
     """A call posted to a worker directly could not connect (nothing was sent): the worker is
     quarantined and the call re-placed on another one (True); False when calls go through the router."""
-    return route is not None and route.url is not None and await route.retry()
+    return route is not None and route.url is not None and await route.retry("unreachable")
 
 
 @dataclass

@@ -156,7 +156,8 @@ class EngineRouting:
         self.moves = Counter(
             f"{p}_moves",
             "Calls the placement layer sent to another worker than the session's (placement: overload or a "
-            "worker gone; refused: the router refused the target; engine_error: the engine failed the call)",
+            "worker gone; refused: the router refused the target; engine_error: the engine failed the call; "
+            "unreachable: a worker called directly, for routing replay, refused the connection)",
             ["reason"],
             registry=registry,
         )
