@@ -108,17 +108,8 @@ class HarborEnv(Environment):
             yield Episode(f"{draw.entry.name}/d{draw.index}", self.tasks_all[draw.entry.name])
 
     async def rollout(self, session: Session | None, task: Episode) -> Reward:
-        temperature = self.agent.temperature
-        if session is not None and temperature is not None:
-            asked = dict(session.sampling).get("temperature", temperature)
-            # Training at another temperature would make the trainer's logprobs wrong: refused.
-            # Greedy (0: `palaestra eval`, a run's evaluations) only scores; the harness samples
-            # as it does.
-            if asked not in (0, temperature):
-                raise ValueError(
-                    f"agent {self.agent.name} samples at its own temperature ({temperature}); this run asks "
-                    f"for {asked}: set trainer.temperature={temperature}"
-                )
+        # An agent's own sampling (a harness sends no temperature) is overruled by the session's:
+        # the gateway applies it to every call (gateway/sessions/sampling.py).
         log = EpisodeLog()
         metrics: dict[str, float] = {}
         async with log.timed("sandbox"):

@@ -96,7 +96,8 @@ def exit_reason(output: str) -> str | None:
 class HarnessEnv(Environment):
     name = "harness"
     temperature = HARNESS_TEMPERATURE
-    """What its episodes sample at (the harness's own; a run asking another is refused)."""
+    """What a harness asks for (its API's default); its calls sample at the session's temperature,
+    which the gateway applies over it."""
 
     def __init__(
         self,
@@ -203,12 +204,9 @@ class HarnessEnv(Environment):
         }
 
     async def rollout(self, session: Session, task: SweInstance) -> Reward:
-        temperature = dict(session.sampling).get("temperature", HARNESS_TEMPERATURE)
-        if temperature != HARNESS_TEMPERATURE:
-            raise ValueError(
-                f"a harness samples at its own temperature ({HARNESS_TEMPERATURE}); this run asks for "
-                f"{temperature}: set trainer.temperature={HARNESS_TEMPERATURE} for harness environments"
-            )
+        # Whatever temperature the harness sends (none: its API's default, 1), the gateway samples its
+        # calls at the session's (gateway/sessions/sampling.py): greedy in `palaestra eval`, the
+        # trainer's temperature in a run, so the trainer's logprobs match.
         episode = EpisodeLog()
         gateway_url = session.base_url.removesuffix(f"/s/{session.session_id}/v1")
         metrics: dict[str, float] = {}

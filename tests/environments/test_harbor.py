@@ -373,12 +373,3 @@ def test_palaestra_harbor_validate_prints_why_and_keeps_the_valid_tasks(local, t
         "valid   fix-greeting: oracle 1, empty attempt 0",
     ], r.stdout
     assert "1/2 tasks valid" in r.stderr and [p.name for p in (tmp_path / "ok").iterdir()] == ["fix-greeting"]
-
-
-def test_a_harness_refuses_a_training_temperature_other_than_its_own():
-    class Sampled:
-        sampling = {"temperature": 0.7}
-
-    env = HarborEnv(agent="claude-code", tasks=["set-port"])
-    with pytest.raises(ValueError, match=r"samples at its own temperature \(1.0\); this run asks for 0.7"):
-        asyncio.run(env.rollout(Sampled(), next(env.tasks(0))))
