@@ -124,7 +124,7 @@ class FixedHashItems:
     """A `HASH_SEEDED` dataset's items as a process with PYTHONHASHSEED=0 generates them, fetched
     `chunk` at a time from a child process and kept; `score_answer` is the dataset's own."""
 
-    def __init__(self, name: str, config: Mapping[str, Any], seed: int, size: int, chunk: int = 256):
+    def __init__(self, name: str, config: Mapping[str, Any], seed: int, size: int, chunk: int = 64):
         self.dataset = build_dataset(name, config, seed, size)
         self.args, self.size, self.chunk = (name, dict(config), seed, size), size, chunk
         self.items: dict[int, Any] = {}
