@@ -98,6 +98,7 @@ def _print_summary(summary, json_line: dict | None, args: argparse.Namespace) ->
 
 def _show(args: argparse.Namespace, results) -> None:
     """`--show N`: the episodes `--show-pick` picks, as text from the gateway (sdk/show.py)."""
+    from palaestra.sdk.session import GatewayError
     from palaestra.sdk.show import episode_text, pick
 
     picked = pick(results, args.show, args.show_pick, args.seed)
@@ -107,7 +108,11 @@ def _show(args: argparse.Namespace, results) -> None:
         try:
             out = []
             for r in picked:
-                out.append(await gateway.trajectory(r.session_id) if r.session_id else None)
+                try:
+                    out.append(await gateway.trajectory(r.session_id) if r.session_id else None)
+                except GatewayError as exc:  # the summary stands; this episode is shown without turns
+                    print(f"  --show: session {r.session_id}: {exc}", file=sys.stderr)
+                    out.append(None)
             return out
         finally:
             await gateway.close()

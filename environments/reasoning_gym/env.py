@@ -213,7 +213,7 @@ class ReasoningGymEnv(Environment):
         for entry in self.datasets:  # every dataset builds, and yields its first item, now
             dataset = self._dataset(entry, 0)
             try:
-                dataset[0]
+                getattr(dataset, "dataset", dataset)[0]  # in this process, even a `FixedHashItems`'s
             except Exception as exc:
                 raise DatasetError(
                     f"reasoning-gym dataset {entry.name!r} built but failed to generate a task: "

@@ -266,6 +266,15 @@ def test_stratified_tasks_fill_each_kind_or_say_which_is_missing():
     assert [t.task_id for t in stratified_tasks(Skewed(["a"]), 2, 0)] == ["t0", "t1"]
 
 
+def test_math_kinds_cycle_so_stratifying_takes_the_first_tasks():
+    """Training's evaluation on math is unchanged by stratifying: its kinds are already cycled."""
+    from palaestra.environments.math.env import MathEnv
+    from palaestra.sdk.runner import take_tasks
+
+    for n in range(1, 8):
+        assert stratified_tasks(MathEnv(), n, 0) == take_tasks(MathEnv(), n, 0)
+
+
 def test_within_noise():
     assert within_noise((0.10, 20), (0.25, 20))  # the issue's example
     assert not within_noise((0.0, 50), (1.0, 50))
