@@ -157,7 +157,7 @@ def stratified_tasks(env: Environment, n: int, seed: int) -> list[Any]:
         return take_tasks(env, n, seed)
     quota = {kind: n // len(kinds) + (i < n % len(kinds)) for i, kind in enumerate(kinds)}
     out: list[Any] = []
-    wanted = sum(quota.values())
+    wanted, drawn = sum(quota.values()), -1
     for drawn, task in enumerate(env.tasks(seed)):
         kind = getattr(task, "kind", None)
         if quota.get(kind, 0) > 0:

@@ -13,6 +13,7 @@ the metrics, the failures, forks, outputs that did not parse and controls the ga
 from __future__ import annotations
 
 import random
+import sysconfig
 import traceback
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -39,11 +40,14 @@ def pick(results: Sequence[Any], n: int, how: Pick, seed: int = 0) -> list[Any]:
 
 
 def error_where(exc: BaseException) -> str:
-    """Where `exc` was raised: ``path:line in function`` of the innermost frame."""
+    """Where `exc` was raised: ``path:line in function`` of the innermost frame outside the
+    installed libraries and the standard library (the environment's own code), else the innermost."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return ""
-    last = frames[-1]
+    libraries = tuple(p for p in {sysconfig.get_path("stdlib"), sysconfig.get_path("purelib")} if p)
+    own = [f for f in frames if not f.filename.startswith(libraries) and "site-packages" not in f.filename]
+    last = (own or frames)[-1]
     return f"{last.filename}:{last.lineno} in {last.name}"
 
 

@@ -303,3 +303,15 @@ def test_envs_check_says_why_a_game_is_unavailable():
         m.name: m.unavailable for m in members("textarena", check=True, names=["FrozenLake-v0", "Wordle-v0"])
     }
     assert found["FrozenLake-v0"] == "" and "NLTK data" in found["Wordle-v0"]
+
+
+def test_error_where_names_the_callers_line_not_the_librarys():
+    from palaestra.sdk.show import error_where
+
+    try:
+        json.loads("{not json")  # raised inside the standard library
+    except ValueError as exc:
+        where = error_where(exc)
+    assert where.startswith(f"{__file__}:") and where.endswith(
+        "in test_error_where_names_the_callers_line_not_the_librarys"
+    )
