@@ -199,7 +199,8 @@ def _eval(args: argparse.Namespace) -> int:
         per_kind[kind] = {"accuracy": k_acc, "se": k_se, "ci95": [k_lo, k_hi], "n": k_n}
     if len(kinds) > 1:
         ranked = sorted((a, k, name) for name, (a, k) in kinds.items() if k > 0)
-        if len(ranked) > 1 and within_noise(ranked[0][:2], ranked[-1][:2]):
+        differ = len(ranked) > 1 and ranked[0][0] != ranked[-1][0]
+        if differ and within_noise(ranked[0][:2], ranked[-1][:2]):
             print(
                 f"  note: {ranked[-1][2]} ({ranked[-1][0]:.3f}) and {ranked[0][2]} ({ranked[0][0]:.3f}) "
                 "differ by less than two standard errors: within noise on this many tasks"

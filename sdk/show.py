@@ -92,7 +92,10 @@ def episode_text(trajectory: dict[str, Any] | None, result: Any | None = None) -
                 + (f": {turn['fork_detail']}" if turn.get("fork_detail") else "")
                 + ")"
             )
-        about.append(f"finish {turn.get('finish_reason')}")
+        finish = turn.get("finish_reason")
+        if isinstance(finish, dict):  # the engine's {"type": "length", "length": 24}
+            finish = " ".join(str(v) for v in finish.values())
+        about.append(f"finish {finish}")
         lines.append("  --- " + ", ".join(about))
         text = turn.get("text")
         if text is None:

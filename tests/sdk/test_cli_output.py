@@ -136,6 +136,7 @@ def test_session_show_prints_the_turns_as_text(gateway):
 def test_episode_text_shows_forks_and_ignored_controls():
     turn = {"turn_id": 0, "parent": None, "finish_reason": "stop", "fork_reason": None}
     fork = {**turn, "turn_id": 1, "parent": 0, "fork_reason": "edited", "fork_detail": "at token 7"}
+    fork["finish_reason"] = {"type": "length", "length": 24}
     text = episode_text(
         {
             "session_id": "s",
@@ -151,7 +152,7 @@ def test_episode_text_shows_forks_and_ignored_controls():
             "ignored_controls": {"top_k": 1},
         }
     )
-    assert "turn 1, after turn 0, FORK (edited: at token 7)" in text
+    assert "turn 1, after turn 0, FORK (edited: at token 7), finish length 24" in text
     assert "new context (from token 7):\n    tool says 3" in text
     assert "forks: turn 1 (edited)" in text and "ignored controls: top_k 1" in text
 
