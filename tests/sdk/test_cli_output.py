@@ -316,3 +316,21 @@ def test_error_where_names_the_callers_line_not_the_librarys():
     assert where.startswith(f"{__file__}:") and where.endswith(
         "in test_error_where_names_the_callers_line_not_the_librarys"
     )
+
+
+@pytest.mark.parametrize("value", ["banana", "1e308", "[]", "{}", "-1"])
+def test_a_bad_text_query_value_is_a_4xx(gateway, value):
+    """GET /sessions/{id}?text=... is a boolean: anything else is refused, never a 5xx."""
+    import httpx
+
+    sid = httpx.post(
+        f"{gateway.url}/sessions", json={"env": "t"}, headers={"Authorization": f"Bearer {KEY}"}
+    ).json()["session_id"]
+    r = httpx.get(
+        f"{gateway.url}/sessions/{sid}", params={"text": value}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    ok = httpx.get(
+        f"{gateway.url}/sessions/{sid}", params={"text": "true"}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert ok.status_code == 200 and ok.json()["turns"] == []
