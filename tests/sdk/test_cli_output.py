@@ -116,21 +116,28 @@ def test_a_failed_episode_names_its_file_and_line_and_v_prints_the_traceback(gat
 def test_session_show_prints_the_turns_as_text(gateway):
     import httpx
 
-    r = cli("session", "new", "--env", "external", "--gateway", gateway.url)
-    info = dict(line.split(":", 1) for line in r.stdout.strip().splitlines())
-    base_url, sid, token = info["base_url"].strip(), info["session_id"].strip(), info["api_key"].strip()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    info = httpx.post(
+        f"{gateway.url}/sessions", json={"env": "external", "task_id": "t"}, headers=auth
+    ).json()
     body = {"model": "policy", "messages": [{"role": "user", "content": "what is 2+2?"}], "max_tokens": 32}
-    body["top_k"] = 5  # a control the gateway records as ignored
-    httpx.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {token}"}, json=body)
-    assert cli("session", "reward", sid, "1", "--gateway", gateway.url).returncode == 0
+    answer = httpx.post(
+        f"{info['base_url']}/chat/completions",
+        headers={"Authorization": f"Bearer {info['api_key']}"},
+        json=body,
+    )
+    assert answer.status_code == 200, answer.text
+    sid = info["session_id"]
+    httpx.post(f"{gateway.url}/sessions/{sid}/reward", json={"reward": 1.0}, headers=auth).raise_for_status()
     r = cli("session", "show", sid, "--gateway", gateway.url)
     assert r.returncode == 0, r.stderr
-    assert f"=== session {sid} (env external" in r.stdout and "completed, reward 1.0" in r.stdout
+    assert f"=== session {sid} (env external, task t): completed, reward 1.0" in r.stdout
     assert "what is 2+2?" in r.stdout and "reply:\n    It is \\boxed{4}." in r.stdout
-    trajectory = json.loads(cli("session", "show", sid, "--gateway", gateway.url, "--json").stdout)
-    if trajectory["ignored_controls"]:
-        assert "ignored controls:" in r.stdout
-    assert trajectory["turns"][0]["text"]["reply"].startswith("It is")
+    assert "no forks, no ignored controls" in r.stdout
+    trajectory = httpx.get(f"{gateway.url}/sessions/{sid}", params={"text": "true"}, headers=auth).json()
+    (turn,) = trajectory["turns"]
+    assert turn["text"]["from"] == 0 and turn["text"]["reply"].startswith("It is")
+    assert turn["text"]["context"].endswith("what is 2+2?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_episode_text_shows_forks_and_ignored_controls():
