@@ -31,6 +31,7 @@ from palaestra.gateway.dialects import openapi_schemas as schemas
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import GuardedStream, count_rejection, read_json
 from palaestra.gateway.service import GatewayService
+from palaestra.gateway.sessions import as_text
 from palaestra.gateway.sessions import sampling as session_sampling
 from palaestra.sample import STATUSES
 
@@ -303,8 +304,16 @@ async def reward(session_id: str, request: Request) -> dict[str, Any]:
 
 
 @sessions.get("/sessions/{session_id}")
-async def get_session(session_id: str, request: Request) -> dict[str, Any]:
-    return await service(request).trajectory(session_id)
+async def get_session(session_id: str, request: Request, text: bool = False) -> dict[str, Any]:
+    """The session's trajectory; `?text=true` adds each turn's context and reply as text
+    (gateway/sessions/as_text.py: `palaestra session show`)."""
+    svc = service(request)
+    trajectory = await svc.trajectory(session_id)
+    if not text:
+        return trajectory
+    tokenizer = svc.renderer.tokenizer
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    return await asyncio.to_thread(as_text.with_text, trajectory, decode)
 
 
 @sessions.get("/samples")

@@ -221,13 +221,14 @@ class RolloutWorker:
 
     # -- held-out evaluation -------------------------------------------------------------------
     async def evaluate(self, n: int, seed: int, tag: str, concurrency: int) -> dict[str, float]:
-        """Greedy accuracy on `n` tasks of `env.tasks(seed)` (`palaestra.sdk.scoring.score`)."""
+        """Greedy accuracy on `n` tasks of `env.tasks(seed)`, stratified over the kinds the
+        environment names as `palaestra eval`'s are (`stratified_tasks`; `palaestra.sdk.scoring.score`)."""
         from palaestra.sdk import load_environment
-        from palaestra.sdk.runner import run_rollouts, take_tasks
+        from palaestra.sdk.runner import run_rollouts, stratified_tasks
         from palaestra.sdk.scoring import score
 
         env = load_environment(self.env_name, **self.env_args)
-        tasks = take_tasks(env, n, seed)
+        tasks = stratified_tasks(env, n, seed)
         summary = await run_rollouts(
             env,
             self.gateway,

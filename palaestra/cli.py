@@ -7,7 +7,7 @@ Each command group lives next to the code it drives and registers its sub-comman
     palaestra sglang launch                      engine/sglang_launcher.py (a real SGLang server)
     palaestra model build                        palaestra/models/cli.py (model presets)
     palaestra gateway serve | front              gateway/cli.py (front: gateway/shards.py)
-    palaestra rollout | eval | session new|reward  sdk/cli.py (environments through a gateway)
+    palaestra rollout | eval | session new|reward|show | envs  sdk/cli.py (environments through a gateway)
     palaestra sandbox exec|serve|build-images    sandbox/cli.py
     palaestra train                              palaestra/train.py (a run on Ray)
     palaestra export                             trainer/export.py (PEFT adapter, merged HF model)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Each top-level command and the module whose `register(groups)` adds it. `palaestra <command> ...`
@@ -38,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "rollout": "palaestra.sdk.cli",
     "eval": "palaestra.sdk.cli",
     "session": "palaestra.sdk.cli",
+    "envs": "palaestra.sdk.cli",
     "sandbox": "palaestra.sandbox.cli",
     "train": "palaestra.train",
     "export": "palaestra.trainer.export",
@@ -61,7 +63,30 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(command: str, exc: BaseException) -> str:
+    """What a command prints when it fails: ``palaestra <command>: <Error>: <message>`` on one line
+    (a multi-line message joined with "; "), as `train` prints a config error, so the user reads
+    what to change and not a traceback; PALAESTRA_TRACEBACK=1 shows the traceback instead."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    message = "; ".join(lines) or repr(exc)
+    prefix = "" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: "
+    return f"palaestra {command}: {prefix}{message}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if os.environ.get("PALAESTRA_TRACEBACK"):
+            raise
+        argv = sys.argv[1:] if argv is None else list(argv)
+        print(error_line(" ".join(argv[:1]) or "", exc), file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(command)

@@ -2,8 +2,11 @@
 
     palaestra rollout --env math --gateway http://127.0.0.1:8000 --tasks 16 --samples-per-task 4 --concurrency 16
     palaestra eval --env math --gateway http://127.0.0.1:8000 --tasks 200
-    palaestra session new --env my-agent          # prints a base URL and session token for any external agent
-    palaestra session reward SESSION_ID 1.0
+    palaestra rollout --env math --gateway $GW --tasks 8 --show 2          # the 2 worst episodes as text
+    palaestra session new --env my-agent --gateway $GW --api-key $KEY      # a base URL and session token
+    palaestra session reward SESSION_ID 1.0 --gateway $GW --api-key $KEY
+    palaestra session show SESSION_ID --gateway $GW --api-key $KEY         # its turns as text
+    palaestra envs                                                         # environments, datasets, games
 
 The gateway's environment key comes from --api-key or PALAESTRA_API_KEY; it creates sessions and
 posts rewards, and an agent never gets it (`session new` prints the session's own token).
@@ -45,6 +48,8 @@ def _env(args: argparse.Namespace):
         cls = environment_class(args.env)
     except PluginError as exc:
         raise SystemExit(f"{command}: --env: {exc}") from None
+    except ImportError as exc:  # a built-in whose optional package is not installed
+        raise SystemExit(f"{command}: --env {args.env}: {type(exc).__name__}: {exc}") from None
     takes = environment_arguments(cls)
     problems = [f"{k!r} is not an argument" for k in takes.unknown(kwargs)]
     problems += [f"{k!r} is required (no default)" for k in takes.missing(kwargs)]
@@ -53,37 +58,82 @@ def _env(args: argparse.Namespace):
             f"{command}: --env-args: {'; '.join(problems)} of environment {args.env!r} "
             f"({cls.__module__}:{cls.__qualname__}, which takes {takes.signature()})"
         )
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except Exception as exc:  # the environment's own check of its arguments: its message, one line
+        message = " ".join(str(exc).split())
+        raise SystemExit(f"{command}: --env-args: {type(exc).__name__}: {message}") from None
 
 
-def _run(rollouts):
-    """`asyncio.run(rollouts)`; a task that breaks the task contract exits with its message."""
+def _run(rollouts, command: str = "palaestra"):
+    """`asyncio.run(rollouts)`; a task that breaks the task contract, or a gateway that refuses the
+    key, exits with its message."""
     from palaestra.sdk.environment import TaskError
+    from palaestra.sdk.runner import Refused
 
     try:
         return asyncio.run(rollouts)
     except TaskError as exc:
         raise SystemExit(f"palaestra: {exc}") from None
+    except Refused as exc:
+        raise SystemExit(f"{command}: stopped at the first refused episode: {exc}") from None
 
 
-def _print_summary(summary, json_line: dict | None) -> None:
-    """The rollouts' failures (the first five) on stderr, the environment's metrics, the JSON line."""
+def _print_summary(summary, json_line: dict | None, args: argparse.Namespace) -> None:
+    """The rollouts' failures (the first five; every one's traceback with -v) on stderr, the
+    environment's metrics, the episodes `--show` picks, the JSON line."""
     failed = [r for r in summary.results if r.status == "failed"]
-    for r in failed[:5]:
-        print(f"  failed: task {r.task_id} session {r.session_id}: {r.error}", file=sys.stderr)
+    for r in failed if args.verbose else failed[:5]:
+        where = f" ({r.where})" if r.where else ""
+        print(f"  failed: task {r.task_id} session {r.session_id}: {r.error}{where}", file=sys.stderr)
+        if args.verbose and r.traceback:
+            print(r.traceback.rstrip(), file=sys.stderr)
     if summary.metrics_line():
         print(summary.metrics_line())
+    if args.show:
+        _show(args, summary.results)
     if json_line is not None:
         print(json.dumps(json_line))
 
 
+def _show(args: argparse.Namespace, results) -> None:
+    """`--show N`: the episodes `--show-pick` picks, as text from the gateway (sdk/show.py)."""
+    from palaestra.sdk.session import GatewayError
+    from palaestra.sdk.show import episode_text, pick
+
+    picked = pick(results, args.show, args.show_pick, args.seed)
+    gateway = _gateway(args)
+
+    async def run():
+        try:
+            out = []
+            for r in picked:
+                try:
+                    out.append(await gateway.trajectory(r.session_id) if r.session_id else None)
+                except GatewayError as exc:  # the summary stands; this episode is shown without turns
+                    print(f"  --show: session {r.session_id}: {exc}", file=sys.stderr)
+                    out.append(None)
+            return out
+        finally:
+            await gateway.close()
+
+    for result, trajectory in zip(picked, asyncio.run(run()), strict=True):
+        print(episode_text(trajectory, result))
+
+
 def _roll(args: argparse.Namespace, **options):
     """The tasks `args` picks and their rollouts through the gateway, as `rollout` and `eval` run
-    them (`options` go to `run_rollouts`)."""
-    from palaestra.sdk.runner import run_rollouts, take_tasks
+    them (`options` go to `run_rollouts`); `eval`'s tasks stratified over the environment's kinds."""
+    from palaestra.sdk.runner import StrataError, run_rollouts, stratified_tasks, take_tasks
 
     env = _env(args)
-    tasks = take_tasks(env, args.tasks, args.seed)
+    if args.group == "eval":
+        try:
+            tasks = stratified_tasks(env, args.tasks, args.seed)
+        except StrataError as exc:
+            raise SystemExit(f"palaestra eval: {exc}") from None
+    else:
+        tasks = take_tasks(env, args.tasks, args.seed)
     gateway = _gateway(args)
 
     async def run():
@@ -95,16 +145,17 @@ def _roll(args: argparse.Namespace, **options):
                 concurrency=args.concurrency,
                 progress=not args.quiet,
                 sampling={"temperature": args.temperature},
+                label=args.group,
                 **options,
             )
         finally:
             await gateway.close()
 
-    return tasks, _run(run())
+    return env, tasks, _run(run(), f"palaestra {args.group}")
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    _, summary = _roll(args, samples_per_task=args.samples_per_task, seed=args.seed)
+    _, _, summary = _roll(args, samples_per_task=args.samples_per_task, seed=args.seed)
     print(summary.line())
     _print_summary(
         summary,
@@ -119,35 +170,46 @@ def _rollout(args: argparse.Namespace) -> int:
         }
         if args.json
         else None,
+        args,
     )
     failed = [r for r in summary.results if r.status == "failed"]
     return 1 if failed and len(failed) == len(summary.results) else 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from palaestra.sdk.runner import wilson_interval
-    from palaestra.sdk.scoring import score
+    from palaestra.sdk.runner import standard_error, wilson_interval, within_noise
+    from palaestra.sdk.scoring import by_kind, score
 
-    tasks, summary = _roll(args, samples_per_task=1)
-    scores = score(tasks, summary.results)  # as training's evaluations: overall and per task kind
-
-    def interval(key: str) -> tuple[float, tuple[float, float], int]:
-        n = int(scores["tasks" + key.removeprefix("accuracy")])
-        return scores[key], wilson_interval(scores[key] * n if n else 0.0, n), n
-
-    acc, (lo, hi), n = interval("accuracy")
+    env, tasks, summary = _roll(args, samples_per_task=1)
+    scores = score(tasks, summary.results)  # as training's evaluations
+    acc, n = scores["accuracy"], int(scores["tasks"])
+    lo, hi = wilson_interval(acc * n if n else 0.0, n)
     print(
-        f"accuracy {acc:.3f} (95% CI {lo:.3f}-{hi:.3f}) on {n} tasks "
+        f"accuracy {acc:.3f} ± {standard_error(acc, n):.3f} s.e. (95% CI {lo:.3f}-{hi:.3f}) on {n} tasks "
         f"({int(scores['failed'])} failed); reward {summary.reward_mean:.3f}; {summary.wall_s:.1f} s"
     )
-    kinds = {key.removeprefix("accuracy/"): interval(key) for key in scores if key.startswith("accuracy/")}
-    for kind, (k_acc, (k_lo, k_hi), k_n) in kinds.items():
-        print(f"  {kind}: accuracy {k_acc:.3f} (95% CI {k_lo:.3f}-{k_hi:.3f}) on {k_n} tasks")
-    per_kind = {kind: {"accuracy": a, "ci95": list(ci), "n": k} for kind, (a, ci, k) in kinds.items()}
+    kinds = by_kind(tasks, summary.results, env.name)  # every kind, even one, always printed
+    per_kind = {}
+    for kind, (k_acc, k_n) in kinds.items():
+        k_lo, k_hi = wilson_interval(k_acc * k_n if k_n else 0.0, k_n)
+        k_se = standard_error(k_acc, k_n)
+        print(
+            f"  {kind}: accuracy {k_acc:.3f} ± {k_se:.3f} s.e. (95% CI {k_lo:.3f}-{k_hi:.3f}) on {k_n} tasks"
+        )
+        per_kind[kind] = {"accuracy": k_acc, "se": k_se, "ci95": [k_lo, k_hi], "n": k_n}
+    if len(kinds) > 1:
+        ranked = sorted((a, k, name) for name, (a, k) in kinds.items() if k > 0)
+        differ = len(ranked) > 1 and ranked[0][0] != ranked[-1][0]
+        if differ and within_noise(ranked[0][:2], ranked[-1][:2]):
+            print(
+                f"  note: {ranked[-1][2]} ({ranked[-1][0]:.3f}) and {ranked[0][2]} ({ranked[0][0]:.3f}) "
+                "differ by less than two standard errors: within noise on this many tasks"
+            )
     _print_summary(
         summary,
         {
             "accuracy": acc,
+            "se": standard_error(acc, n),
             "ci95": [lo, hi],
             "n": n,
             "kinds": per_kind,
@@ -156,6 +218,7 @@ def _eval(args: argparse.Namespace) -> int:
         }
         if args.json
         else None,
+        args,
     )
     return 0
 
@@ -189,6 +252,29 @@ def _session_reward(args: argparse.Namespace) -> int:
             await gateway.close()
 
     print(json.dumps(asyncio.run(run())))
+    return 0
+
+
+def _session_show(args: argparse.Namespace) -> int:
+    from palaestra.sdk.show import episode_text
+
+    gateway = _gateway(args)
+
+    async def run():
+        try:
+            return await gateway.trajectory(args.session_id)
+        finally:
+            await gateway.close()
+
+    trajectory = asyncio.run(run())
+    print(json.dumps(trajectory) if args.json else episode_text(trajectory))
+    return 0
+
+
+def _envs(args: argparse.Namespace) -> int:
+    from palaestra.sdk.catalog import catalog_lines
+
+    print("\n".join(catalog_lines(check=args.check)))
     return 0
 
 
@@ -226,6 +312,24 @@ def _env_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="sessions at once (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="also print a JSON summary line")
+    p.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print N episodes as text: prompt, each turn's reply and tool results, reward, metrics, "
+        "failures (default: none)",
+    )
+    p.add_argument(
+        "--show-pick",
+        choices=["worst", "best", "random"],
+        default="worst",
+        help="which episodes --show prints: the lowest rewards (failed first), the highest, or a "
+        "seeded random choice (default: %(default)s)",
+    )
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="print every failed episode's traceback (file and line)"
+    )
 
 
 def register(groups) -> None:
@@ -284,3 +388,19 @@ def register(groups) -> None:
     p.add_argument("--metrics", default=None, help="JSON object of numbers, e.g. '{\"correct\": 1}'")
     p.add_argument("--status", default="completed", choices=["completed", "failed", "aborted", "truncated"])
     p.set_defaults(func=_session_reward)
+    p = sub.add_parser("show", help="print a session's turns as text, with forks and ignored controls")
+    _common(p)
+    p.add_argument("session_id")
+    p.add_argument("--json", action="store_true", help="print the trajectory as JSON (with each turn's text)")
+    p.set_defaults(func=_session_show)
+
+    p = groups.add_parser(
+        "envs",
+        help="the environments, and each family's datasets and games, and why any is unavailable here",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="build every reasoning-gym dataset and TextArena game (~50 s) to say which cannot run here and why",
+    )
+    p.set_defaults(func=_envs)

@@ -127,6 +127,12 @@ class Environment(ABC):
     async def rollout(self, session: Session, task: Any) -> float | Reward | dict[str, Any]:
         """One episode: talk to the model through `session.client`, return the reward."""
 
+    def kinds(self) -> list[str] | None:
+        """The task kinds this environment's tasks are drawn over (datasets, games, task kinds),
+        as their `kind` attribute spells them; held-out evaluation is stratified over them
+        (`runner.stratified_tasks`). None (the default): the tasks are taken as they come."""
+        return None
+
     def seats(self, task: Any) -> int:
         """Sessions one episode of `task` plays (module docstring, 'Several seats'); 1 by default."""
         return 1

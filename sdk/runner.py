@@ -22,6 +22,7 @@ import itertools
 import math
 import statistics
 import time
+import traceback as _traceback
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.sdk.environment import Environment, as_reward, check_task
-from palaestra.sdk.session import GatewayClient
+from palaestra.sdk.session import GatewayClient, GatewayError
 
 FAILURE_PREFIX = "failure/"  # what went wrong in an episode, counted per rollout
 
@@ -45,6 +46,37 @@ class RolloutResult:
     sample_ids: list[str] = field(default_factory=list)
     sampled_tokens: int = 0
     error: str | None = None
+    where: str = ""
+    """Where the episode's error was raised: ``path:line in function`` (`--show`, the failures list)."""
+    traceback: str = ""
+    """The error's traceback (`palaestra rollout -v`)."""
+
+
+class Refused(RuntimeError):
+    """The gateway refused the run's key (401/403): every episode would fail the same way, so the
+    run stops at the first (`run_rollouts`)."""
+
+
+def _failed(task_id: str, group_id: str, session_id: str | None, exc: BaseException) -> RolloutResult:
+    """A failed episode's result, with where `exc` was raised and its traceback."""
+    from palaestra.sdk.show import error_where
+
+    return RolloutResult(
+        task_id,
+        group_id,
+        session_id,
+        0.0,
+        "failed",
+        error=f"{type(exc).__name__}: {exc}",
+        where=error_where(exc),
+        traceback="".join(_traceback.format_exception(exc)),
+    )
+
+
+def _refused(exc: Exception) -> None:
+    """Raises `Refused` when `exc` is the gateway refusing the run's key."""
+    if isinstance(exc, GatewayError) and exc.status in (401, 403):
+        raise Refused(str(exc)) from exc
 
 
 @dataclass
@@ -124,6 +156,54 @@ def take_tasks(env: Environment, n: int, seed: int) -> list[Any]:
     return list(itertools.islice(iter(env.tasks(seed)), n))
 
 
+class StrataError(ValueError):
+    """A kind the environment names that its task stream does not yield."""
+
+
+def stratified_tasks(env: Environment, n: int, seed: int) -> list[Any]:
+    """`n` tasks of `env.tasks(seed)` stratified over the kinds the environment names
+    (`Environment.kinds()`: reasoning-gym's datasets, TextArena's games, math's task kinds, a mix's
+    members): each kind gets n // k tasks, the first n % k kinds one more, taken in stream order,
+    so a kind is never left out by chance. Without named kinds, the first `n` tasks (`take_tasks`)."""
+    kinds = list(dict.fromkeys(env.kinds() or ()))
+    if len(kinds) < 2:
+        return take_tasks(env, n, seed)
+    quota = {kind: n // len(kinds) + (i < n % len(kinds)) for i, kind in enumerate(kinds)}
+    out: list[Any] = []
+    wanted, drawn = sum(quota.values()), -1
+    for drawn, task in enumerate(env.tasks(seed)):
+        kind = getattr(task, "kind", None)
+        if quota.get(kind, 0) > 0:
+            quota[kind] -= 1
+            out.append(task)
+            if len(out) == wanted:
+                return out
+        if drawn >= 1000 + 100 * n:
+            break
+    short = [kind for kind, left in quota.items() if left > 0]
+    raise StrataError(
+        f"environment {env.name!r} names the kinds {kinds} but its tasks({seed}) yielded too few of "
+        f"{short} in {drawn + 1} tasks; give them more weight or fewer --tasks"
+    )
+
+
+def standard_error(p: float, n: int) -> float:
+    """The standard error of an accuracy `p` measured on `n` tasks, sqrt(p(1-p)/n); nan for none."""
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n > 0 else float("nan")
+
+
+def within_noise(a: tuple[float, int], b: tuple[float, int]) -> bool:
+    """Whether two accuracies, each (accuracy, tasks), differ by less than two standard errors of
+    their difference (0.10 and 0.25 on 20 tasks each: within noise). Equal accuracies are."""
+    (pa, na), (pb, nb) = a, b
+    if na == 0 or nb == 0:
+        return True
+    # the pooled proportion keeps a difference between 0 and 0 (or 1 and 1) from being "significant"
+    pooled = (pa * na + pb * nb) / (na + nb)
+    se = math.sqrt(max(pooled * (1 - pooled), 0.0) * (1 / na + 1 / nb))
+    return abs(pa - pb) <= 2 * se
+
+
 def episode_seed(base: int | str, index: int) -> int:
     """A 31-bit sampling seed for episode `index` of a run seeded with `base` (stable everywhere)."""
     digest = hashlib.sha256(f"palaestra.episode/{base}/{index}".encode()).digest()
@@ -147,6 +227,7 @@ async def _single(
     try:
         session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id, sampling=sampling)
     except Exception as exc:  # could not even start: counted, nothing to close
+        _refused(exc)
         return RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}")
     try:
         async with session:
@@ -154,9 +235,7 @@ async def _single(
             done = await session.reward(reward.value, reward.metrics)
         return _finished(task_id, group_id, session.session_id, reward, done)
     except Exception as exc:  # the session was closed as failed by its context manager
-        return RolloutResult(
-            task_id, group_id, session.session_id, 0.0, "failed", error=f"{type(exc).__name__}: {exc}"
-        )
+        return _failed(task_id, group_id, session.session_id, exc)
 
 
 def _finished(
@@ -199,6 +278,7 @@ async def _seated(
                 )
             )
     except Exception as exc:
+        _refused(exc)
         for s in sessions:  # the seats that did open: closed, nothing trained on
             with contextlib.suppress(Exception):
                 await s.reward(0.0, {"error": 1.0}, status="failed")
@@ -216,12 +296,11 @@ async def _seated(
             results.append(_finished(task_id, group_id, session.session_id, reward, done))
         return results
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
         for s in sessions:
             if not s.finished:
                 with contextlib.suppress(Exception):
                     await s.reward(0.0, {"error": 1.0}, status="failed")
-        return [RolloutResult(task_id, group_id, s.session_id, 0.0, "failed", error=error) for s in sessions]
+        return [_failed(task_id, group_id, s.session_id, exc) for s in sessions]
 
 
 async def run_rollouts(
@@ -235,12 +314,14 @@ async def run_rollouts(
     run_id: str | None = None,
     sampling: Mapping[str, Any] | None = None,
     seed: int | str | None = None,
+    label: str = "rollout",
 ) -> RolloutSummary:
     """Runs `samples_per_task` episodes per task (one session each, or `env.seats(task)`), at most
     `concurrency` episodes at once. Every session's
     `session.sampling` is `sampling` (e.g. `{"temperature": 1.0}`); with `seed`, episode j (tasks in
     order, then their samples) adds its own `"seed": episode_seed(seed, j)`. A task that breaks the
-    task contract raises `TaskError` before any session starts."""
+    task contract raises `TaskError` before any session starts; a gateway that refuses the key
+    raises `Refused` at the first episode and cancels the rest. `label` names the progress bar."""
     run_id = run_id or uuid.uuid4().hex[:8]
     checked = [(task, check_task(env, task)) for task in tasks]  # the task contract, before any session
     jobs = [
@@ -251,7 +332,7 @@ async def run_rollouts(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(jobs), desc=f"rollout {env.name}", unit="ep", dynamic_ncols=True)
+        bar = tqdm(total=len(jobs), desc=f"{label} {env.name}", unit="ep", dynamic_ncols=True)
     rewards: list[float] = []
     sampling = dict(sampling or {})
 
@@ -266,9 +347,13 @@ async def run_rollouts(
         return results
 
     t0 = time.perf_counter()
+    running = [asyncio.ensure_future(guarded(j, t, g)) for j, (t, g) in enumerate(jobs)]
     try:
-        episodes = await asyncio.gather(*[guarded(j, t, g) for j, (t, g) in enumerate(jobs)])
-    finally:
+        episodes = await asyncio.gather(*running)
+    finally:  # a `Refused` (or a cancelled run) stops the episodes still running
+        for job in running:
+            job.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         if bar is not None:
             bar.close()
     return RolloutSummary([r for results in episodes for r in results], time.perf_counter() - t0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["accuracy", "correct", "score"]
+__all__ = ["accuracy", "by_kind", "correct", "score"]
 
 
 def correct(result: Any) -> float:
@@ -46,4 +46,17 @@ def score(tasks: Sequence[Any], results: Sequence[Any]) -> dict[str, float]:
             of_kind = [r for r in scored if kind_of.get(r.task_id) == kind]
             out[f"accuracy/{kind}"] = accuracy(of_kind)
             out[f"tasks/{kind}"] = float(len(of_kind))
+    return out
+
+
+def by_kind(tasks: Sequence[Any], results: Sequence[Any], default: str) -> dict[str, tuple[float, int]]:
+    """Each kind's (accuracy, tasks scored), in the order the kinds first appear in `tasks`, even
+    when there is one (`palaestra eval` prints them all); tasks without a `kind` are `default`'s."""
+    kind_of = {str(t.task_id): getattr(t, "kind", None) or default for t in tasks}
+    kinds = list(dict.fromkeys(kind_of.values()))
+    scored = [r for r in results if r.status != "failed"]
+    out = {}
+    for kind in kinds:
+        of_kind = [r for r in scored if kind_of.get(r.task_id) == kind]
+        out[kind] = (accuracy(of_kind), len(of_kind))
     return out

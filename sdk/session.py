@@ -101,13 +101,20 @@ class GatewayClient:
         self._http = self._openai_http = None
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", path, body)
+
+    async def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         last: GatewayError | None = None
         attempt, waited = 0, 0.0
         while True:
             try:
-                r = await self._client().post(path, json=body)
+                r = await self._client().request(method, path, json=body, params=params)
             except httpx.HTTPError as exc:
-                last = GatewayError(f"gateway unreachable at {self.url}: {exc}", 0)
+                last = GatewayError(
+                    f"gateway unreachable at {self.url}: {type(exc).__name__} {exc}".strip(), 0
+                )
             else:
                 if r.status_code == 200:
                     return r.json()
@@ -115,7 +122,9 @@ class GatewayClient:
                     message = r.json()["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     message = r.text
-                last = GatewayError(f"POST {path}: {r.status_code} {message}", r.status_code)
+                if r.status_code == 401:
+                    message += " (pass the gateway's environment key: --api-key or PALAESTRA_API_KEY)"
+                last = GatewayError(f"{method} {path}: {r.status_code} {message}", r.status_code)
                 if r.status_code not in TRANSIENT:
                     raise last
                 pause = _retry_after(r)
@@ -171,6 +180,11 @@ class GatewayClient:
             self,
             sampling=dict(sampling or {}),
         )
+
+    async def trajectory(self, session_id: str, text: bool = True) -> dict[str, Any]:
+        """GET /sessions/{id}: the session's turns, forks and controls; with `text`, each turn's
+        context and reply as text (gateway/sessions/as_text.py)."""
+        return await self._call("GET", f"/sessions/{session_id}", params={"text": "true"} if text else None)
 
     async def reward(
         self,

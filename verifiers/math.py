@@ -255,7 +255,13 @@ def _worker_main() -> None:
         pred_parsed = parse_answer(pred)
         if not pred_parsed:
             return "unparseable"
-        return "equivalent" if verify(gold_parsed, pred_parsed, timeout_seconds=None) else "not equivalent"
+        if verify(gold_parsed, pred_parsed, timeout_seconds=None):
+            return "equivalent"
+        # math-verify keeps the text beside what it read; with no expression at all, the answer
+        # could not be read as math (``@@ ??``), which is not the same as a wrong number
+        return (
+            "not equivalent" if any(isinstance(p, Basic | MatrixBase) for p in pred_parsed) else "unparseable"
+        )
 
     protocol.write('"ready"\n')
     protocol.flush()

@@ -46,6 +46,8 @@ class SessionTunnel:
         self.over_budget = 0
         self.hung_up = 0
         """Answers the harness closed its connection on before they were all written."""
+        self.unreachable = 0
+        """Requests answered 502 because the gateway could not be reached."""
         self.spent = asyncio.Event()
         """Set when a call past `max_calls` was refused."""
         self._runner: web.AppRunner | None = None
@@ -80,6 +82,24 @@ class SessionTunnel:
             self.calls += 1
         assert self._client is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        try:
+            return await self._forward(request, raw, headers)
+        except aiohttp.ClientConnectorError as exc:
+            # The gateway went away: the harness gets a 502 it can report, the episode's own
+            # gateway call fails with one line; no aiohttp "Error handling request" traceback.
+            self.unreachable += 1
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"gateway unreachable at {self.gateway_url}: {type(exc).__name__}",
+                        "type": "gateway_unreachable",
+                    }
+                },
+                status=502,
+            )
+
+    async def _forward(self, request: web.Request, raw: str, headers: dict[str, str]) -> web.StreamResponse:
+        assert self._client is not None
         async with self._client.request(
             request.method,
             self.gateway_url + raw,

@@ -43,9 +43,10 @@ class JudgedMathEnv(Environment):
         )
         answer = reply.choices[0].message.content or ""
         rule = await averify_math(answer, task.answer)
+        unparseable = {"failure/unparseable_answer": float(rule.reason == "unparseable")}
         if self.judge is None:
-            return Reward(rule.reward, {"correct": float(rule.correct)})
+            return Reward(rule.reward, {"correct": float(rule.correct), **unparseable})
         verdict = await self.judge.verdict(
             session.session_id, question=task.question, answer=answer, reference=task.answer
         )
-        return self.judge.reward(verdict, correct=float(rule.correct))
+        return self.judge.reward(verdict, correct=float(rule.correct), **unparseable)

@@ -9,6 +9,7 @@ Two variants:
   it stands (``failure/context_exceeded``).
 
 Tasks come from the seeded generator (`tasks.py`) or, with `data=PATH`, from a GSM8K-format JSONL.
+An answer the verifier cannot read as math scores 0 and is counted (``failure/unparseable_answer``).
 Sampling settings (temperature, the episode's seed) are the run's: every call passes
 `**session.sampling`.
 """
@@ -47,16 +48,21 @@ class MathEnv(Environment):
     ):
         """`difficulty` 0-5 and `kinds` (arithmetic, word_problem, fraction; cycled) choose the
         generated tasks; `data` (a GSM8K-format JSONL) replaces them."""
-        self.difficulty, self.data, self.kinds = difficulty, data, tuple(kinds)
+        self.difficulty, self.data, self.task_kinds = difficulty, data, tuple(kinds)
         self.max_tokens = max_tokens
         if not data:  # a bad difficulty or kind fails here, clearly, not in the middle of a run
-            if not self.kinds:
+            if not self.task_kinds:
                 raise ValueError("kinds must not be empty")
-            for kind in self.kinds:
+            for kind in self.task_kinds:
                 generate_task(0, 0, difficulty, kind)
 
+    def kinds(self) -> list[str] | None:
+        return None if self.data else list(self.task_kinds)
+
     def tasks(self, seed: int) -> Iterable[MathTask]:
-        return load_gsm8k_jsonl(self.data) if self.data else iter_tasks(seed, self.difficulty, self.kinds)
+        return (
+            load_gsm8k_jsonl(self.data) if self.data else iter_tasks(seed, self.difficulty, self.task_kinds)
+        )
 
     async def rollout(self, session: Session, task: MathTask) -> Reward:
         reply = await session.client.chat.completions.create(
@@ -67,7 +73,12 @@ class MathEnv(Environment):
         )
         result = await averify_math(reply.choices[0].message.content or "", task.answer)
         return Reward(
-            result.reward, {"correct": float(result.correct), "answered": float(result.parsed is not None)}
+            result.reward,
+            {
+                "correct": float(result.correct),
+                "answered": float(result.parsed is not None),
+                "failure/unparseable_answer": float(result.reason == "unparseable"),
+            },
         )
 
 
@@ -90,4 +101,10 @@ class MathToolEnv(MathEnv):
         if episode.answer is None:
             log.fail("no_answer")
         result = await averify_math(episode.last_reply, task.answer)  # graded as it stands
-        return Reward(result.reward, log.metrics(correct=float(result.correct)))
+        return Reward(
+            result.reward,
+            log.metrics(
+                correct=float(result.correct),
+                **{"failure/unparseable_answer": float(result.reason == "unparseable")},
+            ),
+        )

@@ -75,6 +75,9 @@ class MixEnv(Environment):
         except Exception as exc:
             raise ValueError(f"environments.{entry.name}: {type(exc).__name__}: {exc}") from exc
 
+    def kinds(self) -> list[str]:
+        return self.members.names
+
     def tasks(self, seed: int) -> Iterator[MixTask]:
         streams = [iter(env.tasks(seed)) for _, _, env in self.members]
         for draw in self.members.draws(seed):

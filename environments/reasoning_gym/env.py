@@ -10,13 +10,17 @@ name to ``{"weight": w, "config": {...}}`` (the dataset's own config fields, e.g
 ``min_numbers``). Task ``i`` of ``tasks(seed)`` draws its dataset by weight from a generator
 seeded with (seed, i), then takes that dataset's next item of ``create_dataset(name, seed=seed,
 size=size, **config)``, so ``tasks(seed)`` is reproducible and the held-out evaluation
-(``palaestra train``'s evaluation seed, ``palaestra eval --seed``) reads other items. Each task's
+(``palaestra train``'s evaluation seed, ``palaestra eval --seed``) reads other items. The items
+of three datasets depend on PYTHONHASHSEED; they are generated in a child process with a fixed one,
+so the tasks are the same in every process (`HASH_SEEDED`). Each task's
 ``kind`` is its dataset, so evaluations report accuracy per dataset (``eval/accuracy/<dataset>``)
 when there are several.
 
 One turn: the dataset's question under reasoning-gym's own system prompt (answer inside
 ``<answer>...</answer>``); the reward is ``score_answer(extracted, entry)`` (0-1; some datasets
-give partial credit), with metrics ``correct`` (reward 1), ``answered`` (an answer tag was found).
+give partial credit), with metrics ``correct`` (reward 1), ``answered`` (an answer tag was found),
+``failure/unparseable_answer`` (the dataset's scorer raised on the answer, e.g. prime_factorization
+on a non-numeric one: scored 0, so the policy is penalised for it, not dropped as a failed episode).
 
 The constructor builds every dataset (and its first item), so an unknown name (the error lists
 the 106 that exist), a config field the dataset does not take, or a dataset that fails to build
@@ -25,6 +29,7 @@ is reported when a run's config is checked, naming the dataset and its error.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +110,57 @@ class ReasoningGymOptions:
             raise OptionError("size", f"must be >= 1; got {self.size}")
 
 
+HASH_SEEDED = frozenset({"isomorphic_strings", "polynomial_multiplication", "ransom_note"})
+"""Datasets whose items depend on the process's PYTHONHASHSEED (they iterate over sets of
+strings), so the same seed gives other tasks in another process: their items are generated in a
+child process with PYTHONHASHSEED=0 (`FixedHashItems`). Found by building every dataset in two
+processes with different hash seeds and comparing (tests/environments/test_reasoning_gym.py)."""
+
+_ITEMS = """
+import pickle, sys, warnings
+warnings.simplefilter("ignore")
+from palaestra.environments.reasoning_gym.env import build_dataset
+name, config, seed, size, start, stop = pickle.load(sys.stdin.buffer)
+dataset = build_dataset(name, config, seed, size)
+pickle.dump([dataset[i] for i in range(start, stop)], sys.stdout.buffer)
+"""
+
+
+class FixedHashItems:
+    """A `HASH_SEEDED` dataset's items as a process with PYTHONHASHSEED=0 generates them, fetched
+    `chunk` at a time from a child process and kept; `score_answer` is the dataset's own."""
+
+    def __init__(self, name: str, config: Mapping[str, Any], seed: int, size: int, chunk: int = 64):
+        self.dataset = build_dataset(name, config, seed, size)
+        self.args, self.size, self.chunk = (name, dict(config), seed, size), size, chunk
+        self.items: dict[int, Any] = {}
+
+    def score_answer(self, answer: Any, entry: Any) -> Any:
+        return self.dataset.score_answer(answer, entry)
+
+    def __getitem__(self, index: int) -> Any:
+        if index not in self.items:
+            import os
+            import pickle
+            import subprocess
+            import sys
+
+            start = index - index % self.chunk
+            stop = min(start + self.chunk, self.size)
+            done = subprocess.run(
+                [sys.executable, "-c", _ITEMS],
+                input=pickle.dumps((*self.args, start, stop)),
+                capture_output=True,
+                env={**os.environ, "PYTHONHASHSEED": "0"},
+                check=False,
+            )
+            if done.returncode != 0:
+                tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+                raise DatasetError(f"reasoning-gym dataset {self.args[0]!r}: generating items failed: {tail}")
+            self.items.update(zip(range(start, stop), pickle.loads(done.stdout), strict=True))
+        return self.items[index]
+
+
 def build_dataset(name: str, config: Mapping[str, Any], seed: int, size: int) -> Any:
     """``reasoning_gym.create_dataset(name, seed=seed, size=size, **config)``, its failures as a
     `DatasetError` naming the dataset (and, for an unknown name, the ones that exist)."""
@@ -163,7 +219,7 @@ class ReasoningGymEnv(Environment):
         for entry in self.datasets:  # every dataset builds, and yields its first item, now
             dataset = self._dataset(entry, 0)
             try:
-                dataset[0]
+                getattr(dataset, "dataset", dataset)[0]  # in this process, even a `FixedHashItems`'s
             except Exception as exc:
                 raise DatasetError(
                     f"reasoning-gym dataset {entry.name!r} built but failed to generate a task: "
@@ -173,8 +229,13 @@ class ReasoningGymEnv(Environment):
     def _dataset(self, entry: Entry[DatasetOptions], seed: int) -> Any:
         key = (entry.name, seed)
         if key not in self._built:
-            self._built[key] = build_dataset(entry.name, entry.value.config, seed, self.size)
+            fixed = entry.name in HASH_SEEDED and os.environ.get("PYTHONHASHSEED") != "0"
+            build = FixedHashItems if fixed else build_dataset
+            self._built[key] = build(entry.name, entry.value.config, seed, self.size)
         return self._built[key]
+
+    def kinds(self) -> list[str]:
+        return self.datasets.names
 
     def tasks(self, seed: int) -> Iterator[RGTask]:
         taken = [0] * len(self.datasets)
@@ -190,8 +251,20 @@ class ReasoningGymEnv(Environment):
 
         answer = extract_answer(reply)
         dataset = self._built[(task.kind, task.seed)]
-        value = float(dataset.score_answer(answer, task.entry)) if answer is not None else 0.0
-        return Reward(value, {"correct": float(value >= 1.0), "answered": float(answer is not None)})
+        unparseable = False
+        try:
+            value = float(dataset.score_answer(answer, task.entry)) if answer is not None else 0.0
+        except Exception:  # e.g. prime_factorization's int() of a non-numeric answer: a wrong
+            # answer scored 0 and counted, not a failed episode (which would never be trained on)
+            value, unparseable = 0.0, True
+        return Reward(
+            value,
+            {
+                "correct": float(value >= 1.0),
+                "answered": float(answer is not None),
+                "failure/unparseable_answer": float(unparseable),
+            },
+        )
 
     async def rollout(self, session: Session, task: RGTask) -> Reward:
         reply = await session.client.chat.completions.create(

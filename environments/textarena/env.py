@@ -10,7 +10,8 @@ move, passed to the game as written (the games read the bracketed token). When t
 seat's reward is its outcome as the game scores it (single-player games 0-1, e.g. FrozenLake's
 share of the way; two-player games 1 win, 0 draw, -1 loss). Metrics: ``win`` (also ``correct``,
 what evaluations count: a single-player game solved, reward 1; a game of several won), ``draw``,
-``invalid_move`` (the game's flag for the seat), ``turns`` (the seat's model calls), and any
+``invalid_move`` (the game's flag for the seat: a move it could not read or that broke its rules,
+scored by the game as a loss; also ``failure/unparseable_answer``, as every family names it), ``turns`` (the seat's model calls), and any
 number the game reports in a step's info, summed as ``step/<key>``.
 
 **Several players.** `opponent="self"` (the default): every seat is the policy, one session per
@@ -142,11 +143,13 @@ class Seat:
         """Seat `position`'s reward and metrics (module docstring) once the episode has ended."""
         value = outcome.rewards.get(position, 0.0)
         won = end == "done" and (value > 0 if players > 1 else value >= 1.0)
+        invalid = float(bool(outcome.info.get(position, {}).get("invalid_move")))
         metrics = {
             "correct": float(won),
             "win": float(won),
             "draw": float(end == "done" and players > 1 and value == 0),
-            "invalid_move": float(bool(outcome.info.get(position, {}).get("invalid_move"))),
+            "invalid_move": invalid,
+            "failure/unparseable_answer": invalid,  # as every family names a move it cannot read
             "turns": float(self.turns),
             "truncated": float(end == "truncated"),
             **self.steps,
@@ -201,6 +204,9 @@ class TextArenaEnv(Environment):
             options.max_tokens,
             options.temperature,
         )
+
+    def kinds(self) -> list[str]:
+        return self.games.names
 
     def tasks(self, seed: int) -> Iterator[TextArenaTask]:
         for draw in self.games.draws(seed):

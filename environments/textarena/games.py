@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,13 @@ def make_game(game_id: str) -> Any:
             return ta.make(f"{game_id}-raw")
     except GameUnavailable:
         raise
+    except LookupError as exc:  # NLTK data looked up without a download call: its banner, as one line
+        found = re.search(r"Resource '?([\w./-]+?)'? not found", str(exc))
+        data = repr(found.group(1)) if found else "data"
+        raise GameUnavailable(
+            f"TextArena game {game_id!r} needs the NLTK data {data}, which is not installed here (put "
+            "the data in a directory on NLTK_DATA to play it)"
+        ) from None
     except Exception as exc:  # a game that needs an API key, a file the wheel lacks, newer Python
         raise GameUnavailable(
             f"TextArena game {game_id!r} cannot be made here: {type(exc).__name__}: {exc}"

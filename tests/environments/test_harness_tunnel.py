@@ -70,3 +70,30 @@ def test_the_tunnel_reaches_only_its_own_session(tok, tmp_path):
 
         tunnel = asyncio.run(run())
         assert tunnel.forwarded == 1 and sum(tunnel.refused.values()) == 11, tunnel.refused
+
+
+def test_a_gateway_that_went_away_is_a_502_naming_it_not_a_traceback(tmp_path, caplog):
+    """The gateway is gone (nothing listens on its port): the harness's call is answered 502 with
+    one line naming the gateway, counted, and aiohttp logs no "Error handling request" traceback."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{s.getsockname()[1]}"
+    sock = str(tmp_path / "tunnel.sock")
+
+    async def run() -> tuple[httpx.Response, SessionTunnel]:
+        tunnel = SessionTunnel(gone, "s1", sock)
+        await tunnel.start()
+        try:
+            transport = httpx.AsyncHTTPTransport(uds=sock)
+            async with httpx.AsyncClient(transport=transport, base_url="http://harness", timeout=30) as c:
+                return await c.post("/s/s1/v1/chat/completions", json={}), tunnel
+        finally:
+            await tunnel.stop()
+
+    with caplog.at_level("ERROR"):
+        r, tunnel = asyncio.run(run())
+    assert r.status_code == 502 and r.json()["error"]["message"].startswith(f"gateway unreachable at {gone}")
+    assert tunnel.unreachable == 1
+    assert not [rec for rec in caplog.records if rec.exc_info], [rec.getMessage() for rec in caplog.records]

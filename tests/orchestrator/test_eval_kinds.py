@@ -75,7 +75,11 @@ def test_eval_cli_reports_each_kinds_accuracy_as_training_does(tok, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("accuracy 0.333 ") and "on 6 tasks (0 failed)" in lines[0], r.stdout
-    assert "  arithmetic: accuracy 1.000 (95% CI " in r.stdout and "on 2 tasks" in r.stdout
+    assert "  arithmetic: accuracy 1.000 ± 0.000 s.e. (95% CI " in r.stdout and "on 2 tasks" in r.stdout
+    # 1.000 vs 0.000 on 2 tasks each is within two standard errors of their difference: said so
+    assert (
+        "  note: arithmetic (1.000) and fraction (0.000) differ by less than two standard errors" in r.stdout
+    )
     assert "  fraction: accuracy 0.000 " in r.stdout and "  word_problem: accuracy 0.000 " in r.stdout
     result = json.loads(lines[-1])
     assert result["n"] == 6 and abs(result["accuracy"] - 1 / 3) < 1e-9

@@ -329,8 +329,9 @@ def test_the_docs_example_runs_as_a_plug_in_from_the_working_directory(gateway, 
     r = cli_in(tmp_path, "eval", *common, "--tasks", "3", "--env-args", '{"max_tokens": 6}')
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0].startswith("accuracy 0.000 (95% CI 0.000-") and "; reward 0.000;" in lines[0]
-    assert lines[1].startswith("metrics (mean over 3 rollouts): ")
+    assert lines[0].startswith("accuracy 0.000 ± 0.000 s.e. (95% CI 0.000-") and "; reward 0.000;" in lines[0]
+    assert lines[1].startswith("  unscramble: accuracy 0.000 ")  # its tasks have no kind: one, by its name
+    assert lines[2].startswith("metrics (mean over 3 rollouts): ")
     result = json.loads(lines[-1])
     assert result["n"] == 3 and set(result["metrics"]) == {"answer_chars", "correct"}
 

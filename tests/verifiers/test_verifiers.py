@@ -180,6 +180,7 @@ def test_result_fields(verifier):
         (r"\boxed{", "no answer found"),  # unbalanced: no box at all, and no number either
         (r"\boxed{$$}", "no answer found"),
         (r"\boxed{" + "x" * 2000 + "}", "unparseable"),  # longer than any real answer
+        (r"\boxed{@@ ?? @@}", "unparseable"),  # no math in it at all (not a wrong number)
     ],
 )
 def test_malformed_outputs(verifier, completion, reason):
