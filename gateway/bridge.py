@@ -13,12 +13,17 @@ sampled the closing token (an EOS such as `<|im_end|>`), it is not added twice. 
 tokenized, so the tokenizer's work does not grow with the history; the model's own tokens are
 never re-tokenized.
 
+A turn cut at max_tokens is bridged the same way when the agent sends its text back: its sampled ids
+stay as sampled (trained), and the closing the template puts after them (`<|im_end|>` for ChatML)
+enters with the tail, as context (loss-masked like every bridge token). Forking there instead would
+start a new sample holding the whole history again on every such turn: a session of cut answers
+would store and train on quadratically many tokens.
+
 When that is not possible or not faithful, the call forks: its prompt is the template's full
 rendering of M, and the fork's reason is recorded (see `trajectory.FORK_REASONS`):
 
 * no earlier request is a prefix of M -> `prefix_changed`;
 * a prefix matches but the assistant message differs from the reply -> `assistant_edited`;
-* the previous turn ended by max_tokens -> `truncated`;
 * the template renders the shared history differently once extended -> `template_nonmonotonic`,
   or `reasoning_stripped` when what disappears is reasoning the model produced (Qwen3, GLM drop
   `<think>` of earlier turns). With `reasoning_policy="keep"` such turns are bridged anyway: the
@@ -115,8 +120,6 @@ def _parent(
     if not matching:
         raise _Fork("assistant_edited", f"message {prefix_k} differs from what the model replied")
     parent = max(matching, key=lambda t: (t.children == 0, t.turn_id))  # prefer the live tip
-    if parent.finish_reason.kind == FinishKind.LENGTH:
-        raise _Fork("truncated", f"turn {parent.turn_id} ended at max_tokens")
     return prefix_k, parent
 
 
@@ -209,9 +212,14 @@ def _check_reasoning(parent: Turn, before_content: str, rendered: str, reasoning
 def _bridged(
     renderer: ChatRenderer, parent: Turn, tail: str, rendered: str, stop_text: dict[int, str]
 ) -> Plan:
-    """prompt = the parent's prompt + output + the tokens of `tail` (its closing token not twice)."""
+    """prompt = the parent's prompt + output + the tokens of `tail` (its closing token not twice).
+
+    A turn cut at max_tokens (kind LENGTH) usually lacks the closing, which then comes from `tail`;
+    an engine may call a turn that sampled the closing as its last allowed token LENGTH (whichever
+    check it runs first), and that closing is not added twice either."""
     last = parent.output_ids[-1] if parent.output_ids else None
-    closing = stop_text.get(last, "") if parent.finish_reason.kind == FinishKind.STOP else ""
+    ended = parent.finish_reason.kind in (FinishKind.STOP, FinishKind.LENGTH)
+    closing = stop_text.get(last, "") if ended else ""
     if closing and tail.startswith(closing):
         tail = tail[len(closing) :]
     bridge = renderer.encode(tail)
