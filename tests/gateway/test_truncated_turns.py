@@ -184,3 +184,20 @@ def test_a_cut_turn_gets_the_closing_once(tok, ends_with_closing):
     plan = bridge._bridged(renderer, parent, tail, "", {end: "<|im_end|>"})
     assert plan.prompt_ids[: 3 + len(out)] == [1, 2, 3, *out] and plan.parent is parent
     assert tok.decode(plan.prompt_ids[3:]).count("<|im_end|>") == 2  # the cut answer's, the user's
+
+
+def test_the_zero_engine_cuts_an_answer_at_max_new_tokens():
+    """bench/gateway.py's paired test gets its cut answers from the zero-work engine."""
+    from fastapi.testclient import TestClient
+
+    from palaestra.testing.zero import make_app
+
+    with TestClient(make_app([5, 6, 7, 2])) as engine:
+        for limit, ids, finish in (
+            (2, [5, 6], "length"),
+            (4, [5, 6, 7, 2], "stop"),
+            (None, [5, 6, 7, 2], "stop"),
+        ):
+            params = {} if limit is None else {"max_new_tokens": limit}
+            answer = engine.post("/generate", json={"input_ids": [1], "sampling_params": params}).json()
+            assert answer["output_ids"] == ids and answer["meta_info"]["finish_reason"]["type"] == finish
