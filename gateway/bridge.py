@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from palaestra.gateway.engine_side.generation import FinishKind
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.renderer import ChatRenderer, message_digest
@@ -73,17 +75,17 @@ def plan_chat(
     """Decides how the prompt for `messages` is built (bridged from a parent turn, or a fork).
 
     `context_key` identifies what besides the messages the template reads (tools, template
-    arguments); `gap` (not None: the template passed `incremental_ok`, which measured it) lets an
-    append to a turn without reasoning be rendered from its last messages only (`_bridge_short`)."""
+    arguments); `gap` (not None: the template passed `incremental_ok` with these template arguments,
+    which measured it: `RenderGaps`) lets an append to a turn without reasoning be rendered from its
+    last messages only (`_bridge_short`)."""
     if not has_turns:
         return _fork(renderer, renderer.render(messages, tools, True, template_extra), None, "")
     try:
         prefix_k, parent = _parent(turns_by_digest, messages, digests)
         same_context = parent.context_key == context_key
         append = _Append(renderer, messages, prefix_k, parent, tools, stop_text, template_extra)
-        # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
-        short_ok = gap is not None and not template_extra and same_context
-        if short_ok and not parent.reasoning_on_path:
+        # the gap was measured with these template arguments, the parent's were the same
+        if gap is not None and same_context and not parent.reasoning_on_path:
             assert gap is not None
             plan = _bridge_short(append, gap)
             if plan is not None:
@@ -254,12 +256,13 @@ def _bridge_short(append: _Append, gap: str) -> Plan | None:
     return _bridged(renderer, parent, tail, "", stop_text)
 
 
-def incremental_ok(renderer: ChatRenderer) -> str | None:
+def incremental_ok(renderer: ChatRenderer, extra: dict[str, Any] | None = None) -> str | None:
     """Whether this template renders an appended turn the same from a short context as from the
     whole history, and renders a history the same once it is extended (checked once, on probe
     conversations with and without tool calls; the full path checks the latter on every call).
     Returns the template's gap between the generation prompt and an assistant's content (the
-    same in every probe: '' for ChatML), or None when the template is not fit for it."""
+    same in every probe: '' for ChatML), or None when the template is not fit for it. `extra`: the
+    template arguments to render with (`enable_thinking=False` makes Qwen3's unfit)."""
     gaps = set()
     tool = {
         "type": "function",
@@ -283,7 +286,10 @@ def incremental_ok(renderer: ChatRenderer) -> str | None:
             k = len(messages) - 2  # the last assistant message
             try:
                 full = renderer.render(
-                    [*messages[:k], {"role": "assistant", "content": SENTINEL}, messages[-1]], tools
+                    [*messages[:k], {"role": "assistant", "content": SENTINEL}, messages[-1]],
+                    tools,
+                    True,
+                    extra,
                 )
                 n = len(lead)
                 short = [
@@ -292,8 +298,8 @@ def incremental_ok(renderer: ChatRenderer) -> str | None:
                     {"role": "assistant", "content": SENTINEL},
                     messages[-1],
                 ]
-                part = renderer.render(short, tools)
-                head = renderer.render(messages[:k], tools)  # the history renders as before, extended
+                part = renderer.render(short, tools, True, extra)
+                head = renderer.render(messages[:k], tools, True, extra)  # renders as before, extended
             except Exception:
                 return None
             if not full.startswith(head) or SENTINEL not in full[len(head) :]:
@@ -302,6 +308,29 @@ def incremental_ok(renderer: ChatRenderer) -> str | None:
                 return None
             gaps.add(full[len(head) : full.find(SENTINEL)])
     return gaps.pop() if len(gaps) == 1 else None
+
+
+class RenderGaps:
+    """`incremental_ok` per set of template arguments, each probed once: a call's
+    `chat_template_kwargs`, or the thinking switch its reasoning ask maps to, change what the template
+    renders, so Claude Code's and Codex's calls (which ask for thinking) need their own probe. The
+    arguments come from clients: past `limit` different sets, a new one renders in full."""
+
+    def __init__(self, renderer: ChatRenderer, limit: int = 32) -> None:
+        self.renderer, self.limit = renderer, limit
+        self._gaps: dict[bytes, str | None] = {b"{}": incremental_ok(renderer)}
+
+    def get(self, extra: dict[str, Any] | None) -> str | None:
+        """The gap for template arguments `extra` (None: render in full)."""
+        try:
+            key = orjson.dumps(extra or {}, option=orjson.OPT_SORT_KEYS)
+        except (TypeError, orjson.JSONEncodeError):
+            return None
+        if key not in self._gaps:
+            if len(self._gaps) >= self.limit:
+                return None
+            self._gaps[key] = incremental_ok(self.renderer, extra)
+        return self._gaps[key]
 
 
 def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:
