@@ -1,6 +1,7 @@
 """Gateway benchmark, one run, ratios: per-call overhead, per-turn CPU growth, turns/s under concurrency.
 
     .venv/bin/python -m bench.gateway [--calls 300] [--turns 64] [--sessions 24] [--parts overhead,growth,paired,load]
+    .venv/bin/python -m bench.gateway --parts paired [--paired-history 8000,32000,100000] [--paired-answers stop,cut]
 
 Everything runs against a zero-work engine (palaestra/testing/zero.py), so only the layers in front of it
 are measured:
@@ -9,9 +10,13 @@ are measured:
   paths are interleaved call by call (goal: gateway <= 2x the router);
 * gateway CPU per turn at turns 61-64 vs turns 1-4 of sessions in each dialect, read from /proc,
   the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
-* the gateway's own cost per chat turn along a session, paired: each turn's latency minus that of a
+* the gateway's own cost per turn along a session, paired: each turn's latency minus that of a
   direct /generate with the same number of input ids, sent right after it, in buckets of 8 turns
-  (goal: the last bucket <= 1.2x the first; CPU time alone misses what grows in wall time);
+  (goal: the last bucket <= 1.2x the first; CPU time alone misses what grows in wall time), per
+  dialect, for answers that end on the end-of-turn token and answers cut at the length limit
+  (the client sends either back as its SDK hands it over), at several history sizes (user turns
+  padded so the last turn's history has that many tokens), with what one session of each left:
+  forks, samples, the tokens they store, the tokens an engine's prefix cache would prefill per turn;
 * turns/s through the gateway at 1, 16 and 128 concurrent sessions.
 """
 
@@ -46,42 +51,104 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+PAIRED_PATHS = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
+
+
+def paired_body(dialect: str, system: str, history: list, max_tokens: int) -> dict:
+    """One turn's request in `dialect`: the system prompt, the whole history, the answer's budget."""
+    if dialect == "chat":
+        msgs = [{"role": "system", "content": system}, *history]
+        return {"model": "tiny", "messages": msgs, "max_tokens": max_tokens}
+    if dialect == "responses":
+        return {"model": "tiny", "instructions": system, "input": history, "max_output_tokens": max_tokens}
+    return {"model": "tiny", "system": system, "messages": history, "max_tokens": max_tokens}
+
+
+def paired_reply(dialect: str, answer: dict) -> tuple[int, list, str]:
+    """(prompt tokens, the history items the client sends back, the finish) of an answer in `dialect`:
+    each sends the answer back as its SDK hands it over."""
+    if dialect == "chat":
+        choice = answer["choices"][0]
+        reply = {"role": "assistant", "content": choice["message"]["content"]}
+        return answer["usage"]["prompt_tokens"], [reply], choice["finish_reason"]
+    if dialect == "responses":
+        return answer["usage"]["input_tokens"], answer["output"], answer["status"]
+    reply = {"role": "assistant", "content": answer["content"]}
+    return answer["usage"]["input_tokens"], [reply], answer["stop_reason"]
+
+
+def session_record(c: httpx.Client, gw_url: str, session_id: str) -> dict:
+    """What one finished session left (from its trajectory): forks, samples (its leaves), the tokens
+    those samples store, and the tokens an engine with a prefix cache holding the session's previous
+    call (prompt + output) would prefill per turn."""
+    traj = c.get(f"{gw_url}/sessions/{session_id}", headers=KEY).json()
+    turns = traj["turns"]
+    parents = {t["parent"] for t in turns}
+    leaves = [t for t in turns if t["turn_id"] not in parents]
+    prefill = []
+    for prev, cur in zip(turns, turns[1:], strict=False):
+        held, prompt = prev["prompt_ids"] + prev["output_ids"], cur["prompt_ids"]
+        same = 0
+        if prompt[: len(held)] == held:
+            same = len(held)
+        else:
+            for a, b in zip(held, prompt, strict=False):
+                if a != b:
+                    break
+                same += 1
+        prefill.append(len(prompt) - same)
+    c.post(f"{gw_url}/sessions/{session_id}/reward", json={"reward": 0.0}, headers=KEY).raise_for_status()
+    return {
+        "forks": len(traj["forks"]),
+        "samples": len(leaves),
+        "stored": sum(t["prompt_len"] + len(t["output_ids"]) for t in leaves),
+        "prefill": statistics.mean(prefill) if prefill else 0.0,
+        "history": turns[-1]["prompt_len"],
+    }
+
+
 def paired_cost(
     c: httpx.Client,
     gw_url: str,
     engine_url: str,
     reply: list[int],
     system: str,
+    dialect: str,
+    max_tokens: int,
+    filler: str,
     turns: int,
     slots: int,
     cycles: int,
-) -> None:
-    """The gateway's own cost per chat turn along a session: each turn's latency minus that of a direct
-    /generate with as many input ids as the turn's prompt, sent right after it. `slots` sessions run
-    side by side, staggered by turns / slots, each replaced by a fresh one when it reaches `turns`:
-    every round has a session in every bucket of 8 turns, so the machine's noise hits them alike."""
+) -> dict:
+    """The gateway's own cost per turn along a session in `dialect`: each turn's latency minus that of a
+    direct /generate with as many input ids as the turn's prompt (and the same budget), sent right
+    after it. `slots` sessions run side by side, staggered by turns / slots, each replaced by a fresh
+    one when it reaches `turns`: every round has a session in every bucket of 8 turns, so the
+    machine's noise hits them alike. Each user turn carries `filler` (the history's size); answers
+    are `reply` cut at `max_tokens`. Returns the medians per bucket and the first finished session's
+    record (`session_record`)."""
     if turns % 8 or turns < 16:
         raise SystemExit("--turns must be a multiple of 8 and at least 16 for the paired test")
     headers = {**KEY, "Content-Type": "application/json"}
+    path = PAIRED_PATHS[dialect]
+    record: dict = {}
 
     def new_slot() -> dict:
         r = c.post(f"{gw_url}/sessions", json={"env": "bench"}, headers=KEY)
-        return {"url": r.json()["base_url"], "history": [], "turn": 0}
+        return {"url": r.json()["base_url"], "id": r.json()["session_id"], "history": [], "turn": 0}
 
     def turn(slot: dict) -> tuple[int, float]:
         """One gateway turn, then the direct call of its size: (turn index, latency difference)."""
-        text = f"Turn {slot['turn']}: please continue the task with more detail."
+        text = f"Turn {slot['turn']}: please continue the task with more detail.{filler}"
         slot["history"].append({"role": "user", "content": text})
-        msgs = [{"role": "system", "content": system}, *slot["history"]]
-        body = orjson.dumps({"model": "tiny", "messages": msgs})
+        body = orjson.dumps(paired_body(dialect, system, slot["history"], max_tokens))
         t0 = time.perf_counter()
-        r = c.post(f"{slot['url']}/chat/completions", content=body, headers=headers)
+        r = c.post(f"{slot['url']}{path}", content=body, headers=headers)
         gw_s = time.perf_counter() - t0
         r.raise_for_status()
-        answer = r.json()
-        n = answer["usage"]["prompt_tokens"]
+        n, items, _ = paired_reply(dialect, r.json())
         ids = (reply * (n // len(reply) + 1))[:n]
-        direct_body = orjson.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 8}})
+        direct_body = orjson.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens}})
         t0 = time.perf_counter()
         d = c.post(
             f"{engine_url}/generate", content=direct_body, headers={"Content-Type": "application/json"}
@@ -90,7 +157,7 @@ def paired_cost(
         d.raise_for_status()
         if d.json()["meta_info"]["prompt_tokens"] != n:
             raise SystemExit("the direct call did not carry the turn's number of input ids")
-        slot["history"].append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+        slot["history"] += items
         index, slot["turn"] = slot["turn"], slot["turn"] + 1
         return index, gw_s - direct_s
 
@@ -105,15 +172,77 @@ def paired_cost(
             index, diff = turn(slot)
             diffs[index // 8].append(diff)
             if slot["turn"] == turns:
+                if not record:
+                    record = session_record(c, gw_url, slot["id"])
                 live[k] = new_slot()
-    med = {b: statistics.median(d) for b, d in diffs.items()}
-    first, last = med[0], med[turns // 8 - 1]
+    return {"buckets": {b: statistics.median(d) for b, d in diffs.items()}, **record}
+
+
+def paired_table(
+    c: httpx.Client,
+    gw_url: str,
+    engine_url: str,
+    reply: list[int],
+    system: str,
+    dialects: list[str],
+    answers: list[str],
+    histories: list[int],
+    args,
+    tok,
+) -> None:
+    """`paired_cost` per dialect, kind of answer (`stop`: ends on the end-of-turn; `cut`: stopped at
+    the length limit) and history size at the last turn, printed as one table."""
+    budgets = {"stop": len(reply) + 1, "cut": max(1, len(reply) // 2)}
+    word = " lorem ipsum dolor sit amet"
+    per_word = len(tok.encode(word * 100, add_special_tokens=False)) / 100
+    for dialect in dialects:  # warm-up, unmeasured: the first turns of a fresh gateway cost more
+        for kind in answers:
+            paired_cost(c, gw_url, engine_url, reply, system, dialect, budgets[kind], "", 16, 2, 1)
+    rows = []
+    for size in histories:
+        # each turn adds about 30 tokens of template, question and answer beside its filler
+        words = max(0, round((size / args.turns - 30) / per_word))
+        for dialect in dialects:
+            for kind in answers:
+                got = paired_cost(
+                    c,
+                    gw_url,
+                    engine_url,
+                    reply,
+                    system,
+                    dialect,
+                    budgets[kind],
+                    word * words,
+                    args.turns,
+                    args.paired_sessions,
+                    args.paired_cycles,
+                )
+                rows.append((dialect, kind, got))
+                b = got["buckets"]
+                print(
+                    f"  {dialect:9} {kind:4} history {got['history']:>6} tokens: "
+                    + " ".join(f"{m * 1e3:.2f}" for m in b.values())
+                    + f" ms -> last/first {b[len(b) - 1] / b[0]:.2f}x; forks {got['forks']}, samples "
+                    f"{got['samples']}, stored {got['stored']} tokens, prefill {got['prefill']:.0f} tokens/turn",
+                    flush=True,
+                )
+    n = args.turns // 8
     print(
-        "gateway's own cost per chat turn (turn minus a direct /generate of as many input ids, paired, "
-        "medians): "
-        + ", ".join(f"turns {8 * b + 1}-{8 * b + 8} {m * 1e3:.2f} ms" for b, m in med.items())
-        + f"  -> last/first bucket: {last / first:.2f}x"
+        f"\ngateway's own cost per turn, {args.turns}-turn sessions (turn minus a direct /generate of as many "
+        "input ids, paired, medians, ms):"
     )
+    print(
+        "| dialect | answers | history at the last turn (tokens) | turns 1-8 | "
+        + f"turns {8 * n - 7}-{8 * n} | last/first | forks | samples | stored tokens | prefill tokens/turn |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dialect, kind, got in rows:
+        b = got["buckets"]
+        print(
+            f"| {dialect} | {kind} | {got['history']} | {b[0] * 1e3:.2f} | {b[n - 1] * 1e3:.2f} | "
+            f"{b[n - 1] / b[0]:.2f}x | {got['forks']} | {got['samples']} | {got['stored']} | "
+            f"{got['prefill']:.0f} |"
+        )
 
 
 def main() -> None:
@@ -132,8 +261,19 @@ def main() -> None:
         help="what to measure (comma-separated): overhead, growth (CPU per turn), paired (cost per turn "
         "minus a direct call of the same size), load",
     )
-    ap.add_argument("--paired-sessions", type=int, default=8, help="sessions side by side in the paired test")
-    ap.add_argument("--paired-cycles", type=int, default=3, help="turns of each bucket per session slot")
+    ap.add_argument("--paired-sessions", type=int, default=4, help="sessions side by side in the paired test")
+    ap.add_argument("--paired-cycles", type=int, default=1, help="turns of each bucket per session slot")
+    ap.add_argument(
+        "--paired-history",
+        default="8000,32000,100000",
+        help="history sizes at the last turn in the paired test (tokens, comma-separated; user turns "
+        "are padded to reach them)",
+    )
+    ap.add_argument(
+        "--paired-answers",
+        default="stop,cut",
+        help="answers in the paired test: stop (end on the end-of-turn), cut (stopped at the length limit)",
+    )
     args = ap.parse_args()
     dialects = args.dialects.split(",")
     parts = set(args.parts.split(","))
@@ -149,7 +289,7 @@ def main() -> None:
     reply = tok.encode("Sure, here it is.", add_special_tokens=False) + [
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
-    zero = zero_engine.process("--reply-ids", *map(str, reply))
+    zero = zero_engine.process("--reply-ids", *map(str, reply), "--context-length", "262144")
     spool = Path("runs/bench-gateway-spool")
     with (
         zero,
@@ -259,8 +399,17 @@ def main() -> None:
             )
 
         if "paired" in parts:
-            paired_cost(
-                c, gw.url, zero.url, reply, system, args.turns, args.paired_sessions, args.paired_cycles
+            paired_table(
+                c,
+                gw.url,
+                zero.url,
+                reply,
+                system,
+                dialects,
+                args.paired_answers.split(","),
+                [int(x) for x in args.paired_history.split(",")],
+                args,
+                tok,
             )
 
         # turns/s at several concurrency levels

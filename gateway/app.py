@@ -66,7 +66,7 @@ def model_text(config: GatewayConfig, tokenizer: Any, context_length: int) -> Mo
             auto_reason if config.reasoning_parser == "auto" else config.reasoning_parser
         ),
         stop_text=stop_text,
-        render_gap=bridge.incremental_ok(renderer),
+        render_gaps=bridge.RenderGaps(renderer),
         caps=template_caps.probe(renderer),
     )
 

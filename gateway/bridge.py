@@ -13,12 +13,17 @@ sampled the closing token (an EOS such as `<|im_end|>`), it is not added twice. 
 tokenized, so the tokenizer's work does not grow with the history; the model's own tokens are
 never re-tokenized.
 
+A turn cut at max_tokens is bridged the same way when the agent sends its text back: its sampled ids
+stay as sampled (trained), and the closing the template puts after them (`<|im_end|>` for ChatML)
+enters with the tail, as context (loss-masked like every bridge token). Forking there instead would
+start a new sample holding the whole history again on every such turn: a session of cut answers
+would store and train on quadratically many tokens.
+
 When that is not possible or not faithful, the call forks: its prompt is the template's full
 rendering of M, and the fork's reason is recorded (see `trajectory.FORK_REASONS`):
 
 * no earlier request is a prefix of M -> `prefix_changed`;
 * a prefix matches but the assistant message differs from the reply -> `assistant_edited`;
-* the previous turn ended by max_tokens -> `truncated`;
 * the template renders the shared history differently once extended -> `template_nonmonotonic`,
   or `reasoning_stripped` when what disappears is reasoning the model produced (Qwen3, GLM drop
   `<think>` of earlier turns). With `reasoning_policy="keep"` such turns are bridged anyway: the
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from palaestra.gateway.engine_side.generation import FinishKind
 from palaestra.gateway.errors import GatewayError
@@ -68,17 +75,17 @@ def plan_chat(
     """Decides how the prompt for `messages` is built (bridged from a parent turn, or a fork).
 
     `context_key` identifies what besides the messages the template reads (tools, template
-    arguments); `gap` (not None: the template passed `incremental_ok`, which measured it) lets an
-    append to a turn without reasoning be rendered from its last messages only (`_bridge_short`)."""
+    arguments); `gap` (not None: the template passed `incremental_ok` with these template arguments,
+    which measured it: `RenderGaps`) lets an append to a turn without reasoning be rendered from its
+    last messages only (`_bridge_short`)."""
     if not has_turns:
         return _fork(renderer, renderer.render(messages, tools, True, template_extra), None, "")
     try:
         prefix_k, parent = _parent(turns_by_digest, messages, digests)
         same_context = parent.context_key == context_key
         append = _Append(renderer, messages, prefix_k, parent, tools, stop_text, template_extra)
-        # the gap was measured without template arguments (enable_thinking=False changes it on Qwen3)
-        short_ok = gap is not None and not template_extra and same_context
-        if short_ok and not parent.reasoning_on_path:
+        # the gap was measured with these template arguments, the parent's were the same
+        if gap is not None and same_context and not parent.reasoning_on_path:
             assert gap is not None
             plan = _bridge_short(append, gap)
             if plan is not None:
@@ -115,8 +122,6 @@ def _parent(
     if not matching:
         raise _Fork("assistant_edited", f"message {prefix_k} differs from what the model replied")
     parent = max(matching, key=lambda t: (t.children == 0, t.turn_id))  # prefer the live tip
-    if parent.finish_reason.kind == FinishKind.LENGTH:
-        raise _Fork("truncated", f"turn {parent.turn_id} ended at max_tokens")
     return prefix_k, parent
 
 
@@ -209,9 +214,14 @@ def _check_reasoning(parent: Turn, before_content: str, rendered: str, reasoning
 def _bridged(
     renderer: ChatRenderer, parent: Turn, tail: str, rendered: str, stop_text: dict[int, str]
 ) -> Plan:
-    """prompt = the parent's prompt + output + the tokens of `tail` (its closing token not twice)."""
+    """prompt = the parent's prompt + output + the tokens of `tail` (its closing token not twice).
+
+    A turn cut at max_tokens (kind LENGTH) usually lacks the closing, which then comes from `tail`;
+    an engine may call a turn that sampled the closing as its last allowed token LENGTH (whichever
+    check it runs first), and that closing is not added twice either."""
     last = parent.output_ids[-1] if parent.output_ids else None
-    closing = stop_text.get(last, "") if parent.finish_reason.kind == FinishKind.STOP else ""
+    ended = parent.finish_reason.kind in (FinishKind.STOP, FinishKind.LENGTH)
+    closing = stop_text.get(last, "") if ended else ""
     if closing and tail.startswith(closing):
         tail = tail[len(closing) :]
     bridge = renderer.encode(tail)
@@ -246,12 +256,13 @@ def _bridge_short(append: _Append, gap: str) -> Plan | None:
     return _bridged(renderer, parent, tail, "", stop_text)
 
 
-def incremental_ok(renderer: ChatRenderer) -> str | None:
+def incremental_ok(renderer: ChatRenderer, extra: dict[str, Any] | None = None) -> str | None:
     """Whether this template renders an appended turn the same from a short context as from the
     whole history, and renders a history the same once it is extended (checked once, on probe
     conversations with and without tool calls; the full path checks the latter on every call).
     Returns the template's gap between the generation prompt and an assistant's content (the
-    same in every probe: '' for ChatML), or None when the template is not fit for it."""
+    same in every probe: '' for ChatML), or None when the template is not fit for it. `extra`: the
+    template arguments to render with (`enable_thinking=False` makes Qwen3's unfit)."""
     gaps = set()
     tool = {
         "type": "function",
@@ -275,7 +286,10 @@ def incremental_ok(renderer: ChatRenderer) -> str | None:
             k = len(messages) - 2  # the last assistant message
             try:
                 full = renderer.render(
-                    [*messages[:k], {"role": "assistant", "content": SENTINEL}, messages[-1]], tools
+                    [*messages[:k], {"role": "assistant", "content": SENTINEL}, messages[-1]],
+                    tools,
+                    True,
+                    extra,
                 )
                 n = len(lead)
                 short = [
@@ -284,8 +298,8 @@ def incremental_ok(renderer: ChatRenderer) -> str | None:
                     {"role": "assistant", "content": SENTINEL},
                     messages[-1],
                 ]
-                part = renderer.render(short, tools)
-                head = renderer.render(messages[:k], tools)  # the history renders as before, extended
+                part = renderer.render(short, tools, True, extra)
+                head = renderer.render(messages[:k], tools, True, extra)  # renders as before, extended
             except Exception:
                 return None
             if not full.startswith(head) or SENTINEL not in full[len(head) :]:
@@ -294,6 +308,29 @@ def incremental_ok(renderer: ChatRenderer) -> str | None:
                 return None
             gaps.add(full[len(head) : full.find(SENTINEL)])
     return gaps.pop() if len(gaps) == 1 else None
+
+
+class RenderGaps:
+    """`incremental_ok` per set of template arguments, each probed once: a call's
+    `chat_template_kwargs`, or the thinking switch its reasoning ask maps to, change what the template
+    renders, so Claude Code's and Codex's calls (which ask for thinking) need their own probe. The
+    arguments come from clients: past `limit` different sets, a new one renders in full."""
+
+    def __init__(self, renderer: ChatRenderer, limit: int = 32) -> None:
+        self.renderer, self.limit = renderer, limit
+        self._gaps: dict[bytes, str | None] = {b"{}": incremental_ok(renderer)}
+
+    def get(self, extra: dict[str, Any] | None) -> str | None:
+        """The gap for template arguments `extra` (None: render in full)."""
+        try:
+            key = orjson.dumps(extra or {}, option=orjson.OPT_SORT_KEYS)
+        except (TypeError, orjson.JSONEncodeError):
+            return None
+        if key not in self._gaps:
+            if len(self._gaps) >= self.limit:
+                return None
+            self._gaps[key] = incremental_ok(self.renderer, extra)
+        return self._gaps[key]
 
 
 def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:

@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 
 from palaestra.gateway import parse_status, parsers
-from palaestra.gateway.bridge import Plan, plan_chat
+from palaestra.gateway.bridge import Plan, RenderGaps, plan_chat
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
     Dialect,
@@ -95,7 +95,7 @@ class ModelText:
     tool_parser: parsers.ToolCallParser
     reasoning_parser: parsers.ReasoningParser | None
     stop_text: dict[int, str]  # text of every special token: what a final stop token looks like
-    render_gap: str | None  # bridge.incremental_ok: None = always render in full
+    render_gaps: RenderGaps  # bridge.incremental_ok per template arguments (None: render in full)
     caps: template_caps.TemplateCaps  # its thinking switch, where system messages go
 
 
@@ -121,7 +121,7 @@ class GatewayService:
         self.no_tool_parser = parsers.get_tool_parser("none")  # for calls with tools off
         self.reasoning_parser = text.reasoning_parser
         self.stop_text = text.stop_text
-        self.render_gap = text.render_gap
+        self.render_gaps = text.render_gaps
         self.caps = text.caps
         self.turns = turns
         self.gate = turns.gate
@@ -274,7 +274,7 @@ class GatewayService:
             self.config.reasoning_policy,
             request.template_kwargs,
             context_key,
-            self.render_gap,
+            self.render_gaps.get(request.template_kwargs),
         )
         max_tokens, clamped = self._max_tokens(request.params, len(plan.prompt_ids))
         self.metrics.prompt_tokens.inc(len(plan.prompt_ids))

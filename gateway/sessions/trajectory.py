@@ -30,7 +30,6 @@ FORK_REASONS = (
     "assistant_edited",  # the agent changed what the model said
     "template_nonmonotonic",  # the template renders the shared history differently once extended
     "reasoning_stripped",  # the template drops reasoning the model produced
-    "truncated",  # the previous turn was cut by max_tokens; the next one starts a fresh sample
     "branched",  # a second continuation of the same turn (retries, n > 1 picks)
 )
 

@@ -13,6 +13,9 @@ It does no model work, so what a benchmark or a load test measures through it is
   answer, and whoever knows the session id and the prompt length knows the answer: a load test can
   check that each session recorded exactly what the engine produced for it, with no cross-talk.
 
+An answer longer than the request's `sampling_params.max_new_tokens` is cut there and reported as
+`length`, as an engine's would be (bench/gateway.py's paired test asks for answers cut at the limit).
+
 It serves the probes the router and the gateway need (/health, /server_info, /model_info,
 /v1/models with owned_by "sglang"). It is not a model of the engine's behaviour (no sampling, no
 streaming, no pause or weight sync): only for measuring and loading what stands in front of it.
@@ -80,10 +83,14 @@ def make_app(
         body = await request.json()
         prompt_len = len(body.get("input_ids") or [])
         ids = answer_ids(request, prompt_len)
+        limit = (body.get("sampling_params") or {}).get("max_new_tokens")
+        finish: dict[str, Any] = {"type": "stop", "matched": ids[-1]}
+        if isinstance(limit, int) and 0 < limit < len(ids):
+            ids, finish = ids[:limit], {"type": "length", "length": limit}
         count["n"] += 1
         meta: dict[str, Any] = {
             "id": str(count["n"]),
-            "finish_reason": {"type": "stop", "matched": ids[-1]},
+            "finish_reason": finish,
             "prompt_tokens": prompt_len,
             "completion_tokens": len(ids),
             "cached_tokens": 0,

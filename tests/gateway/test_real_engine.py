@@ -81,8 +81,8 @@ def test_openai_sdk_sync_multi_turn_is_exact(gateway, proxy):
     samples = spooled(gateway, s["session_id"])
     traj = httpx.get(f"{gateway.url}/sessions/{s['session_id']}", headers=KEY).json()
     reasons = [f["reason"] for f in traj["forks"]]
-    # random weights rarely end a turn: each turn cut by max_tokens starts a new sample ("truncated")
-    assert len(samples) == 1 + len(reasons) and set(reasons) <= {"truncated"}
+    # random weights rarely end a turn: a turn cut by max_tokens, sent back as it came, is bridged
+    assert len(samples) == 1 and reasons == []
     last_sample = max(samples, key=lambda x: x["fork_index"])
     turns = {t["turn_id"]: t for t in traj["turns"]}
     path, t = [], traj["turns"][-1]
@@ -312,7 +312,7 @@ def _exact(gateway, rec, sid: str) -> None:
     mine = [e for e in rec.exchanges if e.headers.get("x-smg-routing-key") == sid]
     traj = httpx.get(f"{gateway.url}/sessions/{sid}", headers=KEY).json()
     assert [t["output_ids"] for t in traj["turns"]] == [e.answer["output_ids"] for e in mine]
-    assert {f["reason"] for f in traj["forks"]} <= {"truncated"}
+    assert traj["forks"] == []  # a turn cut by max_tokens is bridged too
     bridged = 0
     for prev, cur, turn in zip(mine, mine[1:], traj["turns"][1:], strict=False):
         if turn["fork_reason"] is None:
@@ -325,8 +325,8 @@ def _exact(gateway, rec, sid: str) -> None:
     assert last["tokens"] == mine[-1].body["input_ids"] + mine[-1].answer["output_ids"]
 
 
-# Random weights rarely end a turn; a turn cut by max_tokens forks ("truncated"). Stopping on common
-# letters ends most turns early, so the next turn bridges onto the exact tokens.
+# Random weights rarely end a turn; stopping on common letters ends most turns on a stop string, so
+# the bridges tested are those after a stop as well as those after a cut (max_tokens).
 STOPS = ["e", "a", "o", "i", " "]
 
 

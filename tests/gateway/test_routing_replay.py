@@ -201,8 +201,8 @@ def _samples(gw, sid):
     return [Sample.from_dict(s) for s in page["samples"] if s["session_id"] == sid]
 
 
-# Random weights rarely end a turn, and a turn cut by max_tokens forks ("truncated"): stopping on
-# common letters ends turns early, so the next one bridges.
+# Random weights rarely end a turn: stopping on common letters ends turns early on a stop string, so
+# bridges after a stop are tested as well as those after a cut (max_tokens).
 STOPS = ["e", "a", "o", "i", " "]
 
 

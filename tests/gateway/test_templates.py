@@ -251,3 +251,61 @@ def test_incremental_render_probe(tiny_model_dir):
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
     assert incremental_ok(ChatRenderer(tok)) is None
+
+
+def test_render_gaps_are_probed_per_template_arguments():
+    """Qwen3 passes the probe as the harnesses call it (thinking on) but not with thinking off (its
+    generation prompt then holds an empty think block that past turns drop); the probes are bounded."""
+    from palaestra.gateway.bridge import RenderGaps
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(resolve_model("tiny-qwen3")))
+    gaps = RenderGaps(renderer, limit=3)
+    assert gaps.get(None) == "" and gaps.get({"enable_thinking": True}) == ""
+    assert gaps.get({"enable_thinking": False}) is None
+    assert gaps.get({"other": 1}) is None  # a fourth set of arguments: rendered in full, not probed
+    assert gaps.get({"enable_thinking": True}) == ""
+
+
+def test_an_append_with_template_arguments_renders_only_what_is_new_and_stays_exact(tmp_path):
+    """Tool turns of a session asking for thinking (chat_template_kwargs, as a harness's thinking ask
+    maps to) bridge from a short rendering, and the prompts are still the template's whole rendering."""
+    name = "tiny-qwen3"
+    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    script, engine, fmt = scripted_stack(name, tok, tmp_path)
+    extra = {"chat_template_kwargs": {"enable_thinking": True}}
+    with (
+        ThreadServer(engine.app()) as eng,
+        gateway_server(eng.url, tmp_path, tok, **INSECURE, model=name) as gw,
+    ):
+        s = httpx.post(f"{gw.url}/sessions", json={"env": "tmpl"}).json()
+        client = openai.OpenAI(base_url=s["base_url"], api_key="x")
+        msgs = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "Add 1..4."}]
+        for k in range(4):
+            script.queue.append(
+                render_tool_call_text(fmt, "calculator", json.dumps({"expression": f"{k}+1"}))
+            )
+            r = client.chat.completions.create(model=name, messages=msgs, tools=[CALC], extra_body=extra)
+            call = r.choices[0].message.tool_calls[0]
+            msgs += [
+                r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": str(k + 1)},
+            ]
+        script.queue.append("The total is 10.")
+        client.chat.completions.create(model=name, messages=msgs, tools=[CALC], extra_body=extra)
+        session = gw.app.state.service.sessions.get(s["session_id"])
+        assert [t.fork_reason for t in session.turns] == [None] * 5
+        assert [t.rendered == "" for t in session.turns] == [False] + [True] * 4  # short renderings
+        httpx.post(f"{gw.url}/sessions/{s['session_id']}/reward", json={"reward": 1.0})
+        (sample,) = httpx.get(f"{gw.url}/samples").json()["samples"]
+    # the last prompt is the template's rendering of the whole conversation (Qwen3 would show its own
+    # last answer with an empty think block the model did not write, so that one is left out)
+    last = engine.exchanges[-1]
+    assert sample["tokens"] == last.body["input_ids"] + last.answer["output_ids"]
+    full = tok.apply_chat_template(
+        normalize_messages(msgs),
+        tools=[CALC],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=True,
+    )
+    assert tok.decode(last.body["input_ids"]) == full
