@@ -88,3 +88,37 @@ def test_moe_benches_print_their_docstring_as_help(capsys):
             module.main(["--help"])
         assert exit_.value.code == 0
         assert module.__doc__.splitlines()[0] in capsys.readouterr().out
+
+
+def _opd_run(accuracies: list[float], generated: float, per_step: int = 8):
+    """An `opd_vs_grpo.Arm` of synthetic rows: an evaluation every step, `generated` samples made and
+    8 trained per step, 2 s per step."""
+    from bench.opd_vs_grpo import Arm
+
+    rows = [{"train/step": 0, "eval/accuracy": accuracies[0]}]
+    for step, acc in enumerate(accuracies[1:], start=1):
+        rows.append({"train/step": step, "perf/step_wall_s": 2.0, "rollout/samples_generated": generated,
+                     "rollout/samples": 8.0, "eval/accuracy": acc})  # fmt: skip
+    return Arm(rows, wall=10.0, per_step=per_step)
+
+
+def test_opd_vs_grpo_counts_generated_samples_to_target_and_gives_the_ratio_with_its_spread(tmp_path):
+    from bench.opd_vs_grpo import per_arm, plot, ratio_line
+
+    grpo = [_opd_run([0.3, 0.35, 0.4, 0.5], 24.0), _opd_run([0.3, 0.5, 0.5, 0.5], 16.0)]
+    opd = [_opd_run([0.3, 0.5, 0.6, 0.6], 8.0)]
+    assert grpo[0].reached(0.5) == 3 and grpo[0].samples_to(3) == 72.0 and grpo[0].samples_to(3, True) == 24.0
+    assert grpo[0].seconds_to(3) == 6.0
+    # OPD: 8 samples to target; GRPO 72 and 16 (mean 44): 8 / 44, pairs 8/72 .. 8/16
+    line = ratio_line("opd-full", opd, "grpo-ds", grpo, 0.5)
+    assert "= 0.182 (pairs 0.111-0.500)" in line and "(1/1 seeds vs 2/2" in line
+    missed = ratio_line("opd-full", opd, "grpo-ds", [_opd_run([0.3, 0.3], 8.0)], 0.5)
+    assert "not reached within 8 = below 1.000" in missed  # a bound when the baseline misses
+    old = _opd_run([0.3, 0.5], 8.0)  # rows of a run before dynamic sampling's counts: steps x samples
+    del old.rows[1]["rollout/samples_generated"]
+    assert old.samples_to(1) == 8.0
+    assert per_arm("grpo-ds=3,opd-full=2", ["grpo-ds"], "--seeds") == {"grpo-ds": 3, "opd-full": 2}
+    assert per_arm("3e-4", ["grpo", "opd"], "--lr", float) == {"grpo": 3e-4, "opd": 3e-4}
+    png = tmp_path / "fig.png"
+    plot(png, {"grpo-ds": grpo, "opd-full": opd}, teacher_acc=0.95, target=0.5, title="t")
+    assert png.read_bytes()[:4] == b"\x89PNG"
