@@ -257,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write every run's metrics rows to this file")
     ap.add_argument("--png", default=None, help="draw accuracy against samples generated into this file")
     ap.add_argument(
+        "--load",
+        action="append",
+        default=[],
+        help="runs of an earlier --json to report with this one's (repeatable; --arms '' runs none)",
+    )
+    ap.add_argument(
         "overrides",
         nargs="*",
         help="more dotted config overrides for every arm, e.g. trainer.megatron_optimizer.lr=3e-4",
@@ -275,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(CONFIG, [*task, *shared])
     per_step = cfg.env.tasks_per_step * cfg.env.samples_per_task
     results: dict[str, list[Arm]] = {}
+    for path in args.load:  # the arms of earlier runs of this bench
+        for arm, runs in json.loads(Path(path).read_text()).items():
+            results.setdefault(arm, []).extend(Arm(r["rows"], r["wall"], per_step) for r in runs)
     with tempfile.TemporaryDirectory(prefix="bench-opd-") as tmp:
         teacher_acc = args.teacher_acc
         if teacher_acc is None:
@@ -295,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{arm} sweep ({args.sweep_steps} steps): " + " ".join(
                       f"lr {lr:g}: {a:.3f}" for lr, a in finals.items()) + f" -> lr {lrs[arm]:g}", flush=True)  # fmt: skip
             lr = [f"trainer.megatron_optimizer.lr={lrs[arm]}"] if arm in lrs else []
-            results[arm] = []
+            results.setdefault(arm, [])
             for seed in range(seeds[arm]):
                 r = run(f"{arm}-s{seed}", Path(tmp) / f"{arm}-s{seed}",
                         [*task, *ARMS[arm], *shared, *lr, f"run.seed={seed}"], per_step)  # fmt: skip
@@ -305,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     if args.json:
-        Path(args.json).write_text(json.dumps({a: [r.rows for r in rs] for a, rs in results.items()}))
+        runs = {a: [{"rows": r.rows, "wall": r.wall} for r in rs] for a, rs in results.items() if a in arms}
+        Path(args.json).write_text(json.dumps(runs))
 
     label = f"{args.target:.0%} of it" if args.target_acc is None else "absolute"
     print(f"\n== {CONFIG.name} --task {args.task} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -122,3 +123,19 @@ def test_opd_vs_grpo_counts_generated_samples_to_target_and_gives_the_ratio_with
     png = tmp_path / "fig.png"
     plot(png, {"grpo-ds": grpo, "opd-full": opd}, teacher_acc=0.95, target=0.5, title="t")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_opd_vs_grpo_reports_and_draws_earlier_runs_without_running_any(tmp_path, capsys):
+    from bench.opd_vs_grpo import main
+
+    runs = {"grpo-ds": [{"rows": _opd_run([0.3, 0.4, 0.5], 16.0).rows, "wall": 30.0}] * 2,
+            "opd-full": [{"rows": _opd_run([0.3, 0.5, 0.6], 8.0).rows, "wall": 20.0}]}  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    png = tmp_path / "fig.png"
+    argv = ["--arms", "", "--task", "worked_steps", "--teacher-acc", "0.9", "--target-acc", "0.5",
+            "--load", str(tmp_path / "runs.json"), "--png", str(png)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "grpo-ds   2 seed(s)" in out and "0:0.300±0.000 1:0.400±0.000 2:0.500±0.000" in out
+    assert "opd-full  samples 8 / 32±0 = 0.250 (pairs 0.250-0.250)" in out  # 1 step of 8 vs 2 of 16
+    assert png.stat().st_size > 0
