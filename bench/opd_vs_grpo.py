@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the teacher's held-out accuracy, measured before on the same tasks (skips its 0-step run)",
     )
     ap.add_argument("--seeds", default="", help="runs per arm, arm=n,... or n for every arm (default: 1)")
+    ap.add_argument("--first-seed", type=int, default=0, help="run.seed of each arm's first run (default: 0)")
     ap.add_argument("--lr", default="", help="learning rate per arm, arm=lr,... (default: the config's)")
     ap.add_argument("--sweep", default="", help="learning rates to try per arm first, comma-separated")
     ap.add_argument("--sweep-steps", type=int, default=10, help="steps of a sweep run (default: %(default)s)")
@@ -305,17 +306,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"lr {lr:g}: {a:.3f}" for lr, a in finals.items()) + f" -> lr {lrs[arm]:g}", flush=True)  # fmt: skip
             lr = [f"trainer.megatron_optimizer.lr={lrs[arm]}"] if arm in lrs else []
             results.setdefault(arm, [])
-            for seed in range(seeds[arm]):
+            for seed in range(args.first_seed, args.first_seed + seeds[arm]):
                 r = run(f"{arm}-s{seed}", Path(tmp) / f"{arm}-s{seed}",
                         [*task, *ARMS[arm], *shared, *lr, f"run.seed={seed}"], per_step)  # fmt: skip
                 results[arm].append(r)
+                if args.json:  # after every run, so that an interrupted bench keeps what it measured
+                    done = {
+                        a: [{"rows": r.rows, "wall": r.wall} for r in rs]
+                        for a, rs in results.items()
+                        if a in arms
+                    }
+                    Path(args.json).write_text(json.dumps(done))
                 print(
                     f"{arm} seed {seed}: {' '.join(f'{s}:{a:.3f}' for s, a in r.curve)} ({r.wall:.0f} s)",
                     flush=True,
                 )
-    if args.json:
-        runs = {a: [{"rows": r.rows, "wall": r.wall} for r in rs] for a, rs in results.items() if a in arms}
-        Path(args.json).write_text(json.dumps(runs))
 
     label = f"{args.target:.0%} of it" if args.target_acc is None else "absolute"
     print(f"\n== {CONFIG.name} --task {args.task} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "
@@ -336,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             when = (f"step {s}, {r.samples_to(s):.0f} samples generated, {r.samples_to(s, True):.0f} trained, "
                     f"{r.seconds_to(s):.0f} s" if s is not None else
                     f"not reached within {last} steps ({r.samples_to(last):.0f} generated, {r.seconds_to(last):.0f} s)")  # fmt: skip
-            print(f"          seed {i}: target {when}; run {r.wall:.0f} s")
+            print(f"          run {i}: target {when}; run {r.wall:.0f} s")
         r = runs[0]
         curve = r.curve
         for key, what in (("opd/reverse_kl", "k1 on the sampled tokens"),
