@@ -61,8 +61,8 @@ demo: install
 
 # OPD against GRPO with dynamic sampling from the same worked-steps student (warm starts cached after
 # the first time), 2 seeds each: held-out accuracy against samples generated, in docs/opd_vs_grpo.png.
-OPD_TARGET ?= 0.40
-OPD_OVERRIDES ?= env.tasks_per_step=4 trainer.megatron_optimizer.lr=3e-4
+OPD_TARGET ?= 0.35
+OPD_OVERRIDES ?= env.tasks_per_step=4 trainer.megatron_optimizer.lr=1e-4
 demo-opd: install
 	OMP_NUM_THREADS=1 $(PY) -m bench.opd_vs_grpo --task worked_steps_rl --arms grpo-ds,opd-full \
 		--seeds 2 --steps 8 --eval-every 4 --eval-tasks 100 --target-acc $(OPD_TARGET) \
