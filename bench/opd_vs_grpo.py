@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.eval_tasks} held-out tasks (one task: standard error "
           f"{(target * (1 - target) / args.eval_tasks) ** 0.5:.3f})")  # fmt: skip
     for arm, runs in results.items():
-        lr = f"lr {lrs[arm]:g}" if arm in lrs else "lr: the config's"
+        given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("trainer.megatron_optimizer.lr=")]
+        lr = f"lr {lrs[arm]:g}" if arm in lrs else f"lr {given[-1]}" if given else "lr: the config's"
         steps = [s for s, _ in runs[0].curve]
         acc = [_pm([dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in steps]
         print(
