@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 # torch and transformers, and each pytest process ~7 s more rewriting the tests' asserts.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-fast demo chat-demo lint bench bench-engine gpu-check clean sandbox-images compose-plugin fleet
+.PHONY: install test test-fast demo demo-opd chat-demo lint bench bench-engine gpu-check clean sandbox-images compose-plugin fleet
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,15 @@ test-fast: install
 # engines, router, gateway and the Megatron trainer on Ray: ~10 min on 2 CPU cores.
 demo: install
 	$(PY) -m palaestra.demo
+
+# OPD against GRPO with dynamic sampling from the same worked-steps student (warm starts cached after
+# the first time), 2 seeds each: held-out accuracy against samples generated, in docs/opd_vs_grpo.png.
+OPD_TARGET ?= 0.35
+OPD_OVERRIDES ?= env.tasks_per_step=4 trainer.megatron_optimizer.lr=1e-4
+demo-opd: install
+	OMP_NUM_THREADS=1 $(PY) -m bench.opd_vs_grpo --task worked_steps_rl --arms grpo-ds,opd-full \
+		--seeds 2 --steps 8 --eval-every 4 --eval-tasks 100 --target-acc $(OPD_TARGET) \
+		--png docs/opd_vs_grpo.png $(OPD_OVERRIDES)
 
 # The inference side only: 2 engines behind sglang-router and a multi-turn chat (smollm2-135m).
 chat-demo: install

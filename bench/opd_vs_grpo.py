@@ -4,13 +4,17 @@
         trainer.megatron_optimizer.lr=3e-4                       # the five arms (docs/opd.md)
     .venv/bin/python -m bench.opd_vs_grpo --arms opd-full,grpo --steps 100
     .venv/bin/python -m bench.opd_vs_grpo --task sums            # the demo's task
+    .venv/bin/python -m bench.opd_vs_grpo --task worked_steps_rl --arms grpo-ds,opd-full,opd,grpo+opd \
+        --seeds grpo-ds=3,opd-full=3 --target-acc 0.5 --png opd_vs_grpo.png   # both ends measured
 
 `--task worked_steps` is where per-token credit matters: "Start with 7, add 5, multiply by 3,
 subtract 9. Show each step." answered one line per step (23-29 tokens) and rewarded only on the
 final answer, from the worked-steps warm start (`demo-steps-student`, teacher `demo-steps-teacher`:
-environments/math/warmstart.py) with up to 48 new tokens per answer. `--task sums` is the demo's:
-single-digit sums whose answers are one or two tokens, so a per-token teacher has nothing to add
-over the per-answer reward.
+environments/math/warmstart.py) with up to 48 new tokens per answer. `--task worked_steps_rl` is
+the same task from a student RL can learn from (`demo-steps-student-rl`: the same SFT run stopped
+later, at a held-out accuracy of ~0.3) in groups of 8, so that most groups have reward variance.
+`--task sums` is the demo's: single-digit sums whose answers are one or two tokens, so a per-token
+teacher has nothing to add over the per-answer reward.
 
 Every arm is a real `palaestra train` run (the Python API, the CLI's code path) of
 configs/demo.yaml — the warm-started student on 2 embedded engines behind sglang-router, the
@@ -18,25 +22,37 @@ gateway, the math environment's agents, the Megatron trainer, all on a local Ray
 seeds and task order, from the same student weights. Only the objective differs:
 
 * `grpo`: GRPO advantages, no teacher (model.teacher=null, trainer.opd.kl_coef=0);
+* `grpo-ds`: GRPO with dynamic sampling (trainer.dynamic_sampling: flat groups dropped and the
+  step refilled; the RL baseline);
 * `opd`, `opd-topk`, `opd-full`: on-policy distillation alone (advantage_estimator=none: rewards
   ignored) at granularity `sampled` (Â_t = −β·(log π_student − log π_teacher) of the sampled
   token), `topk` (the exact reverse KL over the student's top trainer.opd.topk tokens) or `full`
   (over the vocabulary);
 * `grpo+opd`: GRPO advantages plus the `full` distillation term.
 
+`--seeds arm=n,...` runs an arm n times (run.seed 0..n-1: another task order and other samples;
+the held-out tasks stay the same); `--lr arm=value,...` sets an arm's learning rate, and
+`--sweep lr1,lr2,...` first runs each arm once at each of them for `--sweep-steps` steps and keeps
+the one with the best last held-out accuracy (the earlier lr on a tie).
+
 The teacher's held-out accuracy is measured first (a 0-step run of the teacher; `--teacher-acc`
-gives it instead); the target is `--target` x that. Held-out accuracy is greedy on `--eval-tasks`
-tasks, measured through the stack every `--eval-every` steps, so steps-to-target has that
-resolution. Prints each arm's accuracy and reverse-KL curves, the first evaluated step at target
-as steps, samples (steps x samples per step) and seconds (the training steps' wall time up to it,
-evaluations excluded), each OPD arm's ratio to GRPO (a bound when GRPO misses the target within
-the budget), and where a step's time goes (generation, teacher scoring, update, weight sync,
-evaluation).
+gives it instead); the target is `--target` x that, or `--target-acc`, fixed before any arm runs.
+Held-out accuracy is greedy on `--eval-tasks` tasks, measured through the stack every
+`--eval-every` steps, so steps-to-target has that resolution. Prints each arm's accuracy (mean ±
+standard error over its seeds at each evaluation) and reverse-KL curves, the first evaluated step
+at target with the samples generated (dynamic sampling's dropped groups included:
+`rollout/samples_generated`) and trained up to it and the seconds (the training steps' wall time up
+to it, evaluations excluded), each arm's ratio of generated samples to the RL baseline's (`grpo-ds`,
+else `grpo`) with its spread over seeds (a bound when the baseline misses the target within the
+budget), and where a step's time goes (generation, teacher scoring, update, weight sync). `--png`
+draws held-out accuracy against samples generated, one line per arm with its seeds' band, the
+teacher's level as a line (`make demo-opd`).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -47,20 +63,24 @@ from bench.common import CONFIG, train_demo
 from palaestra.config import load_config
 
 OPD = ["trainer.advantage_estimator=none"]
+GRPO = ["model.teacher=null", "trainer.opd.kl_coef=0", "trainer.opd.teacher_mode=null",
+        "trainer.opd.teacher_model=null"]  # fmt: skip
 ARMS = {
-    "grpo": ["model.teacher=null", "trainer.opd.kl_coef=0", "trainer.opd.teacher_mode=null",
-             "trainer.opd.teacher_model=null"],
+    "grpo": GRPO,
+    "grpo-ds": [*GRPO, "trainer.dynamic_sampling.enabled=true"],
     "opd": [*OPD, "trainer.opd.granularity=sampled"],
     "opd-topk": [*OPD, "trainer.opd.granularity=topk"],
     "opd-full": [*OPD, "trainer.opd.granularity=full"],
     "grpo+opd": ["trainer.opd.granularity=full"],
 }  # fmt: skip
+DEFAULT_ARMS = ("grpo", "opd", "opd-topk", "opd-full", "grpo+opd")
 
-
+STEPS = ["env.args.kinds=[worked_steps]", "env.args.max_tokens=48", "gateway.default_max_tokens=48"]
 TASKS = {
     "sums": [],
-    "worked_steps": ["model.student=demo-steps-student", "model.teacher=demo-steps-teacher",
-                     "env.args.kinds=[worked_steps]", "env.args.max_tokens=48", "gateway.default_max_tokens=48"],
+    "worked_steps": ["model.student=demo-steps-student", "model.teacher=demo-steps-teacher", *STEPS],
+    "worked_steps_rl": ["model.student=demo-steps-student-rl", "model.teacher=demo-steps-teacher", *STEPS,
+                        "env.samples_per_task=8", "env.tasks_per_step=8"],
 }  # fmt: skip
 
 # Where a step's time goes: the step's own timings (orchestrator and trainer), seconds per step.
@@ -78,6 +98,7 @@ PROFILE = (
 class Arm:
     rows: list[dict[str, float]]  # the run's metrics rows (row 0: the evaluation before training)
     wall: float  # the whole run: start-up, steps, evaluations
+    per_step: int = 0  # samples per step without dynamic sampling (rows of older runs lack the counts)
 
     @property
     def curve(self) -> list[tuple[int, float]]:
@@ -88,30 +109,122 @@ class Arm:
         """The training steps' wall time up to `step` (evaluations and start-up excluded)."""
         return sum(r.get("perf/step_wall_s", 0.0) for r in self.rows if 0 < r["train/step"] <= step)
 
+    def samples_to(self, step: int, trained: bool = False) -> float:
+        """Samples generated (every group looked at, dropped ones included) or trained up to `step`."""
+        key = "rollout/samples" if trained else "rollout/samples_generated"
+        return sum(r.get(key, self.per_step) for r in self.rows if 0 < r["train/step"] <= step and
+                   "perf/step_wall_s" in r)  # fmt: skip
+
+    def reached(self, target: float) -> int | None:
+        """The first evaluated step at or above `target` (None: not within the run)."""
+        return next((s for s, a in self.curve if a >= target), None)
+
     def window_mean(self, key: str, lo: int, hi: int) -> float | None:
         """Mean of `key` over steps lo < step <= hi (None when no row has it)."""
         vals = [r[key] for r in self.rows if lo < r["train/step"] <= hi and key in r]
         return sum(vals) / len(vals) if vals else None
 
 
-def run(name: str, out: Path, overrides: list[str]) -> Arm:
+def run(name: str, out: Path, overrides: list[str], per_step: int = 0) -> Arm:
     started = time.perf_counter()
     rows = train_demo(out, name, overrides).state.rows
-    return Arm(rows, time.perf_counter() - started)
+    return Arm(rows, time.perf_counter() - started, per_step)
 
 
-def _ratio(what: str, a: float | None, b: float | None, b_bound: float) -> str:
-    """a / b, or a bound when b did not reach the target within b_bound."""
-    if a is None:
-        return f"{what}: not reached / {'not reached' if b is None else f'{b:.0f}'} (ratio undefined)"
-    if b is None:
-        return f"{what}: {a:.0f} / not reached within {b_bound:.0f} = below {a / b_bound:.3f}"
-    return f"{what}: {a:.0f} / {b:.0f} = {a / b:.3f}"
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for one value)."""
+    m = statistics.fmean(values)
+    return m, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0)
+
+
+def _pm(values: list[float], fmt: str = ".3f") -> str:
+    m, se = mean_se(values)
+    return f"{m:{fmt}}" if len(values) == 1 else f"{m:{fmt}}±{se:{fmt}}"
+
+
+def per_arm(text: str, arms: list[str], what: str, cast=int) -> dict[str, object]:
+    """`arm=value,...` (or one bare value for every arm) as {arm: value}."""
+    out: dict[str, object] = {}
+    for part in common.csv(text):
+        arm, _, value = part.rpartition("=")
+        for a in [arm] if arm else arms:
+            if a not in ARMS:
+                raise SystemExit(f"{what}: unknown arm {a!r}; choose from {list(ARMS)}")
+            try:
+                out[a] = cast(value)
+            except ValueError:
+                raise SystemExit(
+                    f"{what}: {value!r} is not a {cast.__name__} (write arm=value,...)"
+                ) from None
+    return out
+
+
+def ratio_line(arm: str, runs: list[Arm], base: str, base_runs: list[Arm], target: float) -> str:
+    """Samples generated and seconds to target against the baseline's: the ratio of the means and
+    its spread (the lowest and highest ratio over every pair of seeds), or a bound."""
+
+    def ends(rs: list[Arm]) -> tuple[list[float], list[float], float, float]:
+        got = [(r.samples_to(s), r.seconds_to(s)) for r in rs if (s := r.reached(target)) is not None]
+        last = max(r.curve[-1][0] for r in rs)
+        budget = max(r.samples_to(last) for r in rs), max(r.seconds_to(last) for r in rs)
+        return [g[0] for g in got], [g[1] for g in got], *budget
+
+    a_n, a_s, _, _ = ends(runs)
+    b_n, b_s, b_budget_n, b_budget_s = ends(base_runs)
+    reach = f"{len(a_n)}/{len(runs)} seeds vs {len(b_n)}/{len(base_runs)}"
+    if not a_n:
+        return f"{arm:9s} not reached ({reach})"
+    if not b_n:
+        return (f"{arm:9s} samples {_pm(a_n, '.0f')} / {base} not reached within {b_budget_n:.0f} = below "
+                f"{statistics.fmean(a_n) / b_budget_n:.3f}; seconds below {statistics.fmean(a_s) / b_budget_s:.3f} "
+                f"({reach})")  # fmt: skip
+    pairs = [x / y for x in a_n for y in b_n]
+    return (f"{arm:9s} samples {_pm(a_n, '.0f')} / {_pm(b_n, '.0f')} = {statistics.fmean(a_n) / statistics.fmean(b_n):.3f} "
+            f"(pairs {min(pairs):.3f}-{max(pairs):.3f}); seconds {_pm(a_s, '.0f')} / {_pm(b_s, '.0f')} = "
+            f"{statistics.fmean(a_s) / statistics.fmean(b_s):.3f} ({reach}"
+            + ("; seeds that missed it are left out" if len(a_n) < len(runs) or len(b_n) < len(base_runs) else "")
+            + ")")  # fmt: skip
+
+
+def plot(path: Path, results: dict[str, list[Arm]], teacher_acc: float, target: float, title: str) -> None:
+    """Held-out accuracy against samples generated: per arm the mean over seeds (x: the mean samples
+    generated up to each evaluation), a band of ± one standard error, the teacher and the target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
+    for arm, runs in results.items():
+        steps = [s for s, _ in runs[0].curve]
+        xs = [statistics.fmean(r.samples_to(s) for r in runs) for s in steps]
+        stats = [mean_se([dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in steps]
+        ys = [m for m, _ in stats]
+        (line,) = ax.plot(
+            xs, ys, marker="o", markersize=3, label=f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})"
+        )
+        if len(runs) > 1:
+            ax.fill_between(
+                xs, [m - e for m, e in stats], [m + e for m, e in stats], color=line.get_color(), alpha=0.2
+            )
+    ax.axhline(teacher_acc, color="black", linestyle="-", linewidth=1, label=f"teacher {teacher_acc:.2f}")
+    ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.2f}")
+    ax.set_xlabel("samples generated")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="center right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__doc__)
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
+    ap.add_argument(
+        "--arms", default=",".join(DEFAULT_ARMS), help="comma-separated subset of " + ", ".join(ARMS)
+    )
     ap.add_argument(
         "--task", choices=sorted(TASKS), default="worked_steps", help="task family (default: %(default)s)"
     )
@@ -137,7 +250,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the teacher's held-out accuracy, measured before on the same tasks (skips its 0-step run)",
     )
-    ap.add_argument("--json", default=None, help="also write every arm's metrics rows to this file")
+    ap.add_argument("--seeds", default="", help="runs per arm, arm=n,... or n for every arm (default: 1)")
+    ap.add_argument("--first-seed", type=int, default=0, help="run.seed of each arm's first run (default: 0)")
+    ap.add_argument("--lr", default="", help="learning rate per arm, arm=lr,... (default: the config's)")
+    ap.add_argument("--sweep", default="", help="learning rates to try per arm first, comma-separated")
+    ap.add_argument("--sweep-steps", type=int, default=10, help="steps of a sweep run (default: %(default)s)")
+    ap.add_argument("--json", default=None, help="also write every run's metrics rows to this file")
+    ap.add_argument("--png", default=None, help="draw accuracy against samples generated into this file")
+    ap.add_argument(
+        "--load",
+        action="append",
+        default=[],
+        help="runs of an earlier --json to report with this one's (repeatable; --arms '' runs none)",
+    )
     ap.add_argument(
         "overrides",
         nargs="*",
@@ -145,15 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)  # fmt: skip
     task = TASKS[args.task]  # first, so that an arm's own overrides (grpo: no teacher) win
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    arms = common.csv(args.arms)
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    seeds = {**dict.fromkeys(arms, 1), **per_arm(args.seeds, arms, "--seeds")}
+    lrs = per_arm(args.lr, arms, "--lr", float)
+    sweep = [float(x) for x in common.csv(args.sweep)]
     shared = [f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
               f"env.eval_tasks={args.eval_tasks}", *args.overrides]  # fmt: skip
     cfg = load_config(CONFIG, [*task, *shared])
     per_step = cfg.env.tasks_per_step * cfg.env.samples_per_task
-    results: dict[str, Arm] = {}
+    results: dict[str, list[Arm]] = {}
+    for path in args.load:  # the arms of earlier runs of this bench
+        for arm, runs in json.loads(Path(path).read_text()).items():
+            results.setdefault(arm, []).extend(Arm(r["rows"], r["wall"], per_step) for r in runs)
     with tempfile.TemporaryDirectory(prefix="bench-opd-") as tmp:
         teacher_acc = args.teacher_acc
         if teacher_acc is None:
@@ -163,64 +294,86 @@ def main(argv: list[str] | None = None) -> int:
         target = args.target_acc if args.target_acc is not None else args.target * teacher_acc
         print(f"teacher held-out accuracy {teacher_acc:.3f} -> target {target:.3f}", flush=True)
         for arm in arms:
-            results[arm] = run(arm, Path(tmp) / arm, [*task, *ARMS[arm], *shared])
-            print(f"{arm}: {' '.join(f'{s}:{a:.3f}' for s, a in results[arm].curve)}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({a: r.rows for a, r in results.items()}))
+            if sweep and arm not in lrs:  # a short run per learning rate, the best last accuracy wins
+                finals = {}
+                for lr in sweep:
+                    r = run(f"{arm}-lr{lr:g}", Path(tmp) / f"{arm}-lr{lr:g}", [*task, *ARMS[arm], *shared,
+                            f"run.steps={args.sweep_steps}", f"env.eval_every={args.sweep_steps}",
+                            f"trainer.megatron_optimizer.lr={lr}"], per_step)  # fmt: skip
+                    finals[lr] = r.curve[-1][1]
+                lrs[arm] = max(sweep, key=lambda lr: (finals[lr], -sweep.index(lr)))
+                print(f"{arm} sweep ({args.sweep_steps} steps): " + " ".join(
+                      f"lr {lr:g}: {a:.3f}" for lr, a in finals.items()) + f" -> lr {lrs[arm]:g}", flush=True)  # fmt: skip
+            lr = [f"trainer.megatron_optimizer.lr={lrs[arm]}"] if arm in lrs else []
+            results.setdefault(arm, [])
+            for seed in range(args.first_seed, args.first_seed + seeds[arm]):
+                r = run(f"{arm}-s{seed}", Path(tmp) / f"{arm}-s{seed}",
+                        [*task, *ARMS[arm], *shared, *lr, f"run.seed={seed}"], per_step)  # fmt: skip
+                results[arm].append(r)
+                if args.json:  # after every run, so that an interrupted bench keeps what it measured
+                    done = {
+                        a: [{"rows": r.rows, "wall": r.wall} for r in rs]
+                        for a, rs in results.items()
+                        if a in arms
+                    }
+                    Path(args.json).write_text(json.dumps(done))
+                print(
+                    f"{arm} seed {seed}: {' '.join(f'{s}:{a:.3f}' for s, a in r.curve)} ({r.wall:.0f} s)",
+                    flush=True,
+                )
 
     label = f"{args.target:.0%} of it" if args.target_acc is None else "absolute"
     print(f"\n== {CONFIG.name} --task {args.task} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "
-          f"target {target:.3f} ({label}); {per_step} samples per step, {args.eval_tasks} held-out "
-          f"tasks (one task: standard error {(target * (1 - target) / args.eval_tasks) ** 0.5:.3f})")  # fmt: skip
-    reached: dict[str, int | None] = {}
-    for arm, r in results.items():
-        curve = r.curve
-        reached[arm] = next((s for s, a in curve if a >= target), None)
-        when = (
-            f"step {reached[arm]}, {reached[arm] * per_step} samples, {r.seconds_to(reached[arm]):.0f} s"
-            if reached[arm] is not None
-            else f"not reached within {curve[-1][0]} steps ({curve[-1][0] * per_step} samples, "
-            f"{r.seconds_to(curve[-1][0]):.0f} s)"
+          f"target {target:.3f} ({label}); {per_step} samples per step before dynamic sampling, "
+          f"{args.eval_tasks} held-out tasks (one task: standard error "
+          f"{(target * (1 - target) / args.eval_tasks) ** 0.5:.3f})")  # fmt: skip
+    for arm, runs in results.items():
+        given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("trainer.megatron_optimizer.lr=")]
+        lr = f"lr {lrs[arm]:g}" if arm in lrs else f"lr {given[-1]}" if given else "lr: the config's"
+        steps = [s for s, _ in runs[0].curve]
+        acc = [_pm([dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in steps]
+        print(
+            f"{arm:9s} {len(runs)} seed(s), {lr}; accuracy (mean±se) "
+            + " ".join(f"{s}:{a}" for s, a in zip(steps, acc, strict=True))
         )
-        print(f"{arm:9s} {curve[0][1]:.3f} -> {curve[-1][1]:.3f} (best {max(a for _, a in curve):.3f}); "
-              f"target: {when}; run {r.wall:.0f} s")  # fmt: skip
-        print(f"          accuracy {' '.join(f'{s}:{a:.3f}' for s, a in curve)}")
+        for i, r in enumerate(runs):
+            s = r.reached(target)
+            last = r.curve[-1][0]
+            when = (f"step {s}, {r.samples_to(s):.0f} samples generated, {r.samples_to(s, True):.0f} trained, "
+                    f"{r.seconds_to(s):.0f} s" if s is not None else
+                    f"not reached within {last} steps ({r.samples_to(last):.0f} generated, {r.seconds_to(last):.0f} s)")  # fmt: skip
+            print(f"          run {i}: target {when}; run {r.wall:.0f} s")
+        r = runs[0]
+        curve = r.curve
         for key, what in (("opd/reverse_kl", "k1 on the sampled tokens"),
                           ("opd/teacher/reverse_kl", "the route's: exact D_t for topk/full")):  # fmt: skip
             kl = [(s, r.window_mean(key, p, s)) for (p, _), (s, _) in zip(curve, curve[1:], strict=False)]
             if any(v is not None for _, v in kl):  # the mean over each window between evaluations
-                print(f"          reverse KL per token ({what}) step 1: {r.window_mean(key, 0, 1):.3f}, then "
+                print(f"          seed 0 reverse KL per token ({what}) step 1: {r.window_mean(key, 0, 1):.3f}, then "
                       f"{' '.join(f'{s}:{v:.3f}' for s, v in kl if v is not None)}")  # fmt: skip
-    # the same question at lower bars, where the target is out of reach in this budget
-    start = min(r.curve[0][1] for r in results.values())
-    levels = [round(start + 0.05 * i, 2) for i in range(1, 20) if start + 0.05 * i < target + 0.05]
-    if levels:
-        print("\nfirst evaluated step at or above each accuracy ('-': not reached)")
-        print(f"{'accuracy':>9s} " + " ".join(f"{arm:>9s}" for arm in results))
-        for level in levels:
-            firsts = [next((s for s, a in r.curve if a >= level), None) for r in results.values()]
-            print(f"{level:9.2f} " + " ".join(f"{'-' if f is None else f:>9}" for f in firsts))
-    if "grpo" in results:
-        g = results["grpo"]
-        g_last = g.curve[-1][0]
-        print("\nto target, against grpo (goal for OPD: samples ratio <= 0.20)")
-        for arm, r in results.items():
-            if arm == "grpo":
-                continue
-            s_a, s_g = reached[arm], reached["grpo"]
-            print(f"{arm:9s} " + _ratio(
-                "samples", None if s_a is None else s_a * per_step, None if s_g is None else s_g * per_step,
-                g_last * per_step) + "; " + _ratio(
-                "seconds", None if s_a is None else r.seconds_to(s_a), None if s_g is None else g.seconds_to(s_g),
-                g.seconds_to(g_last)))  # fmt: skip
-    print("\nseconds per step (mean over the run)")
+        drops = [r.window_mean("rollout/generated_per_trained", 0, r.curve[-1][0]) for r in runs]
+        if any(d is not None for d in drops):
+            print("          samples generated per sample trained (mean over steps): "
+                  + " ".join(f"{d:.2f}" for d in drops if d is not None))  # fmt: skip
+    base = next((b for b in ("grpo-ds", "grpo") if b in results), None)
+    if base is not None:
+        print(f"\nto target, against {base} (generated samples; goal for OPD full: ratio <= 0.20)")
+        for arm, runs in results.items():
+            if arm != base:
+                print(ratio_line(arm, runs, base, results[base], target))
+    print("\nseconds per step (mean over the run, seed 0)")
     print(f"{'':9s} " + " ".join(f"{name:>9s}" for name, _ in PROFILE) + f" {'eval+start':>10s}")
-    for arm, r in results.items():
+    for arm, runs in results.items():
+        r = runs[0]
         steps = r.curve[-1][0]
         cells = [r.window_mean(key, 0, steps) for _, key in PROFILE]
         other = r.wall - r.seconds_to(steps)  # start-up, evaluations, shutdown
         print(f"{arm:9s} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>9s}" for c in cells)
               + f" {other:10.0f}")  # fmt: skip
+    if args.png:
+        plot(Path(args.png), results, teacher_acc, target,
+             f"--task {args.task}: {args.steps} steps, {per_step} samples per step, {args.eval_tasks} held-out tasks")  # fmt: skip
+        print(f"\nwrote {args.png}")
     return 0
 
 

@@ -220,6 +220,12 @@ class Batch:
     counts: Counter[str]  # stale_dropped, stale_masked, groups_zero_variance, zero_variance_samples, ...
     considered: list[GroupRecord] = field(default_factory=list)  # every group looked at (kept or not)
     dropped: dict[str, str] = field(default_factory=dict)  # sample_id -> why it does not train
+    rounds: int = 1  # generation rounds that made it (dynamic sampling refills; async: groups / step size)
+
+    @property
+    def samples_generated(self) -> int:
+        """Samples of every group looked at, trained or not (failed / aborted ones included)."""
+        return sum(len(g.sample_ids) + len(g.dropped) for g in self.considered)
 
     def dropped_counts(self) -> Counter[str]:
         """Samples not trained on, per reason (`DROP_REASONS`)."""

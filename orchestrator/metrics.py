@@ -77,8 +77,13 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "rollout/stale_dropped": float(batch.counts["stale_dropped"]),
         "rollout/stale_masked": float(batch.counts["stale_masked"]),
         "rollout/groups_zero_variance": float(batch.counts["groups_zero_variance"]),
+        "rollout/groups_dropped": float(len(batch.considered) - len(batch.groups)),
+        "rollout/rounds": float(batch.rounds),
+        "rollout/samples_generated": float(batch.samples_generated),
         "rollout/dropped": float(batch.counts["stale_dropped"] + batch.counts["zero_variance_samples"]),
     }
+    if samples:  # dynamic sampling's cost: how many samples were made for each one that trains
+        m["rollout/generated_per_trained"] = batch.samples_generated / len(samples)
     for reason, n in batch.dropped_counts().items():  # samples not trained on, per reason
         m[f"rollout/dropped_{reason}"] = float(n)
     for status, n in batch.session_statuses().items():

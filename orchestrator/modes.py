@@ -52,13 +52,18 @@ class Source:
         self.first, self.skip = first, list(skip)
         self.per_step = cfg.env.tasks_per_step
         self.next_index = first  # sync and one-step-off consume whole steps in order
+        ds = cfg.trainer.dynamic_sampling
+        # dynamic sampling drops flat groups only where rewards train (an OPD-only run keeps them)
+        self.dynamic = ds.enabled and cfg.trainer.rewards_train
+        self.filter_flat = cfg.env.filter_zero_variance_groups or self.dynamic
+        self.max_rounds = ds.max_rounds if self.dynamic else 1
 
-    def _indices(self) -> list[int]:
-        first, self.next_index = self.next_index, self.next_index + self.per_step
+    def _indices(self, n: int | None = None) -> list[int]:
+        first, self.next_index = self.next_index, self.next_index + (n or self.per_step)
         return list(range(first, self.next_index))
 
-    def _launch(self):
-        return self.cluster.rollout.run_groups.remote(self._indices(), self.attempt)
+    def _launch(self, n: int | None = None):
+        return self.cluster.rollout.run_groups.remote(self._indices(n), self.attempt)
 
     def _generation_progress(self) -> str:
         import ray
@@ -96,7 +101,7 @@ class Source:
             trainer_version,
             run.max_staleness,
             run.stale_policy,
-            self.cfg.env.filter_zero_variance_groups,
+            self.filter_flat,
         )
 
     def begin(self, step: int) -> None:
@@ -122,13 +127,21 @@ class Source:
 
 
 class SyncSource(Source):
-    """Generate step k, then train on it: every sample is on-policy (lag 0)."""
+    """Generate step k, then train on it: every sample is on-policy (lag 0). With dynamic sampling,
+    each further round generates as many new groups as flat ones were dropped, up to max_rounds."""
 
-    def batch(self, step: int, trainer_version: int) -> Batch:
+    def _round(self, n: int, trainer_version: int) -> Batch:
         records = self.waiter.get(
-            [self._launch()], "generation", progress=self._generation_progress, redo=True
+            [self._launch(n)], "generation", progress=self._generation_progress, redo=True
         )[0]
         return self._select(self._claim_all(records, "reading samples"), trainer_version)
+
+    def batch(self, step: int, trainer_version: int) -> Batch:
+        batch = self._round(self.per_step, trainer_version)
+        while len(batch.groups) < self.per_step and batch.rounds < self.max_rounds:
+            batch.extend(self._round(self.per_step - len(batch.groups), trainer_version))
+            batch.rounds += 1
+        return batch
 
 
 class OneStepOffSource(Source):
@@ -190,8 +203,11 @@ class AsyncSource(Source):
         return bool(self.ready)
 
     def batch(self, step: int, trainer_version: int) -> Batch:
-        merged = Batch.empty()
-        while len(merged.groups) < self.per_step:  # filtered groups are replaced by later ones
+        merged, taken = Batch.empty(), 0
+        # filtered groups are replaced by later ones (with dynamic sampling, up to max_rounds steps' worth)
+        while len(merged.groups) < self.per_step and (
+            not self.dynamic or taken < self.max_rounds * self.per_step
+        ):
             self.waiter.wait_until(
                 self._collect,
                 "generation",
@@ -199,7 +215,13 @@ class AsyncSource(Source):
                 redo=True,
             )
             self.consumed += 1
+            taken += 1
+            kept = len(merged.groups)
             merged.extend(self._select([self.ready.popleft()], trainer_version))
+            if len(merged.groups) == kept:  # dropped: admit one more group in its place now, or a
+                # step needing more than the admission limit's groups would wait for the next sync
+                self.waiter.get([self.cluster.rollout.allow.remote(self._allowed())], "admitting more groups")
+        merged.rounds = max(1, -(-taken // self.per_step))
         return merged
 
     def before_sync(self, step: int) -> float:

@@ -445,6 +445,18 @@ def _check_rollouts(cfg: RunConfig, need: _Need) -> None:
         "env.filter_zero_variance_groups: a group of 1 sample always has zero variance; "
         "need env.samples_per_task >= 2",
     )
+    ds = tr.dynamic_sampling
+    need(
+        not ds.enabled or not tr.rewards_train or env.samples_per_task >= 2,
+        "trainer.dynamic_sampling.enabled: a group of 1 sample always has zero variance, so every "
+        "group would be dropped; need env.samples_per_task >= 2",
+    )
+    need(
+        not ds.enabled or cfg.run.mode != "one_step_off",
+        "trainer.dynamic_sampling.enabled: run.mode one_step_off trains each batch with the previous "
+        "step's weights as the old policy, and refilled groups would be sampled by newer ones; use "
+        "run.mode sync or async",
+    )
 
 
 def _check_run(cfg: RunConfig, need: _Need) -> None:

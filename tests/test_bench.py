@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -102,3 +103,53 @@ def test_gpu_check_starts_its_trainer_ranks_as_the_module_from_the_repository_ro
     )
     assert ranks.returncode == 0, ranks.stderr[-2000:]
     assert gpu_check.__doc__.splitlines()[0] in ranks.stdout
+
+
+def _opd_run(accuracies: list[float], generated: float, per_step: int = 8):
+    """An `opd_vs_grpo.Arm` of synthetic rows: an evaluation every step, `generated` samples made and
+    8 trained per step, 2 s per step."""
+    from bench.opd_vs_grpo import Arm
+
+    rows = [{"train/step": 0, "eval/accuracy": accuracies[0]}]
+    for step, acc in enumerate(accuracies[1:], start=1):
+        rows.append({"train/step": step, "perf/step_wall_s": 2.0, "rollout/samples_generated": generated,
+                     "rollout/samples": 8.0, "eval/accuracy": acc})  # fmt: skip
+    return Arm(rows, wall=10.0, per_step=per_step)
+
+
+def test_opd_vs_grpo_counts_generated_samples_to_target_and_gives_the_ratio_with_its_spread(tmp_path):
+    from bench.opd_vs_grpo import per_arm, plot, ratio_line
+
+    grpo = [_opd_run([0.3, 0.35, 0.4, 0.5], 24.0), _opd_run([0.3, 0.5, 0.5, 0.5], 16.0)]
+    opd = [_opd_run([0.3, 0.5, 0.6, 0.6], 8.0)]
+    assert grpo[0].reached(0.5) == 3 and grpo[0].samples_to(3) == 72.0 and grpo[0].samples_to(3, True) == 24.0
+    assert grpo[0].seconds_to(3) == 6.0
+    # OPD: 8 samples to target; GRPO 72 and 16 (mean 44): 8 / 44, pairs 8/72 .. 8/16
+    line = ratio_line("opd-full", opd, "grpo-ds", grpo, 0.5)
+    assert "= 0.182 (pairs 0.111-0.500)" in line and "(1/1 seeds vs 2/2" in line
+    missed = ratio_line("opd-full", opd, "grpo-ds", [_opd_run([0.3, 0.3], 8.0)], 0.5)
+    assert "not reached within 8 = below 1.000" in missed  # a bound when the baseline misses
+    old = _opd_run([0.3, 0.5], 8.0)  # rows of a run before dynamic sampling's counts: steps x samples
+    del old.rows[1]["rollout/samples_generated"]
+    assert old.samples_to(1) == 8.0
+    assert per_arm("grpo-ds=3,opd-full=2", ["grpo-ds"], "--seeds") == {"grpo-ds": 3, "opd-full": 2}
+    assert per_arm("3e-4", ["grpo", "opd"], "--lr", float) == {"grpo": 3e-4, "opd": 3e-4}
+    png = tmp_path / "fig.png"
+    plot(png, {"grpo-ds": grpo, "opd-full": opd}, teacher_acc=0.95, target=0.5, title="t")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_opd_vs_grpo_reports_and_draws_earlier_runs_without_running_any(tmp_path, capsys):
+    from bench.opd_vs_grpo import main
+
+    runs = {"grpo-ds": [{"rows": _opd_run([0.3, 0.4, 0.5], 16.0).rows, "wall": 30.0}] * 2,
+            "opd-full": [{"rows": _opd_run([0.3, 0.5, 0.6], 8.0).rows, "wall": 20.0}]}  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    png = tmp_path / "fig.png"
+    argv = ["--arms", "", "--task", "worked_steps", "--teacher-acc", "0.9", "--target-acc", "0.5",
+            "--load", str(tmp_path / "runs.json"), "--png", str(png)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "grpo-ds   2 seed(s)" in out and "0:0.300±0.000 1:0.400±0.000 2:0.500±0.000" in out
+    assert "opd-full  samples 8 / 32±0 = 0.250 (pairs 0.250-0.250)" in out  # 1 step of 8 vs 2 of 16
+    assert png.stat().st_size > 0

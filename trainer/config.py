@@ -7,7 +7,8 @@ Megatron's own options pass through untouched under Megatron's names, in three d
 ``lr``, ``weight_decay``, ``adam_beta1``, ``clip_grad``, ...). The trainer re-declares none of them.
 The trainer's own options are grouped in sections, one dataclass each: `kl` (`KlOptions`), `opd`
 (`OpdOptions`), `tis` and `rs` (`TisOptions`, `RsOptions`: the train/rollout mismatch
-corrections), `sync` (`SyncOptions`), `snapshot` (`SnapshotOptions`) and `lora` (`LoraOptions`).
+corrections), `sync` (`SyncOptions`), `snapshot` (`SnapshotOptions`), `lora` (`LoraOptions`) and
+`dynamic_sampling` (`DynamicSamplingOptions`: read by the orchestrator, which builds the batches).
 The flat keys they replace (``sync_mode``, ``opd_kl_coef``, ...: `RENAMED`) are still read, from
 YAML, overrides and saved configs, for one release, each with a one-line deprecation warning naming
 the new key (palaestra/typed_config.py). `to_dict()` is what a checkpoint stores next to the weights.
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from palaestra.trainer.opd_panel import TeacherPanel
 
 __all__ = [
+    "DynamicSamplingOptions",
     "KlOptions",
     "OpdOptions",
     "RsOptions",
@@ -258,6 +260,27 @@ class SnapshotOptions:
             raise ValueError(f"host_budget_gb must be positive or null; got {self.host_budget_gb}")
 
 
+@dataclass
+class DynamicSamplingOptions:
+    """Dynamic sampling (DAPO's): groups whose rewards are all equal carry no reward signal, so they
+    are dropped before training and the step's batch is refilled with new groups (docs/training.md,
+    "Groups"). A run whose rewards do not reach the advantage (advantage_estimator none or sft: pure
+    on-policy distillation trains on a flat group too) keeps every group."""
+
+    enabled: bool = False
+    """Drop zero-reward-variance groups and refill the batch. sync: generate more groups before the
+    step; async: keep taking (and admitting) groups until the step has env.tasks_per_step informative
+    ones. Not in one_step_off mode (its batches are sampled by exactly the previous weights)."""
+
+    max_rounds: int = 4
+    """Generation rounds per step at most, the first included (async: max_rounds x tasks_per_step
+    groups looked at); then the step trains on the informative groups it has (none: no update)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_rounds <= 1000:
+            raise ValueError(f"max_rounds must be between 1 and 1000; got {self.max_rounds}")
+
+
 SECTIONS: dict[str, type] = {
     "kl": KlOptions,
     "opd": OpdOptions,
@@ -266,6 +289,7 @@ SECTIONS: dict[str, type] = {
     "sync": SyncOptions,
     "snapshot": SnapshotOptions,
     "lora": LoraOptions,
+    "dynamic_sampling": DynamicSamplingOptions,
 }
 """TrainerConfig's sections: field name -> its dataclass."""
 
@@ -407,6 +431,9 @@ class TrainerConfig:
     copy), the optimizer holds the adapters only, and the weight sync sends only them (SGLang's
     /load_lora_adapter; sync.mode shm or disk)."""
 
+    dynamic_sampling: DynamicSamplingOptions = field(default_factory=DynamicSamplingOptions)
+    """Drop groups whose rewards are all equal and refill the step's batch (enabled, max_rounds)."""
+
     def __post_init__(self) -> None:
         for name, section in SECTIONS.items():  # from_dict / a checkpoint's saved config
             if isinstance(getattr(self, name), dict):
@@ -430,6 +457,12 @@ class TrainerConfig:
             raise ValueError(f"dp_size must be at least 1; got {self.dp_size}")
         if self.max_tokens_per_microbatch <= 0:
             raise ValueError("max_tokens_per_microbatch must be positive")
+
+    @property
+    def rewards_train(self) -> bool:
+        """Whether rewards reach the advantage: every estimator but ``sft`` and ``none`` (an OPD-only
+        run: its teacher's signal needs no reward variance, so a flat group still trains)."""
+        return self.advantage_estimator not in ("sft", "none")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

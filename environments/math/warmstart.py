@@ -41,6 +41,11 @@ dense pair on the same tasks:
     model      demo-moe-teacher  demo-moe-student  demo-teacher  demo-student
     accuracy   0.985             0.230             0.950         0.260
 
+The worked-steps pair (``demo-steps-teacher``, 1,500 steps; ``demo-steps-student``, its step 400)
+has a third member, ``demo-steps-student-rl``: the same run stopped at step 600, the first stop
+measured in 0.2-0.4 greedy held-out accuracy (0.050 at step 400, 0.135 at 500, 0.270 at 600; 200
+tasks), so that groups of 8 mostly have reward variance and GRPO has something to learn from.
+
 Determinism: fixed seeds and data order; on CPU the result also depends on torch's thread count
 (matmul blocking), so another machine builds a statistically equal, not bit-identical, model.
 """
@@ -77,7 +82,14 @@ __all__ = [
 VERSION = 2
 
 Kind = Literal[
-    "teacher", "student", "steps-teacher", "steps-student", "mixed-student", "moe-teacher", "moe-student"
+    "teacher",
+    "student",
+    "steps-teacher",
+    "steps-student",
+    "mixed-student",
+    "moe-teacher",
+    "moe-student",
+    "steps-student-rl",
 ]
 
 
@@ -132,11 +144,16 @@ RECIPES: dict[str, SFTRecipe] = {
     # the demo pair's recipe on the Qwen3-MoE preset (configs/moe.yaml)
     "moe-teacher": SFTRecipe(steps=600, base="tiny-moe"),
     "moe-student": SFTRecipe(steps=300, base="tiny-moe"),
+    # the steps teacher's run stopped later, where RL can learn (bench/opd_vs_grpo.py --task
+    # worked_steps_rl): greedy held-out accuracy 0.050 at step 400, 0.135 at 500, 0.270 at 600
+    # (200 tasks, seed 1000003: the runs' held-out set); 600 is the first stop in 0.2-0.4
+    "steps-student-rl": SFTRecipe(steps=600, decay_steps=1500, kinds=("worked_steps",)),
 }
 _PAIRS = {
     "student": "teacher",
     "steps-student": "steps-teacher",
     "moe-student": "moe-teacher",
+    "steps-student-rl": "steps-teacher",
 }  # student -> the run it stops early
 
 

@@ -85,6 +85,11 @@ PRESETS: dict[str, Preset] = {
     "demo-steps-student": Preset(
         _WARM_START, "the steps teacher's SFT run stopped at step 400 (built with the teacher)"
     ),
+    "demo-steps-student-rl": Preset(
+        _WARM_START,
+        "the steps teacher's SFT run stopped at step 600 (~27% greedy: a student RL can learn from; "
+        "built with the teacher)",
+    ),
     "demo-mixed-student": Preset(
         _WARM_START, "tiny after 300 SFT steps on sums and worked_steps in turn (the two-domain student)"
     ),

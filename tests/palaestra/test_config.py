@@ -713,7 +713,7 @@ def test_renamed_trainer_keys_name_fields_of_their_sections():
         section, name = new.split(".")
         assert not hasattr(TrainerConfig(), old), old
         assert name in {f.name for f in dataclasses.fields(TRAINER_SECTIONS[section])}, new
-    assert len(dataclasses.fields(TrainerConfig)) == 24  # 48 before the sections; + routing_replay (MoE)
+    assert len(dataclasses.fields(TrainerConfig)) == 25  # 48 before sections; + moe, dynamic_sampling
 
 
 def test_flat_trainer_keys_in_a_yaml_file_still_load_and_warn_naming_the_new_key(tmp_path):
