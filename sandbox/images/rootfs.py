@@ -30,13 +30,16 @@ __all__ = ["C_LIBRARY", "SANDBOX_UID", "TOOLS", "Rootfs", "add", "collect", "is_
 TOOLS = (
     "sh bash cat ls echo printf sleep head tail wc mkdir rmdir rm cp mv ln env true false id touch "
     "dd yes sort uniq tr cut seq stat df du grep sed setsid kill timeout test chmod pwd tee xargs "
-    "find diff cmp basename dirname md5sum sha256sum nproc uname date whoami ps expr awk mkfifo git patch"
+    "find diff cmp basename dirname md5sum sha256sum nproc uname date whoami ps expr awk mkfifo git patch base64"
 ).split()
 """Commands the images offer besides python3 (those this host lacks are left out)."""
 
 C_LIBRARY = ("libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libutil.so.1")
 """The C library's parts, all of them whichever the tools load: a native binary built against
 glibc (Claude Code's) links librt, libdl and libpthread, which python and the tools may not."""
+RUNTIME_LIBRARIES = ("libgcc_s.so.1", "libstdc++.so.6")
+"""What compiled Python extensions load besides the C library (pydantic-core, in mini-swe-agent's
+venv, needs libgcc_s; without it the harness failed to start in a container)."""
 
 SANDBOX_UID = 10001
 """The unprivileged user commands run as (``sandbox``); a uid no host account is likely to have."""
@@ -201,7 +204,7 @@ def collect(python: str | None = None) -> Rootfs:
     for lib in sorted(found_libs):
         add(fs, lib)
     libc = next((lib for lib in found_libs if os.path.basename(lib) == "libc.so.6"), None)
-    for name in C_LIBRARY if libc else ():
+    for name in (*C_LIBRARY, *RUNTIME_LIBRARIES) if libc else ():
         if os.path.exists(os.path.join(os.path.dirname(libc), name)):
             add(fs, os.path.join(os.path.dirname(libc), name))
     for top in _MERGED_USR:
