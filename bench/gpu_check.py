@@ -37,6 +37,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,6 +120,21 @@ def run_ranks(
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def trainer_row(table: Table, label: str, run: Any) -> None:
+    """One table row from `run()`'s ranks: the same finite NLL on every rank, going down."""
+    try:
+        ranks = run()
+        losses = [r["losses"] for r in ranks]
+        same = all(max(abs(a - b) for a, b in zip(ls, losses[0], strict=True)) <= 1e-5 for ls in losses)
+        finite = all(math.isfinite(x) for ls in losses for x in ls)
+        down = losses[0][-1] < losses[0][0]
+        table.add(f"{label} ({ranks[0]['backend']})", same and finite and down,
+                  f"nll {' -> '.join(f'{x:.4f}' for x in losses[0])} on {ranks[0]['device']}, "
+                  f"same on every rank: {same}; {min(r['step_s'] for r in ranks) * 1e3:.0f} ms/step")  # fmt: skip
+    except Exception as exc:
+        table.add(label, False, f"{type(exc).__name__}: {str(exc)[:300]}")
+
+
 class Table:
     def __init__(self) -> None:
         self.rows: list[tuple[str, str, str]] = []
@@ -167,38 +183,19 @@ def main() -> int:
         world = gpus
     ready = args.cpu or table.ok
 
-    # -- trainer steps over DP ranks ----------------------------------------------------------
-    if ready:
-        try:
-            ranks = run_ranks(world, args.steps, args.cpu)
-            losses = [r["losses"] for r in ranks]
-            same = all(max(abs(a - b) for a, b in zip(ls, losses[0], strict=True)) <= 1e-5 for ls in losses)
-            finite = all(math.isfinite(x) for ls in losses for x in ls)
-            down = losses[0][-1] < losses[0][0]
-            table.add(f"trainer: tiny, TP=1, DP={world} ({ranks[0]['backend']})", same and finite and down,
-                      f"nll {' -> '.join(f'{x:.4f}' for x in losses[0])} on {ranks[0]['device']}, "
-                      f"same on every rank: {same}; {min(r['step_s'] for r in ranks) * 1e3:.0f} ms/step")  # fmt: skip
-        except Exception as exc:
-            table.add(f"trainer: tiny, TP=1, DP={world}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
-    else:
-        table.add("trainer: tiny, TP=1, DP=#GPUs", None, "skipped: no usable CUDA/NCCL")
-
-    # -- mixture of experts: the same steps with expert parallelism over the ranks ----------------
+    # -- trainer steps over DP ranks, then the same on a MoE with expert parallelism over them ------
     ep = world if world in (1, 2, 4, 8) else 1  # tiny-moe has 8 experts
-    if ready:
-        try:
-            ranks = run_ranks(world, args.steps, args.cpu, "tiny-moe", {"expert_model_parallel_size": ep})
-            losses = [r["losses"] for r in ranks]
-            same = all(max(abs(a - b) for a, b in zip(ls, losses[0], strict=True)) <= 1e-5 for ls in losses)
-            finite = all(math.isfinite(x) for ls in losses for x in ls)
-            down = losses[0][-1] < losses[0][0]
-            table.add(f"trainer: tiny-moe, EP={ep}, DP={world}", same and finite and down,
-                      f"nll {' -> '.join(f'{x:.4f}' for x in losses[0])}, same on every rank: {same}; "
-                      f"{min(r['step_s'] for r in ranks) * 1e3:.0f} ms/step")  # fmt: skip
-        except Exception as exc:
-            table.add(f"trainer: tiny-moe, EP={ep}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
-    else:
-        table.add("trainer: tiny-moe, EP=DP=#GPUs", None, "skipped: no usable CUDA/NCCL")
+    for model, megatron, label, unready in (
+        ("tiny", {}, f"trainer: tiny, TP=1, DP={world}", "trainer: tiny, TP=1, DP=#GPUs"),
+        ("tiny-moe", {"expert_model_parallel_size": ep}, f"trainer: tiny-moe, EP={ep}, DP={world}",
+         "trainer: tiny-moe, EP=DP=#GPUs"),
+    ):  # fmt: skip
+        if ready:
+            trainer_row(
+                table, label, lambda m=model, mg=megatron: run_ranks(world, args.steps, args.cpu, m, mg)
+            )
+        else:
+            table.add(unready, None, "skipped: no usable CUDA/NCCL")
 
     # -- logprobs against the embedded engine, and weight sync -----------------------------------
     if ready:
