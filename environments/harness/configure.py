@@ -12,6 +12,9 @@ an environment variable, every permission allowed, models.dev, updates, sharing 
 off. `mini_swe_agent` configures mini-swe-agent (`python -m minisweagent`, its `mini.yaml` agent
 in yolo mode): litellm's `openai/<model>` with `api_base` the session URL and the token in
 `OPENAI_API_KEY`; litellm's cost map is its bundled copy (no fetch), cost tracking off.
+`terminus` configures our Terminus-style agent (terminus/agent.py, run by the sandbox's
+`/usr/bin/python3`): `--base-url`, `--model`, the output budget as `--max-tokens`, the token in
+`PALAESTRA_SESSION_KEY`.
 
 `mcp_settings` gives a harness MCP servers through its own configuration: Claude Code's
 ``--mcp-config`` (a JSON object of ``mcpServers``, with ``--strict-mcp-config``: only these; tool
@@ -51,6 +54,7 @@ __all__ = [
     "mcp_settings",
     "mini_swe_agent",
     "opencode",
+    "terminus",
 ]
 
 TOKEN_VAR = "PALAESTRA_SESSION_KEY"
@@ -168,13 +172,28 @@ def mini_swe_agent(base_url: str, token: str, model: str) -> tuple[dict[str, str
     return env, [*args, "--yolo", "--exit-immediately", "-o", f"{HOME}/mini.traj.json", "-t"]
 
 
+PYTHON = "/usr/bin/python3"
+"""The sandbox's Python, which runs our own harness (every sandbox has it: install.SANDBOX_PYTHON)."""
+
+
+def terminus(
+    base_url: str, token: str, model: str, budget: Budget | None = None
+) -> tuple[dict[str, str], list[str]]:
+    """(environment, arguments after the agent's path, before the task) to use the session at
+    `base_url`, asking the `budget`'s output tokens per call when given (else it sends none)."""
+    args = ["--base-url", base_url, "--model", model]
+    if budget is not None:
+        args += ["--max-tokens", str(budget.max_output_tokens)]
+    return {TOKEN_VAR: token}, args
+
+
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox"}
 HOME = "/work/home"
 """The harness's home inside the sandbox, beside the repository (/work/repo): its state (~/.claude,
 $CODEX_HOME) stays out of the diff that is graded. Not under /tmp: Codex makes no helper
 binaries under a temporary directory."""
 HOME_DIRS = ("HOME", "CODEX_HOME")
-HARNESS_NAMES = ("claude-code", "codex", "opencode", "mini-swe-agent")
+HARNESS_NAMES = ("claude-code", "codex", "opencode", "mini-swe-agent", "terminus")
 """The variables naming folders that must exist before the harness starts."""
 
 
@@ -243,4 +262,7 @@ def command(
     if name == "mini-swe-agent":
         extra, args = mini_swe_agent(base_url, token, model)
         return env | extra, [binary, "-m", "minisweagent", *args, prompt]
+    if name == "terminus":
+        extra, args = terminus(base_url, token, model, budget)
+        return env | extra, [PYTHON, "-I", "-S", binary, *args, prompt]
     raise ValueError(f"no headless command for harness {name!r}: one of {', '.join(HARNESS_NAMES)}")

@@ -8,7 +8,9 @@ from its registry, and runs offline afterwards:
   optional dependency, Codex's its static musl binary, OpenCode's its bun-compiled binary;
 - PyPI (a venv of the sandbox's Python, /usr/bin/python3, under `venv/`, filled by this
   interpreter's pip): mini-swe-agent, whose venv is mounted read-only and run by its own
-  `bin/python` (the venv's interpreter is a link to /usr/bin/python3, which every sandbox has).
+  `bin/python` (the venv's interpreter is a link to /usr/bin/python3, which every sandbox has);
+- ours (``registry="palaestra"``): the Terminus-style agent, a stdlib program in this package's
+  `terminus/` folder, which is its install (nothing to download; run by the sandbox's python3).
 
 `native` finds the binary and the folder a sandbox mounts for it: the harness environment runs it
 directly, without the npm launcher (a node script for Codex), so a sandbox needs no node. `make
@@ -21,6 +23,7 @@ mount: the cache itself, or a hard-linked copy of it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import shutil
@@ -58,12 +61,15 @@ class Harness:
     native_bin: str
     """The native binary's path inside `native_dir`."""
     registry: str = "npm"
-    """Where it installs from: "npm" (into node_modules/) or "pypi" (into a venv, venv/)."""
+    """Where it installs from: "npm" (into node_modules/), "pypi" (into a venv, venv/) or
+    "palaestra" (ours: its folder in this package is the install, at the one version there is)."""
 
     @property
     def launcher(self) -> str:
         """The command's path inside the install."""
-        return f"node_modules/.bin/{self.bin}" if self.registry == "npm" else f"venv/bin/{self.bin}"
+        return {"npm": f"node_modules/.bin/{self.bin}", "pypi": f"venv/bin/{self.bin}"}.get(
+            self.registry, self.bin
+        )
 
 
 HARNESSES = {
@@ -96,7 +102,12 @@ HARNESSES = {
     "mini-swe-agent": Harness(
         "mini-swe-agent", "mini-swe-agent", "2.4.6", "mini", "venv", "bin/python", registry="pypi"
     ),
+    # Ours, in terminus/: one stdlib script the sandbox's python3 runs (why not Terminus-2 itself:
+    # docs/harnesses.md). Its version changes with what the agent does.
+    "terminus": Harness("terminus", "palaestra", "1", "agent.py", ".", "agent.py", registry="palaestra"),
 }
+OURS = Path(__file__).parent
+"""Where our own harnesses' folders are (``OURS / name``)."""
 SANDBOX_PYTHON = "/usr/bin/python3"
 """The interpreter a PyPI harness's venv is made from: the one every sandbox has (the local
 backend's sees the host's /usr; the docker images carry the host's Python at the same path)."""
@@ -112,20 +123,28 @@ def _split(spec: str) -> tuple[Harness, str]:
     if name not in HARNESSES:
         raise ValueError(f"unknown harness {name!r}: one of {', '.join(sorted(HARNESSES))}")
     harness = HARNESSES[name]
+    if harness.registry == "palaestra" and version not in ("", harness.version):
+        raise ValueError(f"{name} is part of palaestra: its one version is {harness.version}, not {version}")
     return harness, version or harness.version
+
+
+def _root(harness: Harness, version: str) -> Path:
+    if harness.registry == "palaestra":
+        return OURS / harness.name
+    return cache_dir() / f"{harness.name}@{version}"
 
 
 def binary(spec: str) -> Path | None:
     """The installed binary of `spec` (NAME or NAME@VERSION, default the pinned version), or None."""
     harness, version = _split(spec)
-    path = cache_dir() / f"{harness.name}@{version}" / harness.launcher
+    path = _root(harness, version) / harness.launcher
     return path if path.exists() else None
 
 
 def install_root(spec: str) -> Path | None:
     """The folder `spec` is installed in (`binary` is `node_modules/.bin/<bin>` below it), or None."""
     harness, version = _split(spec)
-    return cache_dir() / f"{harness.name}@{version}" if binary(spec) is not None else None
+    return _root(harness, version) if binary(spec) is not None else None
 
 
 def native(root: Path, name: str) -> tuple[Path, str]:
@@ -166,6 +185,10 @@ def shared_root(spec: str) -> Path:
         )
     if _open_to_all(source):
         return source
+    name = source.name
+    if harness.registry == "palaestra":  # named by its content: an edited agent is a new copy
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(source.glob("*.py"))))
+        name = f"{harness.name}@{version}-{digest.hexdigest()[:12]}"
     shared = Path(tempfile.gettempdir()) / f"palaestra-harnesses-{os.geteuid()}"
     try:
         shared.mkdir(mode=0o755)
@@ -177,10 +200,11 @@ def shared_root(spec: str) -> Path:
             f"{shared} is not a directory of this user's: remove it, or set PALAESTRA_HARNESS_CACHE"
         )
     os.chmod(shared, 0o755)
-    target = shared / source.name
+    target = shared / name
     if not (target / harness.launcher).exists():
-        partial = Path(tempfile.mkdtemp(prefix=source.name + ".", suffix=".partial", dir=shared))
-        shutil.copytree(source, partial / "tree", symlinks=True, copy_function=_link_or_copy)
+        partial = Path(tempfile.mkdtemp(prefix=name + ".", suffix=".partial", dir=shared))
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(source, partial / "tree", symlinks=True, copy_function=_link_or_copy, ignore=ignore)
         try:
             (partial / "tree").rename(target)
         except OSError:  # another process made it first

@@ -1,6 +1,6 @@
 """The harbor environment through the gateway, end to end, in the local (bubblewrap) sandbox:
-`palaestra eval --env harbor` with Claude Code (the real binary, unchanged), an in-process episode
-with Codex, and one with the plain openai-tools loop; each fixes the example task fix-greeting and
+`palaestra eval --env harbor` with Claude Code (the real binary, unchanged), in-process episodes
+with Codex and with our Terminus-style agent, and one with the plain openai-tools loop; each fixes the example task fix-greeting and
 test.sh scores it 1.
 
 The engine is `ScriptedEngine`, a labelled TEST DOUBLE (tests/support/servers.py): the random
@@ -65,10 +65,11 @@ def test_palaestra_eval_runs_claude_code_on_a_harbor_task(tok, tmp_path, harbor_
     assert metrics["reward/reward"] == 1.0 and metrics["harness/calls"] == len(script.calls), metrics
 
 
-def test_codex_fixes_a_harbor_task(tok, tmp_path, harbor_cache):
-    _installed("codex")
-    env = HarborEnv(agent="codex", backend="local", tasks=["fix-greeting"], max_turns=6)
-    script = ShellScript(tok, "codex", FIX)
+@pytest.mark.parametrize("harness", ["codex", "terminus"])
+def test_codex_and_terminus_fix_a_harbor_task(tok, tmp_path, harbor_cache, harness):
+    _installed(harness)
+    env = HarborEnv(agent=harness, backend="local", tasks=["fix-greeting"], max_turns=6)
+    script = ShellScript(tok, harness, FIX)
     with stack(tok, tmp_path, script) as (gw, engine):
         result = rollouts(gw.url, ENV_KEY, env, [next(env.tasks(0))]).results[0]
     assert result.status == "completed", result.error

@@ -1,4 +1,5 @@
-"""The real Claude Code and Codex CLI binaries, at their pinned versions, drive a session unchanged.
+"""The real Claude Code and Codex CLI binaries, at their pinned versions, drive a session unchanged
+(and OpenCode, mini-swe-agent, and our Terminus-style agent, whose turn types keystrokes).
 
 Each harness is pointed at a fresh session's base URL and token the way a user points it at a
 vendor (Claude Code: `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`, streaming Messages; Codex: a
@@ -24,6 +25,7 @@ import pytest
 from palaestra.environments.harness import configure
 from palaestra.environments.harness.install import HARNESSES, binary
 from palaestra.gateway.parsers import render_tool_call_text
+from tests.environments.test_harness_terminus import terminus_answer
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 from tests.support.sessions import new_session, trajectory
 
@@ -56,14 +58,33 @@ class ToolScript:
         return self.tok.encode(text, add_special_tokens=False) + [self.end]
 
 
+class KeystrokeScript(ToolScript):
+    """TEST DOUBLE for terminus, which has no tools: the first call whose prompt shows its answer
+    format types COMMAND; once MARK is in a prompt, task_complete (asked to confirm, the same)."""
+
+    def __init__(self, tok, tool: str, arguments: dict):
+        super().__init__(tok, tool, arguments, final=terminus_answer([], complete=True))
+
+    def __call__(self, input_ids: list[int], index: int) -> list[int]:
+        prompt = self.tok.decode(input_ids)
+        if MARK in prompt:
+            kind, text = "final", self.final
+        elif '"keystrokes"' in prompt and not any(k == "tool" for _, k in self.calls):
+            kind, text = "tool", terminus_answer([COMMAND + "\n"])
+        else:
+            kind, text = "other", "ok"
+        self.calls.append((index, kind))
+        return self.tok.encode(text, add_special_tokens=False) + [self.end]
+
+
 @pytest.fixture
 def harness_stack(tok, tmp_path):
-    """start(tool, arguments[, final=]) -> (gateway, engine, script): a `ToolScript` engine behind a
-    gateway."""
+    """start(tool, arguments[, final=][, script_class=]) -> (gateway, engine, script): a
+    `ToolScript` engine behind a gateway."""
     with contextlib.ExitStack() as stack:
 
-        def start(tool: str, arguments: dict, **final):
-            script = ToolScript(tok, tool, arguments, **final)
+        def start(tool: str, arguments: dict, script_class: type[ToolScript] = ToolScript, **final):
+            script = script_class(tok, tool, arguments, **final)
             engine = ScriptedEngine(script, stop_ids={script.end})
             eng = stack.enter_context(ThreadServer(engine.app()))
             gw = stack.enter_context(gateway_server(eng.url, tmp_path / "spool", tok))
@@ -190,3 +211,22 @@ def test_mini_swe_agent_tool_round_trip(harness_stack, tmp_path):
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
     traj = _check_round_trip(gw, engine, script, s["session_id"], done, streams=False)
     print(traj["ignored_controls"])
+
+
+def test_terminus_keystroke_round_trip(harness_stack, tmp_path):
+    """Our Terminus-style agent on the host, against the session: its JSON turn types the command
+    into its bash, the terminal's output is the next user message, and the next prompt extends the
+    previous prompt + sampled ids exactly; it ends after confirming completion."""
+    agent = _installed("terminus")  # ours: always installed
+    gw, engine, script = harness_stack("keystrokes", {}, script_class=KeystrokeScript)
+    s = new_session(gw)
+    work = tmp_path / "work"
+    work.mkdir()
+    extra, args = configure.terminus(s["base_url"], s["api_key"], "tiny", configure.Budget.of(32768))
+    env = {**_offline_env(tmp_path), **extra}
+    cmd = [configure.PYTHON, "-I", "-S", str(agent), *args, "Run the command and tell me what it printed."]
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    traj = _check_round_trip(gw, engine, script, s["session_id"], done, streams=False)
+    assert [k for _, k in script.calls] == ["tool", "final", "final"], script.calls  # confirmed once
+    assert traj["ignored_controls"] == {}, traj["ignored_controls"]  # model, messages, max_tokens
+    assert all(e.body["sampling_params"]["max_new_tokens"] == 4096 for e in engine.exchanges)

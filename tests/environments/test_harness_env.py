@@ -1,11 +1,13 @@
-"""The harness environment: the real Claude Code / Codex / OpenCode / mini-swe-agent harnesses run on a SWE instance inside a
+"""The harness environment: the real Claude Code / Codex / OpenCode / mini-swe-agent harnesses and our
+Terminus-style agent run on a SWE instance inside a
 sandbox whose only way out is their session's tunnel: the local (bubblewrap) backend, and the
 docker backend (containers with no network; those cases are marked `docker` and skip, saying why,
 where no docker engine answers).
 
 The engine is `ScriptedEngine`, a labelled TEST DOUBLE (tests/support/servers.py): so that the
 random `tiny` model's place is taken by an agent that acts on cue, it answers the harness's shell
-tool with a call that writes the reference fix (or runs the hostile probe), then a final text. The
+tool with a call that writes the reference fix (or runs the hostile probe), then a final text (for
+terminus: a JSON answer typing the command, then task_complete, twice). The
 gateway, the Qwen2.5 template, the tokenizer, the sandbox, the tunnel and both binaries are real;
 the episode is graded by swe's hidden tests in a fresh sandbox.
 """
@@ -26,6 +28,7 @@ from palaestra.environments.harness.env import HarnessEnv
 from palaestra.environments.harness.install import HARNESSES, binary, install_root, native
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.gateway.parsers import render_tool_call_text
+from tests.environments.test_harness_terminus import terminus_answer
 from tests.support.sandbox import SANDBOX_BACKENDS, backend_param
 from tests.support.servers import ENV_KEY, ScriptedEngine, ThreadServer, gateway_server
 from tests.support.sessions import AUTH, new_session, rollouts, trajectory
@@ -39,9 +42,10 @@ SHELL = {
     "codex": ("exec_command", "cmd"),
     "opencode": ("bash", "command"),
     "mini-swe-agent": ("bash", "command"),
+    "terminus": ("keystrokes", ""),
 }
-"""Each harness's shell tool and its command argument."""
-NEW = ["opencode", "mini-swe-agent"]
+"""Each harness's shell tool and its command argument (terminus: no tools, its JSON's keystrokes)."""
+NEW = ["opencode", "mini-swe-agent", "terminus"]
 """The harnesses added after Claude Code and Codex: the probe and refusal tests run them too."""
 
 
@@ -85,17 +89,27 @@ class ShellScript:
         self.command = command
         self.calls: list[str] = []
         self.final = "Done."
+        self.terminus = harness == "terminus"
+        # what shows the agent's shell in its prompt: a tool's schema, or terminus's answer format
+        self.cue = '"keystrokes"' if self.terminus else f'"name": "{self.tool}"'
         if harness == "mini-swe-agent":  # it ends by running its finishing command, nothing else
             finish = json.dumps({"command": f"echo {configure.MINI_FINISH}"})
             self.final = render_tool_call_text("hermes", self.tool, finish)
+        if self.terminus:  # asked to confirm, it answers the same again
+            self.final = terminus_answer([], complete=True)
+
+    def call(self, command: str) -> str:
+        """The agent's turn that runs `command` in its shell."""
+        if self.terminus:
+            return terminus_answer([command + "\n"])
+        return render_tool_call_text("hermes", self.tool, json.dumps({self.argument: command}))
 
     def __call__(self, input_ids: list[int], index: int) -> list[int]:
         prompt = self.tok.decode(input_ids)
         if MARK in prompt:
             kind, text = "final", self.final
-        elif f'"name": "{self.tool}"' in prompt and "tool" not in self.calls:
-            kind = "tool"
-            text = render_tool_call_text("hermes", self.tool, json.dumps({self.argument: self.command}))
+        elif self.cue in prompt and "tool" not in self.calls:
+            kind, text = "tool", self.call(self.command)
         else:
             kind, text = "other", "ok"
         self.calls.append(kind)
@@ -124,7 +138,7 @@ def _fix_command(instance) -> str:
     return " && ".join(parts) + " && echo PALAESTRA-$((6*7))"
 
 
-@pytest.mark.parametrize("harness", sorted(SHELL))
+@pytest.mark.parametrize("harness", sorted(set(SHELL) - {"terminus"}))
 def test_the_sandbox_runs_the_native_binary_not_the_npm_launcher(harness, tmp_path):
     """What a sandbox mounts and runs is the platform package's ELF binary (no node needed; for
     mini-swe-agent its venv's python, a link to the sandbox's); an install without it is refused
@@ -215,12 +229,12 @@ class LoopScript(ShellScript):
 
     def __call__(self, input_ids: list[int], index: int) -> list[int]:
         prompt = self.tok.decode(input_ids)
-        if f'"name": "{self.tool}"' not in prompt:
+        if self.cue not in prompt:
             self.calls.append("other")
             return self.tok.encode("ok", add_special_tokens=False) + [self.end]
         command = self.command if "tool" not in self.calls else "echo again"
         self.calls.append("tool")
-        text = render_tool_call_text("hermes", self.tool, json.dumps({self.argument: command}))
+        text = self.call(command)
         return self.tok.encode(text, add_special_tokens=False) + [self.end]
 
 
@@ -271,13 +285,15 @@ REFUSE = {
     "claude-code": ({"max_tokens_over_context": "reject", "context_length": 32_768}, ":max_tokens"),
     "opencode": ({"max_tokens_over_context": "reject"}, ":max_tokens"),
     "mini-swe-agent": ({"context_length": 1024}, ":messages"),
+    "terminus": ({"max_tokens_over_context": "reject", "context_length": 32_768}, ":max_tokens"),
 }
 """How the gateway is set to refuse each harness's first request, and the field it names: Claude
 Code's `max_tokens` (told an output budget of 30,000 in a 32k window: `REFUSE_BUDGET`) and
 OpenCode's `max_tokens: 32000` do not fit the context beside the prompt (with
 `max_tokens_over_context: reject`); mini-swe-agent sends no max_tokens, so its first prompt is made
-longer than the context."""
-REFUSE_BUDGET = {"claude-code": 30_000}
+longer than the context; terminus is told an output budget of 32,700 tokens in a 32k window, which
+no prompt leaves room for."""
+REFUSE_BUDGET = {"claude-code": 30_000, "terminus": 32_700}
 
 
 @pytest.mark.parametrize("harness", sorted(REFUSE))

@@ -20,7 +20,7 @@ def cache(tmp_path, monkeypatch):
 def test_the_registry_maps_each_name_to_its_harness():
     assert {"claude-code", "codex", "opencode", "mini-swe-agent"} <= set(inst.HARNESSES)
     assert all(name == h.name for name, h in inst.HARNESSES.items())
-    assert {h.registry for h in inst.HARNESSES.values()} == {"npm", "pypi"}
+    assert {h.registry for h in inst.HARNESSES.values()} == {"npm", "pypi", "palaestra"}
     assert set(configure.HARNESS_NAMES) == set(inst.HARNESSES)  # each has its headless command
 
 
@@ -43,6 +43,35 @@ def test_an_npm_harness_without_its_platform_binary_is_refused_naming_the_comman
     assert inst.install_root("opencode") == root
     with pytest.raises(RuntimeError, match=f"palaestra harness install opencode@{h.version}"):
         inst.native(root, "opencode")
+
+
+def test_our_harness_is_its_package_folder_at_its_one_version(cache, tmp_path, monkeypatch):
+    """terminus needs no install: its folder in the package is mounted, or (where the sandbox's
+    user cannot enter it) a copy named by its content, so an edited agent is never a stale copy."""
+    h = inst.HARNESSES["terminus"]
+    root = inst.install_root("terminus")
+    assert root == inst.OURS / "terminus" and inst.binary(f"terminus@{h.version}") == root / "agent.py"
+    assert inst.install("terminus") == root / "agent.py"  # nothing downloaded
+    assert inst.native(root, "terminus") == (root, "agent.py")
+    with pytest.raises(
+        ValueError, match=f"terminus is part of palaestra: its one version is {h.version}, not 9"
+    ):
+        inst.binary("terminus@9")
+    source = tmp_path / "ours" / "terminus"
+    source.mkdir(parents=True)
+    (source / "agent.py").write_text("print(1)\n")
+    monkeypatch.setattr(inst, "OURS", source.parent)
+    monkeypatch.setattr(inst, "_open_to_all", lambda path: False)
+    monkeypatch.setattr(inst.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    first = inst.shared_root("terminus")
+    assert (
+        first.name.startswith(f"terminus@{h.version}-") and (first / "agent.py").read_text() == "print(1)\n"
+    )
+    (source / "agent.py").unlink()
+    (source / "agent.py").write_text("print(2)\n")  # edited (a new file, as editors save)
+    second = inst.shared_root("terminus")
+    assert second != first and (second / "agent.py").read_text() == "print(2)\n"
 
 
 def test_install_goes_on_past_a_harness_that_fails(monkeypatch, capsys):
