@@ -1,4 +1,5 @@
-"""Real coding-agent harnesses (Claude Code, Codex CLI) run unchanged against a session's URL.
+"""Real coding-agent harnesses (Claude Code, Codex CLI, OpenCode, mini-swe-agent) run unchanged
+against a session's URL, and so does ours, `terminus/` (a Terminus-style terminal agent).
 
 `install.py` installs a harness binary at its pinned version from npm into a cache (offline
 afterwards) and finds it; `configure.py` gives the environment variables and arguments that point

@@ -1,5 +1,5 @@
-"""The harness environment: a real coding agent (Claude Code, Codex, OpenCode, mini-swe-agent) fixes
-a SWE task in a sandbox.
+"""The harness environment: a real coding agent (Claude Code, Codex, OpenCode, mini-swe-agent, or our
+Terminus-style `terminus`) fixes a SWE task in a sandbox.
 
     palaestra rollout --env harness --env-args '{"harness": "claude-code", "backend": "local"}' --tasks 2
 

@@ -289,7 +289,8 @@ def _path(args: argparse.Namespace) -> int:
 
 def register(groups: argparse._SubParsersAction) -> None:
     group = groups.add_parser(
-        "harness", help="coding-agent harness binaries (Claude Code, Codex, OpenCode, mini-swe-agent)"
+        "harness",
+        help="coding-agent harnesses (Claude Code, Codex, OpenCode, mini-swe-agent; terminus, ours)",
     )
     cmds = group.add_subparsers(dest="cmd", metavar="SUBCOMMAND", required=True)
     pinned = ", ".join(f"{h.name}@{h.version}" for h in HARNESSES.values())
