@@ -115,7 +115,8 @@ class HarnessEnv(Environment):
         mcp_servers: Sequence[McpServer | Mapping[str, Any]] = (),
         max_output_tokens: int | None = None,
     ):
-        """`harness` NAME or NAME@VERSION (`palaestra harness install` it first); `data` a
+        """`harness` NAME or NAME@VERSION (`palaestra harness install` it first; `terminus`, ours,
+        needs no install); `data` a
         SWE-bench-style JSONL (default: swe's generated set); `backend` a sandbox spec or a
         `Backend` that can mount (local, docker); `max_turns` the harness's model calls per episode;
         `time_limit_s` its wall clock; `memory_mb` the sandbox's memory (and address space: the

@@ -1,8 +1,8 @@
 """Our Terminus-style terminal agent: the model types keystrokes into an interactive bash and reads
 what the terminal printed back.
 
-Not imported by the host: the harness environments mount this folder read-only at
-/opt/harness/terminus@VERSION and run it in the sandbox as one headless harness,
+The host does not run it (only its tests import it): the harness environments mount this folder
+read-only at /opt/harness/terminus@VERSION and run it in the sandbox as one headless harness,
 
     PALAESTRA_SESSION_KEY=<token> /usr/bin/python3 -I -S agent.py \\
         --base-url http://127.0.0.1:8080/s/<id>/v1 --model policy [--max-tokens N] "<task>"
