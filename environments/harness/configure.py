@@ -193,8 +193,9 @@ HOME = "/work/home"
 $CODEX_HOME) stays out of the diff that is graded. Not under /tmp: Codex makes no helper
 binaries under a temporary directory."""
 HOME_DIRS = ("HOME", "CODEX_HOME")
-HARNESS_NAMES = ("claude-code", "codex", "opencode", "mini-swe-agent", "terminus")
 """The variables naming folders that must exist before the harness starts."""
+HARNESS_NAMES = ("claude-code", "codex", "opencode", "mini-swe-agent", "terminus")
+"""The harnesses `command` runs (each of install.HARNESSES)."""
 
 
 def mcp_settings(name: str, servers: Sequence[McpServer]) -> list[str]:
