@@ -227,6 +227,8 @@ class Run:
             raise fault
         self._times = {"start": time.perf_counter()}
         self.waiter.start_step(step)
+        # a box that died between steps (an engine's node) is repaired before the step generates
+        self.supervisor.check_alive("the step's start")
         self._times["gateway_s"] = self.cluster.gateway_overhead_s()
         batch = self.source.batch(step, self.state.weight_version)
         self._times["batch"] = time.perf_counter()
