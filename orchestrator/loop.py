@@ -42,6 +42,7 @@ from palaestra.orchestrator.batching import Batch, SampleFeed
 from palaestra.orchestrator.checkpoint import RunState, checkpoint_dir, commit_checkpoint
 from palaestra.orchestrator.cluster import Cluster
 from palaestra.orchestrator.errors import Replaced, RunFailed
+from palaestra.orchestrator.ledger import note_step
 from palaestra.orchestrator.metrics import console_line, make_tracker, rollout_metrics
 from palaestra.orchestrator.modes import SOURCES
 from palaestra.orchestrator.supervisor import RUNNER, TRAINER, Supervisor
@@ -142,6 +143,8 @@ class Run:
         self._bar = None
         self._times: dict[str, float] = {}  # this step's clock readings (perf/*)
         self.not_trained: dict[str, str] = {}  # the batches' dropped samples, and undone steps' ones
+        self.ledger = self.out / "trained.jsonl"  # every launch's steps (`ledger.note_step`)
+        self._noted: set[str] = set()  # samples the step ledger already records as not trained
         self._stepping = False
         self.deferred: Replaced | None = None  # a fault seen mid-sync, redone at the next step
         # The last step's row, held for the evaluation after it: metrics.jsonl gets one row per step.
@@ -305,6 +308,8 @@ class Run:
         """The tasks the step consumed, the spool cursor, and the step's timing (`perf/*`)."""
         self.state.consume([g.task_index for g in batch.considered])
         self.state.cursors = list(self.feed.cursors)
+        trained = self.trained[-1].sample_ids if self.trained and self.trained[-1].step == step else []
+        self._note_step(step + 1, trained, {**self.feed.dropped, **self.not_trained})
         t = self._times
         wall = time.perf_counter() - t["start"]
         return {
@@ -349,6 +354,13 @@ class Run:
             reward = metrics.get("rollout/reward_mean", math.nan)
             self._bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
             self._bar.update(1)
+
+    def _note_step(self, step: int | None, trained: list[str], not_trained: dict[str, str]) -> None:
+        """The step ledger's line (`ledger.note_step`): written before the step's checkpoint, so a
+        driver killed at any moment leaves every step it checkpointed on record."""
+        new = {sid: why for sid, why in not_trained.items() if sid not in self._noted}
+        self._noted.update(new)
+        note_step(self.ledger, self.cluster.run_id, step, trained, new)
 
     # -- after a fault -------------------------------------------------------------------------
     def recover(self, fault: Replaced) -> None:
@@ -584,6 +596,7 @@ class Run:
             faults=self.supervisor.faults,
         )
         (self.out / "faults.json").write_text(json.dumps(result.faults or [], indent=1) + "\n")
+        self._note_step(None, [], result.not_trained or {})  # what the run's end found not trained
         if late := self.supervisor.new_counters():  # faults after the last step's row (its checkpoint)
             self.tracker.log(late, self.state.step)
         _print(result.summary, None)
