@@ -163,7 +163,7 @@ class Supervisor:
         component = f"{'node' if node_gone else 'host'} of {box.name}"
         where = f"node {box.node[:8]} died" if node_gone else "its Ray actor died"
         fault = self._noticed(
-            component, phase, f"{where} ({root_cause(exc)})", label=f"{box.name} ({box.url})"
+            component, phase, f"{where} ({root_cause(exc).strip()})", label=f"{box.name} ({box.url})"
         )
         try:
             action = self.cluster.replace_engine(box)
