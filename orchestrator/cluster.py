@@ -7,8 +7,9 @@
 * `init_ray` — a local Ray bound to loopback (or the cluster in ``RAY_ADDRESS``).
 * `Cluster` — starts the engines, the router, the gateway, the rollout worker and the trainer
   ranks as Ray actors (`server_host.py`, `rollout_worker.py`, `trainer_worker.py`) in a placement group (`placement.py`), hands out their URLs,
-  checks that they are alive, and stops them all. Nothing here assumes one machine: every URL comes
-  from the actor that runs the server.
+  checks that they are alive, replaces what died (`replace_rollout`, `replace_trainer`, and
+  `replace_engine` for an engine whose node died), and stops them all. Nothing here assumes one
+  machine: every URL comes from the actor that runs the server.
 * `start_cluster` — the models the run names (built once, with progress), Ray, the cluster; on
   leaving, everything it started is stopped.
 """

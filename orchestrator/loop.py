@@ -17,7 +17,9 @@ acknowledgement and admin, the engines' versions: `Waiter.call`), goes through t
 `Supervisor` (supervisor.py): dead servers are restarted in place and the wait or call goes on; a
 dead environment runner or trainer raises `Replaced` out of the step, and `train` calls
 `run.recover(fault)`, which redoes the run from its state (for the trainer: from the last
-checkpoint). `RunResult.faults` and `faults.json` list every fault.
+checkpoint). `RunResult.faults` and `faults.json` list every fault. `trained.jsonl` (the step
+ledger, `ledger.note_step`) keeps what every step of every launch trained, for a driver killed
+and resumed.
 
 `Run(..., hook=fn)` calls `fn(phase, step, run)` in the driver's thread at each of `PHASES`, so a
 test can kill a process at a defined moment of a step, however fast the step runs.

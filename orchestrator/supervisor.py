@@ -15,6 +15,11 @@ What a death costs, per box (docs/reliability-faults.md has the measured recover
   calls failed meanwhile retry or end failed, counted by their groups. A gateway that comes back
   without the sessions open at its death (no session journal) makes the run redo the generation
   in flight (`Replaced`, raised by the next wait that may be redone).
+* an engine's host actor (the Ray worker running its `ServerHost`), or the node under it: the
+  router drops its URL, and it starts again wherever Ray places its bundle anew (a live node with
+  room) with the weights the others hold, or, with no room anywhere, the run goes on with the
+  engines left and says so (`Cluster.replace_engine`; fault `node of engine-N` / `host of
+  engine-N`). The host actor of any other server failing fails the run (resume it).
 * the environment runner (the `RolloutWorker` actor): replaced (`Cluster.replace_rollout`), the
   sessions it left open finished on the gateway as aborted; `Replaced` tells the run to redo the
   generation it had in flight (`loop.Run.recover`).

@@ -12,8 +12,8 @@ engines on one node, the two data-parallel trainer ranks on two others, placed b
 3. A node that dies with an engine on it (issue 37): three one-engine nodes added to the cluster,
    two engines on two of them; the hook removes engine-1's node when step 1 is over (Ray places
    its bundle on the spare node: the engine starts there with the current weights) and engine-0's
-   node when step 2 is over (no node has room: the run goes on with one engine). Each run's
-   `check_run` of test_faults.py holds, with the engines left.
+   node when step 2 is over (no node has room: the run goes on with one engine). The run finishes
+   every step, each spooled sample trained once or recorded with a reason, each death reported.
 """
 
 from __future__ import annotations
