@@ -10,7 +10,8 @@ and the filters into one step's `Batch`. No Ray here: every piece is testable al
   runner reports it: task index, sample ids, rewards, statuses, timing.
 * `SampleFeed` — reads `/samples?after=CURSOR` of every gateway shard (one cursor per shard's
   spool, gateway/shards.py): deduplicates by `sample_id`, drops failed/aborted samples and those of
-  evaluations or of another launch (all counted), and hands out a group's samples once they are
+  evaluations or of another launch (all counted; another launch's recorded as `earlier_launch`:
+  a resumed run reads a killed one's samples after its checkpoint), and hands out a group's samples once they are
   all read; `ack(cursors)` lets each shard delete what a checkpoint holds.
   After a fault the driver `retire`s the groups in flight: their samples, read already or later,
   are recorded as not trained with the fault as the reason.
@@ -95,7 +96,7 @@ class SampleFeed:
         self.seen: set[str] = set()
         self.buffer: dict[str, Sample] = {}
         self.counts: Counter[str] = Counter()
-        self.dropped: dict[str, str] = {}  # sample_id -> reason (`DROP_REASONS`), of this launch's samples
+        self.dropped: dict[str, str] = {}  # sample_id -> reason (`DROP_REASONS`, `earlier_launch`)
         self._unclaimed_drops: dict[
             str, dict[str, str]
         ] = {}  # group_id -> its part of `dropped`, until claimed
@@ -163,6 +164,8 @@ class SampleFeed:
         if not self._ours(data["group_id"]):
             evaluation = data["group_id"].rsplit("/", 1)[-1].startswith("eval-")
             self.counts["eval" if evaluation else "other_run"] += 1
+            if not evaluation:  # a launch killed after its checkpoint: this one redoes its steps
+                self.dropped[sid] = "earlier_launch"
             return 0
         attempt = group_attempt(data["group_id"])
         if attempt < self.attempt and data["status"] in TRAINABLE:

@@ -7,8 +7,9 @@
 * `init_ray` — a local Ray bound to loopback (or the cluster in ``RAY_ADDRESS``).
 * `Cluster` — starts the engines, the router, the gateway, the rollout worker and the trainer
   ranks as Ray actors (`server_host.py`, `rollout_worker.py`, `trainer_worker.py`) in a placement group (`placement.py`), hands out their URLs,
-  checks that they are alive, and stops them all. Nothing here assumes one machine: every URL comes
-  from the actor that runs the server.
+  checks that they are alive, replaces what died (`replace_rollout`, `replace_trainer`, and
+  `replace_engine` for an engine whose node died), and stops them all. Nothing here assumes one
+  machine: every URL comes from the actor that runs the server.
 * `start_cluster` — the models the run names (built once, with progress), Ray, the cluster; on
   leaving, everything it started is stopped.
 """
@@ -47,6 +48,10 @@ from palaestra.orchestrator.trainer_worker import TrainerWorker
 __all__ = ["Box", "Cluster", "build_models", "init_ray", "start_cluster"]
 
 log = logging.getLogger(__name__)
+
+PLACE_WAIT_S = 60.0
+"""How long `Cluster.replace_engine` waits for Ray to place a dead engine's bundle on a live node
+that has room, before the run goes on without it."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,6 +115,8 @@ class Box:
     actor: Any
     url: str | None = None
     log: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # the actor's Ray options (an engine's bundle)
+    node: str = ""  # the Ray node id it runs on (engines: `Cluster.replace_engine` asks if it is alive)
 
 
 @dataclass
@@ -136,6 +143,10 @@ class Cluster:
     # Between `pause_gateway` and `resume_gateway` (a weight sync in async mode): a gateway that
     # dies meanwhile is restarted paused (`restart_args`), so nothing generates mid-update.
     gateway_paused: bool = False
+    # How the engines were started (backend, model, flags, host, weight version): an engine whose
+    # node died starts again this way on another node (`replace_engine`).
+    engine_start: tuple[str, str, list[str], str, str] | None = None
+    router_urls: list[str | None] = field(default_factory=list)  # the workers the router starts with
 
     @property
     def servers(self) -> list[Box]:
@@ -170,23 +181,28 @@ class Cluster:
         for i, opts in enumerate(self.placement.engines):
             name = f"engine-{i}"
             self.engines.append(
-                Box(name, server.options(**opts).remote(name, log_dir), log=f"{log_dir}/{name}.log")
+                Box(
+                    name,
+                    server.options(**opts).remote(name, log_dir),
+                    log=f"{log_dir}/{name}.log",
+                    options=opts,
+                )
             )
         self.trainer = self._start_trainer()  # imports megatron-core while the engines load
-        engine_refs = [
-            b.actor.start_engine.remote(
-                cfg.engines.backend, cfg.model.student, flags, cfg.run.host, str(weight_version), 1800.0
-            )
-            for b in self.engines
-        ]
+        self.engine_start = (cfg.engines.backend, cfg.model.student, flags, cfg.run.host, str(weight_version))
+        engine_refs = [b.actor.start_engine.remote(*self.engine_start, 1800.0) for b in self.engines]
         for box, url in zip(self.engines, self._get_all(engine_refs, "starting the engines"), strict=True):
             box.url = url
+        nodes = self._get_all([b.actor.node_id.remote() for b in self.engines], "locating the engines")
+        for box, node in zip(self.engines, nodes, strict=True):
+            box.node = node
         self.startup_s["engines"] = time.perf_counter() - t0
         urls = [b.url for b in self.engines]
         master = self._get_all([self.trainer[0].rendezvous_address.remote()], "trainer rendezvous")[0]
         building = self.trainer_call("build", trainer_options(cfg), cfg.model.student, urls, master)
         services = cfg.run.resources.get("services", {})
         light = server.options(num_cpus=0, resources=services)
+        self.router_urls = [b.url for b in self.engines]
         self.router = Box("router", light.remote("router", log_dir), log=f"{log_dir}/router.log")
         self.router.url = self._get_all(
             [
@@ -374,6 +390,100 @@ class Cluster:
             self.trainer_call("build", trainer_options(self.cfg), self.cfg.model.student, urls, master),
             "rebuilding the trainer",
         )
+
+    def node_alive(self, node: str) -> bool:
+        import ray
+
+        return any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
+
+    def replace_engine(self, box: Box, wait_s: float = PLACE_WAIT_S) -> str:
+        """An engine whose host actor died (with its node, or alone): the router drops its URL;
+        where Ray places the engine's bundle again (a node left with room), a new engine starts
+        there with the weights the others hold and joins the router; otherwise the run goes on
+        with the engines left. The trainer's weight syncs follow either way. Returns what was done.
+        """
+        import ray
+
+        index = self.engines.index(box)
+        self.engines.pop(index)
+        self.sync_router()  # no call goes to the dead URL from here on
+        ray.kill(box.actor)  # Ray reports it dead: nothing of it may come back
+        node = self._bundle_node(box.options, wait_s)
+        if node is None:
+            if not self.engines:
+                raise RunFailed(f"{box.name}'s host died and no node has room for an engine: no engine left")
+            self._get_all(
+                self.trainer_call("set_engines", [b.url for b in self.engines]), "telling the trainer"
+            )
+            left = ", ".join(b.name for b in self.engines)
+            return (
+                f"no live node has room for it: the run goes on with {len(self.engines)} engine(s) ({left}); "
+                "the router and the trainer's weight syncs no longer reach it"
+            )
+        assert self.engine_start is not None
+        fresh = Box(box.name, ray.remote(ServerHost).options(**box.options).remote(box.name, self.log_dir),
+                    log=box.log, options=box.options, node=node)  # fmt: skip
+        start = fresh.actor.start_engine.remote(*self.engine_start, 1800.0)
+        fresh.url = self._get_all([start], f"starting {box.name} again")[0]
+        self.engines.insert(index, fresh)
+        self._get_all(self.trainer_call("set_engines", [b.url for b in self.engines]), "telling the trainer")
+        weights = self.bring_engine_up_to_date(fresh)
+        self.sync_router()
+        return f"started again on node {node[:8]} at {fresh.url}; {weights}"
+
+    def _bundle_node(self, options: dict[str, Any], wait_s: float) -> str | None:
+        """The live node holding the placement-group bundle an engine's `options` name, once Ray
+        has placed it again (at once when only the actor died); None when no live node has room
+        for it (seen for a second: Ray may be placing it meanwhile) or after `wait_s`."""
+        from ray.util.placement_group import placement_group_table
+
+        strategy = options.get("scheduling_strategy")
+        group = getattr(strategy, "placement_group", None)
+        index = getattr(strategy, "placement_group_bundle_index", -1)
+        if group is None:  # every engine has a bundle (`placement.place`); a stand-in has none
+            return None
+        spec = group.bundle_specs[index]
+        deadline, no_room_since = time.monotonic() + wait_s, None
+        while time.monotonic() < deadline:
+            node = placement_group_table(group)["bundles_to_node_id"].get(index) or ""
+            if node and self.node_alive(node):
+                return node
+            if self._room_for(spec):
+                no_room_since = None
+            elif no_room_since is None:
+                no_room_since = time.monotonic()
+            elif time.monotonic() - no_room_since >= 1.0:
+                return None
+            time.sleep(0.2)
+        return None
+
+    @staticmethod
+    def _room_for(demand: dict[str, Any]) -> bool:
+        """Whether some live node has `demand` (a bundle: resource -> amount) free now."""
+        from ray._private.state import available_resources_per_node  # no public per-node view in Ray 2.x
+
+        wanted = {k: float(v) for k, v in demand.items() if isinstance(v, int | float) and v}
+        return any(
+            all(free.get(k, 0.0) >= v for k, v in wanted.items())
+            for free in available_resources_per_node().values()
+        )
+
+    def sync_router(self) -> None:
+        """Makes the router's workers (sglang-router's `/workers`) the live engines: the dead one's
+        URL out, a replacement's in; after a router restart (which starts with the first list),
+        the same. The gateway reads that list too (its placement follows within seconds)."""
+        assert self.router is not None
+        want = [b.url.rstrip("/") for b in self.engines if b.url]
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            listed = client.get(f"{self.router.url}/workers")
+            listed.raise_for_status()
+            ids = {w["url"].rstrip("/"): w["id"] for w in listed.json()["workers"]}
+            for url, worker in ids.items():
+                if url not in want:
+                    client.delete(f"{self.router.url}/workers/{worker}").raise_for_status()
+            for url in want:
+                if url not in ids:
+                    client.post(f"{self.router.url}/workers", json={"url": url}).raise_for_status()
 
     def bring_engine_up_to_date(self, box: Box) -> str:
         """A restarted engine gets the weights the others hold (`engine_weights`); what was done."""

@@ -1,4 +1,5 @@
-"""The environment runner's session ledger, and the group ids that tell a redone group apart.
+"""The environment runner's session ledger, the group ids that tell a redone group apart, and the
+run's step ledger (what each step trained, across launches).
 
     client = ledgered_client(gateway_url, api_key, "runs/x/logs/rollout-sessions-0.jsonl")
     ...                                     # the runner opens and finishes sessions through it
@@ -10,6 +11,17 @@ finishes those sessions on the gateway as aborted (`Cluster.replace_rollout`), o
 gateway whether it still knows them (`Cluster.sessions_lost`). `group_run_id` names a task's group
 per attempt, so samples of a group abandoned after a fault never mix with its redone twin
 (`batching.group_attempt` reads it back).
+
+    note_step("runs/x/trained.jsonl", launch, step=3, trained=[...], not_trained={sid: reason})
+    history, reasons = read_steps("runs/x/trained.jsonl")   # per step, what its last record trained
+
+The step ledger (`trained.jsonl` in the run's directory) survives the driver: every launch of a run
+(`run.resume=true` after a driver was killed) appends one line per step it trained, and a step
+redone after a rollback or a resume appends another, which is the one that counts. A line also
+records the samples not trained since the last one, with their reasons; a resumed launch reads a
+killed launch's samples after its checkpoint back from the spool and records them as
+`earlier_launch` (`batching.SampleFeed`). So `read_steps` shows every sample trained once, or its
+reason, whatever was killed when.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from palaestra.sdk import GatewayClient
 
-__all__ = ["group_run_id", "ledgered_client", "open_sessions"]
+__all__ = ["group_run_id", "ledgered_client", "note_step", "open_sessions", "read_steps"]
 
 
 def group_run_id(run_id: str, index: int, attempt: int = 0) -> str:
@@ -81,3 +93,29 @@ def open_sessions(ledger: str | Path) -> dict[str, str]:
         elif "done" in entry:
             opened.pop(entry["done"], None)
     return opened
+
+
+def note_step(
+    path: str | Path, launch: str, step: int | None, trained: list[str], not_trained: dict[str, str]
+) -> None:
+    """Appends what `step` (1-based; None: the run's end) of `launch` trained, and the samples not
+    trained since the last line with their reasons, to the step ledger; flushed at once."""
+    entry = {"launch": launch, "step": step, "trained": trained, "not_trained": not_trained}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def read_steps(path: str | Path) -> tuple[dict[int, list[str]], dict[str, str]]:
+    """The step ledger read back: per step, the samples its last line trained (the final history),
+    and every sample any line recorded as not trained, with its reason."""
+    history: dict[int, list[str]] = {}
+    reasons: dict[str, str] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:  # the last line, cut by a kill
+            continue
+        if entry["step"] is not None:
+            history[entry["step"]] = entry["trained"]
+        reasons.update(entry["not_trained"])
+    return history, reasons

@@ -17,7 +17,9 @@ acknowledgement and admin, the engines' versions: `Waiter.call`), goes through t
 `Supervisor` (supervisor.py): dead servers are restarted in place and the wait or call goes on; a
 dead environment runner or trainer raises `Replaced` out of the step, and `train` calls
 `run.recover(fault)`, which redoes the run from its state (for the trainer: from the last
-checkpoint). `RunResult.faults` and `faults.json` list every fault.
+checkpoint). `RunResult.faults` and `faults.json` list every fault. `trained.jsonl` (the step
+ledger, `ledger.note_step`) keeps what every step of every launch trained, for a driver killed
+and resumed.
 
 `Run(..., hook=fn)` calls `fn(phase, step, run)` in the driver's thread at each of `PHASES`, so a
 test can kill a process at a defined moment of a step, however fast the step runs.
@@ -42,6 +44,7 @@ from palaestra.orchestrator.batching import Batch, SampleFeed
 from palaestra.orchestrator.checkpoint import RunState, checkpoint_dir, commit_checkpoint
 from palaestra.orchestrator.cluster import Cluster
 from palaestra.orchestrator.errors import Replaced, RunFailed
+from palaestra.orchestrator.ledger import note_step
 from palaestra.orchestrator.metrics import console_line, make_tracker, rollout_metrics
 from palaestra.orchestrator.modes import SOURCES
 from palaestra.orchestrator.supervisor import RUNNER, TRAINER, Supervisor
@@ -142,6 +145,8 @@ class Run:
         self._bar = None
         self._times: dict[str, float] = {}  # this step's clock readings (perf/*)
         self.not_trained: dict[str, str] = {}  # the batches' dropped samples, and undone steps' ones
+        self.ledger = self.out / "trained.jsonl"  # every launch's steps (`ledger.note_step`)
+        self._noted: set[str] = set()  # samples the step ledger already records as not trained
         self._stepping = False
         self.deferred: Replaced | None = None  # a fault seen mid-sync, redone at the next step
         # The last step's row, held for the evaluation after it: metrics.jsonl gets one row per step.
@@ -227,6 +232,8 @@ class Run:
             raise fault
         self._times = {"start": time.perf_counter()}
         self.waiter.start_step(step)
+        # a box that died between steps (an engine's node) is repaired before the step generates
+        self.supervisor.check_alive("the step's start")
         self._times["gateway_s"] = self.cluster.gateway_overhead_s()
         batch = self.source.batch(step, self.state.weight_version)
         self._times["batch"] = time.perf_counter()
@@ -303,6 +310,8 @@ class Run:
         """The tasks the step consumed, the spool cursor, and the step's timing (`perf/*`)."""
         self.state.consume([g.task_index for g in batch.considered])
         self.state.cursors = list(self.feed.cursors)
+        trained = self.trained[-1].sample_ids if self.trained and self.trained[-1].step == step else []
+        self._note_step(step + 1, trained, {**self.feed.dropped, **self.not_trained})
         t = self._times
         wall = time.perf_counter() - t["start"]
         return {
@@ -347,6 +356,13 @@ class Run:
             reward = metrics.get("rollout/reward_mean", math.nan)
             self._bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
             self._bar.update(1)
+
+    def _note_step(self, step: int | None, trained: list[str], not_trained: dict[str, str]) -> None:
+        """The step ledger's line (`ledger.note_step`): written before the step's checkpoint, so a
+        driver killed at any moment leaves every step it checkpointed on record."""
+        new = {sid: why for sid, why in not_trained.items() if sid not in self._noted}
+        self._noted.update(new)
+        note_step(self.ledger, self.cluster.run_id, step, trained, new)
 
     # -- after a fault -------------------------------------------------------------------------
     def recover(self, fault: Replaced) -> None:
@@ -582,6 +598,7 @@ class Run:
             faults=self.supervisor.faults,
         )
         (self.out / "faults.json").write_text(json.dumps(result.faults or [], indent=1) + "\n")
+        self._note_step(None, [], result.not_trained or {})  # what the run's end found not trained
         if late := self.supervisor.new_counters():  # faults after the last step's row (its checkpoint)
             self.tracker.log(late, self.state.step)
         _print(result.summary, None)

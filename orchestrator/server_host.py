@@ -32,6 +32,12 @@ class ServerHost:
     def where(self) -> str:
         return where()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (the driver asks whether it is still alive)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def _run(self, argv: list[str], host: str, port: int, *, env=None, timeout: float = 300.0) -> str:
         from palaestra.net import ServerProcess
 

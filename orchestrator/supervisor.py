@@ -15,6 +15,11 @@ What a death costs, per box (docs/reliability-faults.md has the measured recover
   calls failed meanwhile retry or end failed, counted by their groups. A gateway that comes back
   without the sessions open at its death (no session journal) makes the run redo the generation
   in flight (`Replaced`, raised by the next wait that may be redone).
+* an engine's host actor (the Ray worker running its `ServerHost`), or the node under it: the
+  router drops its URL, and it starts again wherever Ray places its bundle anew (a live node with
+  room) with the weights the others hold, or, with no room anywhere, the run goes on with the
+  engines left and says so (`Cluster.replace_engine`; fault `node of engine-N` / `host of
+  engine-N`). The host actor of any other server failing fails the run (resume it).
 * the environment runner (the `RolloutWorker` actor): replaced (`Cluster.replace_rollout`), the
   sessions it left open finished on the gateway as aborted; `Replaced` tells the run to redo the
   generation it had in flight (`loop.Run.recover`).
@@ -35,7 +40,7 @@ from typing import Any, NoReturn
 
 from palaestra.orchestrator.errors import Replaced, RunFailed, root_cause
 
-__all__ = ["GATEWAY", "RUNNER", "TRAINER", "Fault", "Supervisor"]
+__all__ = ["GATEWAY", "RUNNER", "TRAINER", "Fault", "Supervisor", "fault_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,16 @@ class Fault:
         return f"{self.at} {self.component} during {self.phase}: {self.seen}; {self.action} ({took})"
 
 
+def fault_kind(component: str) -> str:
+    """The `faults/<kind>` counter of a component: engine, gateway_shard, engine_node (an engine's
+    node died), engine_host (its host actor alone), router, gateway, environment_runner, trainer."""
+    for prefix, kind in (("engine-", "engine"), ("gateway-shard-", "gateway_shard"),
+                         ("node of ", "engine_node"), ("host of ", "engine_host")):  # fmt: skip
+        if component.startswith(prefix):
+            return kind
+    return component.replace(" ", "_")
+
+
 class Supervisor:
     """The Waiter's liveness check (`check_alive`, `actor_died`), repairing what it finds."""
 
@@ -83,13 +98,7 @@ class Supervisor:
             return {}
         out = {"faults/total": float(len(self.faults))}
         for fault in new:
-            kind = (
-                "engine"
-                if fault.component.startswith("engine-")
-                else "gateway_shard"
-                if fault.component.startswith("gateway-shard-")
-                else fault.component.replace(" ", "_")
-            )
+            kind = fault_kind(fault.component)
             out[f"faults/{kind}"] = out.get(f"faults/{kind}", 0.0) + 1.0
             out[f"faults/{kind}_recovery_s"] = fault.recovery_s
         return out
@@ -130,16 +139,46 @@ class Supervisor:
         import ray
 
         boxes = self.cluster.servers
-        try:
-            codes = ray.get([b.actor.poll.remote() for b in boxes], timeout=30)
-        except ray.exceptions.RayActorError as exc:
-            raise RunFailed(f"{phase}: a server's host actor died: {root_cause(exc)}") from None
+        refs = [b.actor.poll.remote() for b in boxes]
         repaired = False
-        for box, code in zip(boxes, codes, strict=True):
+        for box, ref in zip(boxes, refs, strict=True):
+            try:
+                code = ray.get(ref, timeout=30)
+            except ray.exceptions.ActorDiedError as exc:
+                if box not in self.cluster.engines:
+                    raise RunFailed(
+                        f"{phase}: the host actor of {box.name} died ({root_cause(exc)}); only an engine's "
+                        "is replaced: run again with run.resume=true to continue from the last checkpoint"
+                    ) from None
+                self._replace_engine(box, phase, exc)
+                repaired = True
+                continue
+            except ray.exceptions.RayActorError as exc:
+                raise RunFailed(f"{phase}: a server's host actor died: {root_cause(exc)}") from None
             if code is not None:
                 self._restart_server(box, code, phase)
                 repaired = True
         return repaired
+
+    def _replace_engine(self, box: Any, phase: str, exc: BaseException) -> None:
+        """An engine's host actor died (its node with it, or alone): `Cluster.replace_engine` starts
+        it again where Ray finds room, or the run goes on with the engines left."""
+        started = time.monotonic()
+        node_gone = bool(box.node) and not self.cluster.node_alive(box.node)
+        component = f"{'node' if node_gone else 'host'} of {box.name}"
+        where = f"node {box.node[:8]} died" if node_gone else "its Ray actor died"
+        fault = self._noticed(
+            component, phase, f"{where} ({root_cause(exc).strip()})", label=f"{box.name} ({box.url})"
+        )
+        try:
+            action = self.cluster.replace_engine(box)
+        except Exception as e:  # noqa: BLE001 (any failure to replace ends the run, explained)
+            fault.action = f"replacement failed: {e}"
+            raise RunFailed(
+                f"{box.name} ({box.url}): {where} during {phase}, and replacing it failed: {e}"
+            ) from None
+        log.warning("%s during %s: %s", component, phase, action)  # the one line that says so
+        self.recovered(fault, action, started)
 
     def _restart_server(self, box: Any, code: int, phase: str) -> None:
         import ray
@@ -160,6 +199,11 @@ class Supervisor:
             action = f"restarted on the same port ({box.url})" + (f" with {' '.join(extra)}" if extra else "")
             if box in self.cluster.engines:
                 action += "; " + self.cluster.bring_engine_up_to_date(box)
+            if box is self.cluster.router and self.cluster.router_urls != [
+                b.url for b in self.cluster.engines
+            ]:
+                self.cluster.sync_router()  # it came back with the workers it started with
+                action += f"; its workers set to the engines left ({len(self.cluster.engines)})"
             if box in self.cluster.gateway_shards:  # a shard is a gateway: its own journal and spool
                 lost = self.cluster.sessions_lost()
                 if lost:  # without a session journal the restarted gateway knows none of them

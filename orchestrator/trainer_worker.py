@@ -106,6 +106,11 @@ class TrainerWorker:
     def weight_version(self) -> int:
         return self.trainer.weight_version
 
+    def set_engines(self, urls: list[str]) -> None:
+        """The engines the weight syncs reach from now on (`Cluster.replace_engine`)."""
+        if self.trainer.sync is not None:
+            self.trainer.sync.set_engines(urls)
+
     def synced_weights_dir(self) -> str | None:
         """Where the weights of the last sync lie as a safetensors directory an engine can load
         (sync.mode shm: the shared-memory file; disk: that version's directory), or None. The

@@ -3,6 +3,7 @@
     palaestra train configs/demo.yaml
     palaestra train configs/demo.yaml run.mode=async run.max_staleness=2 run.steps=50
     palaestra train configs/demo.yaml run.resume=true          # from the latest checkpoint
+    palaestra train configs/demo.yaml --resume                 # the same (e.g. after the driver was killed)
 
 The loop, per step (`run.mode` decides what overlaps):
 
@@ -39,14 +40,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from palaestra.config import ConfigError, RunConfig, config_help, config_to_dict, load_config
 from palaestra.orchestrator.checkpoint import prepare_run
 from palaestra.orchestrator.cluster import start_cluster
 from palaestra.orchestrator.errors import Replaced, RunFailed
-from palaestra.orchestrator.loop import Hook, Run, RunResult, eval_row
+from palaestra.orchestrator.loop import PHASES, Hook, Run, RunResult, eval_row
 
 __all__ = ["register", "train"]
 
@@ -104,6 +107,8 @@ def _command(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]  # only overrides, no file
+    if args.resume:
+        overrides.append("run.resume=true")
     try:
         cfg = load_config(config, overrides)
     except ConfigError as exc:
@@ -115,11 +120,34 @@ def _command(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
     try:
-        train(cfg)
+        train(cfg, hook=_halt_hook(os.environ.get(HALT_ENV), cfg.output_dir))
     except RunFailed as exc:
         print(f"palaestra train: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+HALT_ENV = "PALAESTRA_TEST_HALT_AT"
+"""TEST HOOK, read only by `palaestra train`: ``<phase>:<step>`` (one of `loop.PHASES`, the step
+0-based) makes the driver stop there: it writes ``halted`` into the run's directory and waits, so
+that a test can kill its process group at that moment (tests/orchestrator/test_driver_kill.py)."""
+
+
+def _halt_hook(value: str | None, output_dir: Path) -> Hook | None:
+    """The test hook of `HALT_ENV`, or None when the variable is unset."""
+    if not value:
+        return None
+    phase, _, step = value.partition(":")
+    if phase not in PHASES or not step.isdigit():
+        raise SystemExit(f"{HALT_ENV}={value!r}: expected <phase>:<step> with a phase of {', '.join(PHASES)}")
+
+    def halt(at: str, at_step: int, run: Run) -> None:
+        if (at, at_step) == (phase, int(step)):
+            (output_dir / "halted").write_text(f"{value} {os.getpid()}\n")
+            while True:  # until the test's SIGKILL
+                time.sleep(3600)
+
+    return halt
 
 
 def register(groups) -> None:
@@ -137,6 +165,12 @@ def register(groups) -> None:
     p.add_argument("config", nargs="?", default=None, help="YAML config (omit to use only defaults)")
     p.add_argument(
         "overrides", nargs="*", default=[], help="dotted overrides, e.g. run.steps=10 run.mode=async"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in run.output_dir from its latest checkpoint (= run.resume=true), e.g. "
+        "after its driver was killed",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=_command)

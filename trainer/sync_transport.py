@@ -146,6 +146,13 @@ class Engines:
             )
         return self._client
 
+    def set_urls(self, urls: Sequence[str]) -> None:
+        """The engines from now on (one was lost with its node, or came back at another URL)."""
+        self.urls = [u.rstrip("/") for u in urls]
+        if self._threads is not None:  # sized for the old list
+            self._threads.shutdown()
+            self._threads = None
+
     def close(self) -> None:
         if self._client is not None and self._own_client:
             self._client.close()

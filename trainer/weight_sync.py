@@ -153,6 +153,17 @@ class WeightSync:
     def urls(self) -> list[str]:
         return self.engines.urls
 
+    def set_engines(self, urls: Sequence[str]) -> None:
+        """The engines the next syncs reach: the driver lost one with its node, or brought it back
+        at another URL (orchestrator/supervisor.py). Not in mode distributed, whose NCCL group
+        holds the engines it was built with."""
+        if self.mode == "distributed":
+            raise ValueError(
+                "sync.mode distributed cannot change its engines (the NCCL group is built once); "
+                "use sync.mode shm, disk or tensor to survive the loss of an engine's node"
+            )
+        self.engines.set_urls(urls)
+
     def close(self) -> None:
         """Drops the transports' files and groups (engines keep the weights they hold)."""
         if self.adapters is not None:

@@ -171,7 +171,7 @@ def test_sample_feed_keeps_this_launchs_trainable_samples_once_until_claimed():
             assert feed.claim(_record(0, ["a", "e"])) is None  # nothing read yet
             assert feed.poll() == 2 and feed.cursors == [6]
             assert feed.counts == Counter(duplicates=1, status_failed=1, other_run=1, eval=1)
-            assert feed.dropped == {"b": "failed"}
+            assert feed.dropped == {"b": "failed", "c": "earlier_launch"}  # an evaluation's: no reason needed
             claimed = feed.claim(_record(0, ["a", "e"]))
             assert [s.sample_id for s in claimed] == ["a", "e"] and feed.buffer == {}
             assert feed.poll() == 0  # the cursor moved on: nothing is read twice
@@ -327,6 +327,23 @@ def test_the_runner_ledger_names_the_sessions_left_open(tmp_path):
         '{"open": "s3", "group": "g2"}\n{"done": "s'  # the last line cut by the kill
     )
     assert open_sessions(ledger) == {"s2": "g1", "s3": "g2"}
+
+
+def test_the_step_ledger_keeps_each_steps_last_record_and_every_reason(tmp_path):
+    """Launch A trains steps 1-2 and is killed; B resumes from step 1's checkpoint and redoes step
+    2 (A's step 2 samples read back as `earlier_launch`): the final history is B's step 2."""
+    from palaestra.orchestrator.ledger import note_step, read_steps
+
+    ledger = tmp_path / "trained.jsonl"
+    note_step(ledger, "A", 1, ["a1", "a2"], {"a0": "failed"})
+    note_step(ledger, "A", 2, ["a3"], {})
+    note_step(ledger, "B", 2, ["b1"], {"a3": "earlier_launch"})
+    note_step(ledger, "B", None, [], {"b2": "unused_at_end"})
+    with open(ledger, "a") as f:
+        f.write('{"launch": "B", "step": 3, "trai')  # a line cut by a kill
+    history, reasons = read_steps(ledger)
+    assert history == {1: ["a1", "a2"], 2: ["b1"]}
+    assert reasons == {"a0": "failed", "a3": "earlier_launch", "b2": "unused_at_end"}
 
 
 def test_async_mode_interrupts_weight_syncs_unless_told_to_drain():

@@ -9,10 +9,16 @@ engines on one node, the two data-parallel trainer ranks on two others, placed b
 2. The driver: `palaestra train` joins the cluster (`run.ray_address`), `run.resources` puts the
    engines on the engine node and one trainer rank on each trainer node (`trainer.dp_size: 2`,
    decoupled), and the printed placement shows it.
+3. A node that dies with an engine on it (issue 37): three one-engine nodes added to the cluster,
+   two engines on two of them; the hook removes engine-1's node when step 1 is over (Ray places
+   its bundle on the spare node: the engine starts there with the current weights) and engine-0's
+   node when step 2 is over (no node has room: the run goes on with one engine). The run finishes
+   every step, each spooled sample trained once or recorded with a reason, each death reported.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -22,6 +28,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.engine]
 
 ENGINE_NODE, TRAINER_NODE = "palaestra_test_engine_node", "palaestra_test_trainer_node"
+LOST_NODE = "palaestra_test_lost_node"  # the nodes test 3 removes (room for one engine each)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +190,64 @@ def test_palaestra_train_across_nodes_with_two_data_parallel_ranks(cluster, tmp_
     ranks = [node(line) for line in lines if line.startswith("  trainer rank")]
     engines = {node(line) for line in lines if line.startswith("  engine-")}
     assert len(ranks) == 2 and len(set(ranks)) == 2 and len(engines) == 1 and engines.isdisjoint(ranks)
+
+
+def test_an_engine_whose_node_dies_starts_again_where_there_is_room_else_the_run_goes_on_without_it(
+    cluster, tmp_path
+):
+    import ray
+
+    from palaestra.train import train
+    from tests.orchestrator.test_faults import _gone, _until, spooled
+    from tests.support.runs import make_config
+
+    nodes = [
+        cluster.add_node(num_cpus=1, resources={LOST_NODE: 1}, node_ip_address="127.0.0.1") for _ in range(3)
+    ]
+    cluster.wait_for_nodes()
+    removed: list[tuple[str, int]] = []  # (engine, step after which its node was removed)
+
+    def hook(phase: str, step: int, run) -> None:
+        if phase != "step" or step > 1:
+            return
+        (box,) = [b for b in run.cluster.engines if b.name == ("engine-1", "engine-0")[step]]
+        pid = ray.get(box.actor.pid.remote(), timeout=60)
+        cluster.remove_node(next(n for n in nodes if n.node_id == box.node))
+        _until(lambda: _gone(pid), f"{box.name}'s engine (pid {pid}) to end with its node")
+        removed.append((box.name, step))
+
+    # the services (router, gateway, environment runner) on the head, which no test removes
+    resources = (f"run.resources={{trainer: {{{TRAINER_NODE}: 1}}, engines: {{{LOST_NODE}: 1}}, "
+                 f"services: {{{ENGINE_NODE}: 0.01}}}}")  # fmt: skip
+    cfg = make_config(tmp_path / "run", "sync", f"run.ray_address={cluster.address}", "run.placement=decoupled",
+                      resources, "run.steps=3", "run.checkpoint_every=3", "env.eval_tasks=0")  # fmt: skip
+    try:
+        result = train(cfg, hook=hook)
+    finally:
+        for node in nodes:
+            if node.node_id in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+                cluster.remove_node(node)
+    assert removed == [("engine-1", 0), ("engine-0", 1)]
+    restarted, lost = result.faults
+    print(f"\n{restarted['component']}: {restarted['action']} ({restarted['recovery_s']:.1f} s)"
+          f"\n{lost['component']}: {lost['action']} ({lost['recovery_s']:.1f} s)")  # fmt: skip
+    assert restarted["component"] == "node of engine-1" and restarted["phase"] == "the step's start"
+    assert "started again on node" in restarted["action"] and "weight version 1 loaded" in restarted["action"]
+    assert lost["component"] == "node of engine-0"
+    assert "the run goes on with 1 engine(s) (engine-1)" in lost["action"]
+    # every step once, the engine left at the last version, each sample trained once or not with a reason
+    assert [r.step for r in result.trained] == [0, 1, 2] and result.engine_versions_end == ["3"]
+    trained = [sid for r in result.trained for sid in r.sample_ids]
+    assert len(trained) == len(set(trained))
+    not_trained = result.not_trained or {}
+    samples = {s["sample_id"] for s in spooled(result.output_dir)}
+    assert samples == set(trained) | set(not_trained) and not set(trained) & set(not_trained)
+    # reported: faults.json, the summary line, the faults/* counters
+    out = result.output_dir
+    assert json.loads((out / "faults.json").read_text()) == result.faults
+    assert "node of engine-0" in result.summary
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("faults/engine_node", 0) for r in rows) == 2
 
 
 def check(engines: list, ranks: list) -> None:
