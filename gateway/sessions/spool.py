@@ -336,6 +336,20 @@ class SampleSpool:
                 self._file = None
 
 
+def read_segment(path: str | Path) -> list[dict[str, Any]]:
+    """The samples of one segment file, whole (references expanded), for a reader of the files
+    (a test, a post-mortem) that must not recover, retain or index as a `SampleSpool` does."""
+    whole: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_bytes().splitlines():
+        record = json.loads(line)
+        if "ref" in record:
+            parent, n = record["ref"]
+            whole[record["cursor"]] = shared_prefix.expand(record["part"], n, whole[parent])
+        else:
+            whole[record["cursor"]] = record["sample"]
+    return list(whole.values())
+
+
 def _line(f: Any, loc: _Loc) -> dict[str, Any]:
     f.seek(loc.offset)
     return json.loads(f.read(loc.length))
