@@ -93,9 +93,15 @@ def journal_counts(directory: Path) -> dict[str, int]:
 
 
 async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -> None:
-    per_word = len(tok.encode(user_message(args.turns, 100), add_special_tokens=False)) / 100
     reply_len = len(tok.encode(REPLY, add_special_tokens=False)) + 1
-    words = max(1, int((args.history / args.turns - reply_len - 12) / per_word))  # 12: the turn's markup
+    per_turn = args.history / args.turns - reply_len - 10  # 10: a turn's markup
+
+    def user_len(words: int) -> int:
+        return len(tok.encode(user_message(args.turns // 2, words), add_special_tokens=False))
+
+    words = 1
+    while user_len(words + 1) <= per_turn:
+        words += 1
     results: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[dict[str, Any]]] = {}
     for side in SIDES:
