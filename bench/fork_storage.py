@@ -12,7 +12,7 @@ tokens, and every `--fork-every` turns the agent edits the model's last reply (a
 `assistant_edited` fork: a new sample whose prompt is the whole history). Printed per side: the
 samples, the token ids stored in the spool (the `tokens` lists) and its per-response entries (loss
 mask, logprobs, versions), the spool's bytes, the journal's token ids (prompts, tails, outputs) and
-bytes, and the median time to read every sample back (`SampleSpool.read`, which expands the
+bytes, the time of the reward call's append (fsync included), and the median time to read every sample back (`SampleSpool.read`, which expands the
 references); the samples read back are checked equal field for
 field.
 """
@@ -117,6 +117,17 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
         spool = SampleSpool(config.spool_dir, share_prefixes=share)
         svc = build_service(config, tok, 32768, EngineClient(engine_url), spool)
         svc.journal.share_prefixes = share
+        append, append_s = spool.append, []
+
+        def timed_append(
+            batch: list[dict[str, Any]], append: Any = append, took: list = append_s
+        ) -> list[int]:
+            t0 = time.perf_counter()
+            cursors = append(batch)
+            took.append(time.perf_counter() - t0)
+            return cursors
+
+        spool.append = timed_append  # type: ignore[method-assign]
         samples[side] = await session(svc, args, words)
         reads = []
         for _ in range(args.reads):
@@ -131,6 +142,7 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
             **spool_counts(root / side),
             **journal_counts(root / side),
             "read_ms": read_s * 1e3,
+            "append_ms": sum(append_s) * 1e3,
             "samples": len(again),
             "history": len(samples[side][-1]["tokens"]),
             "forks": sum(1 for s in samples[side] if s["fork_reason"]),
@@ -148,6 +160,7 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
         ("spool bytes", "spool_bytes", "{:,}"),
         ("journal token ids", "journal_ids", "{:,}"),
         ("journal bytes", "journal_bytes", "{:,}"),
+        ("append the samples (ms)", "append_ms", "{:.2f}"),
         ("read every sample, median (ms)", "read_ms", "{:.2f}"),
     ]
     print(f"  {'':28} {'whole':>12} {'shared':>12} {'shared/whole':>13}")
