@@ -16,7 +16,10 @@ directory, so that a gateway restarted on the same directory continues each sess
     {"k": "fin",  "sid": ..., "a": {status, reward, metrics, sample_ids, cursors, sampled_tokens}}
 
 A turn record holds what cannot be recomputed: its ids (the prompt as the tokens after the
-parent's prompt + output, so the journal grows with the tokens sampled, not with history squared),
+parent's prompt + output, so the journal grows with the tokens sampled, not with history squared;
+a fork's prompt, which has no parent, as `"base": [turn id, n]` and the tokens after the first n of
+that earlier turn's prompt + output: the session's earlier turn it shares the most with, when that is
+at least `shared_prefix.MIN_SHARED` tokens; older journals: whole),
 logprobs, weight versions, finish reason, parse status, fork reason, and for a chat turn the
 request's messages (as the ones after those of the session's previous journaled call), the reply
 and the template context (tools, template arguments; only when changed). The digests the bridge
@@ -55,6 +58,7 @@ from typing import Any, Literal
 
 import orjson
 
+from palaestra.gateway.sessions import shared_prefix
 from palaestra.gateway.sessions.session import Session
 from palaestra.gateway.sessions.trajectory import Turn
 
@@ -127,7 +131,9 @@ class SessionJournal:
         fsync: FsyncPolicy = "batch",
         interval_s: float = 0.05,
         segment_bytes: int = 16 << 20,
+        share_prefixes: bool = True,
     ):
+        """`share_prefixes` off writes a fork's prompt whole (as before forks shared; bench/fork_storage.py)."""
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"journal_fsync must be one of {', '.join(FSYNC_POLICIES)}; got {fsync!r}")
         self.dir = Path(directory)
@@ -135,6 +141,7 @@ class SessionJournal:
         self.fsync = fsync
         self.interval_s = interval_s
         self.segment_bytes = segment_bytes
+        self.share_prefixes = share_prefixes
         self._segments: list[_Segment] = []
         self._where: dict[str, list[_Segment]] = {}  # open session -> segments with its records
         self._last: dict[str, _Last] = {}
@@ -328,7 +335,10 @@ class SessionJournal:
             if parent is not None:
                 t["tail"] = turn.prompt_ids[len(parent.prompt_ids) + len(parent.output_ids) :]
             else:
-                t["prompt"] = turn.prompt_ids
+                base, n = self._fork_base(session, turn)
+                if base is not None:
+                    t["base"] = [base.turn_id, n]
+                t["prompt"] = turn.prompt_ids[n:]
             if messages is not None:
                 known = last.messages if last is not None and last.messages is not None else []
                 # identity: HistoryDigests shares them. The usual call repeats all of the previous
@@ -364,6 +374,20 @@ class SessionJournal:
             )
         elif last is not None:
             last.prompt = None
+
+    def _fork_base(self, session: Session, turn: Turn) -> tuple[Turn | None, int]:
+        """The session's earlier turn whose prompt + output shares the most leading tokens with
+        `turn`'s prompt, and how many; (None, 0) below `MIN_SHARED`. A leaf's tokens begin with its
+        ancestors', so the leaves are the only candidates."""
+        if not self.share_prefixes:
+            return None, 0
+        best, most = None, 0
+        for other in session.turns:
+            if other.children == 0 and other.call_id != turn.call_id:
+                n = shared_prefix.shared_with_turn(turn.prompt_ids, other)
+                if n > most:
+                    best, most = other, n
+        return (best, most) if most >= shared_prefix.MIN_SHARED else (None, 0)
 
     def failed(self, session: Session, call: dict[str, Any]) -> None:
         if not session.finished:

@@ -4,7 +4,8 @@
     finish_from_spool(session, spool)   # a session whose finish record was lost after its samples
 
 `restore` replays each session's records in order: its "open" record builds the `Session`, each
-"turn" record a `Turn` (the prompt from the parent's prompt + output + the journaled tail; the
+"turn" record a `Turn` (the prompt from the parent's prompt + output + the journaled tail, a fork's
+from the shared prefix of its base turn + the rest; the
 message digests, reply digest and context key recomputed, because Python's `hash()` differs from
 one process to the next; the decoded output text from the ids; the kept Responses conversations
 from the messages and the reply), "fail" records the failed calls, and a "fin" record finishes it
@@ -77,6 +78,13 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
         if "tail" in t:
             assert parent is not None
             prompt = parent.prompt_ids + parent.output_ids + t["tail"]
+        elif "base" in t:  # a fork: the first n tokens of an earlier turn's prompt + output
+            base_id, n = t["base"]
+            base = rep.turns[base_id]
+            head = base.prompt_ids[:n]
+            if n > len(head):
+                head = head + base.output_ids[: n - len(head)]
+            prompt = head + t["prompt"]
         else:
             prompt = t["prompt"]
         messages, digest, n_messages = rep.messages, None, 0

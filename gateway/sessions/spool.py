@@ -17,6 +17,15 @@ deleted (unless `delete_acked` is off), so the spool's disk use follows the cons
 counting across deletions; a read before the first kept cursor starts at it (`first_cursor`).
 `delivered` is the highest cursor handed to a reader; the backlog is what is durable and neither
 delivered nor acknowledged.
+
+Forks share their prefix: a session's samples are appended together, and a sample that shares at
+least `shared_prefix.MIN_SHARED` leading tokens with an earlier one of the same append (a fork of
+the same session) is written as `{"cursor": N, "ref": [parent cursor, n], "part": {...}}`: the
+sample less the parent's first n tokens (gateway/sessions/shared_prefix.py). `read` expands it, so
+every reader sees the whole sample as before; records written before this (`"sample"` whole)
+read as they are. A parent is always in its child's segment (one append writes to one segment, and
+a reference never reaches outside its append), and a segment is deleted only when every cursor in it
+is acknowledged, so no parent goes while a child that references it is unacknowledged.
 """
 
 from __future__ import annotations
@@ -29,8 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from palaestra.gateway.sessions import shared_prefix
+
 SEGMENT_BYTES = 64 << 20
 ACK_FILE = "acked"
+MAX_DEPTH = 16
+"""The longest chain of references a sample may sit at the end of (a reader parses the chain)."""
 
 
 @dataclass
@@ -41,11 +54,19 @@ class _Loc:
 
 
 class SampleSpool:
-    def __init__(self, directory: str | Path, segment_bytes: int = SEGMENT_BYTES, delete_acked: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        segment_bytes: int = SEGMENT_BYTES,
+        delete_acked: bool = True,
+        share_prefixes: bool = True,
+    ):
+        """`share_prefixes` off writes every sample whole (as before forks shared; bench/fork_storage.py)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.delete_acked = delete_acked
+        self.share_prefixes = share_prefixes
         self._lock = threading.Lock()
         self._base = (
             0  # cursors up to _base were deleted (acknowledged): cursor c is at _index[c - 1 - _base]
@@ -91,17 +112,28 @@ class SampleSpool:
                 line = data[offset:end]
                 try:
                     record = json.loads(line)
-                    cursor, sample_id = int(record["cursor"]), record["sample"]["sample_id"]
+                    cursor = int(record["cursor"])
+                    sample_id = (record["part"] if "ref" in record else record["sample"])["sample_id"]
                 except (ValueError, KeyError, TypeError) as exc:
                     raise RuntimeError(f"spool segment {seg} is corrupt at byte {offset}: {exc}") from None
                 if not self._index and not self._ids:
                     self._base = cursor - 1  # the first kept record (earlier segments were deleted)
                 if cursor != self._base + len(self._index) + 1:
                     raise RuntimeError(f"spool segment {seg}: cursor {cursor} out of order at byte {offset}")
+                if "ref" in record and not self._in_segment(record["ref"][0], cursor, seg):
+                    raise RuntimeError(
+                        f"spool segment {seg} is corrupt at byte {offset}: cursor {cursor} references "
+                        f"cursor {record['ref'][0]}, which is not an earlier record of this segment"
+                    )
                 self._index.append(_Loc(seg, offset, end - offset))
                 self._ids[sample_id] = cursor
                 offset = end + 1
         self._segment = segments[-1] if segments else None
+
+    def _in_segment(self, parent: Any, cursor: int, seg: Path) -> bool:
+        if not isinstance(parent, int) or not self._base < parent < cursor:
+            return False
+        return self._index[parent - 1 - self._base].segment == seg
 
     # -- retention ----------------------------------------------------------------------------
     def ack(self, cursor: int) -> int:
@@ -176,15 +208,16 @@ class SampleSpool:
             cursors = []
             self._open_segment()
             assert self._file is not None and self._segment is not None
+            written: list[tuple[int, dict[str, Any], int]] = []  # (cursor, sample, depth) of this append
             for sample in samples:
                 sid = sample["sample_id"]
                 if sid in self._ids:
                     cursors.append(self._ids[sid])
                     continue
                 cursor = self.last_cursor + 1
-                line = (
-                    json.dumps({"cursor": cursor, "sample": sample}, separators=(",", ":")).encode() + b"\n"
-                )
+                record, depth = self._record(cursor, sample, written)
+                written.append((cursor, sample, depth))
+                line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
                 offset = self._file.tell()
                 self._file.write(line)
                 self._index.append(_Loc(self._segment, offset, len(line) - 1))
@@ -195,6 +228,24 @@ class SampleSpool:
             os.fsync(self._file.fileno())
         self._wake()
         return cursors
+
+    def _record(
+        self, cursor: int, sample: dict[str, Any], written: list[tuple[int, dict[str, Any], int]]
+    ) -> tuple[dict[str, Any], int]:
+        """The line for `sample` and its depth in a chain of references: against the sample of this
+        append (same session) it shares the most leading tokens with, or whole."""
+        if self.share_prefixes:
+            best, most = None, 0
+            for parent in written:
+                _, other, depth = parent
+                if other["session_id"] == sample["session_id"] and depth < MAX_DEPTH:
+                    n = shared_prefix.common_prefix(sample["tokens"], other["tokens"])
+                    if n >= most:
+                        best, most = parent, n
+            if best is not None and (found := shared_prefix.delta(sample, best[1])) is not None:
+                n, part = found
+                return {"cursor": cursor, "ref": [best[0], n], "part": part}, best[2] + 1
+        return {"cursor": cursor, "sample": sample}, 0
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -214,7 +265,7 @@ class SampleSpool:
 
     def read(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
         """Records `{"cursor", "sample"}` with cursor > after (from the first kept one), at most
-        `limit`; the last one counts as delivered (`backlog`)."""
+        `limit`, each sample whole (a reference expanded); the last one counts as delivered (`backlog`)."""
         with self._lock:
             start = max(after - self._base, 0)
             locs = self._index[start : start + limit]
@@ -222,6 +273,7 @@ class SampleSpool:
                 self.delivered = max(self.delivered, self._base + start + len(locs))
         out = []
         handles: dict[Path, Any] = {}
+        whole: dict[int, dict[str, Any]] = {}  # cursor -> sample, for the references that follow
         try:
             for loc in locs:
                 f = handles.get(loc.segment)
@@ -230,12 +282,37 @@ class SampleSpool:
                         f = handles[loc.segment] = open(loc.segment, "rb")  # noqa: SIM115
                     except FileNotFoundError:  # acknowledged and deleted since: the reader is behind the ack
                         continue
-                f.seek(loc.offset)
-                out.append(json.loads(f.read(loc.length)))
+                sample = self._sample(_line(f, loc), f, whole)
+                if sample is not None:
+                    out.append(sample)
         finally:
             for f in handles.values():
                 f.close()
         return out
+
+    def _sample(
+        self, record: dict[str, Any], f: Any, whole: dict[int, dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """`record` as `{"cursor", "sample"}` with the sample whole, its parents read from `f` (its
+        segment, open); None when a parent is no longer indexed (deleted: the reader is behind the ack)."""
+        cursor = record["cursor"]
+        if "ref" not in record:
+            whole[cursor] = record["sample"]
+            return record
+        parent_cursor, n = record["ref"]
+        parent = whole.get(parent_cursor)
+        if parent is None:
+            with self._lock:
+                i = parent_cursor - 1 - self._base
+                loc = self._index[i] if 0 <= i < len(self._index) else None
+            if loc is None:
+                return None
+            got = self._sample(_line(f, loc), f, whole)
+            if got is None:
+                return None
+            parent = got["sample"]
+        sample = whole[cursor] = shared_prefix.expand(record["part"], n, parent)
+        return {"cursor": cursor, "sample": sample}
 
     async def wait_for(self, after: int, timeout: float) -> bool:
         """Waits until a cursor > after exists (True) or the timeout passes (False)."""
@@ -257,6 +334,25 @@ class SampleSpool:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def read_segment(path: str | Path) -> list[dict[str, Any]]:
+    """The samples of one segment file, whole (references expanded), for a reader of the files
+    (a test, a post-mortem) that must not recover, retain or index as a `SampleSpool` does."""
+    whole: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_bytes().splitlines():
+        record = json.loads(line)
+        if "ref" in record:
+            parent, n = record["ref"]
+            whole[record["cursor"]] = shared_prefix.expand(record["part"], n, whole[parent])
+        else:
+            whole[record["cursor"]] = record["sample"]
+    return list(whole.values())
+
+
+def _line(f: Any, loc: _Loc) -> dict[str, Any]:
+    f.seek(loc.offset)
+    return json.loads(f.read(loc.length))
 
 
 def _fsync_dir(path: Path) -> None:

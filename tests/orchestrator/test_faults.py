@@ -59,6 +59,7 @@ from typing import Any
 
 import pytest
 
+from palaestra.gateway.sessions.spool import read_segment
 from tests.support.runs import TWO_TURN, make_config
 
 pytestmark = [
@@ -314,7 +315,7 @@ def spooled(out: Path) -> list[dict]:
     """Every sample the gateway made durable in this run (its spool segments)."""
     samples = []
     for segment in sorted((out / "spool").glob("samples-*.jsonl")):
-        samples += [json.loads(line)["sample"] for line in segment.read_text().splitlines() if line]
+        samples += read_segment(segment)  # a fork is stored against its parent: read it whole
     return samples
 
 
