@@ -54,6 +54,7 @@ ROUTER_ARGS = {"manual min_load": ("manual", ["--router-assignment-mode", "min_l
 # ours, and the ideas it is made of, measured one at a time
 PLACEMENTS: dict[str, PlacementConfig] = {
     "placement": PlacementConfig(),  # the gateway's defaults with --placement
+    "placement +prefix": PlacementConfig(new_sessions="env_prefix"),
     "placement -group": PlacementConfig(groups="apart"),
     "placement +pools": PlacementConfig(pools=True),
     "placement +admission": PlacementConfig(admit_fill=0.9),
