@@ -173,6 +173,17 @@ def test_the_front_sends_each_call_to_its_sessions_shard_and_answers_for_the_fle
                 r = await c.post(f"/s/{sid}/v1/chat/completions", content=b"{}")
                 assert r.status_code == 503 and r.headers["retry-after"] == "1"
                 assert "shard 1" in r.json()["error"]["message"]
+                # Anthropic's routes get Anthropic's envelope, which its SDKs read (and retry on 5xx)
+                for path, headers in (
+                    (f"/s/{sid}/v1/messages?beta=true", {}),
+                    (f"/s/{sid}/v1/messages/count_tokens", {}),
+                    ("/v1/messages", {"X-Session-ID": sid}),
+                ):
+                    r = await c.post(path, content=b"{}", headers=headers)
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                    body = r.json()
+                    assert body["type"] == "error" and body["error"]["type"] == "api_error"
+                    assert "shard 1" in body["error"]["message"] and set(body["error"]) == {"type", "message"}
                 assert (await c.get("/health")).status_code == 503
         finally:
             for r, _ in [*shards, (runner, url), (down_runner, down_url)]:
