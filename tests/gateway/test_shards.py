@@ -61,6 +61,56 @@ def test_gateway_shards_outside_1_to_64_is_refused_naming_the_field(value):
     assert "--shards" not in GatewayOptions(shards=2).serve_flags()  # a run's topology, not a flag
 
 
+def test_each_shard_gets_its_share_of_the_engine_connections_and_its_own_routing_record():
+    from palaestra.gateway.options import GatewayOptions
+
+    one = GatewayOptions(routing_trace="runs/r/routing.jsonl")
+    assert one.for_shard(0, 1) is one  # one gateway: its options as given
+    flags = one.for_shard(1, 3).serve_flags()
+    assert flags[flags.index("--routing-trace") + 1] == "runs/r/routing.shard-1.jsonl"
+    assert flags[flags.index("--engine-max-connections") + 1] == "171"  # 512 / 3, rounded up
+    assert GatewayOptions(engine_max_connections=1).for_shard(5, 8).engine_max_connections == 1
+    assert GatewayOptions().for_shard(0, 2).routing_trace is None
+    assert {GatewayOptions(routing_trace="t").for_shard(i, 2).routing_trace for i in (0, 1)} == {
+        "t.shard-0",
+        "t.shard-1",
+    }
+
+
+@pytest.mark.parametrize("value", [0, -1, 65537, 10**12, True, "512", 1.5, None])
+def test_engine_max_connections_outside_1_to_65536_is_refused_naming_the_field(value):
+    from palaestra.gateway.options import GatewayOptions
+
+    with pytest.raises(
+        ValueError, match=r"gateway.engine_max_connections must be an integer from 1 to 65536"
+    ):
+        GatewayOptions(engine_max_connections=value)
+
+
+def test_the_gateway_opens_at_most_engine_max_connections_to_the_engine(tok, tmp_path):
+    from palaestra.gateway.app import create_app
+    from palaestra.gateway.config import GatewayConfig
+
+    config = GatewayConfig(
+        model="tiny",
+        engine_url="http://127.0.0.1:9",
+        spool_dir=str(tmp_path),
+        context_length=4096,
+        api_key="k",
+        admin_key="a",
+        engine_max_connections=7,
+    )
+    engine = create_app(config, tokenizer=tok).state.service.turns.engine
+
+    async def main() -> None:
+        try:
+            assert engine._session().connector.limit == 7
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
 # -- the front, over two echoing shards -----------------------------------------------------------
 def _echo_shard(index: int, cut: list[int] | None = None) -> web.Application:
     async def echo(request: web.Request) -> web.StreamResponse:
