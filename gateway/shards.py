@@ -10,9 +10,10 @@ whole gateway (`app.create_app`) with its own spool and session journal, so a sh
 today's gateway death: restarted on its port and spool directory it replays its journal and its
 sessions continue on exact tokens.
 
-The front (`Front`) knows no dialect and holds no key; per request it reads the path, and for a new
-session the body, and forwards the bytes both ways unchanged (SSE streams chunk by chunk, the
-shard checks the credentials):
+The front (`Front`) knows no dialect (but for its own errors: Anthropic's envelope on Anthropic's
+routes) and holds no key; per request it reads the path, and for a new session the body, and
+forwards the bytes both ways unchanged (SSE streams chunk by chunk, the shard checks the
+credentials):
 
 * ``/s/<id>/...``, ``/sessions/<id>...`` go to the id's shard; ``POST /sessions`` to the shard of
   the body's ``session_id``, which the front picks (a uuid4, as a single gateway would) when the
