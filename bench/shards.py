@@ -12,7 +12,7 @@ checks every answer is the one its engine produced for its session. Two rounds p
 second is measured. Printed per layout and level: chat turns/s (the round's chat turns / its wall
 time, session creation and reward included), p50/p99 of the chat calls' latency, and the CPU
 seconds per turn of the gateway processes (the front and every shard, from /proc); then the
-ratios of each layout to one gateway, and per layout where its turns/s stopped growing and its
+ratios of each layout to one gateway, and per layout where its turns/s peaked and its
 ceiling on paper with a core per process (from the CPU per turn). Layouts: ``1`` = one `palaestra gateway serve`;
 ``1+front`` = the same behind `palaestra gateway front` (what the front's hop costs);
 ``2`` = two shards behind a front (gateway/shards.py).
@@ -145,15 +145,19 @@ def main() -> None:
 
 
 def print_saturation(rows: list[Row], layouts: list[str]) -> None:
-    """Per layout: the level where turns/s stopped growing (under 10 % more than the level before:
-    the processes are saturated on this machine), and the ceiling on paper with a core per process,
+    """Per layout: the level after which turns/s stopped growing (no higher level 10 % above it: the
+    processes are saturated on this machine), and the ceiling on paper with a core per process,
     from the CPU per turn measured at the highest level: each shard serves its share of the turns
     (`shards x 1000 / shard ms`) and the front serves all of them (`1000 / front ms`)."""
     for layout in layouts:
         own = sorted((r for r in rows if r.layout == layout), key=lambda r: r.sessions)
         if not own:
             continue
-        flat = next((b for a, b in zip(own, own[1:], strict=False) if b.rate < 1.1 * a.rate), None)
+        # the last level before which no higher level gained 10 %: where this machine saturated
+        flat = next(
+            (own[j - 1] for j in range(1, len(own)) if max(r.rate for r in own[j:]) < 1.1 * own[j - 1].rate),
+            None,
+        )
         top = own[-1]
         shards = 1 if layout.startswith("1") else int(layout)
         shard_ms = top.cpu_ms_per_turn - top.front_cpu_ms_per_turn
@@ -164,7 +168,7 @@ def print_saturation(rows: list[Row], layouts: list[str]) -> None:
         print(
             f"{layout}: turns/s "
             + (
-                f"stopped growing at {flat.sessions} sessions ({flat.rate:.1f}/s)"
+                f"peaked at {flat.sessions} sessions ({flat.rate:.1f}/s; no higher level gained 10 %)"
                 if flat
                 else f"still growing at {top.sessions} sessions ({top.rate:.1f}/s)"
             )
