@@ -3,6 +3,10 @@
     flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing
     flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing --engines 16 --scaling 4,16,64
     flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing --trace runs/recorded.jsonl --scale 40
+    # one policy per process (the rows of docs/routing.md): a policy's row is not run in the wake
+    # of another's engines, and a run stopped at its time limit keeps the rows before it
+    flock /tmp/palaestra-heavy.lock nice -n -15 .venv/bin/python -m bench.routing --engines 16 --scaling '' \
+        --policies 'placement +prefix' --duration-s 110 --warmup-s 50 --time-scale 1
 
 Each policy gets fresh simulated engines (`palaestra.testing.sim`: Llama-3-8B on one H100 each, the
 parameter table in palaestra/testing/sim_model.py) behind a fresh real sglang-router (`palaestra router
