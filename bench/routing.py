@@ -3,6 +3,10 @@
     flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing
     flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing --engines 16 --scaling 4,16,64
     flock /tmp/palaestra-heavy.lock .venv/bin/python -m bench.routing --trace runs/recorded.jsonl --scale 40
+    # one policy per process (the rows of docs/routing.md): a policy's row is not run in the wake
+    # of another's engines, and a run stopped at its time limit keeps the rows before it
+    flock /tmp/palaestra-heavy.lock nice -n -15 .venv/bin/python -m bench.routing --engines 16 --scaling '' \
+        --policies 'placement +prefix' --duration-s 110 --warmup-s 50 --time-scale 1
 
 Each policy gets fresh simulated engines (`palaestra.testing.sim`: Llama-3-8B on one H100 each, the
 parameter table in palaestra/testing/sim_model.py) behind a fresh real sglang-router (`palaestra router
@@ -54,6 +58,7 @@ ROUTER_ARGS = {"manual min_load": ("manual", ["--router-assignment-mode", "min_l
 # ours, and the ideas it is made of, measured one at a time
 PLACEMENTS: dict[str, PlacementConfig] = {
     "placement": PlacementConfig(),  # the gateway's defaults with --placement
+    "placement +prefix": PlacementConfig(new_sessions="env_prefix"),
     "placement -group": PlacementConfig(groups="apart"),
     "placement +pools": PlacementConfig(pools=True),
     "placement +admission": PlacementConfig(admit_fill=0.9),

@@ -12,7 +12,8 @@ checks every answer is the one its engine produced for its session. Two rounds p
 second is measured. Printed per layout and level: chat turns/s (the round's chat turns / its wall
 time, session creation and reward included), p50/p99 of the chat calls' latency, and the CPU
 seconds per turn of the gateway processes (the front and every shard, from /proc); then the
-ratios of each layout to one gateway. Layouts: ``1`` = one `palaestra gateway serve`;
+ratios of each layout to one gateway, and per layout where its turns/s peaked and its
+ceiling on paper with a core per process (from the CPU per turn). Layouts: ``1`` = one `palaestra gateway serve`;
 ``1+front`` = the same behind `palaestra gateway front` (what the front's hop costs);
 ``2`` = two shards behind a front (gateway/shards.py).
 
@@ -132,6 +133,7 @@ def main() -> None:
             f"{r.layout:<8}  {r.sessions:>8}  {r.rate:>7.1f}  {r.p50_ms:>6.1f}  {r.p99_ms:>6.1f}  "
             f"{r.cpu_ms_per_turn:>34.2f}  {r.front_cpu_ms_per_turn:>14.2f}"
         )
+    print_saturation(rows, args.layouts)
     base = {r.sessions: r for r in rows if r.layout == args.layouts[0]}
     for r in rows:
         if r.layout != args.layouts[0] and r.sessions in base:
@@ -140,6 +142,41 @@ def main() -> None:
                 f"{r.layout} vs {b.layout} at {r.sessions} sessions: turns/s {r.rate / b.rate:.2f}x, "
                 f"p99 {r.p99_ms / b.p99_ms:.2f}x, CPU per turn {r.cpu_ms_per_turn / b.cpu_ms_per_turn:.2f}x"
             )
+
+
+def print_saturation(rows: list[Row], layouts: list[str]) -> None:
+    """Per layout: the level after which turns/s stopped growing (no higher level 10 % above it: the
+    processes are saturated on this machine), and the ceiling on paper with a core per process,
+    from the CPU per turn measured at the highest level: each shard serves its share of the turns
+    (`shards x 1000 / shard ms`) and the front serves all of them (`1000 / front ms`)."""
+    for layout in layouts:
+        own = sorted((r for r in rows if r.layout == layout), key=lambda r: r.sessions)
+        if not own:
+            continue
+        # the last level before which no higher level gained 10 %: where this machine saturated
+        flat = next(
+            (own[j - 1] for j in range(1, len(own)) if max(r.rate for r in own[j:]) < 1.1 * own[j - 1].rate),
+            None,
+        )
+        top = own[-1]
+        shards = 1 if layout.startswith("1") else int(layout)
+        shard_ms = top.cpu_ms_per_turn - top.front_cpu_ms_per_turn
+        ceilings = {"shards": shards * 1000 / shard_ms if shard_ms > 0 else float("inf")}
+        if top.front_cpu_ms_per_turn > 0:
+            ceilings["front"] = 1000 / top.front_cpu_ms_per_turn
+        bound = min(ceilings, key=ceilings.get)
+        print(
+            f"{layout}: turns/s "
+            + (
+                f"peaked at {flat.sessions} sessions ({flat.rate:.1f}/s; no higher level gained 10 %)"
+                if flat
+                else f"still growing at {top.sessions} sessions ({top.rate:.1f}/s)"
+            )
+            + f"; with a core per process: {ceilings[bound]:.0f} turns/s, bound by the {bound} "
+            f"({shard_ms:.2f} ms per turn in the shards"
+            + (f", {top.front_cpu_ms_per_turn:.2f} ms in the front" if "front" in ceilings else "")
+            + f", at {top.sessions} sessions)"
+        )
 
 
 def common_load() -> str:

@@ -126,6 +126,7 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
         config.engine_url,
         timeout_s=config.engine_timeout_s,
         retries=config.engine_retries,
+        max_connections=config.engine_max_connections,
         incremental_stream=config.engine_incremental_stream,
         lora_adapter=config.engine_lora_adapter,
         routed_experts=routed_experts,

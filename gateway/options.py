@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any, Literal
 
 from palaestra.gateway.engine_side.placement import PlacementConfig
@@ -24,7 +25,13 @@ _FLAT_PLACEMENT = {
     "placement_admit_fill": "admit_fill",
 }
 
-__all__ = ["GatewayOptions"]
+__all__ = ["GatewayOptions", "shard_file"]
+
+
+def shard_file(path: str, index: int) -> str:
+    """Shard `index`'s own file for `path`: `runs/r/routing.jsonl` -> `runs/r/routing.shard-1.jsonl`."""
+    p = PurePath(path)
+    return str(p.with_name(f"{p.stem}.shard-{index}{p.suffix}"))
 
 
 @dataclass
@@ -65,6 +72,11 @@ class GatewayOptions:
 
     engine_retries: int = 2
     """Retries of an engine call that committed no tokens (connection refused, 5xx)."""
+
+    engine_max_connections: int = 512
+    """Connections to the engine (the router) the gateway keeps open at most; calls beyond them wait
+    for a free one. In a run with gateway.shards=N each shard gets this divided by N (rounded up),
+    so the fleet opens no more than one gateway would."""
 
     journal_fsync: Literal["always", "batch", "off"] = "batch"
     """Session journal durability (docs/reliability-journal.md): always = fsync every record before
@@ -108,7 +120,8 @@ class GatewayOptions:
 
     routing_trace: str | None = None
     """Append one JSON line per engine call (session, env, group, turn, prompt / cached / output
-    tokens, engine seconds) to this file: the traffic bench/routing.py --trace replays."""
+    tokens, engine seconds) to this file: the traffic bench/routing.py --trace replays. In a run with
+    gateway.shards=N each shard writes its own file, <stem>.shard-<i><suffix>."""
 
     shards: int = 1
     """Gateway processes of a run (`palaestra train`): with N > 1, N gateways each own the sessions
@@ -123,6 +136,27 @@ class GatewayOptions:
             )
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or not 1 <= self.shards <= 64:
             raise ValueError(f"gateway.shards must be an integer from 1 to 64 (got {self.shards!r})")
+        if (
+            isinstance(self.engine_max_connections, bool)
+            or not isinstance(self.engine_max_connections, int)
+            or not 1 <= self.engine_max_connections <= 65536
+        ):
+            raise ValueError(
+                "gateway.engine_max_connections must be an integer from 1 to 65536 "
+                f"(got {self.engine_max_connections!r})"
+            )
+
+    def for_shard(self, index: int, shards: int) -> GatewayOptions:
+        """These options for shard `index` of `shards` (a run's gateway.shards): the engine connections
+        divided between the shards, and the routing record in a file of its own per shard
+        (`shard_file`), since shards appending to one file would interleave their lines."""
+        if shards <= 1:
+            return self
+        return dataclasses.replace(
+            self,
+            engine_max_connections=-(-self.engine_max_connections // shards),
+            routing_trace=shard_file(self.routing_trace, index) if self.routing_trace else None,
+        )
 
     def serve_flags(self) -> list[str]:
         """`palaestra gateway serve` arguments for these options (None = left to the gateway); the

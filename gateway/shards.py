@@ -10,9 +10,10 @@ whole gateway (`app.create_app`) with its own spool and session journal, so a sh
 today's gateway death: restarted on its port and spool directory it replays its journal and its
 sessions continue on exact tokens.
 
-The front (`Front`) knows no dialect and holds no key; per request it reads the path, and for a new
-session the body, and forwards the bytes both ways unchanged (SSE streams chunk by chunk, the
-shard checks the credentials):
+The front (`Front`) knows no dialect (but for its own errors: Anthropic's envelope on Anthropic's
+routes) and holds no key; per request it reads the path, and for a new session the body, and
+forwards the bytes both ways unchanged (SSE streams chunk by chunk, the shard checks the
+credentials):
 
 * ``/s/<id>/...``, ``/sessions/<id>...`` go to the id's shard; ``POST /sessions`` to the shard of
   the body's ``session_id``, which the front picks (a uuid4, as a single gateway would) when the
@@ -71,8 +72,20 @@ def shard_spool(spool_dir: str, index: int, shards: int) -> str:
     return spool_dir if shards <= 1 else f"{spool_dir.rstrip('/')}/shard-{index}"
 
 
-def _error(status: int, message: str, **headers: str) -> web.Response:
-    body = {"error": {"message": message, "type": "gateway_front", "code": status}}
+def _anthropic_route(path: str) -> bool:
+    """Anthropic's Messages routes (`/s/<id>/v1/messages`, `/v1/messages`, their `/count_tokens`):
+    their clients read Anthropic's error envelope, not OpenAI's."""
+    return path.endswith("/v1/messages") or path.endswith("/v1/messages/count_tokens")
+
+
+def _error(status: int, message: str, path: str = "", **headers: str) -> web.Response:
+    """The front's own error, in the envelope of the route's dialect (as a shard would answer it):
+    Anthropic's `{"type": "error", "error": {type, message}}` on its routes, else OpenAI's."""
+    if _anthropic_route(path):
+        kind = "api_error" if status >= 500 else "invalid_request_error"  # the gateway's own mapping
+        body: dict = {"type": "error", "error": {"type": kind, "message": message}}
+    else:
+        body = {"error": {"message": message, "type": "gateway_front", "code": status}}
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -173,6 +186,7 @@ class Front:
             return _error(
                 503,
                 f"gateway shard {shard} ({self.urls[shard]}) is unreachable: {type(exc).__name__}; retry",
+                request.path,
                 **{"Retry-After": "1"},
             )
         try:

@@ -229,14 +229,19 @@ class Cluster:
         `self.gateway` then: every client's URL (gateway/shards.py)."""
         cfg, n = self.cfg, self.cfg.gateway.shards
         keys = {"PALAESTRA_API_KEY": self.api_key, "PALAESTRA_ADMIN_KEY": self.admin_key}
-        flags = [*cfg.gateway.serve_flags(), *lora_gateway_flags(cfg), *routing_gateway_flags(cfg)]
+        flags = [*lora_gateway_flags(cfg), *routing_gateway_flags(cfg)]
         names = ["gateway"] if n == 1 else [f"gateway-shard-{i}" for i in range(n)]
         self.gateway_shards = [
             Box(name, light.remote(name, log_dir), log=f"{log_dir}/{name}.log") for name in names
         ]
         refs = [
             box.actor.start_gateway.remote(
-                cfg.model.student, self.router.url, shard_spool(spool_dir, i, n), flags, cfg.run.host, keys
+                cfg.model.student,
+                self.router.url,
+                shard_spool(spool_dir, i, n),
+                [*cfg.gateway.for_shard(i, n).serve_flags(), *flags],
+                cfg.run.host,
+                keys,
             )
             for i, box in enumerate(self.gateway_shards)
         ]

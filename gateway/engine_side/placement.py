@@ -21,7 +21,10 @@ the prefix-cache hits the engine reports (`meta_info.cached_tokens`). The policy
   that is removed or fails moves its sessions the same way;
 * a new session goes to the least loaded worker, where a session's load is its current context or
   its environment's mean context per call, whichever is larger (a long agent session weighs what
-  it will grow to, not its first prompt);
+  it will grow to, not its first prompt); with `new_sessions: env_prefix`, to the least loaded of
+  the workers already holding sessions of its environment (whose cache holds the environment's
+  shared prompt: a system prompt, tool list, repository context) while that worker stays within
+  `(1 + epsilon) x mean`, so the shared prompt is prefilled on as few workers as the load allows;
 * **group placement**: the sessions of a group (GRPO: the same prompt) join the first one's worker
   while it is within `(1 + epsilon) x mean`, so their shared prompt is prefilled once;
 * optional **pools**: environments whose mean context is above `long_context_tokens` get their own
@@ -62,6 +65,11 @@ class PlacementConfig:
     groups: Literal["together", "apart"] = "together"
     """together = a group's sessions share a worker while it is within bounds (their shared prompt is
     prefilled once); apart = each session is placed on its own."""
+    new_sessions: Literal["least_loaded", "env_prefix"] = "least_loaded"
+    """Where a session that does not join its group goes: least_loaded = the least loaded worker;
+    env_prefix = the least loaded of the workers already holding live sessions of its environment
+    (their caches hold the environment's shared prompt) while that worker stays within
+    (1 + epsilon) x mean load, else the least loaded worker."""
     pools: bool = False
     """Separate workers for long-context environments and the rest, sized from their load shares."""
     long_context_tokens: int = 8192
@@ -93,6 +101,10 @@ class PlacementConfig:
             raise ValueError("placement long_context_tokens must be >= 1")
         if self.groups not in ("together", "apart"):
             raise ValueError(f"placement groups must be 'together' or 'apart' (got {self.groups!r})")
+        if self.new_sessions not in ("least_loaded", "env_prefix"):
+            raise ValueError(
+                f"placement new_sessions must be 'least_loaded' or 'env_prefix' (got {self.new_sessions!r})"
+            )
 
     @property
     def group_affinity(self) -> bool:
@@ -168,6 +180,7 @@ class _Worker:
     refused_until: float = 0.0
     healthy: bool = True
     capacity: int | None = None  # KV tokens (the engine's max_total_num_tokens), when known
+    envs: dict[str, int] = field(default_factory=dict)  # env -> its live sessions here
 
 
 @dataclass
@@ -353,10 +366,26 @@ class SessionPlacement:
         g = self.groups.get(s.group) if (self.config.group_affinity and s.group is not None) else None
         if g is not None and g in pool and self._fits(g, self._weight(s), pool, self.config.epsilon):
             return g
-        target = self._least_loaded(pool, call.session)
+        target = None
+        if self.config.new_sessions == "env_prefix":
+            target = self._env_holder(s, pool, call.session)
+        if target is None:
+            target = self._least_loaded(pool, call.session)
         if s.group is not None and (g is None or g not in usable):
             self.groups[s.group] = target  # the group's first (or surviving) worker
         return target
+
+    def _env_holder(self, s: _Session, pool: Sequence[int], key: str) -> int | None:
+        """The least loaded worker of `pool` already holding sessions of the session's environment
+        (its shared prompt is in that worker's cache) and within (1 + epsilon) x mean with it added;
+        None when there is none."""
+        weight = self._weight(s)
+        holders = [
+            i
+            for i in pool
+            if self.workers[i].envs.get(s.env, 0) > 0 and self._fits(i, weight, pool, self.config.epsilon)
+        ]
+        return self._least_loaded(holders, key) if holders else None
 
     def _weight(self, s: _Session) -> float:
         """A session's load: its context, or its environment's mean context if that is larger."""
@@ -431,17 +460,24 @@ class SessionPlacement:
         s.applied = self._weight(s)
         w.load += s.applied
         w.sessions += 1
+        w.envs[s.env] = w.envs.get(s.env, 0) + 1
 
     def _unassign(self, s: _Session) -> None:
         assert s.worker is not None
         w = self.workers[s.worker]
         w.load = max(0.0, w.load - s.applied)
         w.sessions = max(0, w.sessions - 1)
+        left = w.envs.get(s.env, 0) - 1
+        if left > 0:
+            w.envs[s.env] = left
+        else:
+            w.envs.pop(s.env, None)
         s.applied = 0.0
 
     def _recompute_loads(self) -> None:
         for w in self.workers:
             w.load, w.sessions = 0.0, 0
+            w.envs.clear()
         for s in self.sessions.values():
             if self._current(s) is not None:
                 self._assign(s)
@@ -525,6 +561,7 @@ class SessionPlacement:
                     "healthy": w.healthy,
                     "pool": ("long" if i in self.pool_long else "short") if self.config.pools else "all",
                     "sessions": w.sessions,
+                    "sessions_by_env": dict(sorted(w.envs.items())),
                     "load_tokens": round(w.load),
                     "kv_capacity_tokens": w.capacity,
                     "inflight": w.inflight,

@@ -181,3 +181,45 @@ def test_bad_config_and_no_workers_are_clear_errors():
         PlacementConfig(epsilon=-1)
     with pytest.raises(LookupError, match="no engine workers"):
         SessionPlacement(PlacementConfig(), []).choose(Call("s", "e", None, 0, 1, 1))
+
+
+def _env_prefix_spread(new_sessions: str) -> tuple[set[int], list[float]]:
+    """Four workers each holding eight sessions of one env, then four sessions of a new env "x"."""
+    p = SessionPlacement(PlacementConfig(groups="apart", new_sessions=new_sessions), URLS, clock=Clock())
+    for i in range(32):
+        turn(p, f"base{i}", 0, 1000, out=0, env="base")
+    workers = {turn(p, f"x{i}", 0, 1000, out=0, env="x").worker for i in range(4)}
+    return workers, [w.load for w in p.workers]
+
+
+def test_env_prefix_places_new_sessions_where_their_env_already_is_within_bounds():
+    spread, _ = _env_prefix_spread("least_loaded")
+    together, loads = _env_prefix_spread("env_prefix")
+    assert len(spread) == 4  # least loaded: one per worker, the env's shared prompt prefilled four times
+    assert len(together) == 2  # a worker that holds "x" takes the next "x" while within 1.25 x mean
+    assert max(loads) <= 1.25 * sum(loads) / len(loads)
+
+
+def test_env_prefix_keeps_the_load_bound_and_counts_sessions_per_env():
+    p = SessionPlacement(PlacementConfig(groups="apart", new_sessions="env_prefix"), URLS, clock=Clock())
+    routes = [turn(p, f"s{i}", 0, 1000, out=0, env="only") for i in range(40)]
+    loads = [w.load for w in p.workers]
+    assert max(loads) <= 1.25 * sum(loads) / len(loads)
+    snap = p.snapshot()
+    assert sum(w["sessions_by_env"].get("only", 0) for w in snap["workers"]) == 40
+    p.ended(routes[0].session)
+    assert sum(w["sessions_by_env"].get("only", 0) for w in p.snapshot()["workers"]) == 39
+    assert snap["config"]["new_sessions"] == "env_prefix"
+
+
+def test_env_prefix_still_places_a_group_on_its_first_members_worker():
+    p = SessionPlacement(PlacementConfig(new_sessions="env_prefix"), URLS, clock=Clock())
+    for i in range(32):
+        turn(p, f"base{i}", 0, 1000, out=0, env="base", group=f"b{i}")
+    first = turn(p, "g-0", 0, 1000, out=0, env="e", group="g")
+    assert turn(p, "g-1", 0, 1000, out=0, env="e", group="g").worker == first.worker
+
+
+def test_an_unknown_new_sessions_value_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="new_sessions must be 'least_loaded' or 'env_prefix'"):
+        PlacementConfig(new_sessions="nearest")  # type: ignore[arg-type]

@@ -61,6 +61,56 @@ def test_gateway_shards_outside_1_to_64_is_refused_naming_the_field(value):
     assert "--shards" not in GatewayOptions(shards=2).serve_flags()  # a run's topology, not a flag
 
 
+def test_each_shard_gets_its_share_of_the_engine_connections_and_its_own_routing_record():
+    from palaestra.gateway.options import GatewayOptions
+
+    one = GatewayOptions(routing_trace="runs/r/routing.jsonl")
+    assert one.for_shard(0, 1) is one  # one gateway: its options as given
+    flags = one.for_shard(1, 3).serve_flags()
+    assert flags[flags.index("--routing-trace") + 1] == "runs/r/routing.shard-1.jsonl"
+    assert flags[flags.index("--engine-max-connections") + 1] == "171"  # 512 / 3, rounded up
+    assert GatewayOptions(engine_max_connections=1).for_shard(5, 8).engine_max_connections == 1
+    assert GatewayOptions().for_shard(0, 2).routing_trace is None
+    assert {GatewayOptions(routing_trace="t").for_shard(i, 2).routing_trace for i in (0, 1)} == {
+        "t.shard-0",
+        "t.shard-1",
+    }
+
+
+@pytest.mark.parametrize("value", [0, -1, 65537, 10**12, True, "512", 1.5, None])
+def test_engine_max_connections_outside_1_to_65536_is_refused_naming_the_field(value):
+    from palaestra.gateway.options import GatewayOptions
+
+    with pytest.raises(
+        ValueError, match=r"gateway.engine_max_connections must be an integer from 1 to 65536"
+    ):
+        GatewayOptions(engine_max_connections=value)
+
+
+def test_the_gateway_opens_at_most_engine_max_connections_to_the_engine(tok, tmp_path):
+    from palaestra.gateway.app import create_app
+    from palaestra.gateway.config import GatewayConfig
+
+    config = GatewayConfig(
+        model="tiny",
+        engine_url="http://127.0.0.1:9",
+        spool_dir=str(tmp_path),
+        context_length=4096,
+        api_key="k",
+        admin_key="a",
+        engine_max_connections=7,
+    )
+    engine = create_app(config, tokenizer=tok).state.service.turns.engine
+
+    async def main() -> None:
+        try:
+            assert engine._session().connector.limit == 7
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
 # -- the front, over two echoing shards -----------------------------------------------------------
 def _echo_shard(index: int, cut: list[int] | None = None) -> web.Application:
     async def echo(request: web.Request) -> web.StreamResponse:
@@ -173,6 +223,17 @@ def test_the_front_sends_each_call_to_its_sessions_shard_and_answers_for_the_fle
                 r = await c.post(f"/s/{sid}/v1/chat/completions", content=b"{}")
                 assert r.status_code == 503 and r.headers["retry-after"] == "1"
                 assert "shard 1" in r.json()["error"]["message"]
+                # Anthropic's routes get Anthropic's envelope, which its SDKs read (and retry on 5xx)
+                for path, headers in (
+                    (f"/s/{sid}/v1/messages?beta=true", {}),
+                    (f"/s/{sid}/v1/messages/count_tokens", {}),
+                    ("/v1/messages", {"X-Session-ID": sid}),
+                ):
+                    r = await c.post(path, content=b"{}", headers=headers)
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                    body = r.json()
+                    assert body["type"] == "error" and body["error"]["type"] == "api_error"
+                    assert "shard 1" in body["error"]["message"] and set(body["error"]) == {"type", "message"}
                 assert (await c.get("/health")).status_code == 503
         finally:
             for r, _ in [*shards, (runner, url), (down_runner, down_url)]:

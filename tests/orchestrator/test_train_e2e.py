@@ -20,13 +20,16 @@ without Ray in tests/orchestrator/test_batching.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import signal
+import time
 
 import pytest
 
+from palaestra.gateway.shards import shard_of
 from tests.support.runs import TWO_TURN, make_config
 
 pytestmark = pytest.mark.ray  # every test runs on the module's Ray
@@ -52,7 +55,9 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
 
     out = tmp_path / "sync"
     sharded = (f"gateway.shards={shards}",)
-    first = train(make_config(out, "sync", "logging.tensorboard_dir=tb", *sharded))
+    killed: list[int] = []
+    hook = functools.partial(_kill_shard_1_at_the_first_checkpoint, killed) if shards > 1 else None
+    first = train(make_config(out, "sync", "logging.tensorboard_dir=tb", *sharded), hook=hook)
     assert first.engine_versions_start == ["0", "0"] and first.engine_versions_end == ["2", "2"]
     assert [len(r.sample_ids) for r in first.trained] == [4, 4]  # 2 tasks x 2 samples per step
     assert all(lag == 0 for r in first.trained for lag in r.lags)
@@ -87,6 +92,53 @@ def test_sync_run_then_resume_continues_step_version_cursor_and_data_order(ray_l
     assert trained == expected  # the same data order as an uninterrupted run
     assert resumed.eval_before is None  # evaluated before step 1 already: the curve keeps that point
     assert resumed.state.rows[0]["eval/accuracy"] == first.eval_before["accuracy"]
+    if shards > 1:
+        _check_the_killed_shard(out, first, resumed, killed)
+
+
+def _kill_shard_1_at_the_first_checkpoint(killed: list[int], phase: str, step: int, run) -> None:
+    """The run's hook: SIGKILLs gateway shard 1's process (its own pid) once step 1's checkpoint is
+    saved and before the driver acknowledges the spools, and returns once it is gone: the driver's
+    acknowledgement then meets the dead shard (the front answers 503 for it)."""
+    import ray
+
+    if (phase, step) != ("checkpoint_saved", 0) or killed:
+        return
+    pid = ray.get(run.cluster.gateway_shards[1].actor.pid.remote(), timeout=60)
+    os.kill(pid, signal.SIGKILL)
+    killed.append(pid)
+    for _ in range(600):  # its parent (the shard's host actor) reaps it at once; a zombie is gone too
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"gateway shard 1 (pid {pid}) still running 30 s after SIGKILL")
+
+
+def _check_the_killed_shard(out, first, resumed, killed: list[int]) -> None:
+    """Shard 1 died once, was restarted on its port and spool, and nothing was lost or trained twice."""
+    assert len(killed) == 1, "the hook never killed shard 1"
+    (fault,) = first.faults
+    assert fault["component"] == "gateway-shard-1"
+    assert fault["phase"] == "acknowledging the checkpoint to the gateway's spool"
+    assert "restarted on the same port" in fault["action"] and "lost" not in fault["action"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("faults/gateway_shard", 0) for r in rows) == 1
+    assert not resumed.faults
+    trained = [sid for run in (first, resumed) for r in run.trained for sid in r.sample_ids]
+    assert len(trained) == len(set(trained)), "a sample trained twice"
+    not_trained = {**(first.not_trained or {}), **(resumed.not_trained or {})}
+    spooled = [
+        json.loads(line)["sample"]
+        for segment in sorted((out / "spool").glob("shard-*/samples-*.jsonl"))
+        for line in segment.read_text().splitlines()
+        if line
+    ]
+    made = {s["sample_id"] for s in spooled if not s["group_id"].rsplit("/", 1)[-1].startswith("eval-")}
+    assert set(trained) <= made and made <= set(trained) | set(not_trained), "a sample lost"
+    assert {s["sample_id"] for s in spooled if shard_of(s["session_id"], 2) == 1} & set(trained)
 
 
 MIX_ARGS = (
