@@ -61,7 +61,8 @@ demo: install
 
 # OPD against GRPO with dynamic sampling from the same worked-steps student (warm starts cached after
 # the first time), 2 seeds each at the settings of docs/opd.md's measured run (30 steps of 8 tasks x 8
-# samples, lr 1e-4 per arm by its sweep, target 0.40 fixed before running; ~25 min on 2 quiet cores):
+# samples, lr 1e-4 per arm by its sweep, target 0.40 fixed before running; ~30 min at load 25, estimated
+# from the sweep's seconds per step):
 # held-out accuracy against samples generated, in docs/opd_vs_grpo.png.
 OPD_TARGET ?= 0.40
 OPD_OVERRIDES ?=
