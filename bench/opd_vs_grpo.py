@@ -31,7 +31,7 @@ seeds and task order, from the same student weights. Only the objective differs:
 * `grpo+opd`: GRPO advantages plus the `full` distillation term.
 
 `--seeds arm=n,...` runs an arm n times (run.seed 0..n-1: another task order and other samples;
-the held-out tasks stay the same); `--lr arm=value,...` sets an arm's learning rate, and
+the held-out tasks stay the same; 0: its sweep only); `--lr arm=value,...` sets an arm's learning rate, and
 `--sweep lr1,lr2,...` first runs each arm once at each of them for `--sweep-steps` steps and keeps
 the one with the best last held-out accuracy (the earlier lr on a tie).
 
@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                             f"run.steps={args.sweep_steps}", f"env.eval_every={args.sweep_steps}",
                             f"trainer.megatron_optimizer.lr={lr}"], per_step)  # fmt: skip
                     finals[lr] = r.curve[-1][1]
+                    print(f"{arm} lr {lr:g}: {' '.join(f'{s}:{a:.3f}' for s, a in r.curve)}; "
+                          f"{r.seconds_to(args.sweep_steps) / args.sweep_steps:.2f} s per step, "
+                          f"{r.samples_to(args.sweep_steps):.0f} samples generated ({r.wall:.0f} s)", flush=True)  # fmt: skip
                 lrs[arm] = max(sweep, key=lambda lr: (finals[lr], -sweep.index(lr)))
                 print(f"{arm} sweep ({args.sweep_steps} steps): " + " ".join(
                       f"lr {lr:g}: {a:.3f}" for lr, a in finals.items()) + f" -> lr {lrs[arm]:g}", flush=True)  # fmt: skip
@@ -322,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
 
+    results = {arm: runs for arm, runs in results.items() if runs}  # --seeds arm=0: its sweep only
     label = f"{args.target:.0%} of it" if args.target_acc is None else "absolute"
     print(f"\n== {CONFIG.name} --task {args.task} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "
           f"target {target:.3f} ({label}); {per_step} samples per step before dynamic sampling, "

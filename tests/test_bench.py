@@ -153,3 +153,23 @@ def test_opd_vs_grpo_reports_and_draws_earlier_runs_without_running_any(tmp_path
     assert "grpo-ds   2 seed(s)" in out and "0:0.300±0.000 1:0.400±0.000 2:0.500±0.000" in out
     assert "opd-full  samples 8 / 32±0 = 0.250 (pairs 0.250-0.250)" in out  # 1 step of 8 vs 2 of 16
     assert png.stat().st_size > 0
+
+
+def test_opd_vs_grpo_sweep_only_keeps_the_best_lr_and_reports_no_runs(monkeypatch, capsys):
+    import bench.opd_vs_grpo as bench
+
+    made = []
+
+    def fake_run(name, out, overrides, per_step=0):  # the last held-out accuracy grows with the lr
+        made.append(name)
+        lr = float(next(o for o in overrides if o.startswith("trainer.megatron_optimizer.lr=")).split("=")[1])
+        return _opd_run([0.3, 0.3 + lr * 100], 8.0)
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    argv = ["--arms", "grpo-ds", "--seeds", "grpo-ds=0", "--sweep", "1e-4,3e-4", "--sweep-steps", "1",
+            "--task", "worked_steps", "--teacher-acc", "0.9", "--target-acc", "0.5"]  # fmt: skip
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert made == ["grpo-ds-lr0.0001", "grpo-ds-lr0.0003"]  # the sweep's runs only, no seed run
+    assert "grpo-ds lr 0.0003: 0:0.300 1:0.330; 2.00 s per step, 8 samples generated" in out
+    assert "-> lr 0.0003" in out and "seed(s)" not in out
