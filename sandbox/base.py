@@ -59,7 +59,12 @@ class Limits:
     cpu_s: int = 10
     """CPU-time limit of one exec (RLIMIT_CPU), seconds."""
     memory_mb: int = 512
-    """Memory limit (cgroup memory.max where available, else RLIMIT_AS), MiB."""
+    """Memory limit (cgroup memory.max where available, and RLIMIT_AS unless `address_space_mb`), MiB."""
+    address_space_mb: int | None = None
+    """Address-space limit of one exec (RLIMIT_AS; the local backend's), MiB; None: `memory_mb`. For a
+    runtime that reserves far more address space than it uses: OpenCode's (bun's JavaScriptCore)
+    crashes at a 4,096 MiB RLIMIT_AS while its memory stays near 600 MiB (the harness environment);
+    what it uses is then bounded by `memory_mb`'s cgroup only, where the host has one."""
     pids: int = 64
     """Most processes/threads alive at once (cgroup pids.max, RLIMIT_NPROC)."""
     file_size_mb: int = 64
@@ -75,6 +80,8 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
+            if name == "address_space_mb" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive number; got {value!r}")
             if name != "timeout_s" and not isinstance(value, int):

@@ -471,7 +471,7 @@ class LocalSandbox(Sandbox):
             "timeout": timeout,
             "rlimits": {
                 "cpu": limits.cpu_s,
-                "as": limits.memory_mb << 20,
+                "as": (limits.address_space_mb or limits.memory_mb) << 20,
                 "fsize": limits.file_size_mb << 20,
                 "nofile": limits.open_files,
                 "nproc": limits.pids,
@@ -529,6 +529,7 @@ class LocalSandbox(Sandbox):
             start_error=reply.get("exec_error"),
             timeout_s=timeout,
             memory_mb=limits.memory_mb,
+            address_space_mb=limits.address_space_mb,
         )
         result.enforced = self.enforced
         return result

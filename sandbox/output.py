@@ -82,6 +82,7 @@ def build_result(
     start_error: str | None = None,
     timeout_s: float | None = None,
     memory_mb: int | None = None,
+    address_space_mb: int | None = None,
 ) -> ExecResult:
     """One status from what happened. Precedence: could not start > output flood > an OOM kill
     in the sandbox during the exec (the memory limit was hit, even if the command then ran into
@@ -104,7 +105,10 @@ def build_result(
     elif killed == "cpu" or exit_code == -24:  # SIGXCPU: RLIMIT_CPU's soft limit
         status, detail = "timeout", "killed at the CPU-time limit"
     elif exit_code not in (0, None) and looks_like_memory_error(stderr.data()):
-        status, detail = "memory", f"an allocation failed at the {memory_mb} MiB address-space limit"
+        status, detail = (
+            "memory",
+            f"an allocation failed at the {address_space_mb or memory_mb} MiB address-space limit",
+        )
     elif exit_code == -25:  # SIGXFSZ: RLIMIT_FSIZE
         detail = "killed at the file-size limit"
     return ExecResult(

@@ -15,7 +15,8 @@ reward) and ``none`` (the empty attempt).
 A harness runs as in the harness environment (environments/harness/env.py): its native binary
 read-only at /opt/harness, the episode's run directory (the session tunnel's socket, forward.py)
 at /run/palaestra, the tunnel the sandbox's only way out and its turn budget; the instruction is
-its prompt and the task's WORKDIR its working directory, the Dockerfile's ENV in its environment.
+its prompt and the task's WORKDIR its working directory, the Dockerfile's ENV in its environment;
+it is told the served model's context window and an output budget per call (`configure.Budget`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from palaestra.environments.harness.env import (
     HARNESS_TEMPERATURE,
     PORT,
     RUN_DIR,
+    HarnessEnv,
     exec_harness,
     tunnel_metrics,
 )
@@ -80,6 +82,9 @@ class AgentOptions:
     """Tokens per model call (openai-tools; a harness asks for its own)."""
     tool_timeout_s: float = 60.0
     """Wall clock of one bash call (openai-tools); a harness's whole run has [agent].timeout_sec."""
+    max_output_tokens: int | None = None
+    """The output budget per call a harness is told (`configure.Budget`, with the served model's
+    context window); None: an eighth of the window, as in the harness environment."""
 
 
 @dataclass
@@ -88,6 +93,8 @@ class Attempt:
 
     run: Callable[[Trial], Awaitable[None]]
     mounts: tuple[Mount, ...] = ()
+    address_space_mb: int | None = None
+    """The address space its sandbox must allow beyond the task's memory (`Harness.address_space_mb`)."""
 
 
 class Agent(abc.ABC):
@@ -201,6 +208,7 @@ class HarnessAgent(Agent):
             await tunnel.start()
 
             async def run(trial: Trial) -> None:
+                window = await HarnessEnv.context_window(session)
                 env, argv = configure.command(
                     self.name,
                     binary,
@@ -208,6 +216,7 @@ class HarnessAgent(Agent):
                     session.api_key,
                     model,
                     trial.task.instruction,
+                    budget=configure.Budget.of(window, self.options.max_output_tokens),
                 )
                 env = {**trial.built.env, **trial.task.env, **env}
                 config = {
@@ -230,7 +239,8 @@ class HarnessAgent(Agent):
                     log_harness_exit(self.spec, session.session_id, result, tail)
 
             try:
-                yield Attempt(run, (harness_mount, Mount(run_dir, RUN_DIR, live=True)))
+                mounts = (harness_mount, Mount(run_dir, RUN_DIR, live=True))
+                yield Attempt(run, mounts, HARNESSES[self.name].address_space_mb)
             finally:
                 await tunnel.stop()
                 metrics.update(tunnel_metrics(tunnel))

@@ -68,6 +68,7 @@ class HarborEnv(Environment):
         tool_timeout_s: float = 60.0,
         internet: str = "isolate",
         reward_key: str | None = None,
+        max_output_tokens: int | None = None,
     ):
         """`path` a directory of Harbor tasks or one task (default: environments/harbor/examples);
         `agent` a harness name (``palaestra harness install`` it), ``openai-tools``, ``oracle`` or
@@ -75,7 +76,10 @@ class HarborEnv(Environment):
         names to draw from, optionally weighted (default: every task once); `max_turns`,
         `max_tokens`, `tool_timeout_s` the agent's budgets (`AgentOptions`); `internet` "isolate"
         (a task asking for the network runs without it) or "refuse"; `reward_key` the primary
-        reward of a reward.json with several and no ``reward``."""
+        reward of a reward.json with several and no ``reward``; `max_output_tokens` the output
+        budget per call a harness is told (default: an eighth of the served model's window)."""
+        if max_output_tokens is not None and max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be positive; got {max_output_tokens}")
         self.tasks_all = {t.task_id: t for t in load_tasks(path or EXAMPLES, internet=internet)}
         self.mix = None
         if tasks is not None:
@@ -92,7 +96,7 @@ class HarborEnv(Environment):
                 raise TaskError(
                     f"tasks: no harbor task {unknown[0]!r} under the path; there are {sorted(self.tasks_all)}"
                 )
-        self.agent = make_agent(agent, AgentOptions(max_turns, max_tokens, tool_timeout_s))
+        self.agent = make_agent(agent, AgentOptions(max_turns, max_tokens, tool_timeout_s, max_output_tokens))
         self.backend = resolve_backend(backend)
         self.reward_key = reward_key
 
@@ -117,7 +121,9 @@ class HarborEnv(Environment):
         metrics["env/build_cache_hit"] = float(built.cache_hit)
         try:
             async with self.agent.attempt(session, self.model, log, metrics) as attempt:
-                async with Trial.open(task.task, built, self.backend, attempt.mounts) as trial:
+                async with Trial.open(
+                    task.task, built, self.backend, attempt.mounts, attempt.address_space_mb
+                ) as trial:
                     await attempt.run(trial)
                     async with log.timed("grade"):
                         rewards = await trial.verify(self.reward_key)

@@ -98,9 +98,15 @@ class Trial:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(
-        cls, task: HarborTask, built: BuiltEnv, backend: Backend, mounts: tuple[Mount, ...] = ()
+        cls,
+        task: HarborTask,
+        built: BuiltEnv,
+        backend: Backend,
+        mounts: tuple[Mount, ...] = (),
+        address_space_mb: int | None = None,
     ) -> AsyncIterator[Trial]:
-        """A fresh sandbox of `task` with a copy of `built`'s layers and `mounts` (the agent's)."""
+        """A fresh sandbox of `task` with a copy of `built`'s layers and `mounts` (the agent's),
+        allowing `address_space_mb` (the agent runtime's, when it reserves more than the task's memory)."""
         host = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=f"palaestra-harbor-{task.task_id}-"))
         try:
             owner = sandbox_owner(backend)
@@ -114,6 +120,7 @@ class Trial:
                 timeout_s=task.agent_timeout_s,
                 cpu_s=max(1, math.ceil(phase * task.cpus)),
                 memory_mb=task.memory_mb,
+                address_space_mb=None if address_space_mb is None else max(address_space_mb, task.memory_mb),
                 pids=512,
                 file_size_mb=task.storage_mb or 1024,
                 workdir_mb=512,

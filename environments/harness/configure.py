@@ -27,7 +27,9 @@ context window (the gateway's `max_model_len`) and an output budget per call (de
 `default_output_tokens`: an eighth of the window, 256 to 8,192 tokens). Claude Code gets them as
 `CLAUDE_CODE_MAX_CONTEXT_TOKENS` and `CLAUDE_CODE_MAX_OUTPUT_TOKENS`; Codex as
 `model_context_window`, `model_max_output_tokens` and `model_auto_compact_token_limit` (window
-less the output budget: it compacts its history before a full reply would no longer fit).
+less the output budget: it compacts its history before a full reply would no longer fit); OpenCode
+as its model's `limit` (`context`, `output`: the `max_tokens` it sends). mini-swe-agent is told
+nothing (it sends no max_tokens: the gateway's `default_max_tokens` applies).
 
 `command` is what the harness environment runs in a sandbox: the whole environment (nothing of the
 host's) and argv of one headless run on a task, with tools allowed without asking (the sandbox is
@@ -124,15 +126,21 @@ def codex(
     return {TOKEN_VAR: token}, args
 
 
-def opencode(base_url: str, token: str, model: str) -> tuple[dict[str, str], list[str]]:
-    """(environment, `opencode` arguments before the prompt) to use the session at `base_url`."""
+def opencode(
+    base_url: str, token: str, model: str, budget: Budget | None = None
+) -> tuple[dict[str, str], list[str]]:
+    """(environment, `opencode` arguments before the prompt) to use the session at `base_url`,
+    told the model's `budget` when given (its `max_tokens` is the output budget; without one, 32,000)."""
+    entry: dict = {"name": model}
+    if budget is not None:
+        entry["limit"] = {"context": budget.context_window, "output": budget.max_output_tokens}
     config = {
         "provider": {
             "palaestra": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "palaestra",
                 "options": {"baseURL": base_url, "apiKey": f"{{env:{TOKEN_VAR}}}"},
-                "models": {model: {"name": model}},
+                "models": {model: entry},
             }
         },
         "model": f"palaestra/{model}",
@@ -258,7 +266,7 @@ def command(
     if mcp:
         raise ValueError(f"no MCP settings for harness {name!r}: one of claude-code, codex")
     if name == "opencode":
-        extra, args = opencode(base_url, token, model)
+        extra, args = opencode(base_url, token, model, budget)
         return env | extra, [binary, *args, prompt]
     if name == "mini-swe-agent":
         extra, args = mini_swe_agent(base_url, token, model)

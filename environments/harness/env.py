@@ -119,9 +119,9 @@ class HarnessEnv(Environment):
         needs no install); `data` a
         SWE-bench-style JSONL (default: swe's generated set); `backend` a sandbox spec or a
         `Backend` that can mount (local, docker); `max_turns` the harness's model calls per episode;
-        `time_limit_s` its wall clock; `memory_mb` the sandbox's memory (and address space: the
-        harness runtimes reserve GiBs). `cache_dir`, `generate_seed`, `env_cache_dir`, `find_links`
-        and `index` are swe's (`SweAgentEnv`): the tasks and how their environments are built.
+        `time_limit_s` its wall clock; `memory_mb` the sandbox's memory (and address space, unless
+        the harness's runtime reserves more: `Harness.address_space`). `cache_dir`, `generate_seed`,
+        `env_cache_dir`, `find_links` and `index` are swe's (`SweAgentEnv`): the tasks and how their environments are built.
         `mcp_servers` (`McpServer`s or their fields) are given to the harness through its own MCP
         settings; their `files` are uploaded to the work directory first. `max_output_tokens` the
         output budget per call the harness is told (default: an eighth of the served model's
@@ -143,6 +143,7 @@ class HarnessEnv(Environment):
             timeout_s=self.time_limit_s,
             cpu_s=max(60, int(self.time_limit_s)),
             memory_mb=memory_mb,
+            address_space_mb=HARNESSES[name].address_space(memory_mb),
             pids=512,
             workdir_mb=512,
             output_bytes=4 << 20,

@@ -63,6 +63,14 @@ class Harness:
     registry: str = "npm"
     """Where it installs from: "npm" (into node_modules/), "pypi" (into a venv, venv/) or
     "palaestra" (ours: its folder in this package is the install, at the one version there is)."""
+    address_space_mb: int | None = None
+    """The address space (RLIMIT_AS, `Limits.address_space_mb`) its sandbox allows, MiB, when its
+    runtime reserves more than the sandbox's memory; None: the memory limit."""
+
+    def address_space(self, memory_mb: int) -> int | None:
+        """`Limits.address_space_mb` of its sandbox with `memory_mb` of memory: `address_space_mb`
+        (the memory when that is larger), or None (the memory limit)."""
+        return None if self.address_space_mb is None else max(self.address_space_mb, memory_mb)
 
     @property
     def launcher(self) -> str:
@@ -94,8 +102,17 @@ HARNESSES = {
     ),
     # OpenCode's launcher (.bin/opencode) is a node script that finds the platform package's
     # binary (a bun-compiled executable, glibc; npm also installs the -baseline one for older CPUs).
+    # Its JavaScriptCore reserves address space by the GiB: at a 4,096 MiB RLIMIT_AS its heap
+    # cannot grow ("MemoryExhaustion", exit 132/134, or "Error: Out of memory" once its bash tool
+    # runs) with ~600 MiB resident; measured VmPeak 12 GiB at 64 GiB (docs/harnesses.md).
     "opencode": Harness(
-        "opencode", "opencode-ai", "1.18.33", "opencode", "node_modules/opencode-linux-{arch}/bin", "opencode"
+        "opencode",
+        "opencode-ai",
+        "1.18.33",
+        "opencode",
+        "node_modules/opencode-linux-{arch}/bin",
+        "opencode",
+        address_space_mb=64 << 10,
     ),
     # mini-swe-agent is Python: the venv is what a sandbox mounts, run as `bin/python -m minisweagent`
     # (the `mini` script's shebang names the host's path of the venv).

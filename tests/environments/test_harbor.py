@@ -234,6 +234,9 @@ def test_every_installed_harness_name_is_an_agent_and_unknown_names_are_refused(
     assert {"openai-tools", "oracle", "none"} <= set(BUILTIN_AGENTS)
     with pytest.raises(ValueError, match="unknown agent 'aider': one of .*openai-tools"):
         make_agent("aider")
+    assert HarborEnv(agent="opencode", max_output_tokens=16).agent.options.max_output_tokens == 16
+    with pytest.raises(ValueError, match="max_output_tokens must be positive; got 0"):
+        HarborEnv(agent="opencode", max_output_tokens=0)
 
 
 def test_tasks_once_each_or_drawn_by_weight():

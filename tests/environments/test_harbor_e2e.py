@@ -1,12 +1,12 @@
 """The harbor environment through the gateway, end to end, in the local (bubblewrap) sandbox:
-`palaestra eval --env harbor` with Claude Code (the real binary, unchanged), in-process episodes
-with Codex and with our Terminus-style agent, and one with the plain openai-tools loop; each fixes the example task fix-greeting and
-test.sh scores it 1.
+`palaestra eval --env harbor` with Claude Code and with mini-swe-agent (the real harnesses,
+unchanged), in-process episodes with Codex and with our Terminus-style agent, and one with the plain
+openai-tools loop; each fixes the example task fix-greeting and test.sh scores it 1.
 
 The engine is `ScriptedEngine`, a labelled TEST DOUBLE (tests/support/servers.py): the random
 `tiny` model's place is taken by an agent that acts on cue (it answers the shell tool with a call
 that writes the fix, then a final text). The gateway, the Qwen2.5 template, the tokenizer, the
-sandbox, the tunnel, both binaries, the task's build and its verifier are real. `palaestra train`
+sandbox, the tunnel, the harnesses, the task's build and its verifier are real. `palaestra train`
 on harbor tasks with the tiny model is tests/orchestrator/test_train_harbor.py's.
 """
 
@@ -43,10 +43,11 @@ def harbor_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PALAESTRA_HARBOR_CACHE", str(tmp_path / "harbor-cache"))
 
 
-def test_palaestra_eval_runs_claude_code_on_a_harbor_task(tok, tmp_path, harbor_cache):
-    _installed("claude-code")
-    script = ShellScript(tok, "claude-code", FIX)
-    args = {"agent": "claude-code", "backend": "local", "tasks": ["fix-greeting"], "max_turns": 6}
+@pytest.mark.parametrize("harness", ["claude-code", "mini-swe-agent"])
+def test_palaestra_eval_runs_a_harness_on_a_harbor_task(tok, tmp_path, harbor_cache, harness):
+    _installed(harness)
+    script = ShellScript(tok, harness, FIX)
+    args = {"agent": harness, "backend": "local", "tasks": ["fix-greeting"], "max_turns": 6}
     with stack(tok, tmp_path, script) as (gw, engine):
         r = subprocess.run(
             [sys.executable, "-m", "palaestra.cli", "eval", "--env", "harbor", "--gateway", gw.url]

@@ -7,6 +7,7 @@ in tests/environments/test_harness_binaries.py). The window is read from a real 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -35,9 +36,16 @@ def test_each_harness_is_told_the_context_window_and_the_output_budget():
         "model_auto_compact_token_limit": "28672",  # compacts before a full reply no longer fits
     }
     assert argv[-1] == "fix"
+    env, _ = configure.command(
+        "opencode", "/bin/opencode", "http://h/s/1/v1", "tok", "m", "fix", budget=budget
+    )
+    model = json.loads(env["OPENCODE_CONFIG_CONTENT"])["provider"]["palaestra"]["models"]["m"]
+    assert model["limit"] == {"context": 32768, "output": 4096}  # its max_tokens is the output budget
     # without a budget, nothing of it is set (the harness's own defaults)
     env, _ = configure.command("claude-code", "/bin/claude", "http://h/s/1/v1", "tok", "m", "fix")
     assert not any(k.startswith("CLAUDE_CODE_MAX") for k in env)
+    env, _ = configure.command("opencode", "/bin/opencode", "http://h/s/1/v1", "tok", "m", "fix")
+    assert "limit" not in json.loads(env["OPENCODE_CONFIG_CONTENT"])["provider"]["palaestra"]["models"]["m"]
 
 
 def test_the_output_budget_is_sized_to_the_window_or_given():

@@ -24,6 +24,15 @@ def test_the_registry_maps_each_name_to_its_harness():
     assert set(configure.HARNESS_NAMES) == set(inst.HARNESSES)  # each has its headless command
 
 
+def test_only_opencode_gets_an_address_space_beyond_its_sandboxs_memory():
+    """OpenCode's JavaScriptCore crashes at a 4,096 MiB RLIMIT_AS (Harness.address_space_mb): its
+    sandbox allows 64 GiB, or the memory when that is more; the others keep the memory limit."""
+    opencode = inst.HARNESSES["opencode"]
+    assert opencode.address_space(4096) == 64 << 10 and opencode.address_space(100_000) == 100_000
+    others = [h for name, h in inst.HARNESSES.items() if name != "opencode"]
+    assert all(h.address_space(4096) is None for h in others)
+
+
 def test_a_pypi_harness_is_found_in_its_venv_and_mounted_whole(cache):
     h = inst.HARNESSES["mini-swe-agent"]
     assert inst.binary("mini-swe-agent") is None and inst.install_root("mini-swe-agent") is None

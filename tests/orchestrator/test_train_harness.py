@@ -6,11 +6,15 @@ The random model answers Codex's first call with noise (`gateway.default_max_tok
 16 tokens: Codex sends no max_output_tokens), on which Codex stops ("Incomplete response returned,
 reason: max_output_tokens", exit 1: `failure/harness_exit`), so each episode is one turn and
 reward 0; what is checked is the path: turns recorded, the episode graded by swe's hidden tests,
-the samples trained. Expensive: 7 minutes on the shared 2-core machine, 262 s of it the trainer's
-step on two ~18,200-token samples (Codex's instructions and tools in the `tiny` tokenizer; the
-packed attention's dense boolean causal mask is quadratic in them), the trainer at ~7 GB. Codex rather than Claude Code: Claude Code asks for `max_tokens: 32000`, which a random
-model fills to the context (minutes per turn on CPU); Claude Code's episode in the sandbox is
-tests/environments/test_harness_env.py's.
+the samples trained. Expensive: 140 s in a fresh-clone CI run, the suite's longest test. Its parts:
+generating the swe instances (the bundled textkit repository's tests run in sandboxes for each
+mutation kind: 128-132 s alone at load average ~80 on the shared 2-core machine, at nice -15), the
+run's start (one engine, router, gateway, trainer), two Codex episodes each prefilling a
+~18,200-token prompt (Codex's instructions and tools in the `tiny` tokenizer) and graded by swe's
+hidden tests, and the trainer's step on the two samples (the packed attention no longer builds a
+dense [n, n] mask: trainer/packed_attention.py). Codex rather than Claude Code: Claude Code asks
+for `max_tokens: 32000`, which a random model fills to the context (minutes per turn on CPU);
+Claude Code's episode in the sandbox is tests/environments/test_harness_env.py's.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pytest
 from palaestra.environments.harness.install import HARNESSES, binary
 from palaestra.environments.swe_agent.generate import generate
 from tests.support.doubles import SubprocessBackendForTests
-from tests.support.runs import make_config
+from tests.support.runs import make_episode_config
 from tests.support.sandbox import SANDBOX_BACKENDS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.engine]
@@ -45,21 +49,7 @@ def test_train_one_step_on_codex_episodes_in_the_sandbox(ray_local, tmp_path):
     args = {"harness": "codex", "data": str(data), "backend": "local", "max_turns": 4, "time_limit_s": 300}
     out = tmp_path / "run"
     result = train(
-        make_config(
-            out,
-            "sync",
-            "engines.count=1",
-            "env.name=harness",
-            f"env.args={json.dumps(args)}",
-            "env.tasks_per_step=1",
-            "env.samples_per_task=2",
-            "env.concurrency=2",
-            "env.eval_tasks=0",
-            "env.filter_zero_variance_groups=false",
-            "gateway.default_max_tokens=16",
-            "run.steps=1",
-            "run.step_timeout_s=900",
-        )
+        make_episode_config(out, "harness", args, "gateway.default_max_tokens=16", "run.step_timeout_s=900")
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step = rows[0]

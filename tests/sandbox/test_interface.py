@@ -5,6 +5,7 @@ close, and the file operations' refusal to follow what a command planted."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -255,3 +256,30 @@ def test_a_bwrap_the_sandbox_user_cannot_reach_is_named_and_auto_falls_back(loop
         shutil.rmtree(closed, ignore_errors=True)
     assert result.stdout == "fell back\n", result
     assert "user namespace mapped to host root" in enforced and "closed to other users" in enforced
+
+
+def test_the_local_backend_puts_the_address_space_limit_apart_from_the_memory(loop_runner):
+    """RLIMIT_AS is `memory_mb` unless `address_space_mb` says otherwise (a runtime that reserves
+    GiBs it never touches: OpenCode's), and an allocation past it is reported at that limit."""
+    from palaestra.sandbox import LocalBackend
+    from tests.support.sandbox import TEST_LABEL
+
+    backend = LocalBackend(label=TEST_LABEL)
+    grab = "import sys; b = bytearray(int(sys.argv[1]) << 20)"
+
+    async def go(limits):
+        box = await backend.create("python", limits)
+        try:
+            limit = await box.exec(["sh", "-c", "grep 'Max address space' /proc/self/limits"])
+            return limit.stdout.split()[3], await box.exec(["python3", "-c", grab, "1024"])
+        finally:
+            await box.close()
+
+    try:
+        assert loop_runner.run(go(LIMITS))[0] == str(256 << 20)
+        wide = dataclasses.replace(LIMITS, address_space_mb=768)
+        limit, over = loop_runner.run(go(wide))
+    finally:
+        loop_runner.run(backend.close())
+    assert limit == str(768 << 20)
+    assert over.status == "memory" and "768 MiB address-space limit" in over.detail, over

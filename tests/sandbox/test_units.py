@@ -12,7 +12,9 @@ from palaestra.sandbox.output import build_result
 
 def test_limits_reject_bad_values_naming_the_field():
     assert Limits().memory_mb == 512
-    for field, value in (("memory_mb", 0), ("pids", -1), ("cpu_s", 1.5), ("timeout_s", "10"), ("pids", True)):
+    assert Limits().address_space_mb is None and Limits(address_space_mb=4096).address_space_mb == 4096
+    bad = (("memory_mb", 0), ("pids", -1), ("cpu_s", 1.5), ("timeout_s", "10"), ("pids", True))
+    for field, value in (*bad, ("address_space_mb", 0), ("address_space_mb", 2.5)):
         with pytest.raises(ValueError, match=f"Limits.{field}"):
             Limits(**{field: value})
     with pytest.raises(ValueError, match="memroy_mb"):

@@ -1,5 +1,6 @@
 """What the `palaestra train` tests on Ray share: the two-turn environment the rollout actors load
-by import path (`TWO_TURN`), the CI-sized run config (`make_config`) and the module's local Ray
+by import path (`TWO_TURN`), the CI-sized run config (`make_config`; `make_episode_config`, its
+variant for one group of agent episodes) and the module's local Ray
 (`local_ray`, used by tests/orchestrator/conftest.py's `ray_local`)."""
 
 from __future__ import annotations
@@ -7,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from palaestra.config import load_config
 from palaestra.sdk import Environment, Task
@@ -104,6 +107,26 @@ def make_config(out: Path, mode: str, *extra: str):
             "logging.tensorboard_dir=null",
             *extra,
         ],
+    )
+
+
+def make_episode_config(out: Path, env: str, args: dict[str, Any], *extra: str):
+    """`make_config` for one sync step on one group of two agent episodes (the harness and harbor
+    train tests): one engine, environment `env` with `args`, no evaluation, the group trained
+    whatever its rewards (a random model's episodes all score 0)."""
+    return make_config(
+        out,
+        "sync",
+        "engines.count=1",
+        f"env.name={env}",
+        f"env.args={json.dumps(args)}",
+        "env.tasks_per_step=1",
+        "env.samples_per_task=2",
+        "env.concurrency=2",
+        "env.eval_tasks=0",
+        "env.filter_zero_variance_groups=false",
+        "run.steps=1",
+        *extra,
     )
 
 
