@@ -104,7 +104,7 @@ class _Last:
 
     turn_id: int
     call_id: str
-    prompt: list[int] | None = None
+    prompt_len: int | None = None  # None: the next turn is not a sibling of this one
     messages: list[dict[str, Any]] | None = None
     context: bytes | None = None
 
@@ -322,13 +322,14 @@ class SessionJournal:
             t["con"] = True
         if turn.routed is not None:  # routing replay: the experts of positions [start, end), base64
             t["routed"] = turn.routed.to_wire()
-        if last is not None and last.call_id == turn.call_id and last.prompt is turn.prompt_ids:
+        # the choices of one call share its prompt (one plan)
+        if last is not None and last.call_id == turn.call_id and last.prompt_len == turn.prompt_len:
             t["sib"] = last.turn_id  # another choice of the same call: same prompt, messages, context
         else:
             if parent is not None:
-                t["tail"] = turn.prompt_ids[len(parent.prompt_ids) + len(parent.output_ids) :]
+                t["tail"] = turn.tokens[parent.end : turn.prompt_len]
             else:
-                t["prompt"] = turn.prompt_ids
+                t["prompt"] = turn.prompt()
             if messages is not None:
                 known = last.messages if last is not None and last.messages is not None else []
                 # identity: HistoryDigests shares them. The usual call repeats all of the previous
@@ -358,12 +359,12 @@ class SessionJournal:
             self._last[sid] = _Last(
                 turn.turn_id,
                 turn.call_id,
-                turn.prompt_ids,
+                turn.prompt_len,
                 messages,
                 context if context is not None else (last.context if last else None),
             )
         elif last is not None:
-            last.prompt = None
+            last.prompt_len = None
 
     def failed(self, session: Session, call: dict[str, Any]) -> None:
         if not session.finished:

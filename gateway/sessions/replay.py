@@ -71,12 +71,12 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
     context_key = rep.context_key
     if "sib" in t:
         sibling = rep.turns[t["sib"]]
-        prompt, messages, digest = sibling.prompt_ids, rep.messages, sibling.digest
+        prompt, messages, digest = sibling.prompt(), rep.messages, sibling.digest
         n_messages = sibling.n_messages
     else:
         if "tail" in t:
             assert parent is not None
-            prompt = parent.prompt_ids + parent.output_ids + t["tail"]
+            prompt = parent.tokens[: parent.end] + t["tail"]
         else:
             prompt = t["prompt"]
         messages, digest, n_messages = rep.messages, None, 0
