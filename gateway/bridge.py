@@ -225,7 +225,9 @@ def _bridged(
     if closing and tail.startswith(closing):
         tail = tail[len(closing) :]
     bridge = renderer.encode(tail)
-    return Plan(parent.prompt_ids + parent.output_ids + bridge, rendered, parent, bridge_tokens=len(bridge))
+    # the engine call needs the whole list; the turn recorded from it appends only `bridge` and its
+    # output to the parent's (`Turn.tokens`)
+    return Plan(parent.tokens[: parent.end] + bridge, rendered, parent, bridge_tokens=len(bridge))
 
 
 def _bridge_short(append: _Append, gap: str) -> Plan | None:

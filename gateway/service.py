@@ -455,7 +455,7 @@ class GatewayService:
             None,
         )
         if parent is not None:
-            ids = parent.prompt_ids + parent.output_ids + self.renderer.encode(prompt[len(parent.rendered) :])
+            ids = parent.tokens[: parent.end] + self.renderer.encode(prompt[len(parent.rendered) :])
             fork = None
         else:
             ids = self.renderer.encode(prompt)

@@ -256,17 +256,17 @@ class EngineClient:
         raise last
 
     @staticmethod
-    async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-        """Lines of a response body, however long (cumulative chunks of a long generation outgrow
-        aiohttp's own readline limit)."""
+    async def _line_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+        """The complete lines of a response body as they arrive, each read's together (however long:
+        cumulative chunks of a long generation outgrow aiohttp's own readline limit)."""
         buffer = b""
         async for data in content.iter_any():
             buffer += data
             *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                yield line
+            if lines:
+                yield lines
         if buffer:
-            yield buffer
+            yield [buffer]
 
     async def stream(
         self,
@@ -344,17 +344,27 @@ class EngineClient:
                 self._raise_for(r.status, raw)
             sample = _StreamedSample(self.incremental_stream, routing)
             head = b""  # the answer's first bytes, for the error when it is not an event stream
-            async for line in self._lines(r.content):
-                if len(head) < 200:
-                    head += line[:200] + b"\n"
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
+            done = False
+            # The chunks that arrived together go on as one piece: each piece costs a pass through
+            # the turn core and the dialect's stream, and a busy engine's chunks arrive in bunches.
+            async for lines in self._line_batches(r.content):
+                events = []
+                for line in lines:
+                    if len(head) < 200:
+                        head += line[:200] + b"\n"
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    events.append(data)
+                if events:
+                    piece = sample.add(events)
+                    progress.sent = sample.sent
+                    yield piece
+                if done:
                     break
-                piece = sample.add(_chunk(data))
-                progress.sent = sample.sent
-                yield piece
             if not sample.finished:
                 kind = r.headers.get("content-type", "no content-type")
                 raise GatewayError(
@@ -407,16 +417,22 @@ class _StreamedSample:
         self.sent = 0  # ids already handed on
         self.finished = False
 
-    def add(self, chunk: dict[str, Any]) -> tuple[list[int], list[float], Generation | None]:
-        """The chunk's new ids and logprobs, and the whole Generation when it is the final one."""
+    def add(self, events: list[bytes]) -> tuple[list[int], list[float], Generation | None]:
+        """The new ids and logprobs of consecutive events (their `data`), and the whole Generation
+        when the last is the final chunk. A cumulative chunk holds every one before it, so only the
+        last of those is read; only the logprobs not yet known are converted (a chunk repeats all)."""
+        chunk: dict[str, Any] = {}
+        for data in events if self.incremental else events[-1:]:
+            chunk = _chunk(data)
+            entries = chunk["meta_info"].get("output_token_logprobs") or []
+            if self.incremental:
+                self.ids += chunk.get("output_ids") or []
+                self.lps += [float(e[0]) for e in entries]
+            else:
+                self.ids = list(chunk.get("output_ids") or [])
+                del self.lps[len(entries) :]
+                self.lps += [float(e[0]) for e in entries[len(self.lps) :]]
         meta = chunk["meta_info"]
-        new_ids = list(chunk.get("output_ids") or [])
-        new_lps = [float(e[0]) for e in (meta.get("output_token_logprobs") or [])]
-        if self.incremental:
-            self.ids += new_ids
-            self.lps += new_lps
-        else:
-            self.ids, self.lps = new_ids, new_lps
         fresh_ids, fresh_lps = self.ids[self.sent :], self.lps[self.sent :]
         self.sent = len(self.ids)
         if meta.get("finish_reason") is None:

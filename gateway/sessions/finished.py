@@ -38,10 +38,13 @@ def pack_turns(
         i = holder.get(turn.turn_id)
         if i is None:
             return None
-        leaf, n, m = leaves[i], len(turn.prompt_ids), len(turn.output_ids)
+        leaf, m = leaves[i], len(turn.output_ids)
         # the sample's tokens are the leaf's prompt + output; an inner turn lies in the leaf's prompt
-        if turn is not leaf and (
-            leaf.prompt_ids[:n] != turn.prompt_ids or leaf.prompt_ids[n : n + m] != turn.output_ids
+        # (where the two share their token list it does by construction)
+        if (
+            turn is not leaf
+            and turn.tokens is not leaf.tokens
+            and (turn.end > leaf.prompt_len or leaf.tokens[: turn.end] != turn.tokens[: turn.end])
         ):
             return None
         summary = turn.summary()

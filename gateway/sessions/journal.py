@@ -108,7 +108,7 @@ class _Last:
 
     turn_id: int
     call_id: str
-    prompt: list[int] | None = None
+    prompt_len: int | None = None  # None: the next turn is not a sibling of this one
     messages: list[dict[str, Any]] | None = None
     context: bytes | None = None
 
@@ -329,16 +329,18 @@ class SessionJournal:
             t["con"] = True
         if turn.routed is not None:  # routing replay: the experts of positions [start, end), base64
             t["routed"] = turn.routed.to_wire()
-        if last is not None and last.call_id == turn.call_id and last.prompt is turn.prompt_ids:
+        # the choices of one call share its prompt (one plan)
+        if last is not None and last.call_id == turn.call_id and last.prompt_len == turn.prompt_len:
             t["sib"] = last.turn_id  # another choice of the same call: same prompt, messages, context
         else:
             if parent is not None:
-                t["tail"] = turn.prompt_ids[len(parent.prompt_ids) + len(parent.output_ids) :]
+                t["tail"] = turn.tokens[parent.end : turn.prompt_len]
             else:
-                base, n = self._fork_base(session, turn)
+                prompt = turn.prompt()
+                base, n = self._fork_base(session, turn, prompt)
                 if base is not None:
                     t["base"] = [base.turn_id, n]
-                t["prompt"] = turn.prompt_ids[n:]
+                t["prompt"] = prompt[n:]
             if messages is not None:
                 known = last.messages if last is not None and last.messages is not None else []
                 # identity: HistoryDigests shares them. The usual call repeats all of the previous
@@ -368,23 +370,23 @@ class SessionJournal:
             self._last[sid] = _Last(
                 turn.turn_id,
                 turn.call_id,
-                turn.prompt_ids,
+                turn.prompt_len,
                 messages,
                 context if context is not None else (last.context if last else None),
             )
         elif last is not None:
-            last.prompt = None
+            last.prompt_len = None
 
-    def _fork_base(self, session: Session, turn: Turn) -> tuple[Turn | None, int]:
+    def _fork_base(self, session: Session, turn: Turn, prompt: list[int]) -> tuple[Turn | None, int]:
         """The session's earlier turn whose prompt + output shares the most leading tokens with
-        `turn`'s prompt, and how many; (None, 0) below `MIN_SHARED`. A leaf's tokens begin with its
+        `turn`'s `prompt`, and how many; (None, 0) below `MIN_SHARED`. A leaf's tokens begin with its
         ancestors', so the leaves are the only candidates."""
         if not self.share_prefixes:
             return None, 0
         best, most = None, 0
         for other in session.turns:
             if other.children == 0 and other.call_id != turn.call_id:
-                n = shared_prefix.shared_with_turn(turn.prompt_ids, other)
+                n = shared_prefix.shared_with_turn(prompt, other)
                 if n > most:
                     best, most = other, n
         return (best, most) if most >= shared_prefix.MIN_SHARED else (None, 0)

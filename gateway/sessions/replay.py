@@ -72,19 +72,15 @@ def _turn(rep: _Replay, t: dict[str, Any]) -> Turn:
     context_key = rep.context_key
     if "sib" in t:
         sibling = rep.turns[t["sib"]]
-        prompt, messages, digest = sibling.prompt_ids, rep.messages, sibling.digest
+        prompt, messages, digest = sibling.prompt(), rep.messages, sibling.digest
         n_messages = sibling.n_messages
     else:
         if "tail" in t:
             assert parent is not None
-            prompt = parent.prompt_ids + parent.output_ids + t["tail"]
+            prompt = parent.tokens[: parent.end] + t["tail"]
         elif "base" in t:  # a fork: the first n tokens of an earlier turn's prompt + output
             base_id, n = t["base"]
-            base = rep.turns[base_id]
-            head = base.prompt_ids[:n]
-            if n > len(head):
-                head = head + base.output_ids[: n - len(head)]
-            prompt = head + t["prompt"]
+            prompt = rep.turns[base_id].tokens[:n] + t["prompt"]
         else:
             prompt = t["prompt"]
         messages, digest, n_messages = rep.messages, None, 0

@@ -93,13 +93,11 @@ def expand(part: dict[str, Any], n: int, parent: dict[str, Any]) -> dict[str, An
 
 
 class _Tokens(Protocol):
-    prompt_ids: list[int]
-    output_ids: list[int]
+    tokens: list[int]
+    end: int
 
 
 def shared_with_turn(prompt: list[int], turn: _Tokens) -> int:
-    """How many leading tokens `prompt` shares with `turn`'s prompt + output."""
-    n = common_prefix(prompt, turn.prompt_ids)
-    if n == len(turn.prompt_ids):
-        n += common_prefix(prompt[n:], turn.output_ids)
-    return n
+    """How many leading tokens `prompt` shares with `turn`'s prompt + output (the first `end` of
+    its token list, which later turns of its chain may extend)."""
+    return min(common_prefix(prompt, turn.tokens), turn.end)

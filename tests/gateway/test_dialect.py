@@ -350,4 +350,4 @@ def test_a_second_dialect_runs_on_the_same_core(tok, tmp_path):
     # the toy reply came back as an internal assistant message: the second call bridged, no fork
     t1, t2 = session.turns
     assert t2.parent is t1 and t2.fork_reason is None and t2.call_id.startswith("toy-")
-    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+    assert t2.prompt()[: t1.end] == t1.prompt() + t1.output_ids

@@ -347,3 +347,58 @@ def test_deep_tool_call_arguments_are_journaled_and_replayed(engine, tok, tmp_pa
         assert len(traj["turns"]) == 2 and traj["forks"] == []  # bridged onto the replayed turn
         r = c.post(f"{gw.url}/sessions/deep/reward", json={"reward": 1}, headers=KEY)
         assert r.status_code == 200 and len(r.json()["sample_ids"]) == 1, r.text
+
+
+def _turn(turn_id: int, parent: Turn | None, prompt: list[int], out: list[int], call: str = "") -> Turn:
+    return Turn(
+        turn_id=turn_id, call_id=call or f"c{turn_id}", choice=0, parent=parent, prompt_ids=prompt,
+        output_ids=out, output_logprobs=[-0.5] * len(out), weight_version="0", weight_spans=[],
+        finish_reason=FinishReason({"type": "stop", "matched": out[-1]}), latency_s=0.0, cached_tokens=0,
+        kind="chat",
+    )  # fmt: skip
+
+
+def test_a_chain_of_turns_holds_its_tokens_once_and_branches_and_siblings_their_own(tmp_path):
+    """Each bridged turn appends its bridge and output to its parent's token list (a session's tokens
+    are held once, not once per turn); a branch off an inner turn, another choice of the same call
+    and a prompt that does not extend its parent's ids get lists of their own. Every turn's prompt,
+    the samples and a journal replay are what they were with one list per turn."""
+    session = Session("s", "e", "t", "g", {})
+    journal = SessionJournal(tmp_path, fsync="off")
+    journal.recover()
+    journal.opened(session)
+    t1 = _turn(1, None, [1, 2, 3], [4, 5])
+    t2 = _turn(2, t1, [1, 2, 3, 4, 5, 6], [7, 8])
+    t3 = _turn(3, t2, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11])
+    branch = _turn(4, t2, [1, 2, 3, 4, 5, 6, 7, 8, 12], [13])  # t2 already continued by t3
+    sibling = _turn(5, t2, t3.prompt(), [14], call="c3")  # the second choice of t3's call
+    sibling.choice = 1
+    stranger = _turn(6, t3, [99, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15], [16])  # claims t3, differs at 0
+    for turn in (t1, t2, t3, branch, sibling, stranger):
+        session.add_turn(turn)
+        if turn is not stranger:  # the journal writes a child's prompt as its parent's + a tail
+            journal.turn(session, turn)
+    assert t1.tokens is t2.tokens is t3.tokens and t3.tokens == [*range(1, 12)]
+    assert branch.tokens is not t2.tokens and sibling.tokens is not t3.tokens
+    assert stranger.tokens is not t3.tokens
+    expected = {
+        1: [1, 2, 3], 2: [1, 2, 3, 4, 5, 6], 3: [*range(1, 11)], 4: [1, 2, 3, 4, 5, 6, 7, 8, 12],
+        5: [*range(1, 11)], 6: [99, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15],
+    }  # fmt: skip
+    assert {t.turn_id: t.prompt() for t in session.turns} == expected
+    assert [t.end for t in session.turns] == [5, 8, 11, 10, 11, 13]
+    samples = [
+        linearize(t, session_id="s", group_id="g", env="e", task_id="t", fork_index=i, reward=1.0,
+                  metrics={}, status="completed")
+        for i, t in enumerate(session.leaves())
+    ]  # fmt: skip
+    assert [s.tokens for s in samples] == [
+        [1, 2, 3, 4, 5, 6, 7, 8, 12, 13],
+        [*range(1, 11), 14],
+        [99, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16],
+    ]
+    assert samples[0].loss_mask == [1, 1, 0, 1, 1, 0, 1]  # t1's and t2's outputs, the branch's
+    journal.close()
+    (restored,), _ = restore(SessionJournal(tmp_path, fsync="off").recover(), lambda ids: "")
+    assert {t.turn_id: t.prompt() for t in restored.turns} == {k: v for k, v in expected.items() if k != 6}
+    assert restored.turns[0].tokens is restored.turns[2].tokens
