@@ -153,3 +153,16 @@ def test_opd_vs_grpo_reports_and_draws_earlier_runs_without_running_any(tmp_path
     assert "grpo-ds   2 seed(s)" in out and "0:0.300±0.000 1:0.400±0.000 2:0.500±0.000" in out
     assert "opd-full  samples 8 / 32±0 = 0.250 (pairs 0.250-0.250)" in out  # 1 step of 8 vs 2 of 16
     assert png.stat().st_size > 0
+
+
+def test_the_chaos_schedule_is_drawn_from_the_seed_alone():
+    """bench/chaos.py: the same seed, the same faults at the same moments; another seed, others;
+    every kind about as often, a sandbox only during generation, steps within the run."""
+    from bench import chaos
+
+    first, again = chaos.schedule(7, 50, 40), chaos.schedule(7, 50, 40)
+    assert first == again and first != chaos.schedule(8, 50, 40)
+    counts = {kind: sum(k.kind == kind for k in first) for kind in chaos.KINDS}
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
+    assert all(k.moment == "generation" for k in first if k.kind == "sandbox")
+    assert all(1 <= k.step <= 39 and k.moment in chaos.MOMENTS for k in first)
