@@ -7,9 +7,8 @@ its processes at a time?
 
 The run: configs/long_horizon.yaml in async mode on the tiny preset, shortened (`RUN`: 10 turns at
 most, 4 tasks x 4 samples a step) and its tool calls made in local sandboxes
-(bench/long_horizon_env.py's ``sandbox: local``), a checkpoint every 2 steps, the spool kept whole
-for the books (``gateway.spool_keep_acked``), each component allowed as many restarts as there are
-faults. Trailing dotted overrides change any of it.
+(bench/long_horizon_env.py's ``sandbox: local``), a checkpoint every 2 steps, each component allowed as many restarts as
+there are faults. Trailing dotted overrides change any of it.
 
 The schedule (`schedule`, from the seed alone): for each fault a kind, a moment, and the step
 before which it does not fire, spread evenly over the run:
@@ -18,14 +17,15 @@ before which it does not fire, spread evenly over the run:
   drawn), ``runner`` (the environment runner), ``sandbox`` (the sandbox of an episode in flight:
   its bwrap's process group, found among the runner's children; the episode fails, reason
   ``sandbox_error``, and nothing restarts);
-* moments: ``generation`` (0.5-4 s after a step ended: episodes in flight), ``batch`` (the step's
+* moments: ``generation`` (0.5-4 s after any phase of a step: episodes in flight), ``batch`` (the step's
   batch read, nothing of it trained), ``sync`` (0-1 s into the step's weight sync), ``checkpoint``
   (0-1 s into the trainer's save), ``checkpoint_saved`` (saved, the spool not told yet). A
   sandbox dies only during generation.
 
 Faults fire one at a time: the next waits until the driver has recovered from the last (its
 `Fault` has a recovery time); a fault that cannot fire at its step (the last one still
-recovering, no checkpoint in that step, no sandbox open) fires at the same moment of a later step.
+recovering, no checkpoint in that step, no sandbox open) fires at the same moment of a later step;
+none fires in the last step (a death after it ends the run: docs/reliability-faults.md).
 Left out: a Ray node's death (ends the run on this branch; docs/reliability-faults.md) and the
 driver's.
 
@@ -57,14 +57,13 @@ MOMENTS = ("generation", "batch", "sync", "checkpoint", "checkpoint_saved")
 SERVERS = ("engine", "router", "gateway")
 DELAY_S = {"generation": (0.5, 4.0), "sync": (0.0, 1.0), "checkpoint": (0.0, 1.0)}
 """Moments that fire from a timer: seconds after the hook's phase, drawn (the others fire in it)."""
-HOOK = {"generation": "step", "batch": "batch", "sync": "sync", "checkpoint": "checkpoint"}
-HOOK["checkpoint_saved"] = "checkpoint_saved"
-"""The run's hook phase (`loop.PHASES`) each moment starts from."""
+HOOK = {"batch": "batch", "sync": "sync", "checkpoint": "checkpoint", "checkpoint_saved": "checkpoint_saved"}
+"""The run's hook phase (`loop.PHASES`) each moment starts from; generation starts from any (async
+mode generates all the time)."""
 COMPONENT = {"router": "router", "gateway": "gateway", "trainer": "trainer", "runner": "environment runner"}
 RUN = (
     "run.mode=async",
     "run.checkpoint_every=2",
-    "gateway.spool_keep_acked=true",
     "env.tasks_per_step=4",
     "env.samples_per_task=4",
     "env.concurrency=16",
@@ -105,8 +104,8 @@ def schedule(seed: int, faults: int, steps: int, kinds: tuple[str, ...] = KINDS)
         kind = cycle.pop()
         moment = "generation" if kind == "sandbox" else rng.choice(MOMENTS)
         lo, hi = DELAY_S.get(moment, (0.0, 0.0))
-        step = 1 + (i * max(steps - 2, 1)) // max(faults, 1)
-        plan.append(Planned(kind, moment, min(step, steps - 1), round(rng.uniform(lo, hi), 3), rng.random()))
+        step = 1 + (i * max(steps - 2, 1)) // max(faults, 1)  # from the second step to the last but one
+        plan.append(Planned(kind, moment, min(step, steps - 2), round(rng.uniform(lo, hi), 3), rng.random()))
     return plan
 
 
@@ -137,8 +136,8 @@ def _sandboxes(runner_pid: int) -> list[int]:
 class Chaos:
     """Carries out a schedule through the run's hook (`train(cfg, hook=chaos.hook)`)."""
 
-    def __init__(self, plan: list[Planned]):
-        self.plan = plan
+    def __init__(self, plan: list[Planned], steps: int):
+        self.plan, self.last_step = plan, steps - 1
         self.queue = list(plan)
         self.lock = threading.Lock()
         self.busy: Planned | None = None  # fired, its recovery not seen yet
@@ -153,7 +152,9 @@ class Chaos:
             self._settle()
             if self.busy is not None or not self.queue:
                 return
-            due = [k for k in self.queue if HOOK[k.moment] == phase and k.step <= step]
+            if step >= self.last_step:  # a death after the last step ends a run (docs/reliability-faults.md)
+                return
+            due = [k for k in self.queue if HOOK.get(k.moment, phase) == phase and k.step <= step]
             if not due:
                 return
             head = due[0]  # the earliest planned of those due at this phase
@@ -248,7 +249,7 @@ def report(chaos: Chaos, result, wall_s: float, steps: int, failed: str | None) 
     from palaestra.orchestrator.audit import audit_run, report_problems
 
     fired = chaos.fired()
-    faults = list(result.faults or []) if result is not None else []
+    faults = [f.to_dict() for f in chaos.run.supervisor.faults] if chaos.run is not None else []
     lines = [f"chaos soak: {len(fired)} of {len(chaos.plan)} planned faults injected in {wall_s:.0f} s"]
     if failed:
         lines.append(f"THE RUN FAILED: {failed}")
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.chdir(common.ROOT)  # the environment loads by import path (bench.*) in the Ray workers
     os.environ["RAY_worker_niceness"] = "0"  # the workers keep this process's priority (nice -15)
-    chaos = Chaos(plan)
+    chaos = Chaos(plan, args.steps)
     overrides = [
         *RUN,
         f"run.steps={args.steps}",

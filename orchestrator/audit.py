@@ -1,7 +1,7 @@
 """The books of a finished run: every sample the gateway spooled for it trained once, or recorded as
 not trained with its reason, and every process death reported once, the same in every report.
 
-    result = train(cfg)                                  # with gateway.spool_keep_acked=true
+    result = train(cfg)
     audit = audit_run(result)
     audit.problems()                                     # [] when the books balance
     report_problems(result, ["engine-1", "gateway"])     # the deaths someone caused, each reported
@@ -10,8 +10,9 @@ What balancing means (`Audit.problems`): no sample id twice in the run's history
 (`RunResult.trained`), none trained that was never spooled, none both trained and recorded as not
 trained, every reason a non-empty name, and no spooled sample of the run's training (evaluation
 samples are not) that is neither trained nor recorded with a reason: a lost one. The spool is read
-from its segment files, so a run whose checkpoints acknowledged samples must keep them
-(``gateway.spool_keep_acked``), or the deleted segments' samples read as lost.
+from its segment files: a segment is deleted once a checkpoint acknowledged all its samples and
+the spool moved on to the next (64 MiB each), and a spool missing one is refused rather than read
+as lost samples.
 
 Used by tests/orchestrator/test_faults.py (defined deaths) and bench/chaos.py (a seeded schedule
 of them).
@@ -31,9 +32,18 @@ __all__ = ["Audit", "audit_run", "fault_kind", "report_problems", "spooled"]
 
 
 def spooled(output_dir: Path) -> list[dict]:
-    """Every sample the run's gateway (each shard's spool) made durable, as spooled (JSON)."""
+    """Every sample the run's gateway (each shard's spool) made durable, as spooled (JSON); a
+    ValueError if a spool no longer holds all its segments (numbered from 1)."""
     samples = []
-    for segment in sorted((Path(output_dir) / "spool").rglob("samples-*.jsonl")):
+    segments = sorted((Path(output_dir) / "spool").rglob("samples-*.jsonl"))
+    for folder in {s.parent for s in segments}:
+        numbers = sorted(int(s.stem.split("-")[1]) for s in segments if s.parent == folder)
+        if numbers != list(range(1, len(numbers) + 1)):
+            raise ValueError(
+                f"{folder} holds spool segments {numbers}: acknowledged ones were deleted, so its "
+                "samples cannot all be read (a run this long needs larger gateway spool segments)"
+            )
+    for segment in segments:
         samples += [json.loads(line)["sample"] for line in segment.read_text().splitlines() if line]
     return samples
 
