@@ -55,8 +55,9 @@ from bench import common
 KINDS = ("engine", "router", "gateway", "trainer", "runner", "sandbox")
 MOMENTS = ("generation", "batch", "sync", "checkpoint", "checkpoint_saved")
 SERVERS = ("engine", "router", "gateway")
-DELAY_S = {"generation": (0.5, 4.0), "sync": (0.0, 1.0), "checkpoint": (0.0, 1.0)}
-"""Moments that fire from a timer: seconds after the hook's phase, drawn (the others fire in it)."""
+DELAY_S = {"generation": (0.5, 4.0), "sync": (0.0, 0.3), "checkpoint": (0.0, 0.8)}
+"""Moments that fire from a timer: seconds after the hook's phase, drawn (the others fire in it);
+a weight sync of the tiny preset takes ~0.2-0.6 s here, a trainer's save ~1 s."""
 HOOK = {"batch": "batch", "sync": "sync", "checkpoint": "checkpoint", "checkpoint_saved": "checkpoint_saved"}
 """The run's hook phase (`loop.PHASES`) each moment starts from; generation starts from any (async
 mode generates all the time)."""
@@ -88,6 +89,7 @@ class Planned:
     killed_at: float = math.nan
     nth: int = 0  # faults of the component before this one
     note: str = ""
+    phase_at: float = math.nan  # time.time() of the hook phase it fired from
 
 
 def schedule(seed: int, faults: int, steps: int, kinds: tuple[str, ...] = KINDS) -> list[Planned]:
@@ -144,10 +146,12 @@ class Chaos:
         self.run = None
         self.timers: list[threading.Thread] = []
         self.errors: list[str] = []
+        self.seen: list[tuple[str, int, float]] = []  # (phase, step, time.time()) of every hook call
 
     # -- in the driver's thread ----------------------------------------------------------------
     def hook(self, phase: str, step: int, run) -> None:
         self.run = run
+        self.seen.append((phase, step, time.time()))
         with self.lock:
             self._settle()
             if self.busy is not None or not self.queue:
@@ -159,7 +163,7 @@ class Chaos:
                 return
             head = due[0]  # the earliest planned of those due at this phase
             self.queue.remove(head)
-            head.fired_step = step
+            head.fired_step, head.phase_at = step, time.time()
             self.busy = head
         if head.moment in DELAY_S:  # from a timer: the run goes on meanwhile
             timer = threading.Thread(target=self._fire_later, args=(head,), daemon=True)
@@ -237,6 +241,22 @@ class Chaos:
     def fired(self) -> list[Planned]:
         return [k for k in self.plan if k.pid]
 
+    def landed_inside(self, kill: Planned, rows: list[dict]) -> bool | None:
+        """Whether a sync or checkpoint kill landed before that phase ended: the sync's own
+        seconds (`perf/sync_s` of its step's row), the save's end (the next ``checkpoint_saved``
+        of that step; none: the save never finished). None for the other moments."""
+        if kill.moment == "sync":
+            row = [r for r in rows if r.get("step") == kill.fired_step + 1 and "perf/sync_s" in r]
+            return bool(row) and kill.killed_at - kill.phase_at <= row[-1]["perf/sync_s"]
+        if kill.moment == "checkpoint":
+            ends = [
+                t
+                for p, s, t in self.seen
+                if p == "checkpoint_saved" and s == kill.fired_step and t > kill.phase_at
+            ]
+            return not ends or kill.killed_at < ends[0]
+        return None
+
 
 # ----------------------------------------------------------------------------------------------
 # The report
@@ -253,10 +273,12 @@ def report(chaos: Chaos, result, wall_s: float, steps: int, failed: str | None) 
     lines = [f"chaos soak: {len(fired)} of {len(chaos.plan)} planned faults injected in {wall_s:.0f} s"]
     if failed:
         lines.append(f"THE RUN FAILED: {failed}")
+    out = None if result is None else result.output_dir
+    rows = [] if out is None else [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     lines += [
         "",
-        "| kind | injected | moments | recovery s (median / max) | noticed during |",
-        "|---|---|---|---|---|",
+        "| kind | injected | moments | inside the sync / save | recovery s (median / max) | noticed during |",
+        "|---|---|---|---|---|---|",
     ]
     by_component: dict[str, list[dict]] = {}
     for f in faults:
@@ -272,17 +294,19 @@ def report(chaos: Chaos, result, wall_s: float, steps: int, failed: str | None) 
             if k.kind != "sandbox" and len(mine) > k.nth:
                 recovery.append(mine[k.nth]["recovery_s"])
                 phases[mine[k.nth]["phase"]] += 1
+        inside = [chaos.landed_inside(k, rows) for k in kills if k.moment in ("sync", "checkpoint")]
         lines.append(
             f"| {kind} | {len(kills)} | {', '.join(f'{m} {n}' for m, n in sorted(moments.items()))} | "
+            f"{f'{sum(map(bool, inside))} of {len(inside)}' if inside else '—'} | "
             f"{_ms([r for r in recovery if math.isfinite(r)]) if kind != 'sandbox' else '— (episode fails)'} | "
             f"{', '.join(f'{p} {n}' for p, n in phases.most_common()) or '—'} |"
         )
     every = [f["recovery_s"] for f in faults if math.isfinite(f["recovery_s"])]
-    lines.append(f"| all | {len(fired)} | | {_ms(every)} | |")
+    inside = [chaos.landed_inside(k, rows) for k in fired if k.moment in ("sync", "checkpoint")]
+    lines.append(f"| all | {len(fired)} | | {sum(map(bool, inside))} of {len(inside)} | {_ms(every)} | |")
     if result is None:
         return "\n".join(lines)
     audit = audit_run(result)
-    rows = [json.loads(x) for x in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     episode_failures = Counter()
     for row in rows:
         for key, value in row.items():
@@ -356,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             chaos.finish()
         wall_s = time.perf_counter() - started
-        print(report(chaos, result, wall_s, args.steps, failed))
         out.mkdir(parents=True, exist_ok=True)
         (out / "chaos-faults.json").write_text(json.dumps([asdict(k) for k in plan], indent=1))
+        print(report(chaos, result, wall_s, args.steps, failed))
     return 0 if failed is None else 1
 
 
