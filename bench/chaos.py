@@ -55,9 +55,10 @@ from bench import common
 KINDS = ("engine", "router", "gateway", "trainer", "runner", "sandbox")
 MOMENTS = ("generation", "batch", "sync", "checkpoint", "checkpoint_saved")
 SERVERS = ("engine", "router", "gateway")
-DELAY_S = {"generation": (0.5, 4.0), "sync": (0.0, 0.3), "checkpoint": (0.0, 0.8)}
+DELAY_S = {"generation": (0.5, 4.0), "sync": (0.0, 0.12), "checkpoint": (0.0, 0.25)}
 """Moments that fire from a timer: seconds after the hook's phase, drawn (the others fire in it);
-a weight sync of the tiny preset takes ~0.2-0.6 s here, a trainer's save ~1 s."""
+a weight sync of the tiny preset takes ~0.15-0.6 s here, a trainer's save well under 1 s (a
+12-step soak with 0-0.3 s and 0-0.8 s landed 2 of 6 kills inside them)."""
 HOOK = {"batch": "batch", "sync": "sync", "checkpoint": "checkpoint", "checkpoint_saved": "checkpoint_saved"}
 """The run's hook phase (`loop.PHASES`) each moment starts from; generation starts from any (async
 mode generates all the time)."""
