@@ -7,8 +7,8 @@ block; hidden tests grade the answer in a fresh sandbox (`palaestra.verifiers.co
 Reward: 1 when every hidden test passes, or the fraction passed with ``partial_credit``. Tasks come
 from the seeded generator (`tasks.py`, levels 0-3) or HumanEval (``source="humaneval"``). What went
 wrong in an episode is in its metrics (``failure/*``); a sandbox that fails (while the model
-works or while grading) fails the episode, never trained (``sandbox_error``, environments/episode.py); the turns are `environments/episode.py`'s
-`ToolLoop`, this module is the tool, the prompt and the grading.
+works or while grading) fails the episode, never trained (``sandbox_error``). The turns are
+`environments/episode.py`'s `ToolLoop`, this module is the tool, the prompt and the grading.
 """
 
 from __future__ import annotations
