@@ -12,7 +12,10 @@ the episode is one sample (a turn cut at max_tokens makes the gateway fork the s
 sample per turn, each repeating the whole history). The
 tool is a plain `asyncio.sleep` followed by its output as the next user message: a sandbox round
 trip would add its own CPU on the two shared cores and nothing to what is measured, which is
-waiting. All of it comes from the task's seed, so every mode runs the same episodes.
+waiting. All of it comes from the task's seed, so every mode runs the same episodes. With
+``sandbox`` (a backend spec: local, docker) each episode holds one sandbox and the tool is
+``sleep`` run in it instead: the round trips bench/chaos.py kills a sandbox under; a sandbox that
+dies fails its episode (``sandbox_error``, environments/episode.py).
 
 The reward is the share of the episode's replies that contain the task's target character, a
 signal with variance inside a group (what GRPO needs) and nothing to learn that matters here.
@@ -31,10 +34,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from palaestra.environments.episode import resolve_backend, sandbox_failed
+from palaestra.sandbox.base import Limits, Sandbox, SandboxError
 from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session
 
 SYSTEM = "You are a coding agent. Run one tool per turn and read its output."
+SANDBOX_LIMITS = Limits(timeout_s=30.0, cpu_s=10, memory_mb=256, pids=16)
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,11 @@ class LongHorizonEnv(Environment):
         max_tokens: int = 60,
         tool_min_s: float = 0.05,
         tool_max_s: float = 2.0,
+        sandbox: str | None = None,
     ):
         """Episodes of 1 to `max_turns` turns (heavy-tailed), each turn `min_tokens` to
-        `max_tokens` sampled tokens, each tool call waiting `tool_min_s` to `tool_max_s`."""
+        `max_tokens` sampled tokens, each tool call waiting `tool_min_s` to `tool_max_s`, in a
+        sandbox of the backend `sandbox` (None: in this process)."""
         if not 1 <= max_turns:
             raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
         if not 1 <= min_tokens <= max_tokens:
@@ -73,6 +81,7 @@ class LongHorizonEnv(Environment):
             raise ValueError(f"tool_min_s, tool_max_s: need 0 < min <= max, got {tool_min_s}, {tool_max_s}")
         self.max_turns, self.min_tokens, self.max_tokens = max_turns, min_tokens, max_tokens
         self.tool_min_s, self.tool_max_s = tool_min_s, tool_max_s
+        self.backend = None if sandbox is None else resolve_backend(sandbox)
 
     def task(self, seed: int, index: int) -> LongTask:
         rng = random.Random(f"long-horizon/{seed}/{index}")
@@ -92,6 +101,18 @@ class LongHorizonEnv(Environment):
             index += 1
 
     async def rollout(self, session: Session, task: LongTask) -> Reward:
+        if self.backend is None:
+            return await self._episode(session, task, None)
+        try:
+            box = await self.backend.create("python", SANDBOX_LIMITS)
+            try:
+                return await self._episode(session, task, box)
+            finally:
+                await box.close()
+        except SandboxError as exc:
+            raise sandbox_failed(exc) from exc
+
+    async def _episode(self, session: Session, task: LongTask, box: Sandbox | None) -> Reward:
         messages = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"Task {task.task_id}."},
@@ -112,7 +133,10 @@ class LongHorizonEnv(Environment):
             messages.append({"role": "assistant", "content": text})
             if turn < len(task.tool_s):
                 t0 = time.perf_counter()
-                await asyncio.sleep(task.tool_s[turn])  # the tool runs
+                if box is None:
+                    await asyncio.sleep(task.tool_s[turn])  # the tool runs
+                else:
+                    await box.exec(["sleep", f"{task.tool_s[turn]:.3f}"])
                 tool_s += time.perf_counter() - t0
                 messages.append({"role": "user", "content": f"tool output {turn}: exit 0, {len(text)} bytes"})
         return Reward(

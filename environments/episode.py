@@ -37,7 +37,13 @@ Failure names (each becomes the metric ``failure/<name>``, a count, in the sampl
   call but was not parsed, arguments that are not a JSON object, a missing argument, an unknown
   tool); the model got the error back as the tool result;
 - ``sandbox_timeout``: a command the agent ran was killed at its time limit;
-- ``sandbox_error``: the sandbox itself failed (could not start, died);
+- ``sandbox_error``: the sandbox itself failed (could not start, died). Not the agent's doing, so
+  the episode is not scored: the environment raises `sandbox_failed(exc)` (an `EpisodeFailed`),
+  its session closes as failed with ``failure/sandbox_error`` and is never trained, and a training
+  run counts it as ``rollout/failed_sandbox_error``. It is not retried: an episode is its
+  session, and a new one in the same group would sample its turns again under other weights while
+  the failed one's turns stay in the spool (dropped, reason ``failed``); GRPO normalises over the
+  group's sessions that finished;
 - ``grader_error``: grading could not decide (the grader did not run, a patch did not apply cleanly
   is *not* one: that scores 0 as the agent's fault);
 - ``context_exceeded``: the conversation outgrew the model's context; the episode was graded as it
@@ -60,6 +66,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import openai
 
+from palaestra.sdk.session import EpisodeFailed
+
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessage
 
@@ -79,6 +87,7 @@ __all__ = [
     "model_turn",
     "resolve_backend",
     "sampling",
+    "sandbox_failed",
 ]
 
 FAILURES = (
@@ -355,6 +364,13 @@ class ToolLoop:
         except ToolCallError as exc:
             return ToolResult(str(exc), failure="tool_call_parse")
         return result if isinstance(result, ToolResult) else ToolResult(result)
+
+
+def sandbox_failed(exc: BaseException) -> EpisodeFailed:
+    """The failure to raise (``raise sandbox_failed(exc) from exc``) when the episode's sandbox
+    failed under it (`SandboxError`: could not start, its exec server or container died): the
+    episode fails, ``failure/sandbox_error``, and is never trained (module docstring)."""
+    return EpisodeFailed("sandbox_error", str(exc))
 
 
 def resolve_backend(backend: Any) -> Any:

@@ -71,6 +71,8 @@ class GroupRecord:
     # sample_id -> reason, of this group's samples that never train (failed / aborted sessions);
     # filled by `SampleFeed.claim`, so the step that takes the group counts them in `Batch.dropped`
     dropped: dict[str, str] = field(default_factory=dict)
+    # failed sessions per reason (`RolloutResult.failure`: sandbox_error, error, session, ...)
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,6 +246,13 @@ class Batch:
         errors = sorted({e for g in self.considered for e in g.errors})
         said = f"; the sessions' errors: {' | '.join(errors[:3])}" if errors else ""
         return f"{dict(self.counts)}{said}"
+
+    def session_failures(self) -> Counter[str]:
+        """Failed sessions per reason over every group looked at (kept or not)."""
+        failures: Counter[str] = Counter()
+        for g in self.considered:
+            failures.update(g.failures)
+        return failures
 
     def session_statuses(self) -> Counter[str]:
         """Sessions per status over every group looked at (kept or not)."""

@@ -61,10 +61,11 @@ EVAL_SEED = 1_000_003
 VIEWER_PER_STEP = 8
 """Samples of each earlier step the trajectory viewer shows (all of the last step's, up to 64)."""
 
-PHASES = ("batch", "checkpoint", "checkpoint_saved", "step")
+PHASES = ("batch", "sync", "checkpoint", "checkpoint_saved", "step")
 """Where `Run.at` calls the run's hook, with the step (0-based) the phase belongs to:
 
 * ``batch``: the step's batch is read (generation done, in sync mode), nothing of it trained yet;
+* ``sync``: the step is trained, its weight sync is about to start (async: the gateway drained);
 * ``checkpoint``: a checkpoint is due after the step, the trainer has not saved yet;
 * ``checkpoint_saved``: the checkpoint is whole (`latest` moved), the gateway's spool not yet told;
 * ``step``: the step is over (logged, checkpointed if due)."""
@@ -286,6 +287,7 @@ class Run:
             self._times["sync_s"] = 0.0
             return {"perf/drain_s": 0.0, "perf/sync_s": 0.0}
         drain_s = self._deferring(self.source.before_sync, step) or 0.0
+        self.at("sync", step)
         started = time.perf_counter()
         call = lambda: self.cluster.trainer_call("sync_weights")  # noqa: E731 (tried again after a restart)
         version, metrics = self.waiter.get(call(), "weight sync", again=call)[0]

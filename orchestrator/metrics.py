@@ -57,7 +57,8 @@ NAMESPACES = ("rollout/", "train/", "opd/", "mismatch/", "perf/", "eval/")
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
     """`rollout/*` of one step's batch: reward, sizes, staleness, what was dropped and why,
-    sessions per status, the environment's own metrics (`rollout/env_*`), for tasks of several kinds
+    sessions per status and failed sessions per reason (`rollout/failed_<reason>`: ``sandbox_error``
+    when the sandbox died under the episode, ``error`` for any other exception), the environment's own metrics (`rollout/env_*`), for tasks of several kinds
     each kind's reward and groups (`rollout/reward_mean/<kind>`, `rollout/groups/<kind>`); `perf/gen_s` is the
     wall time from the first group's start to the last one's end, `perf/longest_group_s` the longest
     group's and `perf/longest_sample_tokens_per_s` its longest session's sampled tokens per second."""
@@ -88,6 +89,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         m[f"rollout/dropped_{reason}"] = float(n)
     for status, n in batch.session_statuses().items():
         m[f"rollout/sessions_{status}"] = float(n)
+    for reason, n in batch.session_failures().items():  # why they failed: sandbox_error, error, ...
+        m[f"rollout/failed_{reason}"] = float(n)
     if batch.groups:
         m["perf/gen_s"] = max(g.finished for g in batch.groups) - min(g.started for g in batch.groups)
         # the straggler: the group that took longest (its sessions run together, so its wall is its

@@ -132,6 +132,7 @@ class RolloutWorker:
             started=started,
             finished=time.time(),
             errors=[r.error for r in summary.results if r.error][:3],
+            failures=dict(Counter(r.failure or "error" for r in summary.results if r.status == "failed")),
             kind=kind if isinstance(kind := getattr(task, "kind", None), str) else None,
         )
 

@@ -9,10 +9,11 @@ from palaestra.sdk.mix import WeightedMix
 from palaestra.sdk.options import OptionError, read_options
 from palaestra.sdk.registry import load_environment
 from palaestra.sdk.runner import RolloutResult, RolloutSummary, run_rollouts, wilson_interval
-from palaestra.sdk.session import GatewayClient, GatewayError, Session
+from palaestra.sdk.session import EpisodeFailed, GatewayClient, GatewayError, Session
 
 __all__ = [
     "Environment",
+    "EpisodeFailed",
     "GatewayClient",
     "GatewayError",
     "OptionError",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.sdk.environment import Environment, as_reward, check_task
-from palaestra.sdk.session import GatewayClient, GatewayError
+from palaestra.sdk.session import EpisodeFailed, GatewayClient, GatewayError, failed_metrics
 
 FAILURE_PREFIX = "failure/"  # what went wrong in an episode, counted per rollout
 
@@ -50,6 +50,9 @@ class RolloutResult:
     """Where the episode's error was raised: ``path:line in function`` (`--show`, the failures list)."""
     traceback: str = ""
     """The error's traceback (`palaestra rollout -v`)."""
+    failure: str | None = None
+    """Why a failed episode failed: `EpisodeFailed`'s reason (``sandbox_error``: not the agent's
+    doing), ``error`` for any other exception, ``session`` when its session could not start."""
 
 
 class Refused(RuntimeError):
@@ -70,6 +73,7 @@ def _failed(task_id: str, group_id: str, session_id: str | None, exc: BaseExcept
         error=f"{type(exc).__name__}: {exc}",
         where=error_where(exc),
         traceback="".join(_traceback.format_exception(exc)),
+        failure=exc.reason if isinstance(exc, EpisodeFailed) else "error",
     )
 
 
@@ -228,7 +232,9 @@ async def _single(
         session = await gateway.session(env=env.name, task_id=task_id, group_id=group_id, sampling=sampling)
     except Exception as exc:  # could not even start: counted, nothing to close
         _refused(exc)
-        return RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}")
+        return RolloutResult(
+            task_id, group_id, None, 0.0, "failed", error=f"session: {exc}", failure="session"
+        )
     try:
         async with session:
             reward = as_reward(await env.rollout(session, task))
@@ -283,7 +289,7 @@ async def _seated(
             with contextlib.suppress(Exception):
                 await s.reward(0.0, {"error": 1.0}, status="failed")
         return [
-            RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}")
+            RolloutResult(task_id, group_id, None, 0.0, "failed", error=f"session: {exc}", failure="session")
             for _ in range(seats)
         ]
     try:
@@ -299,7 +305,7 @@ async def _seated(
         for s in sessions:
             if not s.finished:
                 with contextlib.suppress(Exception):
-                    await s.reward(0.0, {"error": 1.0}, status="failed")
+                    await s.reward(0.0, failed_metrics(exc), status="failed")
         return [_failed(task_id, group_id, s.session_id, exc) for s in sessions]
 
 

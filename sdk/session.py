@@ -10,7 +10,9 @@ own token (`session.api_key`, minted by the gateway's POST /sessions), which ope
 `GatewayClient` that creates sessions and posts rewards. The agent needs nothing else but
 `session.sampling`, the sampling settings the run chose (temperature, the episode's seed,
 ...), which it passes to every call: `create(model=..., messages=..., **session.sampling)`. Leaving the `async with` block by an exception closes the session as `failed` (its samples are
-marked and the trainer drops them); leaving it without a reward closes it as `aborted`.
+marked and the trainer drops them); leaving it without a reward closes it as `aborted`. An
+environment whose episode cannot be judged for a reason that is not the agent's (the sandbox died
+under it) raises `EpisodeFailed` with that reason: failed, never trained, and counted by reason.
 """
 
 from __future__ import annotations
@@ -22,6 +24,28 @@ from typing import Any
 
 import httpx
 import openai
+
+
+class EpisodeFailed(RuntimeError):
+    """The episode cannot be judged, for a reason that is not the agent's (its sandbox died under
+    it): raised by a rollout, it closes the session as ``failed`` with ``failure/<reason>`` in the
+    session's metrics, so its samples are never trained; the runner records `reason`
+    (`RolloutResult.failure`) and a training run counts it (``rollout/failed_<reason>``). A wrong
+    answer is a reward of 0, never this: raising it for the agent's own mistakes hides them from
+    training."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        if not reason or not reason.replace("_", "").isalnum():
+            raise ValueError(
+                f"EpisodeFailed: reason must be a short name like 'sandbox_error'; got {reason!r}"
+            )
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def failed_metrics(exc: BaseException) -> dict[str, float]:
+    """The metrics a session closed as failed by `exc` is recorded with."""
+    return {"error": 1.0} | ({f"failure/{exc.reason}": 1.0} if isinstance(exc, EpisodeFailed) else {})
 
 
 class GatewayError(RuntimeError):
@@ -237,4 +261,4 @@ class Session:
         # every session, so the GatewayClient closes it once (`GatewayClient.close`).
         if not self.finished:
             status = "failed" if exc_type is not None else "aborted"
-            await self.reward(0.0, {"error": 1.0} if exc_type is not None else {}, status=status)
+            await self.reward(0.0, failed_metrics(exc) if exc_type is not None else {}, status=status)

@@ -173,3 +173,16 @@ def test_opd_vs_grpo_sweep_only_keeps_the_best_lr_and_reports_no_runs(monkeypatc
     assert made == ["grpo-ds-lr0.0001", "grpo-ds-lr0.0003"]  # the sweep's runs only, no seed run
     assert "grpo-ds lr 0.0003: 0:0.300 1:0.330; 2.00 s per step, 8 samples generated" in out
     assert "-> lr 0.0003" in out and "seed(s)" not in out
+
+
+def test_the_chaos_schedule_is_drawn_from_the_seed_alone():
+    """bench/chaos.py: the same seed, the same faults at the same moments; another seed, others;
+    every kind about as often, a sandbox only during generation, steps within the run."""
+    from bench import chaos
+
+    first, again = chaos.schedule(7, 50, 40), chaos.schedule(7, 50, 40)
+    assert first == again and first != chaos.schedule(8, 50, 40)
+    counts = {kind: sum(k.kind == kind for k in first) for kind in chaos.KINDS}
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
+    assert all(k.moment == "generation" for k in first if k.kind == "sandbox")
+    assert all(1 <= k.step <= 38 and k.moment in chaos.MOMENTS for k in first)

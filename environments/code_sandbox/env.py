@@ -6,8 +6,9 @@ block; hidden tests grade the answer in a fresh sandbox (`palaestra.verifiers.co
 
 Reward: 1 when every hidden test passes, or the fraction passed with ``partial_credit``. Tasks come
 from the seeded generator (`tasks.py`, levels 0-3) or HumanEval (``source="humaneval"``). What went
-wrong in an episode is in its metrics (``failure/*``); the turns are `environments/episode.py`'s
-`ToolLoop`, this module is the tool, the prompt and the grading.
+wrong in an episode is in its metrics (``failure/*``); a sandbox that fails (while the model
+works or while grading) fails the episode, never trained (``sandbox_error``). The turns are
+`environments/episode.py`'s `ToolLoop`, this module is the tool, the prompt and the grading.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from palaestra.environments.code_sandbox.tasks import LEVELS, CodeTask, iter_generated, load_humaneval
 from palaestra.environments.code_sandbox.tools import RUN_PYTHON_TOOL, extract_code, run_python
-from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult, resolve_backend
+from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult, resolve_backend, sandbox_failed
 from palaestra.sandbox.base import Limits, Sandbox, SandboxError
 from palaestra.sdk.environment import Environment, Reward
 from palaestra.sdk.session import Session
@@ -68,7 +69,7 @@ class CodeSandboxEnv(Environment):
 
     async def rollout(self, session: Session, task: CodeTask) -> Reward:
         log = EpisodeLog()
-        box: Sandbox | None = None  # made at the first run_python call; a failed one is replaced
+        box: Sandbox | None = None  # made at the first run_python call
 
         async def run_tool(name: str, args: dict[str, Any]) -> ToolResult:
             nonlocal box
@@ -77,11 +78,8 @@ class CodeSandboxEnv(Environment):
                     if box is None:
                         box = await self.backend.create("python", self.limits)
                     text, result = await run_python(box, args["code"], self.tool_timeout_s)
-            except SandboxError as exc:  # the next call gets a fresh sandbox
-                if box is not None:
-                    await box.close()
-                box = None
-                return ToolResult(f"error: the sandbox failed: {exc}", failure="sandbox_error")
+            except SandboxError as exc:  # not the agent's doing: the episode fails, never trained
+                raise sandbox_failed(exc) from exc
             return ToolResult(text, failure="sandbox_timeout" if result.status == "timeout" else None)
 
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.prompt}]
@@ -105,9 +103,8 @@ class CodeSandboxEnv(Environment):
                     timeout_s=self.grade_timeout_s,
                     partial_credit=self.partial_credit,
                 )
-        except SandboxError:
-            log.fail("grader_error")
-            return Reward(0.0, log.metrics(correct=0.0, tests_passed=0.0, turns=turns))
+        except SandboxError as exc:  # the grading sandbox failed: not the agent's 0
+            raise sandbox_failed(exc) from exc
         if result.reason in ("grader error",):
             log.fail("grader_error")
         return Reward(

@@ -8,7 +8,8 @@ One episode: the task's environment built offline once (`build.py`), a fresh san
 of it (`trial.py`), the agent's attempt (`agents.py`: a harness, ``openai-tools``, ``oracle``,
 ``none``), then test.sh as the verifier. The reward is the verifier's primary reward; every named
 reward is a metric ``reward/<name>``. A verifier that cannot grade raises (`GraderFailure`): the
-episode is counted failed and never trained on, not scored 0.
+episode is counted failed and never trained on, not scored 0; so is a sandbox that fails under
+the episode (``failure/sandbox_error``, environments/episode.py).
 
 Tasks (``path``: a directory of task directories, or one; default the bundled examples) are every
 task once, in a seeded order; ``tasks`` (a list of task names, or ``{name: {weight: w}}``) draws
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from palaestra.environments.episode import EpisodeLog, resolve_backend
+from palaestra.environments.episode import EpisodeLog, resolve_backend, sandbox_failed
 from palaestra.environments.harbor.agents import AgentOptions, make_agent
 from palaestra.environments.harbor.build import build_environment
 from palaestra.environments.harbor.task import HarborTask, TaskError, load_tasks
@@ -116,10 +117,10 @@ class HarborEnv(Environment):
         # the gateway applies it to every call (gateway/sessions/sampling.py).
         log = EpisodeLog()
         metrics: dict[str, float] = {}
-        async with log.timed("sandbox"):
-            built = await build_environment(task.task, self.backend)
-        metrics["env/build_cache_hit"] = float(built.cache_hit)
         try:
+            async with log.timed("sandbox"):
+                built = await build_environment(task.task, self.backend)
+            metrics["env/build_cache_hit"] = float(built.cache_hit)
             async with self.agent.attempt(session, self.model, log, metrics) as attempt:
                 async with Trial.open(
                     task.task, built, self.backend, attempt.mounts, attempt.address_space_mb
@@ -127,8 +128,7 @@ class HarborEnv(Environment):
                     await attempt.run(trial)
                     async with log.timed("grade"):
                         rewards = await trial.verify(self.reward_key)
-        except SandboxError:
-            log.fail("sandbox_error")
-            return Reward(0.0, log.metrics(**metrics))
+        except SandboxError as exc:  # the sandbox died under the episode: failed, never trained
+            raise sandbox_failed(exc) from exc
         named = {f"reward/{k}": v for k, v in rewards.named.items()}
         return Reward(rewards.value, log.metrics(**metrics, **named))

@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from palaestra.environments.episode import EpisodeLog
+from palaestra.environments.episode import EpisodeLog, sandbox_failed
 from palaestra.environments.harness import configure
 from palaestra.environments.harness.install import HARNESSES, native, shared_root
 from palaestra.environments.harness.tunnel import SessionTunnel
@@ -225,9 +225,8 @@ class HarnessEnv(Environment):
                     async with box:
                         await self._run(box, session, binary, run_dir, tunnel, episode, metrics)
                         agent_tree = await box.take_out()
-                except SandboxError:
-                    episode.fail("sandbox_error")
-                    return Reward(0.0, episode.metrics(resolved=0.0, **metrics, **tunnel_metrics(tunnel)))
+                except SandboxError as exc:  # not the agent's doing: failed, never trained
+                    raise sandbox_failed(exc) from exc
             finally:
                 await tunnel.stop()
         metrics |= tunnel_metrics(tunnel)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult
+from palaestra.environments.episode import EpisodeLog, ToolLoop, ToolResult, sandbox_failed
 from palaestra.environments.swe_agent.instance import SweInstance
 from palaestra.environments.swe_agent.tools import TOOLS, call_tool
 from palaestra.environments.swe_agent.workspace import SweWorkspace
@@ -85,12 +85,11 @@ class SweAgentEnv(Environment):
             timed_out = result is not None and result.status == "timeout"
             return ToolResult(text, "sandbox_timeout" if timed_out else None, ends_episode=name == "submit")
 
-        box = await self.workspace.start(task, self.limits, log)
-        try:
+        try:  # a sandbox that fails under the episode fails it (never trained), not a 0 to learn from
+            box = await self.workspace.start(task, self.limits, log)
             async with box:
                 await self.loop.run(session, messages, run_tool, model=self.model, log=log)
                 agent_tree = await box.take_out()
-        except SandboxError:
-            log.fail("sandbox_error")
-            return Reward(0.0, log.metrics(resolved=0.0, submitted=float(submitted)))
+        except SandboxError as exc:
+            raise sandbox_failed(exc) from exc
         return await self.workspace.grade(task, box.base, agent_tree, log, submitted=float(submitted))

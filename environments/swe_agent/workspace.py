@@ -19,7 +19,8 @@ as the grader does.
 
 Grading (`grade`): the agent's tree is diffed against the base and graded by `grading.grade` in a
 fresh sandbox. Failures it counts: ``grader_error`` (grading could not run, or the test command
-could not start: not the agent's doing) and ``sandbox_timeout`` (the tests did not finish).
+could not start: not the agent's doing) and ``sandbox_timeout`` (the tests did not finish); a
+grading sandbox that fails (`SandboxError`) fails the episode (``sandbox_error``, never trained).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from palaestra.environments.episode import EpisodeLog
+from palaestra.environments.episode import EpisodeLog, sandbox_failed
 from palaestra.environments.swe_agent import grading
 from palaestra.environments.swe_agent.instance import SweInstance, load_jsonl
 from palaestra.environments.swe_agent.repo_env import EnvOptions, instance_env, venv_mount
@@ -180,7 +181,9 @@ class SweWorkspace:
                 result = await grading.grade(
                     task, model_patch, self.backend, base, env_options=self.env_options
                 )
-        except (SandboxError, RuntimeError):
+        except SandboxError as exc:  # the grading sandbox died: not the agent's 0
+            raise sandbox_failed(exc) from exc
+        except RuntimeError:
             log.fail("grader_error")
             return Reward(0.0, log.metrics(resolved=0.0, **metrics))
         if result.reason.startswith("tests_did_not_finish"):

@@ -3,8 +3,9 @@ and harness environments both compose: on an instance of `palaestra swe generate
 (inflection's own pytest suite, its environment built offline from the cached sdists and wheels)
 in the local (bubblewrap) sandbox, both environments grade the reference fix 1 and an unrelated
 edit 0, made in the task's sandbox in place of an agent's work; the harness's own sandbox has the
-environment and its shell runs the tests with it; and an unfinished test run is one failure,
-`sandbox_timeout`, for both.
+environment and its shell runs the tests with it; an unfinished test run is one failure,
+`sandbox_timeout`, for both; and a sandbox killed under either's episode (its process group, on
+the local backend) fails the episode, `sandbox_error`, instead of scoring it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from palaestra.environments.swe_agent.grading import Grade
 from palaestra.environments.swe_agent.repo_env import SANDBOX_ENV
 from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.sandbox.base import Limits
+from palaestra.sdk.session import EpisodeFailed
 from tests.support.doubles import SubprocessBackendForTests
+from tests.support.sandbox import KILL, SANDBOX_BACKENDS, KillingBackend
 from tests.support.sandbox_backends import backend_for
+from tests.support.sessions import scripted_session, tool_reply
 
 LIMITS = Limits(timeout_s=120.0, cpu_s=120, memory_mb=1024, pids=128)
 
@@ -138,3 +142,47 @@ def test_a_grade_that_could_not_decide_is_one_failure_for_both_environments(
             if k.startswith("failure/") and v and k != f"failure/{failure}"
         ]
         assert others == [], reward.metrics
+
+
+# ------------------------------------------------------------------ a sandbox that dies mid-episode
+@pytest.fixture(scope="module")
+def local():
+    if "local" not in SANDBOX_BACKENDS:
+        pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
+    with SANDBOX_BACKENDS["local"]() as make:
+        yield make()
+
+
+def test_a_swe_episode_whose_sandbox_dies_fails_with_the_reason(local, swe_data):
+    """The task's sandbox (its exec server) SIGKILLed while the agent's second command runs: the
+    episode fails, `sandbox_error` (never trained), instead of a reward of 0."""
+    backend = KillingBackend(local)
+    env = SweAgentEnv(data=str(swe_data), backend=backend, max_turns=4)
+    replies = [tool_reply("bash", {"command": "ls"}), tool_reply("bash", {"command": f"sleep 30 # {KILL}"})]
+    with pytest.raises(EpisodeFailed, match="sandbox_error") as failed:
+        asyncio.run(env.rollout(scripted_session(replies), env.tasks(0)[0]))
+    assert failed.value.reason == "sandbox_error" and len(backend.killed) == 1
+    assert not replies  # the first command ran in the sandbox; it died under the second
+
+
+class _ToldTheWindow(HarnessEnv):
+    """The real harness environment, told the context window without a gateway (its one HTTP call
+    before the harness runs)."""
+
+    @staticmethod
+    async def context_window(session) -> int:
+        return 32768
+
+
+def test_a_harness_episode_whose_sandbox_dies_fails_with_the_reason(local, swe_data):
+    """The harness's one exec (forward.py and the harness) is running when its sandbox dies."""
+    if binary("mini-swe-agent") is None:
+        pytest.skip("mini-swe-agent is not installed: run `make install`")
+    backend = KillingBackend(local)
+    env = _ToldTheWindow(harness="mini-swe-agent", data=str(swe_data), backend=backend, time_limit_s=60)
+    config = env.config
+    # the marker in what forward.py reads on its stdin, so that this exec is the one killed
+    env.config = lambda *args, **kwargs: {**config(*args, **kwargs), "marker": KILL}
+    with pytest.raises(EpisodeFailed, match="sandbox_error"):
+        asyncio.run(env.rollout(scripted_session([]), env.tasks(0)[0]))
+    assert len(backend.killed) == 1

@@ -59,7 +59,6 @@ from typing import Any
 
 import pytest
 
-from palaestra.gateway.sessions.spool import read_segment
 from tests.support.runs import TWO_TURN, make_config
 
 pytestmark = [
@@ -311,14 +310,6 @@ def runs(ray_local, tmp_path_factory) -> Callable[[str], Outcome]:
 # ----------------------------------------------------------------------------------------------
 # What every run must show
 # ----------------------------------------------------------------------------------------------
-def spooled(out: Path) -> list[dict]:
-    """Every sample the gateway made durable in this run (its spool segments)."""
-    samples = []
-    for segment in sorted((out / "spool").glob("samples-*.jsonl")):
-        samples += read_segment(segment)  # a fork is stored against its parent: read it whole
-    return samples
-
-
 @functools.cache
 def _tokenizer():
     from transformers import AutoTokenizer
@@ -329,33 +320,25 @@ def _tokenizer():
 
 
 def check_run(outcome: Outcome) -> None:
-    """The assertions every run shares."""
+    """The assertions every run shares; the books and the reports are `orchestrator/audit.py`'s."""
+    from palaestra.orchestrator.audit import audit_run, report_problems, spooled
+
     result, steps = outcome.result, outcome.steps
-    out = result.output_dir
     # The run finished, each step once in the final history.
     assert result.state.step == steps
     assert [r.step for r in result.trained] == list(range(steps))
     assert result.engine_versions_end == [str(steps)] * 2
 
     # No sample trained twice; none lost.
-    trained = [sid for r in result.trained for sid in r.sample_ids]
-    assert len(trained) == len(set(trained))
-    samples = [s for s in spooled(out) if not s["group_id"].rsplit("/", 1)[-1].startswith("eval-")]
-    assert set(trained) <= {s["sample_id"] for s in samples}
-    not_trained = result.not_trained or {}
-    unaccounted = [
-        (s["sample_id"], s["group_id"], s["status"])
-        for s in samples
-        if s["sample_id"] not in set(trained) | set(not_trained)
-    ]
-    assert not unaccounted, f"spooled, neither trained nor recorded with a reason: {unaccounted}"
-    assert not set(trained) & set(not_trained)
-    assert all(isinstance(r, str) and r for r in not_trained.values())
+    problems = audit_run(result).problems()
+    assert not problems, problems
 
     # No token of one session in another: a sample's prompt names its own task (and no other),
     # and a session's samples stay in one group.
     groups: dict[str, set[str]] = {}
-    for s in samples:
+    for s in spooled(result.output_dir):
+        if s["group_id"].rsplit("/", 1)[-1].startswith("eval-"):
+            continue
         prompt = _tokenizer().decode(s["tokens"][: s["prompt_len"]])
         named = re.findall(r"task (count-\d+-\d+)", prompt)
         assert named and set(named) == {s["task_id"]}, (s["session_id"], s["task_id"], prompt)
@@ -363,22 +346,8 @@ def check_run(outcome: Outcome) -> None:
     assert all(len(g) == 1 for g in groups.values())
 
     # Every kill is reported once, and nothing else died.
-    faults = result.faults or []
-    expected = sorted(k.component for k in outcome.kills)
-    assert sorted(f["component"] for f in faults) == expected, faults
-    assert json.loads((out / "faults.json").read_text()) == faults
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for fault in faults:
-        assert math.isfinite(fault["recovery_s"]) and fault["recovery_s"] > 0 and fault["action"], fault
-        assert f"{fault['component']} at {fault['at'][11:19]} during {fault['phase']}" in result.summary
-    for kind in {_kind(f["component"]) for f in faults}:
-        counted = sum(r.get(f"faults/{kind}", 0) for r in rows)
-        assert counted == sum(_kind(f["component"]) == kind for f in faults), (kind, rows)
-    assert max(r.get("faults/total", 0) for r in rows) == len(faults)
-
-
-def _kind(component: str) -> str:
-    return "engine" if component.startswith("engine-") else component.replace(" ", "_")
+    problems = report_problems(result, [k.component for k in outcome.kills])
+    assert not problems, problems
 
 
 # ----------------------------------------------------------------------------------------------

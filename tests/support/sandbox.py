@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -216,3 +218,37 @@ def sandbox_memory_mb() -> dict[str, int]:
         containers += containers_memory_mb(client, TEST_LABEL, owner_pid=os.getpid())
         containers += containers_memory_mb(client, f"com.docker.compose.project={FLEET_PROJECT}")
     return {"rss": rss >> 10, "cgroups": charged >> 20, "containers": containers}
+
+
+KILL = "palaestra-kill-me"
+"""A command holding this text has its sandbox killed while it runs (`KillingBackend`)."""
+
+
+class KillingBackend:
+    """A real backend whose sandbox is SIGKILLed by its process group (a local sandbox's bwrap and
+    everything under it, the exec server `agent.py` included) while an exec whose command or stdin
+    holds `marker` runs in it; `killed` lists the process groups. Everything else is the backend's."""
+
+    def __init__(self, backend: Backend, marker: str = KILL):
+        self.backend, self.marker = backend, marker
+        self.killed: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    async def create(self, *args, **kwargs):
+        box = await self.backend.create(*args, **kwargs)
+        real = box.exec
+
+        async def exec(*a, **kw):
+            if self.marker not in json.dumps([a, kw], default=str):
+                return await real(*a, **kw)
+            run = asyncio.ensure_future(real(*a, **kw))
+            await asyncio.sleep(0.5)  # the command is running
+            assert not run.done(), run.result()
+            os.killpg(box.pid, signal.SIGKILL)
+            self.killed.append(box.pid)
+            return await run
+
+        box.exec = exec
+        return box

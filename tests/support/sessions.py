@@ -1,6 +1,7 @@
 """The session API from a test's side: open a session, read its trajectory, post its reward, read
 the spooled samples (with the test environment key), run an environment's episodes through a
-gateway (`rollouts`), and the calculator tool the dialect tests use."""
+gateway (`rollouts`), the calculator tool the dialect tests use, and a scripted session without a
+gateway (`scripted_session`)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,41 @@ def rollouts(gateway_url: str, key: str, env: Any, tasks: list, **options: Any) 
             await client.close()
 
     return asyncio.run(run())
+
+
+def tool_reply(name: str, arguments: dict) -> Any:
+    """A chat completion whose message calls tool `name` with `arguments` (for `scripted_session`)."""
+    import json
+
+    from openai.types.chat import ChatCompletion
+
+    call = {
+        "id": "call-1",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return ChatCompletion.model_validate(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "policy",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}],
+        }
+    )
+
+
+def scripted_session(replies: list) -> Any:
+    """A SCRIPTED session without a gateway: its client answers each call with the next of
+    `replies` (popped, so a test sees how many were asked for)."""
+    import types
+
+    async def create(**kwargs):
+        return replies.pop(0)
+
+    completions = types.SimpleNamespace(create=create)
+    client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=completions))
+    return types.SimpleNamespace(
+        client=client, sampling={}, session_id="s1", api_key="k", base_url="http://127.0.0.1:9/s/s1/v1"
+    )
