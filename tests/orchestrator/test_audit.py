@@ -14,11 +14,13 @@ from palaestra.orchestrator.audit import audit_run, fault_kind, spooled
 def _spool(out, *segments: list[tuple[str, str]]) -> None:
     spool = out / "spool"
     spool.mkdir(parents=True)
+    cursor = 0
     for number, samples in enumerate(segments, start=1):
-        lines = [
-            json.dumps({"sample": {"sample_id": sid, "group_id": f"env/t/{group}", "status": "completed"}})
-            for sid, group in samples
-        ]
+        lines = []
+        for sid, group in samples:
+            cursor += 1
+            sample = {"sample_id": sid, "group_id": f"env/t/{group}", "status": "completed"}
+            lines.append(json.dumps({"cursor": cursor, "sample": sample}))
         (spool / f"samples-{number:06d}.jsonl").write_text("\n".join(lines) + "\n")
 
 
