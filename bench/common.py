@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from palaestra.config import load_config
 from palaestra.orchestrator.loop import RunResult
@@ -20,6 +21,34 @@ from palaestra.train import train
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
 MODES = ("sync", "one_step_off", "async")
+
+
+# -- a gateway bench on the zero-work engine -----------------------------------------------------
+def run_on_zero_engine(
+    reply: str, where: str, prefix: str, body: Callable[[str, Any, Path], Awaitable[None]]
+) -> None:
+    """`body(engine_url, tokenizer, root)` against the zero-work engine answering `reply` (tiny's
+    tokens, then its end of turn), `root` a fresh folder under `where` (the disk measured), removed
+    afterwards."""
+    import asyncio
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from palaestra.models import resolve_model
+    from palaestra.testing import zero as zero_engine
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    ids = tok.encode(reply, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    zero = zero_engine.process("--reply-ids", *map(str, ids))
+    Path(where).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=where))
+    try:
+        with zero:
+            asyncio.run(body(zero.url, tok, root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- the command line ---------------------------------------------------------------------------

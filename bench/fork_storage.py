@@ -20,11 +20,8 @@ field.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +36,6 @@ from palaestra.gateway.routes import OPENAI_CHAT
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.sessions import shared_prefix
 from palaestra.gateway.sessions.spool import SampleSpool
-from palaestra.testing import zero as zero_engine
 
 SIDES = ("whole", "shared")
 REPLY = "I have read the step and carried it out; the result is in the file, and the next step can start now."
@@ -180,20 +176,9 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from palaestra.models import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
-    reply = tok.encode(REPLY, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    zero = zero_engine.process("--reply-ids", *map(str, reply))
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-fork-storage-", dir=args.dir))
-    try:
-        with zero:
-            asyncio.run(run(args, zero.url, tok, root))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    common.run_on_zero_engine(
+        REPLY, args.dir, "bench-fork-storage-", lambda url, tok, root: run(args, url, tok, root)
+    )
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ CPU time is the gateway's own work (the fsync thread of `batch` included).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,6 @@ from palaestra.gateway.engine_side.engine_client import EngineClient
 from palaestra.gateway.routes import OPENAI_CHAT
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.sessions.spool import SampleSpool
-from palaestra.testing import zero as zero_engine
 
 VARIANTS = ("none", "off", "batch", "always")
 
@@ -130,22 +127,9 @@ def main() -> None:
     ap.add_argument("--dir", default="runs", help="where the spool directories go (the disk measured)")
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from palaestra.models import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
-    reply = tok.encode("Sure, here it is.", add_special_tokens=False) + [
-        tok.convert_tokens_to_ids("<|im_end|>")
-    ]
-    zero = zero_engine.process("--reply-ids", *map(str, reply))
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-journal-", dir=args.dir))
-    try:
-        with zero:
-            asyncio.run(run(args, zero.url, tok, root))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    common.run_on_zero_engine(
+        "Sure, here it is.", args.dir, "bench-journal-", lambda url, tok, root: run(args, url, tok, root)
+    )
 
 
 if __name__ == "__main__":

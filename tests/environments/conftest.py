@@ -8,6 +8,7 @@ import pytest
 
 from palaestra.environments.swe_agent.generate import generate
 from tests.support.doubles import SubprocessBackendForTests
+from tests.support.sandbox import SANDBOX_BACKENDS
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +51,12 @@ def swe_real(tmp_path_factory):
 
     assert [i.instance_id for i in load_jsonl(out)] == [i.instance_id for i in made]  # all written
     return out, options
+
+
+@pytest.fixture(scope="module")
+def local_sandbox():
+    """A sandbox of the local (bubblewrap) backend, for the module's tests."""
+    if "local" not in SANDBOX_BACKENDS:
+        pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
+    with SANDBOX_BACKENDS["local"]() as make:
+        yield make()

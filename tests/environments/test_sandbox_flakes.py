@@ -19,18 +19,10 @@ from palaestra.environments.harbor.env import HarborEnv
 from palaestra.sandbox.base import SandboxError
 from palaestra.sdk.environment import Environment, Reward, Task
 from palaestra.sdk.session import EpisodeFailed
-from tests.support.sandbox import SANDBOX_BACKENDS, KillingBackend
+from tests.support.sandbox import KillingBackend
 
 
-@pytest.fixture(scope="module")
-def local():
-    if "local" not in SANDBOX_BACKENDS:
-        pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
-    with SANDBOX_BACKENDS["local"]() as make:
-        yield make()
-
-
-def test_harbor_episode_whose_sandbox_dies_fails_with_the_reason(local, tmp_path, monkeypatch):
+def test_harbor_episode_whose_sandbox_dies_fails_with_the_reason(local_sandbox, tmp_path, monkeypatch):
     """The oracle's solve.sh is running when the trial's sandbox dies (no model: no session)."""
     from palaestra.environments.harbor.env import EXAMPLES
 
@@ -38,7 +30,7 @@ def test_harbor_episode_whose_sandbox_dies_fails_with_the_reason(local, tmp_path
     task_dir = tmp_path / "tasks" / "slow-oracle"
     shutil.copytree(EXAMPLES / "csv-summary", task_dir)
     (task_dir / "solution" / "solve.sh").write_text("sleep 30\n")
-    backend = KillingBackend(local, marker="/solution/solve.sh")
+    backend = KillingBackend(local_sandbox, marker="/solution/solve.sh")
     env = HarborEnv(path=str(task_dir), agent="oracle", backend=backend)
     with pytest.raises(EpisodeFailed, match="sandbox_error"):
         asyncio.run(env.rollout(None, next(env.tasks(0))))

@@ -25,7 +25,7 @@ from palaestra.environments.swe_agent.snapshot import apply_patch, patch_paths
 from palaestra.sandbox.base import Limits
 from palaestra.sdk.session import EpisodeFailed
 from tests.support.doubles import SubprocessBackendForTests
-from tests.support.sandbox import KILL, SANDBOX_BACKENDS, KillingBackend
+from tests.support.sandbox import KILL, KillingBackend
 from tests.support.sandbox_backends import backend_for
 from tests.support.sessions import scripted_session, tool_reply
 
@@ -145,18 +145,10 @@ def test_a_grade_that_could_not_decide_is_one_failure_for_both_environments(
 
 
 # ------------------------------------------------------------------ a sandbox that dies mid-episode
-@pytest.fixture(scope="module")
-def local():
-    if "local" not in SANDBOX_BACKENDS:
-        pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
-    with SANDBOX_BACKENDS["local"]() as make:
-        yield make()
-
-
-def test_a_swe_episode_whose_sandbox_dies_fails_with_the_reason(local, swe_data):
+def test_a_swe_episode_whose_sandbox_dies_fails_with_the_reason(local_sandbox, swe_data):
     """The task's sandbox (its exec server) SIGKILLed while the agent's second command runs: the
     episode fails, `sandbox_error` (never trained), instead of a reward of 0."""
-    backend = KillingBackend(local)
+    backend = KillingBackend(local_sandbox)
     env = SweAgentEnv(data=str(swe_data), backend=backend, max_turns=4)
     replies = [tool_reply("bash", {"command": "ls"}), tool_reply("bash", {"command": f"sleep 30 # {KILL}"})]
     with pytest.raises(EpisodeFailed, match="sandbox_error") as failed:
@@ -174,11 +166,11 @@ class _ToldTheWindow(HarnessEnv):
         return 32768
 
 
-def test_a_harness_episode_whose_sandbox_dies_fails_with_the_reason(local, swe_data):
+def test_a_harness_episode_whose_sandbox_dies_fails_with_the_reason(local_sandbox, swe_data):
     """The harness's one exec (forward.py and the harness) is running when its sandbox dies."""
     if binary("mini-swe-agent") is None:
         pytest.skip("mini-swe-agent is not installed: run `make install`")
-    backend = KillingBackend(local)
+    backend = KillingBackend(local_sandbox)
     env = _ToldTheWindow(harness="mini-swe-agent", data=str(swe_data), backend=backend, time_limit_s=60)
     config = env.config
     # the marker in what forward.py reads on its stdin, so that this exec is the one killed
