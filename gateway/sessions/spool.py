@@ -233,12 +233,14 @@ class SampleSpool:
         self, cursor: int, sample: dict[str, Any], written: list[tuple[int, dict[str, Any], int]]
     ) -> tuple[dict[str, Any], int]:
         """The line for `sample` and its depth in a chain of references: against the sample of this
-        append (same session) it shares the most leading tokens with, or whole."""
-        if self.share_prefixes:
+        append (same session) it shares the most leading tokens with, or whole (also a record that
+        is not a session's sample: no `session_id` or `tokens`)."""
+        session = sample.get("session_id")
+        if self.share_prefixes and session is not None and "tokens" in sample:
             best, most = None, 0
             for parent in written:
                 _, other, depth = parent
-                if other["session_id"] == sample["session_id"] and depth < MAX_DEPTH:
+                if other.get("session_id") == session and "tokens" in other and depth < MAX_DEPTH:
                     n = shared_prefix.common_prefix(sample["tokens"], other["tokens"])
                     if n >= most:
                         best, most = parent, n

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.orchestrator.test_faults import spooled
+from palaestra.orchestrator.audit import spooled
 from tests.support.runs import make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.engine, pytest.mark.timeout(900)]

@@ -197,8 +197,9 @@ def test_an_engine_whose_node_dies_starts_again_where_there_is_room_else_the_run
 ):
     import ray
 
+    from palaestra.orchestrator.audit import spooled
     from palaestra.train import train
-    from tests.orchestrator.test_faults import _gone, _until, spooled
+    from tests.orchestrator.test_faults import _gone, _until
     from tests.support.runs import make_config
 
     nodes = [
