@@ -19,6 +19,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def swe_data(tmp_path_factory):
+    """One generated swe instance per mutation kind of the bundled ``textkit`` repository, as JSONL:
+    generated once per test process (the sandbox validates every candidate: ~20 s), read only."""
+    import asyncio
+
+    from palaestra.environments.swe_agent.generate import generate
+    from tests.support.doubles import SubprocessBackendForTests
+
+    out = tmp_path_factory.mktemp("swe") / "swe.jsonl"
+    instances = asyncio.run(
+        generate(out, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4)
+    )
+    assert instances, "no instance generated"
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir():
     from palaestra.models import resolve_model
 

@@ -6,10 +6,10 @@ The random model answers Codex's first call with noise (`gateway.default_max_tok
 16 tokens: Codex sends no max_output_tokens), on which Codex stops ("Incomplete response returned,
 reason: max_output_tokens", exit 1: `failure/harness_exit`), so each episode is one turn and
 reward 0; what is checked is the path: turns recorded, the episode graded by swe's hidden tests,
-the samples trained. Expensive: 140 s in a fresh-clone CI run, the suite's longest test. Its parts:
-generating the swe instances (the bundled textkit repository's tests run in sandboxes for each
-mutation kind: 128-132 s alone at load average ~80 on the shared 2-core machine, at nice -15), the
-run's start (one engine, router, gateway, trainer), two Codex episodes each prefilling a
+the samples trained. Expensive: 135-140 s in a fresh-clone CI run, the suite's longest test. Its
+parts: generating the swe instances (the session's `swe_data`: the bundled textkit repository's tests
+run in sandboxes for each mutation kind, ~20 s on a quiet machine, 128-132 s at load average ~80),
+the run's start (one engine, router, gateway, trainer), two Codex episodes each prefilling a
 ~18,200-token prompt (Codex's instructions and tools in the `tiny` tokenizer) and graded by swe's
 hidden tests, and the trainer's step on the two samples (the packed attention no longer builds a
 dense [n, n] mask: trainer/packed_attention.py). Codex rather than Claude Code: Claude Code asks
@@ -19,22 +19,19 @@ Claude Code's episode in the sandbox is tests/environments/test_harness_env.py's
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
 import pytest
 
 from palaestra.environments.harness.install import HARNESSES, binary
-from palaestra.environments.swe_agent.generate import generate
-from tests.support.doubles import SubprocessBackendForTests
 from tests.support.runs import make_episode_config
 from tests.support.sandbox import SANDBOX_BACKENDS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.engine]
 
 
-def test_train_one_step_on_codex_episodes_in_the_sandbox(ray_local, tmp_path):
+def test_train_one_step_on_codex_episodes_in_the_sandbox(ray_local, swe_data, tmp_path):
     from palaestra.train import train
 
     if binary("codex") is None:
@@ -44,9 +41,13 @@ def test_train_one_step_on_codex_episodes_in_the_sandbox(ray_local, tmp_path):
         )
     if "local" not in SANDBOX_BACKENDS:
         pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
-    data = tmp_path / "swe.jsonl"
-    asyncio.run(generate(data, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4))
-    args = {"harness": "codex", "data": str(data), "backend": "local", "max_turns": 4, "time_limit_s": 300}
+    args = {
+        "harness": "codex",
+        "data": str(swe_data),
+        "backend": "local",
+        "max_turns": 4,
+        "time_limit_s": 300,
+    }
     out = tmp_path / "run"
     result = train(
         make_episode_config(out, "harness", args, "gateway.default_max_tokens=16", "run.step_timeout_s=900")
