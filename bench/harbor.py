@@ -1,7 +1,7 @@
 """Harbor tasks: episodes/s per agent on one example task, local (bubblewrap) vs docker sandboxes,
 and the build time and cache hit of a task's environment. One run, ratios.
 
-    .venv/bin/python -m bench.harbor [--task fix-greeting] [--episodes 4] [--agents oracle,openai-tools,claude-code,codex]
+    .venv/bin/python -m bench.harbor [--task fix-greeting] [--episodes 4] [--agents oracle,openai-tools,claude-code,codex,opencode,mini-swe-agent,terminus]
 
 Every episode is the whole path: a fresh sandbox with a copy of the built environment, the agent's
 attempt, /tests uploaded and test.sh run as the verifier. The model's place is taken by a scripted
@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -31,36 +30,27 @@ from bench import common
 from palaestra.environments.harbor.build import build_environment
 from palaestra.environments.harbor.env import EXAMPLES, HarborEnv
 from palaestra.environments.harbor.task import load_task
-from palaestra.gateway.parsers import render_tool_call_text
 from palaestra.models import resolve_model
 from palaestra.sandbox import get_backend
+from tests.environments.test_harness_env import MARK, ShellScript
 from tests.support.servers import ENV_KEY, ScriptedEngine, ThreadServer, gateway_server
 from tests.support.sessions import rollouts
 
-SHELL = {
-    "claude-code": ("Bash", "command"),
-    "codex": ("exec_command", "cmd"),
-    "openai-tools": ("bash", "command"),
-}
-DONE = "PALAESTRA-42"
+DONE = MARK
 """What the fix command prints last (it computes it: the command itself does not hold it)."""
 
 
-class FixScript:
-    """TEST DOUBLE (module docstring): the agent's shell tool called once with `command`, then a
-    final text once the command's output (DONE) is in the prompt; side requests get "ok"."""
-
-    def __init__(self, tok, agent: str, command: str):
-        self.tok, self.end = tok, tok.convert_tokens_to_ids("<|im_end|>")
-        self.tool, self.argument = SHELL[agent]
-        self.command = command
+class FixScript(ShellScript):
+    """TEST DOUBLE (module docstring): the agent's shell (its tool; terminus: its keystrokes) runs
+    `command` whenever the prompt shows the shell and not yet DONE, then a final text (terminus: its
+    completion, confirmed); side requests get "ok". Without state, so one script serves every episode."""
 
     def __call__(self, input_ids: list[int], index: int) -> list[int]:
         prompt = self.tok.decode(input_ids)
         if DONE in prompt:
-            text = "Done."
-        elif f'"name": "{self.tool}"' in prompt:
-            text = render_tool_call_text("hermes", self.tool, json.dumps({self.argument: self.command}))
+            text = self.final
+        elif self.cue in prompt:
+            text = self.call(self.command)
         else:
             text = "ok"
         return self.tok.encode(text, add_special_tokens=False) + [self.end]
@@ -82,11 +72,13 @@ def episodes_per_s(tok, agent: str, backend: str, task: str, episodes: int, work
         started = time.perf_counter()
         rewards = [asyncio.run(env.rollout(None, t)).value for t in tasks[1:]]
     else:
-        script = FixScript(tok, agent, fix_command(EXAMPLES / task))
+        shape = "opencode" if agent == "openai-tools" else agent  # the same `bash` tool, `command`
+        script = FixScript(tok, shape, fix_command(EXAMPLES / task))
         engine = ScriptedEngine(script, stop_ids={script.end})
         with (
             ThreadServer(engine.app()) as eng,
-            gateway_server(eng.url, work / f"spool-{agent}-{backend}", tok) as gw,
+            # a harness told `tiny`'s 32k compacts its ~15k-token prompts, which a script cannot summarise
+            gateway_server(eng.url, work / f"spool-{agent}-{backend}", tok, context_length=200_000) as gw,
         ):
             first = rollouts(gw.url, ENV_KEY, env, tasks[:1]).results[0]
             started = time.perf_counter()
@@ -135,7 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--task", default="fix-greeting", help="the example task episodes run on")
     ap.add_argument("--build-task", default="log-errors", help="the example task whose build is timed")
     ap.add_argument("--episodes", type=int, default=4, help="timed episodes per agent and backend")
-    ap.add_argument("--agents", default="oracle,openai-tools,claude-code,codex", help="comma-separated")
+    ap.add_argument(
+        "--agents",
+        default="oracle,openai-tools,claude-code,codex,opencode,mini-swe-agent,terminus",
+        help="comma-separated",
+    )
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
