@@ -52,7 +52,7 @@ from pathlib import Path
 
 from bench import common
 
-KINDS = ("engine", "router", "gateway", "trainer", "runner", "sandbox")
+KINDS = ("engine", "router", "gateway", "trainer", "runner", "sandbox", "node")
 MOMENTS = ("generation", "batch", "sync", "checkpoint", "checkpoint_saved")
 SERVERS = ("engine", "router", "gateway")
 DELAY_S = {"generation": (0.5, 4.0), "sync": (0.0, 0.12), "checkpoint": (0.0, 0.25)}
@@ -73,6 +73,13 @@ RUN = (
     "sandbox: local}",
 )
 WAIT_S = 300.0
+NODE_BACK_S = 20.0
+"""Seconds after a node's removal that a node with room for one engine joins the cluster: the
+engine left out meanwhile starts there at the next step's start (`Supervisor.rejoin_engines`), and a
+later node fault has a node to kill."""
+HEAD, SLOT = "palaestra_chaos_head", "palaestra_chaos_engine"
+"""The Ray cluster's custom resources: the head (trainer, router, gateway, environment runner,
+one engine) holds HEAD; one engine fits a node per SLOT (the head has one, each worker node one)."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from palaestra.gateway.sessions.spool import read_segment
+from palaestra.orchestrator.supervisor import fault_kind  # the counters' own names (engine_node, ...)
 
 __all__ = ["Audit", "audit_run", "fault_kind", "report_problems", "spooled"]
 
@@ -119,11 +120,6 @@ def audit_run(result: Any) -> Audit:
         both=sorted(trained_set & set(not_trained)),
         unnamed=sorted(sid for sid, why in not_trained.items() if not (isinstance(why, str) and why)),
     )
-
-
-def fault_kind(component: str) -> str:
-    """A fault's `faults/<kind>` counter name: ``engine`` for every engine, else the component."""
-    return "engine" if component.startswith("engine-") else component.replace(" ", "_")
 
 
 def report_problems(result: Any, components: Iterable[str]) -> list[str]:

@@ -54,6 +54,11 @@ PLACE_WAIT_S = 60.0
 that has room, before the run goes on without it."""
 
 
+def _engine_number(name: str) -> int:
+    """N of ``engine-N``."""
+    return int(name.rsplit("-", 1)[1])
+
+
 # ----------------------------------------------------------------------------------------------
 # Ray
 # ----------------------------------------------------------------------------------------------
@@ -147,6 +152,9 @@ class Cluster:
     # node died starts again this way on another node (`replace_engine`).
     engine_start: tuple[str, str, list[str], str, str] | None = None
     router_urls: list[str | None] = field(default_factory=list)  # the workers the router starts with
+    # Engines whose node died when no live node had room for them: each starts again once Ray places
+    # its bundle on a node that joined later (`rejoin_engines`, at a step's start).
+    left_out: list[Box] = field(default_factory=list)
 
     @property
     def servers(self) -> list[Box]:
@@ -420,11 +428,19 @@ class Cluster:
             self._get_all(
                 self.trainer_call("set_engines", [b.url for b in self.engines]), "telling the trainer"
             )
+            self.left_out.append(box)
             left = ", ".join(b.name for b in self.engines)
             return (
                 f"no live node has room for it: the run goes on with {len(self.engines)} engine(s) ({left}); "
-                "the router and the trainer's weight syncs no longer reach it"
+                "the router and the trainer's weight syncs no longer reach it until a node with room joins"
             )
+        return self._start_again(box, node, index)
+
+    def _start_again(self, box: Box, node: str, index: int) -> str:
+        """A new engine for dead `box` on `node` (where Ray placed its bundle), at `index` of the
+        engines, with the weights the others hold, in the router and the trainer's syncs."""
+        import ray
+
         assert self.engine_start is not None
         fresh = Box(box.name, ray.remote(ServerHost).options(**box.options).remote(box.name, self.log_dir),
                     log=box.log, options=box.options, node=node)  # fmt: skip
@@ -436,22 +452,47 @@ class Cluster:
         self.sync_router()
         return f"started again on node {node[:8]} at {fresh.url}; {weights}"
 
-    def _bundle_node(self, options: dict[str, Any], wait_s: float) -> str | None:
-        """The live node holding the placement-group bundle an engine's `options` name, once Ray
-        has placed it again (at once when only the actor died); None when no live node has room
-        for it (seen for a second: Ray may be placing it meanwhile) or after `wait_s`."""
+    def rejoin_engines(self) -> list[tuple[str, str]]:
+        """Each left-out engine whose bundle Ray has since placed on a live node (a node with room
+        joined) started there (`_start_again`), in its place among the engines (by number):
+        [(name, what was done)]. Asks Ray once per left-out engine and waits for nothing else."""
+        done = []
+        for box in list(self.left_out):
+            node = self._placed_node(box.options)
+            if node is None:
+                continue
+            self.left_out.remove(box)
+            number = _engine_number(box.name)
+            index = sum(_engine_number(b.name) < number for b in self.engines)
+            done.append((box.name, self._start_again(box, node, index)))
+        return done
+
+    def _placed_node(self, options: dict[str, Any]) -> str | None:
+        """The live node holding the placement-group bundle an engine's `options` name; None when
+        Ray has not placed it on one (or it has no bundle)."""
         from ray.util.placement_group import placement_group_table
 
         strategy = options.get("scheduling_strategy")
         group = getattr(strategy, "placement_group", None)
-        index = getattr(strategy, "placement_group_bundle_index", -1)
         if group is None:  # every engine has a bundle (`placement.place`); a stand-in has none
             return None
-        spec = group.bundle_specs[index]
+        index = getattr(strategy, "placement_group_bundle_index", -1)
+        node = placement_group_table(group)["bundles_to_node_id"].get(index) or ""
+        return node if node and self.node_alive(node) else None
+
+    def _bundle_node(self, options: dict[str, Any], wait_s: float) -> str | None:
+        """The live node holding the placement-group bundle an engine's `options` name, once Ray
+        has placed it again (at once when only the actor died); None when no live node has room
+        for it (seen for a second: Ray may be placing it meanwhile) or after `wait_s`."""
+        strategy = options.get("scheduling_strategy")
+        group = getattr(strategy, "placement_group", None)
+        if group is None:  # every engine has a bundle (`placement.place`); a stand-in has none
+            return None
+        spec = group.bundle_specs[getattr(strategy, "placement_group_bundle_index", -1)]
         deadline, no_room_since = time.monotonic() + wait_s, None
         while time.monotonic() < deadline:
-            node = placement_group_table(group)["bundles_to_node_id"].get(index) or ""
-            if node and self.node_alive(node):
+            node = self._placed_node(options)
+            if node is not None:
                 return node
             if self._room_for(spec):
                 no_room_since = None

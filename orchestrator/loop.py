@@ -235,6 +235,7 @@ class Run:
         self.waiter.start_step(step)
         # a box that died between steps (an engine's node) is repaired before the step generates
         self.supervisor.check_alive("the step's start")
+        self.supervisor.rejoin_engines("the step's start")  # an engine left out, where a node joined
         self._times["gateway_s"] = self.cluster.gateway_overhead_s()
         batch = self.source.batch(step, self.state.weight_version)
         self._times["batch"] = time.perf_counter()

@@ -19,7 +19,9 @@ What a death costs, per box (docs/reliability-faults.md has the measured recover
   router drops its URL, and it starts again wherever Ray places its bundle anew (a live node with
   room) with the weights the others hold, or, with no room anywhere, the run goes on with the
   engines left and says so (`Cluster.replace_engine`; fault `node of engine-N` / `host of
-  engine-N`). The host actor of any other server failing fails the run (resume it).
+  engine-N`), until a node with room joins: at a step's start the engine left out starts there
+  and rejoins (`rejoin_engines`; its fault's action says so). The host actor of any other server
+  failing fails the run (resume it).
 * the environment runner (the `RolloutWorker` actor): replaced (`Cluster.replace_rollout`), the
   sessions it left open finished on the gateway as aborted; `Replaced` tells the run to redo the
   generation it had in flight (`loop.Run.recover`).
@@ -179,6 +181,24 @@ class Supervisor:
             ) from None
         log.warning("%s during %s: %s", component, phase, action)  # the one line that says so
         self.recovered(fault, action, started)
+
+    def rejoin_engines(self, phase: str) -> list[str]:
+        """Starts every engine left out for want of room whose bundle Ray has placed on a node
+        that joined since (`Cluster.rejoin_engines`); each one's fault gets the rejoin added to
+        its action. The names of those that rejoined."""
+        if not self.cluster.left_out:
+            return []
+        started = time.monotonic()
+        names = []
+        for name, action in self.cluster.rejoin_engines():
+            took = time.monotonic() - started
+            log.warning("%s, left out, rejoined during %s: %s (%.1f s)", name, phase, action, took)
+            dead = (f"node of {name}", f"host of {name}")
+            fault = next((f for f in reversed(self.faults) if f.component in dead), None)
+            if fault is not None:
+                fault.action += f"; at {phase} a node with room had joined: {action} ({took:.1f} s)"
+            names.append(name)
+        return names
 
     def _restart_server(self, box: Any, code: int, phase: str) -> None:
         import ray

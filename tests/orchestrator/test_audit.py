@@ -60,8 +60,12 @@ def test_a_spool_missing_a_segment_is_refused_not_read_as_lost(tmp_path):
 
 
 def test_fault_kinds():
-    assert [fault_kind(c) for c in ("engine-3", "environment runner", "gateway")] == [
+    """The books read the counters the run writes: a node's death is `faults/engine_node`."""
+    components = ("engine-3", "environment runner", "gateway", "node of engine-1", "host of engine-0")
+    assert [fault_kind(c) for c in components] == [
         "engine",
         "environment_runner",
         "gateway",
+        "engine_node",
+        "engine_host",
     ]

@@ -86,6 +86,50 @@ def test_an_engines_node_has_a_fault_kind_and_counter_of_its_own():
     }
 
 
+class _Placing(Cluster):
+    """A Cluster whose Ray is a list of where each engine's bundle lies now (None: on no live node)
+    and whose engine start records its place: the placement logic of `rejoin_engines`, without Ray."""
+
+    def __init__(self, placed: dict[str, str | None]):
+        from palaestra.config import load_config
+
+        super().__init__(load_config(None, []))
+        self.placed, self.started = placed, []
+
+    def _placed_node(self, options: dict) -> str | None:
+        return self.placed[options["name"]]
+
+    def _start_again(self, box: Box, node: str, index: int) -> str:
+        self.started.append((box.name, node, index))
+        self.engines.insert(index, Box(box.name, None, url=f"http://{node}:1", node=node))
+        return f"started again on node {node}"
+
+
+def test_an_engine_left_out_for_want_of_room_rejoins_once_a_node_with_room_joins():
+    cluster = _Placing({"engine-0": None, "engine-2": None})
+    cluster.engines = [Box("engine-1", None, url="http://n1:1", node="n1")]
+    cluster.left_out = [Box(f"engine-{i}", None, options={"name": f"engine-{i}"}) for i in (2, 0)]
+    supervisor = Supervisor(cluster, max_restarts=3)
+    supervisor.faults = [
+        Fault(f"node of engine-{i}", "t", "training", "node died", "no live node has room for it", 1.0)
+        for i in (0, 2)
+    ]
+    assert supervisor.rejoin_engines("the step's start") == []  # no node joined yet: nothing asked twice
+    assert cluster.started == [] and len(cluster.left_out) == 2
+    cluster.placed["engine-0"] = "n9"  # a node with room for one engine joined: Ray put engine-0 there
+    assert supervisor.rejoin_engines("the step's start") == ["engine-0"]
+    assert cluster.started == [("engine-0", "n9", 0)]  # first again, before engine-1
+    assert [b.name for b in cluster.engines] == ["engine-0", "engine-1"]
+    assert [b.name for b in cluster.left_out] == ["engine-2"]
+    zero, two = supervisor.faults
+    assert "a node with room had joined: started again on node n9" in zero.action
+    assert two.action == "no live node has room for it"
+    cluster.placed["engine-2"] = "n8"
+    assert supervisor.rejoin_engines("the step's start") == ["engine-2"]
+    assert [b.name for b in cluster.engines] == ["engine-0", "engine-1", "engine-2"] and not cluster.left_out
+    assert supervisor.new_counters()["faults/total"] == 2.0  # a rejoin is no death
+
+
 def test_the_drivers_halt_hook_names_what_it_cannot_read(tmp_path: Path):
     from palaestra.train import _halt_hook
 
