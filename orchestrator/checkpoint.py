@@ -35,6 +35,9 @@ class RunState:
     consumed_above: list[int] = field(default_factory=list)  # consumed indices >= watermark (async)
     rows: list[dict[str, float]] = field(default_factory=list)  # per-step metrics (the reward curve)
     counts: dict[str, int] = field(default_factory=dict)  # run totals: drops, statuses, ...
+    # Samples read before `cursors` that no step had taken (async, one_step_off: groups generated
+    # ahead): a resumed launch never reads them again, so it records them as `earlier_launch`.
+    unclaimed: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> RunState:

@@ -51,7 +51,7 @@ from palaestra.orchestrator.supervisor import RUNNER, TRAINER, Supervisor
 from palaestra.orchestrator.waiting import Waiter
 from palaestra.sample import Sample
 
-__all__ = ["EVAL_SEED", "PHASES", "Hook", "Run", "RunResult", "StepRecord"]
+__all__ = ["EVAL_SEED", "PHASES", "Hook", "Run", "RunResult", "StepRecord", "earlier_launch"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,13 @@ class RunResult:
     not_trained: dict[str, str] | None = None  # sample_id -> why, of this launch's samples not trained
 
 
+def earlier_launch(state: RunState) -> dict[str, str]:
+    """What a launch resumed from `state` records as not trained at once: the killed launch's
+    samples read before the checkpoint's cursors that no step had taken (`RunState.unclaimed`),
+    which it never reads again (those read after them are `SampleFeed`'s `earlier_launch`)."""
+    return dict.fromkeys(state.unclaimed, "earlier_launch")
+
+
 class Run:
     """The driver's side of one run: it waits on the boxes, never computes what they compute."""
 
@@ -147,6 +154,8 @@ class Run:
         self._times: dict[str, float] = {}  # this step's clock readings (perf/*)
         self.not_trained: dict[str, str] = {}  # the batches' dropped samples, and undone steps' ones
         self.ledger = self.out / "trained.jsonl"  # every launch's steps (`ledger.note_step`)
+        if not fresh:
+            self.not_trained.update(earlier_launch(state))
         self._noted: set[str] = set()  # samples the step ledger already records as not trained
         self._stepping = False
         self.deferred: Replaced | None = None  # a fault seen mid-sync, redone at the next step
@@ -313,6 +322,7 @@ class Run:
         """The tasks the step consumed, the spool cursor, and the step's timing (`perf/*`)."""
         self.state.consume([g.task_index for g in batch.considered])
         self.state.cursors = list(self.feed.cursors)
+        self.state.unclaimed = sorted({*self.feed.buffer, *self.source.unused()})  # read, not trained yet
         trained = self.trained[-1].sample_ids if self.trained and self.trained[-1].step == step else []
         self._note_step(step + 1, trained, {**self.feed.dropped, **self.not_trained})
         t = self._times

@@ -346,6 +346,36 @@ def test_the_step_ledger_keeps_each_steps_last_record_and_every_reason(tmp_path)
     assert reasons == {"a0": "failed", "a3": "earlier_launch", "b2": "unused_at_end"}
 
 
+def test_samples_read_before_a_checkpoints_cursor_and_never_trained_get_a_reason_after_a_resume(tmp_path):
+    """Async / one-step-off: at a step's end the feed has read samples of groups generated ahead
+    (`buffer`) and the source holds groups no step took (`unused`); the checkpoint's cursor is past
+    them, so a resumed launch never reads them again. The checkpoint's state names them and the
+    resumed launch records them as `earlier_launch` in the step ledger, so none is lost."""
+    import json
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from palaestra.orchestrator.ledger import note_step, read_steps
+    from palaestra.orchestrator.loop import Run, earlier_launch
+
+    run = Run.__new__(Run)  # the real end_step, around stand-ins for the feed, the source, the cluster
+    run.state, run.trained, run._noted = RunState(step=2, cursors=[5]), [], set()
+    run.feed = SimpleNamespace(cursors=[9], buffer={"a7": None, "a8": None}, dropped={"a6": "failed"})
+    run.source = SimpleNamespace(unused=lambda: ["a5", "a7"])
+    run.cluster = SimpleNamespace(run_id="A", gateway_overhead_s=lambda: 0.0)
+    run.not_trained, run.ledger = {}, tmp_path / "trained.jsonl"
+    run._times = {"start": 0.0, "batch": 0.5, "train_s": 0.1, "sync_s": 0.1, "gateway_s": 0.0}
+    run.end_step(2, Batch.empty())
+    assert run.state.unclaimed == ["a5", "a7", "a8"] and run.state.cursors == [9]
+    (tmp_path / "state.json").write_text(json.dumps(asdict(run.state)))
+    resumed = RunState.load(tmp_path / "state.json")  # launch A killed; B resumes from the checkpoint
+    assert earlier_launch(resumed) == dict.fromkeys(["a5", "a7", "a8"], "earlier_launch")
+    note_step(run.ledger, "B", 3, ["b1"], earlier_launch(resumed))
+    _, reasons = read_steps(run.ledger)
+    assert reasons == {"a6": "failed", **dict.fromkeys(["a5", "a7", "a8"], "earlier_launch")}
+    assert earlier_launch(RunState()) == {}  # a checkpoint of before (no `unclaimed`): nothing
+
+
 def test_async_mode_interrupts_weight_syncs_unless_told_to_drain():
     """Partial rollouts are async mode's default: its trainer pauses the engines in abort mode (the
     gateway continues what they return); with run.partial_rollouts=false, and in the other modes,
