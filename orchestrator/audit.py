@@ -132,7 +132,8 @@ def report_problems(result: Any, components: Iterable[str]) -> list[str]:
     problems = []
     if sorted(f["component"] for f in faults) != sorted(components):
         problems.append(f"faults {sorted(f['component'] for f in faults)} for deaths {sorted(components)}")
-    if json.loads((out / "faults.json").read_text()) != faults:
+    saved = json.loads((out / "faults.json").read_text())  # an earlier launch's first (a resumed run)
+    if saved[len(saved) - len(faults) :] != faults:
         problems.append("faults.json differs from the run's faults")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for fault in faults:

@@ -17,7 +17,8 @@ acknowledgement and admin, the engines' versions: `Waiter.call`), goes through t
 `Supervisor` (supervisor.py): dead servers are restarted in place and the wait or call goes on; a
 dead environment runner or trainer raises `Replaced` out of the step, and `train` calls
 `run.recover(fault)`, which redoes the run from its state (for the trainer: from the last
-checkpoint). `RunResult.faults` and `faults.json` list every fault. `trained.jsonl` (the step
+checkpoint). `RunResult.faults` lists every fault of the launch, `faults.json` every fault of the
+run (written as they happen, an earlier launch's kept, each marked by its launch). `trained.jsonl` (the step
 ledger, `ledger.note_step`) keeps what every step of every launch trained, for a driver killed
 and resumed.
 
@@ -28,7 +29,6 @@ test can kill a process at a defined moment of a step, however fast the step run
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import sys
@@ -47,7 +47,7 @@ from palaestra.orchestrator.errors import Replaced, RunFailed
 from palaestra.orchestrator.ledger import note_step
 from palaestra.orchestrator.metrics import console_line, make_tracker, rollout_metrics
 from palaestra.orchestrator.modes import SOURCES
-from palaestra.orchestrator.supervisor import RUNNER, TRAINER, Supervisor
+from palaestra.orchestrator.supervisor import RUNNER, TRAINER, Supervisor, earlier_faults, write_faults
 from palaestra.orchestrator.waiting import Waiter
 from palaestra.sample import Sample
 
@@ -135,7 +135,9 @@ class Run:
             )
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
-        self.supervisor = Supervisor(cluster, cfg.run.max_restarts)
+        self.supervisor = Supervisor(cluster, cfg.run.max_restarts, launch=cluster.run_id)
+        # faults.json keeps the earlier launches' faults (a resumed run), each marked by its launch
+        self.earlier_faults = [] if fresh else earlier_faults(self.out / "faults.json")
         self.waiter = Waiter(self.supervisor, cfg.run.step_timeout_s)
         self.initial = copy.deepcopy(state)  # what a trainer death rolls back to without a checkpoint
         self.source = self._new_source()
@@ -357,7 +359,10 @@ class Run:
         """The step's row: into the run state, every tracker, the console line and the progress bar."""
         state, steps, done = self.state, self.cfg.run.steps, step + 1
         state.step, state.rows = done, [*state.rows, metrics]
-        metrics = {**metrics, **self.supervisor.new_counters()}
+        counters = self.supervisor.new_counters()
+        if counters:  # on disk as they happen: a driver killed later leaves them for the resumed launch
+            self._write_faults()
+        metrics = {**metrics, **counters}
         self._log_held({})  # a held last step that a fault's recovery made the run redo: its row too
         if done == steps and self.cfg.env.eval_tasks:
             self._held_row = (metrics, done)  # logged with the evaluation after it (`evaluate_after`)
@@ -369,6 +374,12 @@ class Run:
             reward = metrics.get("rollout/reward_mean", math.nan)
             self._bar.set_postfix(reward=f"{reward:.3f}", refresh=False)
             self._bar.update(1)
+
+    def _write_faults(self) -> None:
+        """faults.json: the earlier launches' faults, then this launch's."""
+        write_faults(
+            self.out / "faults.json", [*self.earlier_faults, *(f.to_dict() for f in self.supervisor.faults)]
+        )
 
     def _note_step(self, step: int | None, trained: list[str], not_trained: dict[str, str]) -> None:
         """The step ledger's line (`ledger.note_step`): written before the step's checkpoint, so a
@@ -610,7 +621,7 @@ class Run:
             output_dir=self.out,
             faults=self.supervisor.faults,
         )
-        (self.out / "faults.json").write_text(json.dumps(result.faults or [], indent=1) + "\n")
+        self._write_faults()
         self._note_step(None, [], result.not_trained or {})  # what the run's end found not trained
         if late := self.supervisor.new_counters():  # faults after the last step's row (its checkpoint)
             self.tracker.log(late, self.state.step)

@@ -33,16 +33,28 @@ a `RunFailed` naming it, what was seen and its log tail.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from palaestra.orchestrator.errors import Replaced, RunFailed, root_cause
 
-__all__ = ["GATEWAY", "RUNNER", "TRAINER", "Fault", "Supervisor", "fault_kind"]
+__all__ = [
+    "GATEWAY",
+    "RUNNER",
+    "TRAINER",
+    "Fault",
+    "Supervisor",
+    "earlier_faults",
+    "fault_kind",
+    "write_faults",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +73,7 @@ class Fault:
     seen: str  # how it showed: the exit code, or Ray's error
     action: str = ""  # what was done
     recovery_s: float = math.nan  # from noticing it to the run going on
+    launch: str = ""  # the launch of the run it happened in (`Cluster.run_id`; a resumed run has several)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,11 +93,28 @@ def fault_kind(component: str) -> str:
     return component.replace(" ", "_")
 
 
+def earlier_faults(path: Path) -> list[dict[str, Any]]:
+    """The faults of a run's earlier launches, from the `faults.json` a resumed launch finds (none:
+    []), each with its launch (one of a file written before faults named theirs: ``earlier``)."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return []
+    return [{**f, "launch": f.get("launch") or "earlier"} for f in saved]
+
+
+def write_faults(path: Path, faults: list[dict[str, Any]]) -> None:
+    """`faults.json`, replaced whole (a driver killed mid-write leaves the previous one)."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(faults, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 class Supervisor:
     """The Waiter's liveness check (`check_alive`, `actor_died`), repairing what it finds."""
 
-    def __init__(self, cluster: Any, max_restarts: int):
-        self.cluster, self.max_restarts = cluster, max_restarts
+    def __init__(self, cluster: Any, max_restarts: int, launch: str = ""):
+        self.cluster, self.max_restarts, self.launch = cluster, max_restarts, launch
         self.faults: list[Fault] = []
         self.restarts: Counter[str] = Counter()
         # A fault whose loss shows only in the generation (a gateway restarted without its open
@@ -114,7 +144,8 @@ class Supervisor:
     ) -> Fault:
         """Records the fault, or fails the run when the component has used up its restarts."""
         self.restarts[component] += 1
-        fault = Fault(component, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), phase, seen)
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        fault = Fault(component, at, phase, seen, launch=self.launch)
         self.faults.append(fault)
         log.warning("%s %s during %s", component, seen, phase)
         if self.restarts[component] > self.max_restarts:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 
+from palaestra.config import LoggingOptions
+from palaestra.orchestrator.checkpoint import RunState
 from palaestra.orchestrator.cluster import Box, Cluster
 from palaestra.orchestrator.supervisor import Fault, Supervisor, fault_kind
 from palaestra.trainer.weight_sync import WeightSync
@@ -128,6 +130,43 @@ def test_an_engine_left_out_for_want_of_room_rejoins_once_a_node_with_room_joins
     assert supervisor.rejoin_engines("the step's start") == ["engine-2"]
     assert [b.name for b in cluster.engines] == ["engine-0", "engine-1", "engine-2"] and not cluster.left_out
     assert supervisor.new_counters()["faults/total"] == 2.0  # a rejoin is no death
+
+
+def test_a_resumed_launch_keeps_the_earlier_launches_faults_in_faults_json(tmp_path: Path):
+    """Launch A has a fault and is killed -9 after the step's row: faults.json has it, marked A (it
+    is written as faults happen, not only at the run's end). Launch B, resumed, has one of its own:
+    faults.json then lists A's and B's, each marked by its launch; a file of before has ``earlier``."""
+    import json
+
+    from palaestra.config import load_config
+    from palaestra.orchestrator.loop import Run
+    from palaestra.orchestrator.metrics import make_tracker
+    from palaestra.orchestrator.supervisor import earlier_faults
+
+    def launch(name: str) -> Run:  # the real `Run.log`, on a Run built without a cluster
+        run = Run.__new__(Run)
+        run.cfg = load_config(None, ["run.steps=4"])
+        run.out, run.state, run._bar, run._held_row = tmp_path, RunState(), None, None
+        run.tracker = make_tracker(LoggingOptions(), tmp_path, run_name="t", config={})
+        run.supervisor = Supervisor(cluster=None, max_restarts=3, launch=name)
+        run.earlier_faults = earlier_faults(tmp_path / "faults.json")
+        return run
+
+    a = launch("A")
+    a.supervisor._noticed("engine-0", "generation", "exited with code -9")
+    a.log(0, {"rollout/reward_mean": 0.5})  # then A is killed: no report, no end
+    saved = json.loads((tmp_path / "faults.json").read_text())
+    assert [(f["component"], f["launch"]) for f in saved] == [("engine-0", "A")]
+    b = launch("B")
+    b.log(1, {"rollout/reward_mean": 0.5})  # no fault of its own yet: the file is left as it was
+    assert json.loads((tmp_path / "faults.json").read_text()) == saved
+    b.supervisor._noticed("gateway", "training", "exited with code -9")
+    b.log(2, {"rollout/reward_mean": 0.5})
+    saved = json.loads((tmp_path / "faults.json").read_text())
+    assert [(f["component"], f["launch"]) for f in saved] == [("engine-0", "A"), ("gateway", "B")]
+    (tmp_path / "faults.json").write_text(json.dumps([{"component": "trainer"}]))  # unmarked
+    assert earlier_faults(tmp_path / "faults.json") == [{"component": "trainer", "launch": "earlier"}]
+    assert earlier_faults(tmp_path / "none.json") == []
 
 
 def test_the_drivers_halt_hook_names_what_it_cannot_read(tmp_path: Path):
