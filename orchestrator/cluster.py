@@ -155,6 +155,7 @@ class Cluster:
     # Engines whose node died when no live node had room for them: each starts again once Ray places
     # its bundle on a node that joined later (`rejoin_engines`, at a step's start).
     left_out: list[Box] = field(default_factory=list)
+    trainer_pids: list[int] = field(default_factory=list)  # of the trainer ranks (`remove_trainer_files`)
 
     @property
     def servers(self) -> list[Box]:
@@ -225,6 +226,7 @@ class Cluster:
         self.rollout = self._start_rollout()
         rollout_info = self._get_all([self.rollout.info.remote()], "starting the environment")[0]
         ranks = self._get_all(building, "building the trainer")
+        self.trainer_pids = [r["pid"] for r in ranks]
         self.startup_s["all"] = time.perf_counter() - t0
         self.placement_lines = self._describe(ranks, rollout_info, master)
         for line in self.placement_lines:
@@ -396,13 +398,27 @@ class Cluster:
 
         for worker in self.trainer:
             ray.kill(worker)
-        self.trainer = self._start_trainer()
+        dead, self.trainer = self.trainer_pids, self._start_trainer()
         master = self._get_all([self.trainer[0].rendezvous_address.remote()], "trainer rendezvous")[0]
         urls = [b.url for b in self.engines]
-        self._get_all(
+        ranks = self._get_all(
             self.trainer_call("build", trainer_options(self.cfg), self.cfg.model.student, urls, master),
             "rebuilding the trainer",
         )
+        self.trainer_pids = [r["pid"] for r in ranks]
+        self.remove_trainer_files(dead)  # the old ranks are gone by now (ray.kill, or the death itself)
+
+    def remove_trainer_files(self, pids: list[int]) -> list[Path]:
+        """The weight-sync folders in shared memory (/dev/shm, or `trainer.sync.dir`) that dead
+        trainer ranks `pids` left on this host (`shm_sync.remove_dead_writer`): a killed rank runs
+        no finalizer. The folders removed."""
+        from palaestra.trainer.shm_sync import remove_dead_writer
+
+        roots = [None, *([self.cfg.trainer.sync.dir] if self.cfg.trainer.sync.dir else [])]
+        gone = [folder for pid in pids for root in roots for folder in remove_dead_writer(pid, root)]
+        if gone:
+            log.info("removed the shared-memory weights of dead trainer ranks: %s", ", ".join(map(str, gone)))
+        return gone
 
     def node_alive(self, node: str) -> bool:
         import ray

@@ -52,7 +52,7 @@ from palaestra.net import is_this_host
 from palaestra.trainer.sync_transport import Clock, Engines, TransportOptions
 from palaestra.weights_format import safetensors_dtype
 
-__all__ = ["SharedWeightsFile", "ShmTransport", "default_shm_root"]
+__all__ = ["SharedWeightsFile", "ShmTransport", "default_shm_root", "remove_dead_writer"]
 
 
 def default_shm_root() -> Path:
@@ -100,6 +100,24 @@ def _remove_orphans(base: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
         except (ValueError, IndexError, PermissionError):
             continue  # not ours to judge: another user's process, or not our naming
+
+
+def remove_dead_writer(pid: int, root: str | Path | None = None) -> list[Path]:
+    """Removes the shared-memory folders (`SharedWeightsFile`'s, LoRA sync's) of writer `pid` under
+    `root` (default /dev/shm) if no process `pid` lives on this host: a trainer rank killed (no
+    finalizer ran) leaves its file otherwise until the next writer starts. The folders removed."""
+    try:
+        os.kill(pid, 0)
+        return []  # alive (or another user's): not ours to remove
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return []
+    base = Path(root) if root is not None else default_shm_root()
+    gone = sorted(base.glob(f"palaestra-weights-{pid}-*"))
+    for folder in gone:
+        shutil.rmtree(folder, ignore_errors=True)
+    return gone
 
 
 class SharedWeightsFile:

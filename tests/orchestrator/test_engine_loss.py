@@ -169,6 +169,27 @@ def test_a_resumed_launch_keeps_the_earlier_launches_faults_in_faults_json(tmp_p
     assert earlier_faults(tmp_path / "none.json") == []
 
 
+def test_a_dead_trainer_ranks_shared_memory_weights_are_removed_when_the_trainer_is_rebuilt(tmp_path: Path):
+    """A trainer rank killed -9 runs no finalizer: its /dev/shm/palaestra-weights-<pid>-* stays.
+    `Cluster.replace_trainer` removes the folders of the ranks it replaced (here under
+    trainer.sync.dir), and nothing of a live process or of a pid it was not told about."""
+    import os
+
+    from palaestra.config import load_config
+
+    cluster = Cluster(load_config(None, [f"trainer.sync.dir={tmp_path}"]))
+    dead, alive, other = 999999999, os.getpid(), 999999998  # above any pid_max: no such processes
+    for pid, tag in ((dead, "aa"), (dead, "bb"), (alive, "cc"), (other, "dd")):
+        (tmp_path / f"palaestra-weights-{pid}-{tag}").mkdir()
+        (tmp_path / f"palaestra-weights-{pid}-{tag}" / "model.safetensors").write_bytes(b"x")
+    removed = cluster.remove_trainer_files([dead, alive])
+    assert [p.name for p in removed] == [f"palaestra-weights-{dead}-aa", f"palaestra-weights-{dead}-bb"]
+    assert {p.name for p in tmp_path.iterdir()} == {
+        f"palaestra-weights-{alive}-cc",
+        f"palaestra-weights-{other}-dd",
+    }
+
+
 def test_the_drivers_halt_hook_names_what_it_cannot_read(tmp_path: Path):
     from palaestra.train import _halt_hook
 
