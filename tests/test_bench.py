@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from bench import common
@@ -186,3 +187,28 @@ def test_the_chaos_schedule_is_drawn_from_the_seed_alone():
     assert max(counts.values()) - min(counts.values()) <= 1, counts
     assert all(k.moment == "generation" for k in first if k.kind == "sandbox")
     assert all(1 <= k.step <= 38 and k.moment in chaos.MOMENTS for k in first)
+
+
+def test_the_chaos_soak_counts_every_failed_episode_from_the_spool_by_what_became_of_it():
+    """bench/chaos.py: the metrics rows count the failed episodes of the groups a step's batch took;
+    the spool has every one. Each failed session once (a session of two samples too), under its
+    `failure/<reason>` (``error`` without one), split by its samples' reason not to train."""
+    from bench import chaos
+
+    def sample(sid: str, session: str, status: str = "failed", **failure: float) -> dict:
+        metrics = {"error": 1.0, **{f"failure/{k}": v for k, v in failure.items()}}
+        return {"sample_id": sid, "session_id": session, "status": status, "metrics": metrics}
+
+    samples = [
+        sample("a", "s1", sandbox_error=1.0),
+        sample("b", "s1", sandbox_error=1.0),  # the same session's second sample: once
+        sample("c", "s2", sandbox_error=1.0),
+        sample("d", "s3"),
+        sample("e", "s4", status="completed"),
+        sample("f", "s5", sandbox_error=0.0),
+    ]
+    reasons = {"a": "failed", "b": "failed", "c": "runner_died", "d": "failed", "f": "trainer_restart"}
+    assert chaos.failed_episodes(samples, reasons) == {
+        "sandbox_error": Counter({"failed": 1, "runner_died": 1}),
+        "error": Counter({"failed": 1, "trainer_restart": 1}),
+    }
