@@ -219,6 +219,13 @@ class Supervisor:
         its action. The names of those that rejoined."""
         if not self.cluster.left_out:
             return []
+        if self.cluster.trainer:  # a rejoin tells the trainer: a rank dead meanwhile is rebuilt first
+            import ray
+
+            try:
+                ray.get([rank.ready.remote() for rank in self.cluster.trainer], timeout=120)
+            except ray.exceptions.RayActorError as exc:
+                self.actor_died(exc, phase)  # raises Replaced
         started = time.monotonic()
         names = []
         for name, action in self.cluster.rejoin_engines():
