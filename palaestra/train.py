@@ -4,6 +4,7 @@
     palaestra train configs/demo.yaml run.mode=async run.max_staleness=2 run.steps=50
     palaestra train configs/demo.yaml run.resume=true          # from the latest checkpoint
     palaestra train configs/demo.yaml --resume                 # the same (e.g. after the driver was killed)
+    palaestra train configs/demo.yaml --supervise 3            # relaunched with --resume after a crash, 3x
 
 The loop, per step (`run.mode` decides what overlaps):
 
@@ -100,6 +101,33 @@ def train(cfg: RunConfig, *, hook: Hook | None = None) -> RunResult:
 # ----------------------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------------------
+SUPERVISED = "PALAESTRA_SUPERVISED"
+"""Set in the driver that `--supervise` launches, so that it runs the training itself."""
+
+
+def supervise(argv: list[str], times: int, launch=None) -> int:
+    """`palaestra train ... --supervise N`: runs the driver (`argv`, this command's arguments without
+    --supervise) as a child process and, each time it ends abnormally (killed by a signal, or a
+    failed run: exit 1), launches it again with --resume, at most `times` times; a config error
+    (exit 2) or success ends it at once. Returns the last launch's exit code. `launch(cmd)` runs
+    one launch (default: `subprocess.call` with `SUPERVISED` set)."""
+    import subprocess
+
+    if launch is None:
+        env = {**os.environ, SUPERVISED: "1"}
+        launch = lambda cmd: subprocess.call(cmd, env=env)  # noqa: E731
+    cmd = [sys.executable, "-m", "palaestra.cli", "train", *argv]
+    code = launch(cmd)
+    for attempt in range(1, times + 1):
+        if code in (0, 2):
+            return code
+        why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        print(f"palaestra train --supervise: the driver ended ({why}); launch {attempt + 1} of at most "
+              f"{times + 1}, with --resume", file=sys.stderr, flush=True)  # fmt: skip
+        code = launch([*cmd, *([] if "--resume" in cmd else ["--resume"])])
+    return code
+
+
 def _command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -114,6 +142,9 @@ def _command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.supervise and not os.environ.get(SUPERVISED):  # the same command, less --supervise
+        argv = [*([args.config] if args.config else []), *args.overrides]
+        return supervise([*argv, *(["--resume"] if args.resume else [])], args.supervise)
     if args.print_config:
         import yaml
 
@@ -150,6 +181,16 @@ def _halt_hook(value: str | None, output_dir: Path) -> Hook | None:
     return halt
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 of relaunches, got {text!r}")
+    return value
+
+
 def register(groups) -> None:
     p = groups.add_parser(
         "train",
@@ -171,6 +212,14 @@ def register(groups) -> None:
         action="store_true",
         help="continue the run in run.output_dir from its latest checkpoint (= run.resume=true), e.g. "
         "after its driver was killed",
+    )
+    p.add_argument(
+        "--supervise",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="run the driver as a child and relaunch it with --resume after it crashes (killed, or "
+        "exit 1), at most N times (default: %(default)s, no relaunch)",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=_command)

@@ -203,3 +203,45 @@ def test_the_drivers_halt_hook_names_what_it_cannot_read(tmp_path: Path):
     hook("checkpoint", 0, None)  # another moment: the run goes on
     hook("batch", 1, None)
     assert not (tmp_path / "halted").exists()
+
+
+def test_train_supervise_relaunches_a_crashed_driver_with_resume_at_most_n_times():
+    """`palaestra train --supervise N`: a driver killed (-9) or failed (exit 1) is launched again
+    with --resume; success or a config error (exit 2) ends at once; N relaunches at most."""
+    from palaestra.train import supervise
+
+    def launches(codes: list[int], times: int, argv: list[str]) -> tuple[int, list[list[str]]]:
+        seen: list[list[str]] = []
+
+        def launch(cmd: list[str]) -> int:
+            seen.append(cmd[cmd.index("train") + 1 :])
+            return codes[len(seen) - 1]
+
+        return supervise(argv, times, launch), seen
+
+    assert launches([-9, 1, 0], 3, ["c.yaml", "run.steps=4"]) == (
+        0,
+        [
+            ["c.yaml", "run.steps=4"],
+            ["c.yaml", "run.steps=4", "--resume"],
+            ["c.yaml", "run.steps=4", "--resume"],
+        ],
+    )
+    assert launches([-9, -9, -9], 2, ["c.yaml"]) == (
+        -9,
+        [["c.yaml"], ["c.yaml", "--resume"], ["c.yaml", "--resume"]],
+    )
+    assert launches([2], 3, ["bad.yaml"]) == (2, [["bad.yaml"]])
+    assert launches([0], 3, ["c.yaml", "--resume"]) == (0, [["c.yaml", "--resume"]])
+    assert launches([-9], 0, ["c.yaml"]) == (-9, [["c.yaml"]])  # --supervise 0: no relaunch
+
+
+def test_train_supervise_refuses_a_negative_count():
+    import argparse
+
+    from palaestra.train import _non_negative
+
+    assert _non_negative("3") == 3
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number >= 0 of relaunches"):
+            _non_negative(bad)
