@@ -317,6 +317,19 @@ class RouterProcess(ServerProcess):
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.prometheus_port}/metrics"
 
+    def restart(self, extra_args: Sequence[str] = ()) -> RouterProcess:
+        """The router again on its port; a ``--worker-urls`` in `extra_args` (the engines live now:
+        one may have died or started again elsewhere since the first start) replaces the list it
+        starts with and the workers its readiness waits for, so a dead engine's URL cannot hold
+        the restart until it times out."""
+        args = list(extra_args)
+        if "--worker-urls" in args:
+            start = args.index("--worker-urls") + 1
+            end = next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
+            self.worker_urls = args[start:end]
+        super().restart(args)
+        return self
+
     def _all_workers_healthy(self, response: httpx.Response) -> bool:
         # {"status":"ready","healthy_workers":2,"total_workers":2}; a worker that is not up yet is
         # simply missing from total_workers while the router retries its registration.

@@ -617,7 +617,11 @@ class Cluster:
 
     def restart_args(self, box: Box) -> list[str]:
         """What a restart of `box` adds to its command: the gateway starts paused while the run
-        holds it paused (the weights on the engines are changing)."""
+        holds it paused (the weights on the engines are changing); the router starts with the
+        engines live now when they differ from those it started with (an engine's node died)."""
+        if box is self.router:
+            live = [b.url for b in self.engines if b.url]
+            return ["--worker-urls", *live] if live != self.router_urls else []
         return ["--start-paused"] if box in self.gateway_shards and self.gateway_paused else []
 
     def gateway_overhead_s(self) -> float:

@@ -245,3 +245,32 @@ def test_train_supervise_refuses_a_negative_count():
     for bad in ("-1", "x", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number >= 0 of relaunches"):
             _non_negative(bad)
+
+
+def test_a_router_restarted_after_an_engine_left_starts_with_and_waits_for_the_engines_live_now(monkeypatch):
+    """The chaos soak's node kind found it: a router killed after engine-1's node died restarted with
+    its first worker list and waited for both workers to be healthy, so its restart timed out (the
+    dead URL never answers) and the run failed. It now restarts with the engines live now."""
+    import httpx
+
+    from palaestra.config import load_config
+    from palaestra.engine.router import RouterProcess
+    from palaestra.net import ServerProcess
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(ServerProcess, "restart", lambda self, extra=(): started.append(list(extra)) or self)
+    router = RouterProcess(["http://n0:1", "http://n1:2"])
+    cluster = Cluster(load_config(None, []))
+    cluster.router, cluster.router_urls = (
+        Box("router", None, url="http://r:9"),
+        ["http://n0:1", "http://n1:2"],
+    )
+    cluster.engines = [Box("engine-0", None, url="http://n0:1")]  # engine-1's node died: left out
+    args = cluster.restart_args(cluster.router)
+    assert args == ["--worker-urls", "http://n0:1"]
+    router.restart(args)
+    assert started == [args] and router.worker_urls == ["http://n0:1"]
+    ready = httpx.Response(200, json={"status": "ready", "healthy_workers": 1, "total_workers": 1})
+    assert router._all_workers_healthy(ready)  # before: it waited for 2 healthy workers
+    cluster.engines.append(Box("engine-1", None, url="http://n1:2"))
+    assert cluster.restart_args(cluster.router) == []  # the engines it started with: its own command
