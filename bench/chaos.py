@@ -314,10 +314,10 @@ class Chaos:
 def failed_episodes(samples: list[dict], not_trained: dict[str, str]) -> dict[str, Counter[str]]:
     """Failed episodes in the spool (`samples`, as spooled), per failure reason (``failure/<reason>``
     of the session's metrics; ``error`` for an exception of no named reason), each counted once and
-    split by what the run did with its samples (`not_trained`'s reason): ``failed`` when a step's
-    batch took its group (so in that step's ``rollout/failed_<reason>``), else the fault's reason
-    that abandoned its group before any step took it (``runner_died``, ``trainer_restart``, ...),
-    which no metrics row counts."""
+    split by the reason its samples have in the run's record (`not_trained`): ``failed`` (the feed
+    read them as failed), or the fault that abandoned their group first (``runner_died``,
+    ``trainer_restart``, ...). Only the groups a step's batch took are in a metrics row's
+    ``rollout/failed_<reason>``."""
     out: dict[str, Counter[str]] = {}
     seen = set()
     for sample in samples:
@@ -414,8 +414,8 @@ def report(chaos: Chaos, result, wall_s: float, steps: int, failed: str | None) 
             or "none"
         ),
         f"sandbox kills: {sandbox_kills}: {sum(by_sandbox.values())} failed an episode (sandbox_error in "
-        f"the spool; {by_sandbox['failed']} of them in the metrics rows, the others' groups abandoned "
-        f"by a later fault), {sandbox_kills - sum(by_sandbox.values())} failed none (no call of its "
+        f"the spool; {by_sandbox['failed']} of them recorded `failed`, the others under the fault "
+        f"that abandoned their group), {sandbox_kills - sum(by_sandbox.values())} failed none (no call of its "
         "episode after the kill, or the episode ended otherwise)",
         f"node kills: {len(node_faults)}: the engine started again at once {len(node_faults) - left_out}, "
         f"left out {left_out} (no node with room), of those rejoined when a node joined {rejoined}",
