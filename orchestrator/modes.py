@@ -57,6 +57,9 @@ class Source:
         self.dynamic = ds.enabled and cfg.trainer.rewards_train
         self.filter_flat = cfg.env.filter_zero_variance_groups or self.dynamic
         self.max_rounds = ds.max_rounds if self.dynamic else 1
+        # samples claimed from the feed for the batch being made: a fault before it is handed over
+        # abandons them, and the run records them as not trained (`unused`), or none would
+        self.held: dict[str, None] = {}
 
     def _indices(self, n: int | None = None) -> list[int]:
         first, self.next_index = self.next_index, self.next_index + (n or self.per_step)
@@ -82,7 +85,7 @@ class Source:
         def ready() -> bool:
             self.feed.poll()
             for i, r in enumerate(records):
-                if i not in out and (got := self.feed.claim(r)) is not None:
+                if i not in out and (got := self._claim(r)) is not None:
                     out[i] = got
             return len(out) == len(records)
 
@@ -107,7 +110,20 @@ class Source:
     def begin(self, step: int) -> None:
         pass
 
+    def _claim(self, record) -> list | None:
+        """The feed's `claim`, its samples held until the batch is handed over."""
+        got = self.feed.claim(record)
+        if got is not None:
+            self.held.update(dict.fromkeys(s.sample_id for s in got))
+        return got
+
     def batch(self, step: int, trainer_version: int) -> Batch:
+        """The step's batch; from now on the run answers for its samples (trained or not)."""
+        batch = self._batch(step, trainer_version)
+        self.held.clear()
+        return batch
+
+    def _batch(self, step: int, trainer_version: int) -> Batch:
         raise NotImplementedError
 
     def before_sync(self, step: int) -> float:
@@ -121,9 +137,10 @@ class Source:
         pass
 
     def unused(self) -> list[str]:
-        """Sample ids this source took from the feed and did not hand to a step (async: groups
-        generated ahead that the run ended or a fault abandoned before they trained)."""
-        return []
+        """Sample ids this source took from the feed and did not hand to a step: those of a batch
+        a fault abandoned while it was being made (async: also groups generated ahead that the run
+        ended or a fault abandoned before they trained)."""
+        return list(self.held)
 
 
 class SyncSource(Source):
@@ -136,7 +153,7 @@ class SyncSource(Source):
         )[0]
         return self._select(self._claim_all(records, "reading samples"), trainer_version)
 
-    def batch(self, step: int, trainer_version: int) -> Batch:
+    def _batch(self, step: int, trainer_version: int) -> Batch:
         batch = self._round(self.per_step, trainer_version)
         while len(batch.groups) < self.per_step and batch.rounds < self.max_rounds:
             batch.extend(self._round(self.per_step - len(batch.groups), trainer_version))
@@ -151,7 +168,7 @@ class OneStepOffSource(Source):
     def begin(self, step: int) -> None:
         self.ref = self._launch()
 
-    def batch(self, step: int, trainer_version: int) -> Batch:
+    def _batch(self, step: int, trainer_version: int) -> Batch:
         records = self.waiter.get([self.ref], "generation", progress=self._generation_progress, redo=True)[0]
         self.ref = self._launch() if step + 1 < self.cfg.run.steps else None
         return self._select(self._claim_all(records, "reading samples"), trainer_version)
@@ -197,12 +214,12 @@ class AsyncSource(Source):
         self.feed.poll()
         still = []
         for r in self.waiting:
-            got = self.feed.claim(r)
+            got = self.feed.claim(r)  # held in `ready` until a batch takes it
             (still.append(r) if got is None else self.ready.append((r, got)))
         self.waiting = still
         return bool(self.ready)
 
-    def batch(self, step: int, trainer_version: int) -> Batch:
+    def _batch(self, step: int, trainer_version: int) -> Batch:
         merged, taken = Batch.empty(), 0
         # filtered groups are replaced by later ones (with dynamic sampling, up to max_rounds steps' worth)
         while len(merged.groups) < self.per_step and (
@@ -217,7 +234,9 @@ class AsyncSource(Source):
             self.consumed += 1
             taken += 1
             kept = len(merged.groups)
-            merged.extend(self._select([self.ready.popleft()], trainer_version))
+            record, samples = self.ready.popleft()
+            self.held.update(dict.fromkeys(s.sample_id for s in samples))
+            merged.extend(self._select([(record, samples)], trainer_version))
             if len(merged.groups) == kept:  # dropped: admit one more group in its place now, or a
                 # step needing more than the admission limit's groups would wait for the next sync
                 self.waiter.get([self.cluster.rollout.allow.remote(self._allowed())], "admitting more groups")
@@ -242,7 +261,8 @@ class AsyncSource(Source):
         self.waiter.get([self.cluster.rollout.allow.remote(self._allowed())], "admitting more groups")
 
     def unused(self) -> list[str]:
-        return [s.sample_id for _, samples in getattr(self, "ready", ()) for s in samples]
+        ahead = [s.sample_id for _, samples in getattr(self, "ready", ()) for s in samples]
+        return [*super().unused(), *ahead]
 
     def end(self) -> None:
         import ray

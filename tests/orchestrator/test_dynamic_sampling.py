@@ -16,6 +16,7 @@ import pytest
 
 from palaestra.config import ConfigError, load_config
 from palaestra.orchestrator.batching import GroupRecord
+from palaestra.orchestrator.errors import Replaced
 from palaestra.orchestrator.metrics import rollout_metrics
 from palaestra.orchestrator.modes import AsyncSource, SyncSource
 from palaestra.sample import Sample
@@ -199,6 +200,51 @@ def test_an_opd_only_run_keeps_flat_groups_its_teacher_still_teaches():
     # GRPO + OPD: the reward's advantage needs variance, so flat groups go and are refilled
     source, runner = _source(SyncSource, {0, 2}, *DYNAMIC, *OPD)
     assert [g.task_index for g in source.batch(0, 0).groups] == [1, 3, 4, 5]
+
+
+# ----------------------------------------------------------------------------------------------
+# a fault while the batch is being made: its groups taken so far are reported as unused
+# ----------------------------------------------------------------------------------------------
+class DyingWaiter(FakeWaiter):
+    """TEST DOUBLE: the environment runner dies (`Replaced`) at the `dies_at`-th wait for samples."""
+
+    def __init__(self, dies_at: int):
+        self.waits, self.dies_at = 0, dies_at
+
+    def wait_until(self, ready, phase, progress, **kw):
+        self.waits += 1
+        if self.waits == self.dies_at:
+            raise Replaced("environment runner", "killed", 0.0)
+        return super().wait_until(ready, phase, progress, **kw)
+
+
+def _ids(*tasks: int) -> list[str]:
+    return [f"s{i}-{k}" for i in tasks for k in range(GROUP)]
+
+
+def test_sync_reports_the_rounds_a_fault_abandoned_mid_batch_as_unused():
+    source, _ = _source(SyncSource, {0, 2}, *DYNAMIC)
+    source.waiter = DyingWaiter(dies_at=2)  # round 1 read (tasks 0-3, two flat), round 2 not
+    with pytest.raises(Replaced):
+        source.batch(0, trainer_version=0)
+    assert sorted(source.unused()) == _ids(0, 1, 2, 3)  # the run records them with the fault's reason
+    source.waiter = FakeWaiter()
+    source.batch(1, trainer_version=0)
+    assert source.unused() == []  # a batch handed over is the run's to account for
+
+
+def test_async_reports_the_groups_a_fault_abandoned_mid_batch_as_unused(monkeypatch):
+    # the chaos soak's lost group: taken into the step's batch, then the runner died before the
+    # batch was full; neither the feed nor `ready` held it any more, so no reason was recorded
+    source, _ = _source(AsyncSource, set(), *ASYNC, monkeypatch=monkeypatch)
+    source.begin(0)
+    source.waiter = DyingWaiter(dies_at=2)  # task 0 taken into the batch, then the runner dies
+    with pytest.raises(Replaced):
+        source.batch(0, trainer_version=0)
+    assert sorted(source.unused()) == sorted(_ids(*range(8)))  # task 0 and the 7 generated ahead
+    source.waiter = FakeWaiter()
+    assert [g.task_index for g in source.batch(0, trainer_version=0).groups] == [1, 2, 3, 4]
+    assert sorted(source.unused()) == sorted(_ids(5, 6, 7))  # only those ahead, not the handed-over batch
 
 
 # ----------------------------------------------------------------------------------------------
