@@ -684,7 +684,7 @@ class GatewayService:
                     self.metrics.samples_dropped.labels(reason="routing").inc()
             # the turns durable before their samples: a restart never finds samples of unknown turns
             await asyncio.to_thread(self.journal.sync)
-            cursors = await asyncio.to_thread(self.spool.append, [s.to_dict() for s in samples])
+            cursors = await asyncio.to_thread(self.spool.append, [s.as_record() for s in samples])
             session.finished, session.status, session.reward = True, status, reward
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
@@ -706,9 +706,10 @@ class GatewayService:
         return session.trajectory(samples)
 
     def _spooled(self, cursors: list[int]) -> list[dict[str, Any]] | None:
-        """The samples at `cursors`, or None when one is no longer in the spool."""
+        """The samples at `cursors`, or None when one is no longer in the spool (read without counting
+        them delivered: a trainer has not taken them, so the backlog and `limit_backlog` still count them)."""
         try:
-            records = [self.spool.read(c - 1, 1) for c in cursors]
+            records = [self.spool.read(c - 1, 1, deliver=False) for c in cursors]
         except OSError:  # a segment removed under the index
             return None
         return [r[0]["sample"] for r in records] if all(records) else None
