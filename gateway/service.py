@@ -69,7 +69,7 @@ from palaestra.gateway.sessions.session import Session
 from palaestra.gateway.sessions.session_store import SessionStore
 from palaestra.gateway.sessions.spool import SampleSpool
 from palaestra.gateway.sessions.trajectory import RoutingError, Turn, linearize, routing_start
-from palaestra.gateway.streaming import HeldBackText, shaped_stream
+from palaestra.gateway.streaming import HeldBackText, ShapedStream
 
 log = logging.getLogger("palaestra.gateway")
 
@@ -95,7 +95,7 @@ class ModelText:
     tool_parser: parsers.ToolCallParser
     reasoning_parser: parsers.ReasoningParser | None
     stop_text: dict[int, str]  # text of every special token: what a final stop token looks like
-    render_gaps: RenderGaps  # bridge.incremental_ok per template arguments (None: render in full)
+    render_gaps: RenderGaps  # the short rendering's probes per template arguments (None: render in full)
     caps: template_caps.TemplateCaps  # its thinking switch, where system messages go
 
 
@@ -181,7 +181,7 @@ class GatewayService:
         body: dict[str, Any],
         dialect: Dialect[TurnRequest],
         headers: dict[str, str] | None = None,
-    ) -> dict[str, Any] | AsyncGenerator[str, None]:
+    ) -> dict[str, Any] | ShapedStream:
         """One chat call in `dialect` (`headers`: those the dialect reads): its answer body, or its
         event stream for `stream: true`. A request refused before generation is counted on the
         session (`Session.refused`) as well as answered with the 400."""
@@ -195,7 +195,7 @@ class GatewayService:
                 session.note_refusal(dialect.name, exc)
             raise
         if dialect.stream is not None and request.params.stream:
-            return shaped_stream(self._stream_chat(call, t0), functools.partial(dialect.stream, request))
+            return ShapedStream(self._stream_chat(call, t0), functools.partial(dialect.stream, request))
         gens, engine_s = await self._generate(
             session,
             call.call_id,
