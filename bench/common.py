@@ -12,11 +12,14 @@ import math
 import statistics
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.config import load_config
 from palaestra.orchestrator.loop import RunResult
 from palaestra.train import train
+
+if TYPE_CHECKING:
+    from palaestra.gateway.service import GatewayService
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
@@ -49,6 +52,36 @@ def run_on_zero_engine(
             asyncio.run(body(zero.url, tok, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def gateway_service(
+    engine_url: str, tok: Any, spool_dir: Path, journal_fsync: str = "off", share_prefixes: bool = True
+) -> GatewayService:
+    """An in-process `GatewayService` for `tiny` (32k context, no keys) in front of `engine_url`, its
+    spool and journal in `spool_dir`: `journal_fsync` as the gateway's option, `share_prefixes` for
+    both the spool and the journal (a fork stored against what it shares, or whole)."""
+    from palaestra.gateway.app import build_service
+    from palaestra.gateway.config import GatewayConfig
+    from palaestra.gateway.engine_side.engine_client import EngineClient
+    from palaestra.gateway.sessions.spool import SampleSpool
+
+    config = GatewayConfig(
+        model="tiny",
+        engine_url=engine_url,
+        spool_dir=str(spool_dir),
+        insecure_local=True,
+        context_length=32768,
+        journal_fsync=journal_fsync,
+    )
+    svc = build_service(
+        config,
+        tok,
+        32768,
+        EngineClient(engine_url),
+        SampleSpool(config.spool_dir, share_prefixes=share_prefixes),
+    )
+    svc.journal.share_prefixes = share_prefixes
+    return svc
 
 
 # -- the command line ---------------------------------------------------------------------------

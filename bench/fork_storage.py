@@ -29,13 +29,9 @@ from typing import Any
 import orjson
 
 from bench import common
-from palaestra.gateway.app import build_service
-from palaestra.gateway.config import GatewayConfig
-from palaestra.gateway.engine_side.engine_client import EngineClient
 from palaestra.gateway.routes import OPENAI_CHAT
 from palaestra.gateway.service import GatewayService
 from palaestra.gateway.sessions import shared_prefix
-from palaestra.gateway.sessions.spool import SampleSpool
 
 SIDES = ("whole", "shared")
 REPLY = "I have read the step and carried it out; the result is in the file, and the next step can start now."
@@ -102,17 +98,8 @@ async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -
     samples: dict[str, list[dict[str, Any]]] = {}
     for side in SIDES:
         share = side == "shared"
-        config = GatewayConfig(
-            model="tiny",
-            engine_url=engine_url,
-            spool_dir=str(root / side),
-            insecure_local=True,
-            context_length=32768,
-            journal_fsync="off",
-        )
-        spool = SampleSpool(config.spool_dir, share_prefixes=share)
-        svc = build_service(config, tok, 32768, EngineClient(engine_url), spool)
-        svc.journal.share_prefixes = share
+        svc = common.gateway_service(engine_url, tok, root / side, share_prefixes=share)
+        spool = svc.spool
         append, append_s = spool.append, []
 
         def timed_append(

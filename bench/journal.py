@@ -22,12 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from palaestra.gateway.app import build_service
-from palaestra.gateway.config import GatewayConfig
-from palaestra.gateway.engine_side.engine_client import EngineClient
 from palaestra.gateway.routes import OPENAI_CHAT
 from palaestra.gateway.service import GatewayService
-from palaestra.gateway.sessions.spool import SampleSpool
 
 VARIANTS = ("none", "off", "batch", "always")
 
@@ -61,15 +57,7 @@ async def session(svc: GatewayService, turns: int, wall: list[float], cpu: list[
 async def run(args: argparse.Namespace, engine_url: str, tok: Any, root: Path) -> None:
     services: dict[str, GatewayService] = {}
     for name in VARIANTS:
-        config = GatewayConfig(
-            model="tiny",
-            engine_url=engine_url,
-            spool_dir=str(root / name),
-            insecure_local=True,
-            context_length=32768,
-            journal_fsync="off" if name == "none" else name,
-        )
-        svc = build_service(config, tok, 32768, EngineClient(engine_url), SampleSpool(config.spool_dir))
+        svc = common.gateway_service(engine_url, tok, root / name, "off" if name == "none" else name)
         if name == "none":
             svc.journal.close()
             svc.journal = svc.turns.journal = NoJournal()  # type: ignore[assignment]

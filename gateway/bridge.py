@@ -32,6 +32,7 @@ rendering of M, and the fork's reason is recorded (see `trajectory.FORK_REASONS`
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,14 +71,14 @@ def plan_chat(
     reasoning_policy: str = "strip",
     template_extra: dict[str, Any] | None = None,
     context_key: int | None = None,
-    gap: str | None = None,
+    short: ShortRender | None = None,
 ) -> Plan:
     """Decides how the prompt for `messages` is built (bridged from a parent turn, or a fork).
 
     `context_key` identifies what besides the messages the template reads (tools, template
-    arguments); `gap` (not None: the template passed `incremental_ok` with these template arguments,
-    which measured it: `RenderGaps`) lets an append to a turn without reasoning be rendered from its
-    last messages only (`_bridge_short`)."""
+    arguments); `short` (not None: the template passed `incremental_ok` with these template
+    arguments: `RenderGaps`) lets an append to a turn without reasoning be rendered from its last
+    messages only (`_bridge_short`)."""
     if not has_turns:
         return _fork(renderer, renderer.render(messages, tools, True, template_extra), None, "")
     try:
@@ -85,9 +86,8 @@ def plan_chat(
         same_context = parent.context_key == context_key
         append = _Append(renderer, messages, prefix_k, parent, tools, stop_text, template_extra)
         # the gap was measured with these template arguments, the parent's were the same
-        if gap is not None and same_context and not parent.reasoning_on_path:
-            assert gap is not None
-            plan = _bridge_short(append, gap)
+        if short is not None and same_context and not parent.reasoning_on_path:
+            plan = _bridge_short(append, short)
             if plan is not None:
                 return plan
         return _bridge_full(append, reasoning_policy, same_context)
@@ -230,14 +230,19 @@ def _bridged(
     return Plan(parent.tokens[: parent.end] + bridge, rendered, parent, bridge_tokens=len(bridge))
 
 
-def _bridge_short(append: _Append, gap: str) -> Plan | None:
+def _bridge_short(append: _Append, short: ShortRender) -> Plan | None:
     """The bridge from a short rendering: the leading system message, the message before the
     assistant turn, the turn and the new messages, so the cost does not grow with the history.
-    The full path's checks on the short conversation, with the template's `gap` (what it puts
+    The full path's checks on the short conversation, with the template's gap (what it puts
     between the generation prompt and an assistant's content, measured once by `incremental_ok`)
-    instead of a third rendering; None (use the full path) when any fails. `Plan.rendered` stays
-    empty: a later full-path check renders this request then."""
+    instead of a third rendering; None (use the full path) when any fails. Rendered without the
+    tool schemas where the template puts them only ahead of the conversation (`tools_up_front`: the
+    text from the message before the assistant turn on is the same). `Plan.rendered` stays empty: a
+    later full-path check renders this request then."""
     renderer, messages, prefix_k, parent, tools, stop_text, extra = append.parts()
+    gap = short.gap
+    if short.tools_up_front:
+        tools = None
     lead = 1 if messages[0]["role"] == "system" else 0
     context = [*messages[:lead], *messages[max(lead, prefix_k - 1) : prefix_k]]
     new = messages[prefix_k + 1 :]
@@ -312,27 +317,75 @@ def incremental_ok(renderer: ChatRenderer, extra: dict[str, Any] | None = None) 
     return gaps.pop() if len(gaps) == 1 else None
 
 
+def tools_up_front(renderer: ChatRenderer, extra: dict[str, Any] | None = None) -> bool:
+    """Whether this template renders the tool schemas only ahead of the conversation (in its system
+    block), so that a short conversation renders the same with or without them from the message
+    before the assistant turn on: the gap, the assistant turn (as a sentinel or with tool calls) and
+    what follows it. Then the short bridge renders without them: a harness sends ~30 KB of schemas
+    with every call, which the template serialises again on every rendering. Checked once on probe
+    conversations (a user message or a tool result before the turn and after it, with and without a
+    system message); False when any differs or fails to render."""
+    tool = {
+        "type": "function",
+        "function": {"name": "probe", "description": "p", "parameters": {"type": "object"}},
+    }
+    call = {"id": "c1", "type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
+    turns = (
+        {"role": "assistant", "content": SENTINEL},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    )
+
+    def message(role: str, text: str) -> dict[str, Any]:
+        return {"role": role, "content": text, **({"tool_call_id": "c1"} if role == "tool" else {})}
+
+    for lead in ([{"role": "system", "content": "S."}], []):
+        for before, after in itertools.product(("user", "tool"), repeat=2):
+            for turn in turns:
+                convo = [*lead, message(before, "before-probe"), turn, message(after, "after-probe")]
+                try:
+                    with_tools = renderer.render(convo, [tool], True, extra)
+                    without = renderer.render(convo, None, True, extra)
+                except Exception:
+                    return False
+                start = without.find("before-probe")
+                if start < 0 or not with_tools.endswith(without[start:]):
+                    return False
+    return True
+
+
+@dataclass(frozen=True)
+class ShortRender:
+    """What the start-up probes allow a template's short rendering (`_bridge_short`)."""
+
+    gap: str  # between the generation prompt and an assistant's content (`incremental_ok`)
+    tools_up_front: bool  # render it without the tool schemas (`tools_up_front`)
+
+
 class RenderGaps:
-    """`incremental_ok` per set of template arguments, each probed once: a call's
-    `chat_template_kwargs`, or the thinking switch its reasoning ask maps to, change what the template
-    renders, so Claude Code's and Codex's calls (which ask for thinking) need their own probe. The
-    arguments come from clients: past `limit` different sets, a new one renders in full."""
+    """`incremental_ok` and `tools_up_front` per set of template arguments, each probed once: a
+    call's `chat_template_kwargs`, or the thinking switch its reasoning ask maps to, change what the
+    template renders, so Claude Code's and Codex's calls (which ask for thinking) need their own
+    probe. The arguments come from clients: past `limit` different sets, a new one renders in full."""
 
     def __init__(self, renderer: ChatRenderer, limit: int = 32) -> None:
         self.renderer, self.limit = renderer, limit
-        self._gaps: dict[bytes, str | None] = {b"{}": incremental_ok(renderer)}
+        self._found: dict[bytes, ShortRender | None] = {b"{}": self._probe(None)}
 
-    def get(self, extra: dict[str, Any] | None) -> str | None:
-        """The gap for template arguments `extra` (None: render in full)."""
+    def _probe(self, extra: dict[str, Any] | None) -> ShortRender | None:
+        gap = incremental_ok(self.renderer, extra)
+        return None if gap is None else ShortRender(gap, tools_up_front(self.renderer, extra))
+
+    def get(self, extra: dict[str, Any] | None) -> ShortRender | None:
+        """What the short rendering may use with template arguments `extra` (None: render in full)."""
         try:
             key = orjson.dumps(extra or {}, option=orjson.OPT_SORT_KEYS)
         except (TypeError, orjson.JSONEncodeError):
             return None
-        if key not in self._gaps:
-            if len(self._gaps) >= self.limit:
+        if key not in self._found:
+            if len(self._found) >= self.limit:
                 return None
-            self._gaps[key] = incremental_ok(self.renderer, extra)
-        return self._gaps[key]
+            self._found[key] = self._probe(extra)
+        return self._found[key]
 
 
 def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:

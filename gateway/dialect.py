@@ -279,7 +279,7 @@ class Dialect(Generic[R]):
     """body -> request; with `takes_memo`, (body, the session's `history.ParseMemo`) -> request."""
     answer: Callable[[R, TurnResult], dict[str, Any]]
     stream: Callable[[R, AsyncGenerator[StreamEvent, None]], AsyncGenerator[str, None]] | None = None
-    """Written as an async generator: `streaming.shaped_stream` closes it with the response."""
+    """Written as an async generator: `streaming.ShapedStream` closes it with the response."""
     takes_memo: bool = False
     """The parser takes the session's `history.ParseMemo` as a second argument, so it converts only
     the messages a call adds to the history the previous call sent."""

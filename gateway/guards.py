@@ -211,8 +211,10 @@ class GuardedStream(StreamingResponse):
                     self.cut.labels(reason="send_timeout").inc()
                     log.warning("a client read nothing for %.0f s: its stream was ended", self.send_timeout_s)
                     return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
             finished = True
+            # a shaper may end before the core's events do (`streaming.ShapedStream` closes both)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (asyncio.CancelledError, OSError):  # the client went away (starlette cancels the send)
             self.cut.labels(reason="client_disconnected").inc()
             raise

@@ -69,7 +69,7 @@ from palaestra.gateway.sessions.session import Session
 from palaestra.gateway.sessions.session_store import SessionStore
 from palaestra.gateway.sessions.spool import SampleSpool
 from palaestra.gateway.sessions.trajectory import RoutingError, Turn, linearize, routing_start
-from palaestra.gateway.streaming import HeldBackText, shaped_stream
+from palaestra.gateway.streaming import HeldBackText, ShapedStream
 
 log = logging.getLogger("palaestra.gateway")
 
@@ -95,7 +95,7 @@ class ModelText:
     tool_parser: parsers.ToolCallParser
     reasoning_parser: parsers.ReasoningParser | None
     stop_text: dict[int, str]  # text of every special token: what a final stop token looks like
-    render_gaps: RenderGaps  # bridge.incremental_ok per template arguments (None: render in full)
+    render_gaps: RenderGaps  # the short rendering's probes per template arguments (None: render in full)
     caps: template_caps.TemplateCaps  # its thinking switch, where system messages go
 
 
@@ -181,7 +181,7 @@ class GatewayService:
         body: dict[str, Any],
         dialect: Dialect[TurnRequest],
         headers: dict[str, str] | None = None,
-    ) -> dict[str, Any] | AsyncGenerator[str, None]:
+    ) -> dict[str, Any] | ShapedStream:
         """One chat call in `dialect` (`headers`: those the dialect reads): its answer body, or its
         event stream for `stream: true`. A request refused before generation is counted on the
         session (`Session.refused`) as well as answered with the 400."""
@@ -195,7 +195,7 @@ class GatewayService:
                 session.note_refusal(dialect.name, exc)
             raise
         if dialect.stream is not None and request.params.stream:
-            return shaped_stream(self._stream_chat(call, t0), functools.partial(dialect.stream, request))
+            return ShapedStream(self._stream_chat(call, t0), functools.partial(dialect.stream, request))
         gens, engine_s = await self._generate(
             session,
             call.call_id,
@@ -684,7 +684,7 @@ class GatewayService:
                     self.metrics.samples_dropped.labels(reason="routing").inc()
             # the turns durable before their samples: a restart never finds samples of unknown turns
             await asyncio.to_thread(self.journal.sync)
-            cursors = await asyncio.to_thread(self.spool.append, [s.to_dict() for s in samples])
+            cursors = await asyncio.to_thread(self.spool.append, [s.as_record() for s in samples])
             session.finished, session.status, session.reward = True, status, reward
             session.sample_ids = [s.sample_id for s in samples]
             session.cursors = cursors
@@ -706,9 +706,10 @@ class GatewayService:
         return session.trajectory(samples)
 
     def _spooled(self, cursors: list[int]) -> list[dict[str, Any]] | None:
-        """The samples at `cursors`, or None when one is no longer in the spool."""
+        """The samples at `cursors`, or None when one is no longer in the spool (read without counting
+        them delivered: a trainer has not taken them, so the backlog and `limit_backlog` still count them)."""
         try:
-            records = [self.spool.read(c - 1, 1) for c in cursors]
+            records = [self.spool.read(c - 1, 1, deliver=False) for c in cursors]
         except OSError:  # a segment removed under the index
             return None
         return [r[0]["sample"] for r in records] if all(records) else None

@@ -7,15 +7,14 @@ turns them into its server-sent events. This module holds what neither side is a
   (a partial UTF-8 character, the start of tool-call markup or `<think>`, a possible stop string),
   so an agent never receives text that the final parse would have to take back;
 * `sse` / `SSE_DONE`: one event's wire text;
-* `shaped_stream`: runs a shaper over the core's events so that closing the response closes both
+* `ShapedStream`: runs a shaper over the core's events so that closing the response closes both
   (a client that goes away releases the pause gate at once, not when the generator is collected).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from palaestra.gateway.dialect import StreamEvent
@@ -92,10 +91,27 @@ class HeldBackText:
         return content[len(self.sent) :] if content.startswith(self.sent) else ""
 
 
-async def shaped_stream(
-    events: AsyncGenerator[StreamEvent, None],
-    shape: Callable[[AsyncGenerator[StreamEvent, None]], AsyncGenerator[str, None]],
-) -> AsyncGenerator[str, None]:
-    async with aclosing(events), aclosing(shape(events)) as chunks:
-        async for chunk in chunks:
-            yield chunk
+class ShapedStream:
+    """A shaper's chunks over the core's events, so that closing the response closes both (a client
+    that goes away releases the pause gate at once, not when the generator is collected). Not a
+    generator of its own: each chunk comes straight from the shaper's, one layer less per event."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[StreamEvent, None],
+        shape: Callable[[AsyncGenerator[StreamEvent, None]], AsyncGenerator[str, None]],
+    ) -> None:
+        self.events = events
+        self.chunks = shape(events)
+
+    def __aiter__(self) -> ShapedStream:
+        return self
+
+    def __anext__(self) -> Awaitable[str]:
+        return self.chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self.chunks.aclose()
+        finally:
+            await self.events.aclose()

@@ -170,6 +170,11 @@ class Sample:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def as_record(self) -> dict[str, Any]:
+        """The fields as a dict that holds this sample's own lists, uncopied (`to_dict` deep-copies
+        every token list: for a record written out at once, such as the gateway's spool line)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
         version = str(data.get("schema_version", ""))

@@ -255,19 +255,6 @@ class EngineClient:
         assert last is not None
         raise last
 
-    @staticmethod
-    async def _line_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
-        """The complete lines of a response body as they arrive, each read's together (however long:
-        cumulative chunks of a long generation outgrow aiohttp's own readline limit)."""
-        buffer = b""
-        async for data in content.iter_any():
-            buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            if lines:
-                yield lines
-        if buffer:
-            yield [buffer]
-
     async def stream(
         self,
         session_id: str,
@@ -344,10 +331,19 @@ class EngineClient:
                 self._raise_for(r.status, raw)
             sample = _StreamedSample(self.incremental_stream, routing)
             head = b""  # the answer's first bytes, for the error when it is not an event stream
+            # The complete lines of each read go on as one piece: each piece costs a pass through the
+            # turn core and the dialect's stream, and a busy engine's chunks arrive in bunches. One
+            # loop from the socket's reads to the pieces; lines of any length (cumulative chunks of a
+            # long generation outgrow aiohttp's own readline limit).
+            buffer = b""  # a line not complete yet
+            reads = r.content.iter_any()
             done = False
-            # The chunks that arrived together go on as one piece: each piece costs a pass through
-            # the turn core and the dialect's stream, and a busy engine's chunks arrive in bunches.
-            async for lines in self._line_batches(r.content):
+            while not done:
+                data = await anext(reads, None)
+                if data is None:  # the body ended: what is left is its last line
+                    lines, buffer, done = [buffer] if buffer else [], b"", True
+                else:
+                    *lines, buffer = (buffer + data).split(b"\n")
                 events = []
                 for line in lines:
                     if len(head) < 200:
@@ -363,8 +359,6 @@ class EngineClient:
                     piece = sample.add(events)
                     progress.sent = sample.sent
                     yield piece
-                if done:
-                    break
             if not sample.finished:
                 kind = r.headers.get("content-type", "no content-type")
                 raise GatewayError(

@@ -166,7 +166,7 @@ def finish_from_spool(session: Session, spool: SampleSpool) -> bool:
     cursors = [spool.cursor_of(i) for i in ids]
     if not ids or None in cursors:
         return False
-    records = [spool.read(c - 1, 1)[0]["sample"] for c in cursors if c is not None]
+    records = [spool.read(c - 1, 1, deliver=False)[0]["sample"] for c in cursors if c is not None]
     first = records[0]
     session.finished, session.status, session.reward = True, first["status"], first["reward"]
     session.metrics = {k: v for k, v in first["metrics"].items() if k not in ("failed_calls", "turns")}

@@ -265,13 +265,14 @@ class SampleSpool:
     def cursor_of(self, sample_id: str) -> int | None:
         return self._ids.get(sample_id)
 
-    def read(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+    def read(self, after: int = 0, limit: int = 100, deliver: bool = True) -> list[dict[str, Any]]:
         """Records `{"cursor", "sample"}` with cursor > after (from the first kept one), at most
-        `limit`, each sample whole (a reference expanded); the last one counts as delivered (`backlog`)."""
+        `limit`, each sample whole (a reference expanded); the last one counts as delivered (`backlog`)
+        unless `deliver` is False (a read that is not the trainer's feed)."""
         with self._lock:
             start = max(after - self._base, 0)
             locs = self._index[start : start + limit]
-            if locs:
+            if locs and deliver:
                 self.delivered = max(self.delivered, self._base + start + len(locs))
         out = []
         handles: dict[Path, Any] = {}

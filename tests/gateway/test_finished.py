@@ -59,7 +59,10 @@ def test_finished_session_answers_the_same_trajectory_from_the_spool(stack) -> N
     assert len(done["sample_ids"]) == 4
     session = service.sessions.get(sid)
     assert session.packed_turns is not None and session.turns == [] and session.by_digest == {}
+    assert (service.spool.backlog, service.spool.delivered) == (4, 0)
     after = http.get(f"/sessions/{sid}").json()
+    # reading the samples back is not the trainer's feed: they still count in the backlog
+    assert (service.spool.backlog, service.spool.delivered) == (4, 0)
     assert after["finished"] and after["sample_ids"] == done["sample_ids"]
     for key in ("turns", "forks", "parse_errors", "failed_calls"):
         assert after[key] == before[key], key

@@ -256,23 +256,21 @@ def test_incremental_render_probe(tiny_model_dir):
 def test_render_gaps_are_probed_per_template_arguments():
     """Qwen3 passes the probe as the harnesses call it (thinking on) but not with thinking off (its
     generation prompt then holds an empty think block that past turns drop); the probes are bounded."""
-    from palaestra.gateway.bridge import RenderGaps
+    from palaestra.gateway.bridge import RenderGaps, ShortRender
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(resolve_model("tiny-qwen3")))
     gaps = RenderGaps(renderer, limit=3)
-    assert gaps.get(None) == "" and gaps.get({"enable_thinking": True}) == ""
+    short = ShortRender(gap="", tools_up_front=True)
+    assert gaps.get(None) == short and gaps.get({"enable_thinking": True}) == short
     assert gaps.get({"enable_thinking": False}) is None
     assert gaps.get({"other": 1}) is None  # a fourth set of arguments: rendered in full, not probed
-    assert gaps.get({"enable_thinking": True}) == ""
+    assert gaps.get({"enable_thinking": True}) == short
 
 
-def test_an_append_with_template_arguments_renders_only_what_is_new_and_stays_exact(tmp_path):
-    """Tool turns of a session asking for thinking (chat_template_kwargs, as a harness's thinking ask
-    maps to) bridge from a short rendering, and the prompts are still the template's whole rendering."""
-    name = "tiny-qwen3"
-    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+def _tool_session_prompts(tmp_path, name, tok, extra):
+    """A session of 4 tool turns and a final answer, tools on, template arguments `extra`: the
+    messages, the engine's exchanges, the session's turns and its one sample."""
     script, engine, fmt = scripted_stack(name, tok, tmp_path)
-    extra = {"chat_template_kwargs": {"enable_thinking": True}}
     with (
         ThreadServer(engine.app()) as eng,
         gateway_server(eng.url, tmp_path, tok, **INSECURE, model=name) as gw,
@@ -292,14 +290,33 @@ def test_an_append_with_template_arguments_renders_only_what_is_new_and_stays_ex
             ]
         script.queue.append("The total is 10.")
         client.chat.completions.create(model=name, messages=msgs, tools=[CALC], extra_body=extra)
-        session = gw.app.state.service.sessions.get(s["session_id"])
-        assert [t.fork_reason for t in session.turns] == [None] * 5
-        assert [t.rendered == "" for t in session.turns] == [False] + [True] * 4  # short renderings
+        turns = list(gw.app.state.service.sessions.get(s["session_id"]).turns)
         httpx.post(f"{gw.url}/sessions/{s['session_id']}/reward", json={"reward": 1.0})
         (sample,) = httpx.get(f"{gw.url}/samples").json()["samples"]
+    return msgs, engine.exchanges, turns, sample
+
+
+def test_an_append_with_template_arguments_renders_only_what_is_new_and_stays_exact(tmp_path, monkeypatch):
+    """Tool turns of a session asking for thinking (chat_template_kwargs, as a harness's thinking ask
+    maps to) bridge from a short rendering, and the prompts are still the template's whole rendering.
+    Qwen3 puts the tools in its system block only (`tools_up_front`), so the short rendering leaves
+    them out: every prompt is the same id for id as with the tools rendered."""
+    from palaestra.gateway import bridge
+
+    name = "tiny-qwen3"
+    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    extra = {"chat_template_kwargs": {"enable_thinking": True}}
+    assert bridge.tools_up_front(ChatRenderer(tok), {"enable_thinking": True})
+    msgs, exchanges, turns, sample = _tool_session_prompts(tmp_path / "without", name, tok, extra)
+    assert [t.fork_reason for t in turns] == [None] * 5
+    assert [t.rendered == "" for t in turns] == [False] + [True] * 4  # short renderings
+    monkeypatch.setattr(bridge, "tools_up_front", lambda *_: False)  # the short renderings with the tools
+    _, with_tools, turns, _ = _tool_session_prompts(tmp_path / "with", name, tok, extra)
+    assert [t.rendered == "" for t in turns] == [False] + [True] * 4
+    assert [ex.body["input_ids"] for ex in exchanges] == [ex.body["input_ids"] for ex in with_tools]
     # the last prompt is the template's rendering of the whole conversation (Qwen3 would show its own
     # last answer with an empty think block the model did not write, so that one is left out)
-    last = engine.exchanges[-1]
+    last = exchanges[-1]
     assert sample["tokens"] == last.body["input_ids"] + last.answer["output_ids"]
     full = tok.apply_chat_template(
         normalize_messages(msgs),
@@ -309,3 +326,18 @@ def test_an_append_with_template_arguments_renders_only_what_is_new_and_stays_ex
         enable_thinking=True,
     )
     assert tok.decode(last.body["input_ids"]) == full
+
+
+def test_tools_up_front_probe(tiny_model_dir):
+    """Qwen2.5's template (the `tiny` preset) renders its tools in the system block: the short
+    rendering may leave them out; a template that renders them after the messages may not."""
+    from palaestra.gateway.bridge import tools_up_front
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # its own: the test rewrites its template
+    assert tools_up_front(ChatRenderer(tok))
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' ~ m.role ~ '\\n' ~ m.content ~ '<|im_end|>\\n' }}"
+        "{% endfor %}{% if tools %}{{ 'tools: ' ~ (tools | tojson) ~ '\\n' }}{% endif %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    assert not tools_up_front(ChatRenderer(tok))

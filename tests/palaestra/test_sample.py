@@ -31,6 +31,9 @@ def test_append_keeps_fields_aligned():
     assert s.weight_versions == ["v1", "v1", ""]
     assert s.num_sampled == 2 and s.response_len == 3
     assert Sample.from_dict(s.to_dict()) == s
+    record = s.as_record()  # the same fields, its lists not copied (the gateway's spool line)
+    assert record == s.to_dict() and list(record) == list(s.to_dict())
+    assert record["tokens"] is s.tokens and s.to_dict()["tokens"] is not s.tokens
 
 
 def test_misaligned_fields_are_refused_with_lengths():
