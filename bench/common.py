@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palaestra.config import load_config
-from palaestra.orchestrator.loop import RunResult
+from palaestra.orchestrator.loop import Hook, RunResult
 from palaestra.train import train
 
 if TYPE_CHECKING:
@@ -113,18 +113,20 @@ def csv(text: str) -> list[str]:
 
 
 # -- a run and its metrics ----------------------------------------------------------------------
-def train_config(config: Path, out: Path, name: str, overrides: Sequence[str]) -> RunResult:
+def train_config(
+    config: Path, out: Path, name: str, overrides: Sequence[str], hook: Hook | None = None
+) -> RunResult:
     """`config` with `overrides`, written to `out`: only the last step checkpointed, no TensorBoard.
     The per-step metrics (what metrics.jsonl holds) are `result.state.rows`; held-out accuracy is
-    in the rows that carry `eval/accuracy` (step 0: before training)."""
+    in the rows that carry `eval/accuracy` (step 0: before training). `hook`: `train`'s."""
     settings = [f"run.output_dir={out}", f"run.name=bench-{name}", "run.checkpoint_every=0",
                 "logging.tensorboard_dir=null"]  # fmt: skip
-    return train(load_config(config, [*settings, *overrides]))
+    return train(load_config(config, [*settings, *overrides]), hook=hook)
 
 
-def train_demo(out: Path, name: str, overrides: Sequence[str]) -> RunResult:
+def train_demo(out: Path, name: str, overrides: Sequence[str], hook: Hook | None = None) -> RunResult:
     """configs/demo.yaml through `train_config`."""
-    return train_config(CONFIG, out, name, overrides)
+    return train_config(CONFIG, out, name, overrides, hook)
 
 
 def step_rows(result: RunResult, key: str = "perf/step_wall_s") -> list[dict]:

@@ -38,7 +38,9 @@ the one with the best last held-out accuracy (the earlier lr on a tie).
 The teacher's held-out accuracy is measured first (a 0-step run of the teacher; `--teacher-acc`
 gives it instead); the target is `--target` x that, or `--target-acc`, fixed before any arm runs.
 Held-out accuracy is greedy on `--eval-tasks` tasks, measured through the stack every
-`--eval-every` steps, so steps-to-target has that resolution. Prints each arm's accuracy (mean ±
+`--eval-every` steps, so steps-to-target has that resolution; `--stop-at-target` ends each seed's
+run at its first evaluation at or above the target (the rest of the budget is not spent; an
+evaluation that fewer seeds reached prints their count in brackets). Prints each arm's accuracy (mean ±
 standard error over its seeds at each evaluation) and reverse-KL curves, the first evaluated step
 at target with the samples generated (dynamic sampling's dropped groups included:
 `rollout/samples_generated`) and trained up to it and the seconds (the training steps' wall time up
@@ -61,6 +63,7 @@ from pathlib import Path
 from bench import common
 from bench.common import CONFIG, train_demo
 from palaestra.config import load_config
+from palaestra.orchestrator.loop import Hook
 
 OPD = ["trainer.advantage_estimator=none"]
 GRPO = ["model.teacher=null", "trainer.opd.kl_coef=0", "trainer.opd.teacher_mode=null",
@@ -125,10 +128,41 @@ class Arm:
         return sum(vals) / len(vals) if vals else None
 
 
-def run(name: str, out: Path, overrides: list[str], per_step: int = 0) -> Arm:
+class Reached(Exception):
+    """Ends a run at its first evaluation at or above the target (`--stop-at-target`)."""
+
+    def __init__(self, rows: list[dict[str, float]]):
+        super().__init__(f"target reached at step {int(rows[-1]['train/step'])}")
+        self.rows = rows
+
+
+def stop_at(target: float | None) -> Hook | None:
+    """`train`'s hook that raises `Reached` (with the rows so far) at the end of the first step
+    whose evaluation is at or above `target`; None: the run goes to its last step."""
+    if target is None:
+        return None
+
+    def hook(phase: str, step: int, run) -> None:
+        row = run.state.rows[-1] if run.state.rows else {}
+        if phase == "step" and row.get("eval/accuracy", -1.0) >= target:
+            raise Reached(list(run.state.rows))
+
+    return hook
+
+
+def run(name: str, out: Path, overrides: list[str], per_step: int = 0, stop: float | None = None) -> Arm:
+    """One `palaestra train` run of the demo config; `stop`: end it at that held-out accuracy."""
     started = time.perf_counter()
-    rows = train_demo(out, name, overrides).state.rows
+    try:
+        rows = train_demo(out, name, overrides, stop_at(stop)).state.rows
+    except Reached as reached:  # the cluster is shut down on the way out, as at a run's end
+        rows = reached.rows
     return Arm(rows, time.perf_counter() - started, per_step)
+
+
+def evaluated(runs: list[Arm]) -> list[int]:
+    """Every step some seed evaluated (a run stopped at the target ends before the others)."""
+    return sorted({s for r in runs for s, _ in r.curve})
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -196,8 +230,8 @@ def plot(path: Path, results: dict[str, list[Arm]], teacher_acc: float, target: 
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     for arm, runs in results.items():
-        steps = [s for s, _ in runs[0].curve]
-        xs = [statistics.fmean(r.samples_to(s) for r in runs) for s in steps]
+        steps = evaluated(runs)
+        xs = [statistics.fmean(r.samples_to(s) for r in runs if s in dict(r.curve)) for s in steps]
         stats = [mean_se([dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in steps]
         ys = [m for m, _ in stats]
         (line,) = ax.plot(
@@ -255,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", default="", help="learning rate per arm, arm=lr,... (default: the config's)")
     ap.add_argument("--sweep", default="", help="learning rates to try per arm first, comma-separated")
     ap.add_argument("--sweep-steps", type=int, default=10, help="steps of a sweep run (default: %(default)s)")
+    ap.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="end an arm's run at its first evaluation at or above the target (saves the rest of the budget)",
+    )
     ap.add_argument("--json", default=None, help="also write every run's metrics rows to this file")
     ap.add_argument("--png", default=None, help="draw accuracy against samples generated into this file")
     ap.add_argument(
@@ -310,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             lr = [f"trainer.megatron_optimizer.lr={lrs[arm]}"] if arm in lrs else []
             results.setdefault(arm, [])
             for seed in range(args.first_seed, args.first_seed + seeds[arm]):
-                r = run(f"{arm}-s{seed}", Path(tmp) / f"{arm}-s{seed}",
-                        [*task, *ARMS[arm], *shared, *lr, f"run.seed={seed}"], per_step)  # fmt: skip
+                r = run(f"{arm}-s{seed}", Path(tmp) / f"{arm}-s{seed}", [*task, *ARMS[arm], *shared, *lr,
+                        f"run.seed={seed}"], per_step, target if args.stop_at_target else None)  # fmt: skip
                 results[arm].append(r)
                 if args.json:  # after every run, so that an interrupted bench keeps what it measured
                     done = {
@@ -329,17 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     label = f"{args.target:.0%} of it" if args.target_acc is None else "absolute"
     print(f"\n== {CONFIG.name} --task {args.task} {' '.join(args.overrides)}: teacher {teacher_acc:.3f}, "
           f"target {target:.3f} ({label}); {per_step} samples per step before dynamic sampling, "
-          f"{args.eval_tasks} held-out tasks (one task: standard error "
+          f"{args.eval_tasks} held-out tasks (one evaluation at the target: standard error "
           f"{(target * (1 - target) / args.eval_tasks) ** 0.5:.3f})")  # fmt: skip
     for arm, runs in results.items():
         given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("trainer.megatron_optimizer.lr=")]
         lr = f"lr {lrs[arm]:g}" if arm in lrs else f"lr {given[-1]}" if given else "lr: the config's"
-        steps = [s for s, _ in runs[0].curve]
-        acc = [_pm([dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in steps]
-        print(
-            f"{arm:9s} {len(runs)} seed(s), {lr}; accuracy (mean±se) "
-            + " ".join(f"{s}:{a}" for s, a in zip(steps, acc, strict=True))
-        )
+        acc = [(s, [dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in evaluated(runs)]
+        print(f"{arm:9s} {len(runs)} seed(s), {lr}; accuracy (mean±se) " + " ".join(
+              f"{s}:{_pm(a)}" + (f"({len(a)})" if len(a) < len(runs) else "") for s, a in acc))  # fmt: skip
         for i, r in enumerate(runs):
             s = r.reached(target)
             last = r.curve[-1][0]

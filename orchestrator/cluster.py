@@ -43,7 +43,7 @@ from palaestra.orchestrator.placement import (
 )
 from palaestra.orchestrator.rollout_worker import RolloutWorker
 from palaestra.orchestrator.server_host import ServerHost
-from palaestra.orchestrator.trainer_worker import TrainerWorker
+from palaestra.orchestrator.trainer_worker import TrainerWorker, torch_threads
 
 __all__ = ["Box", "Cluster", "build_models", "init_ray", "start_cluster"]
 
@@ -320,9 +320,11 @@ class Cluster:
         world = trainer_world_size(self.cfg)
         worker = ray.remote(TrainerWorker)
         reserve = engine_threads_beside_trainer(self.cfg)
+        omp = os.environ.get("OMP_NUM_THREADS")  # the driver's: respected by every rank
+        torch_threads(reserve, world, omp)  # a bad value fails here, in one line, before any actor starts
         assert self.placement is not None
         return [
-            worker.options(**opts).remote(rank, world, reserve)
+            worker.options(**opts).remote(rank, world, reserve, omp)
             for rank, opts in enumerate(self.placement.trainer)
         ]
 

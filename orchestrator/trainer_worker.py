@@ -15,19 +15,34 @@ from typing import Any
 
 from palaestra.orchestrator.nodes import node_address, single_node, where
 
-__all__ = ["TrainerWorker"]
+__all__ = ["TrainerWorker", "torch_threads"]
+
+
+def torch_threads(reserve_threads: int, world_size: int, omp_num_threads: str | None) -> int:
+    """Torch's intra-op threads for one rank: the driver's OMP_NUM_THREADS when it set one (a
+    shared machine asks for 1), else this machine's cores less `reserve_threads`, split over the
+    ranks. Inside the actor OMP_NUM_THREADS cannot tell the user's value from Ray's (the actor's
+    CPUs), so the driver's is passed in."""
+    if omp_num_threads is not None and omp_num_threads.strip():
+        first = omp_num_threads.split(",")[0].strip()  # OpenMP's nested form "4,2": the outer level
+        if not first.isdigit() or int(first) < 1:
+            raise ValueError(
+                f"OMP_NUM_THREADS={omp_num_threads!r} is not a positive integer: set it to e.g. 1, or unset it"
+            )
+        return int(first)
+    return max(1, ((os.cpu_count() or 1) - reserve_threads) // world_size)
 
 
 class TrainerWorker:
     """One rank of the Megatron trainer. Every rank must be called for collective methods
     (train, sync_weights, save, load, export_hf); rank 0's samples are the ones used."""
 
-    def __init__(self, rank: int, world_size: int, reserve_threads: int):
+    def __init__(self, rank: int, world_size: int, reserve_threads: int, omp_num_threads: str | None = None):
         import torch
 
-        # Ray sets OMP_NUM_THREADS to the actor's (logical) CPUs; the ranks share this machine's
-        # cores instead, less those left to engines beside them (`engine_threads_beside_trainer`).
-        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - reserve_threads) // world_size))
+        # Without the driver's OMP_NUM_THREADS the ranks share this machine's cores, less those left
+        # to engines beside them (`engine_threads_beside_trainer`): not Ray's per-actor CPU count.
+        torch.set_num_threads(torch_threads(reserve_threads, world_size, omp_num_threads))
         # Importing megatron-core takes seconds: done here, while the engines start.
         from palaestra.trainer import cpu_shim
 

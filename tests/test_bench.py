@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -174,6 +175,47 @@ def test_opd_vs_grpo_sweep_only_keeps_the_best_lr_and_reports_no_runs(monkeypatc
     assert made == ["grpo-ds-lr0.0001", "grpo-ds-lr0.0003"]  # the sweep's runs only, no seed run
     assert "grpo-ds lr 0.0003: 0:0.300 1:0.330; 2.00 s per step, 8 samples generated" in out
     assert "-> lr 0.0003" in out and "seed(s)" not in out
+
+
+def test_opd_vs_grpo_stops_a_run_at_its_first_evaluation_at_the_target(monkeypatch, capsys, tmp_path):
+    import bench.opd_vs_grpo as bench
+
+    rows = _opd_run([0.3, 0.45, 0.5, 0.6], 16.0).rows
+    del rows[1]["eval/accuracy"]  # a step without an evaluation: never a stop, whatever else it holds
+
+    def fake_train(out, name, overrides, hook=None):  # the loop's "step" phase after each step's row
+        state = types.SimpleNamespace(rows=[rows[0]])
+        for step, row in enumerate(rows[1:]):
+            state.rows = [*state.rows, row]
+            for phase in ("batch", "sync", "step"):
+                if hook is not None:
+                    hook(phase, step, types.SimpleNamespace(state=state))
+        return types.SimpleNamespace(state=state)
+
+    monkeypatch.setattr(bench, "train_demo", fake_train)
+    stopped = bench.run("opd-full-s0", tmp_path, [], 8, stop=0.5)
+    assert stopped.curve == [(0, 0.3), (2, 0.5)] and stopped.samples_to(2) == 32.0  # 2 steps, not 3
+    assert bench.run("opd-full-s0", tmp_path, [], 8).curve[-1] == (3, 0.6)  # no target: to the end
+    assert bench.stop_at(None) is None
+
+    # main: --stop-at-target hands the target to every seed's run; a seed that stopped early leaves
+    # the later evaluations to the others, counted in brackets; the header's standard error is a
+    # whole evaluation's at the target
+    given = []
+
+    def fake_run(name, out, overrides, per_step=0, stop=None):
+        given.append(stop)
+        return _opd_run([0.3, 0.5] if name.endswith("s0") else [0.3, 0.4, 0.5], 8.0)
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    argv = ["--arms", "opd-full", "--seeds", "opd-full=2", "--task", "worked_steps", "--teacher-acc", "0.9",
+            "--target-acc", "0.5", "--stop-at-target"]  # fmt: skip
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert given == [0.5, 0.5] and "0:0.300±0.000 1:0.450±0.050 2:0.500(1)" in out
+    assert "(one evaluation at the target: standard error 0.035)" in out  # (0.5 * 0.5 / 200) ** 0.5
+    given.clear()
+    assert bench.main(argv[:-1]) == 0 and given == [None, None]
 
 
 def test_the_chaos_schedule_is_drawn_from_the_seed_alone():
