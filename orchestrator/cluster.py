@@ -189,17 +189,6 @@ class Cluster:
                 )
             )
         self.trainer = self._start_trainer()  # imports megatron-core while the engines load
-        # The router's and the gateways' actors too: their worker processes start (Ray's worker
-        # start-up, seconds on 2 busy cores) while the engines load; their servers start below.
-        services = cfg.run.resources.get("services", {})
-        light = server.options(num_cpus=0, resources=services)
-        self.router = Box("router", light.remote("router", log_dir), log=f"{log_dir}/router.log")
-        names = (
-            ["gateway"]
-            if cfg.gateway.shards == 1
-            else [f"gateway-shard-{i}" for i in range(cfg.gateway.shards)]
-        )
-        self.gateway_shards = [Box(n, light.remote(n, log_dir), log=f"{log_dir}/{n}.log") for n in names]
         self.engine_start = (cfg.engines.backend, cfg.model.student, flags, cfg.run.host, str(weight_version))
         engine_refs = [b.actor.start_engine.remote(*self.engine_start, 1800.0) for b in self.engines]
         for box, url in zip(self.engines, self._get_all(engine_refs, "starting the engines"), strict=True):
@@ -211,7 +200,10 @@ class Cluster:
         urls = [b.url for b in self.engines]
         master = self._get_all([self.trainer[0].rendezvous_address.remote()], "trainer rendezvous")[0]
         building = self.trainer_call("build", trainer_options(cfg), cfg.model.student, urls, master)
+        services = cfg.run.resources.get("services", {})
+        light = server.options(num_cpus=0, resources=services)
         self.router_urls = [b.url for b in self.engines]
+        self.router = Box("router", light.remote("router", log_dir), log=f"{log_dir}/router.log")
         self.router.url = self._get_all(
             [
                 self.router.actor.start_router.remote(
@@ -233,12 +225,15 @@ class Cluster:
 
     def _start_gateways(self, light: Any, spool_dir: str, log_dir: str) -> None:
         """The gateway, or with gateway.shards=N its N shards (each spooling to its own
-        `spool/shard-<i>`; their actors are `self.gateway_shards`) started together, then their
-        front (`palaestra gateway front`), which is `self.gateway` then: every client's URL
-        (gateway/shards.py)."""
+        `spool/shard-<i>`) started together, then their front (`palaestra gateway front`), which is
+        `self.gateway` then: every client's URL (gateway/shards.py)."""
         cfg, n = self.cfg, self.cfg.gateway.shards
         keys = {"PALAESTRA_API_KEY": self.api_key, "PALAESTRA_ADMIN_KEY": self.admin_key}
         flags = [*lora_gateway_flags(cfg), *routing_gateway_flags(cfg)]
+        names = ["gateway"] if n == 1 else [f"gateway-shard-{i}" for i in range(n)]
+        self.gateway_shards = [
+            Box(name, light.remote(name, log_dir), log=f"{log_dir}/{name}.log") for name in names
+        ]
         refs = [
             box.actor.start_gateway.remote(
                 cfg.model.student,
