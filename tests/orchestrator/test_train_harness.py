@@ -10,9 +10,9 @@ the samples trained. Expensive: 135-175 s in a fresh-clone CI run, the suite's l
 parts: generating the swe instance (the session's `swe_instance`: the bundled textkit repository's
 tests run in sandboxes for one mutation kind: 1.1 s against `swe_data`'s five kinds' 6.7 s at load
 average ~3, 8-12 s against 64-76 s at ~43), the run's start (one engine, router, gateway,
-trainer), two Codex episodes each prefilling a ~18,200-token prompt (Codex's instructions and tools in the `tiny` tokenizer) and graded by swe's
-hidden tests, and the trainer's step on the two samples (the packed attention no longer builds a
-dense [n, n] mask: trainer/packed_attention.py). Codex rather than Claude Code: Claude Code asks
+trainer), two Codex episodes each prefilling a ~18,200-token prompt (Codex's instructions and
+tools in the `tiny` tokenizer) and graded by swe's hidden tests, and the trainer's step on the two
+samples (the packed attention no longer builds a dense [n, n] mask: trainer/packed_attention.py). Codex rather than Claude Code: Claude Code asks
 for `max_tokens: 32000`, which a random model fills to the context (minutes per turn on CPU);
 Claude Code's episode in the sandbox is tests/environments/test_harness_env.py's.
 """
