@@ -12,9 +12,10 @@ tests run in sandboxes for one mutation kind: 1.1 s against `swe_data`'s five ki
 average ~3, 8-12 s against 64-76 s at ~43), the run's start (one engine, router, gateway,
 trainer), two Codex episodes each prefilling a ~18,200-token prompt (Codex's instructions and
 tools in the `tiny` tokenizer) and graded by swe's hidden tests, and the trainer's step on the two
-samples (the packed attention no longer builds a dense [n, n] mask: trainer/packed_attention.py). Codex rather than Claude Code: Claude Code asks
-for `max_tokens: 32000`, which a random model fills to the context (minutes per turn on CPU);
-Claude Code's episode in the sandbox is tests/environments/test_harness_env.py's.
+samples (the packed attention no longer builds a dense [n, n] mask: trainer/packed_attention.py).
+Codex rather than Claude Code: Claude Code asks for `max_tokens: 32000`, which a random model fills
+to the context (minutes per turn on CPU); Claude Code's episode in the sandbox is
+tests/environments/test_harness_env.py's.
 """
 
 from __future__ import annotations
