@@ -18,21 +18,43 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _generated_swe(tmp_path_factory, name: str, kinds: tuple[str, ...] | None = None) -> os.PathLike:
+    """The bundled ``textkit`` repository's generated swe instances, one per bug kind in `kinds`
+    (None: every kind), as JSONL."""
+    import asyncio
+
+    from palaestra.environments.swe_agent.generate import generate
+    from palaestra.environments.swe_agent.mutate import KINDS
+    from tests.support.doubles import SubprocessBackendForTests
+
+    out = tmp_path_factory.mktemp(name) / f"{name}.jsonl"
+    instances = asyncio.run(
+        generate(
+            out,
+            SubprocessBackendForTests(),
+            per_kind=1,
+            repos=["textkit"],
+            tries_per_kind=4,
+            kinds=kinds or KINDS,
+        )
+    )
+    assert instances, "no instance generated"
+    assert {i.bug_kind for i in instances} <= set(kinds or KINDS), instances  # only the kinds asked
+    return out
+
+
 @pytest.fixture(scope="session")
 def swe_data(tmp_path_factory):
     """One generated swe instance per mutation kind of the bundled ``textkit`` repository, as JSONL:
     generated once per test process (the sandbox validates every candidate: ~20 s), read only."""
-    import asyncio
+    return _generated_swe(tmp_path_factory, "swe")
 
-    from palaestra.environments.swe_agent.generate import generate
-    from tests.support.doubles import SubprocessBackendForTests
 
-    out = tmp_path_factory.mktemp("swe") / "swe.jsonl"
-    instances = asyncio.run(
-        generate(out, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4)
-    )
-    assert instances, "no instance generated"
-    return out
+@pytest.fixture(scope="session")
+def swe_instance(tmp_path_factory):
+    """`swe_data` of the first mutation kind only (``off_by_one``): for a test that needs one
+    generated instance (a train run of one task), a fifth of the sandbox runs."""
+    return _generated_swe(tmp_path_factory, "swe-one", ("off_by_one",))
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 their own test suites (pytest, run in the package's environment: `repo_env.py`).
 
     instances = await generate(Path("swe.jsonl"), backend, seed=0, per_kind=3)
+    instances = await generate(Path("one.jsonl"), backend, per_kind=1, kinds=["off_by_one"])  # one kind
     instances = await generate(Path("real.jsonl"), backend, sources=[sdist_source(Path("toolz-1.2.0.tar.gz"))])
 
 For each repository: every mutation `mutate.py` admits in its source (not its tests) is listed per
@@ -28,7 +29,7 @@ import random
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,9 +203,14 @@ async def generate(
     concurrency: int = 4,
     env_options: EnvOptions | None = None,
     progress: Callable[[str], None] | None = None,
+    kinds: Sequence[str] = KINDS,
 ) -> list[SweInstance]:
     """Writes ``out`` (JSONL) and ``<out stem>.repos/``; returns the validated instances. The
-    repositories are ``sources``, else the bundled ``repos`` (default: all of them)."""
+    repositories are ``sources``, else the bundled ``repos`` (default: all of them); the bug kinds
+    tried are ``kinds`` (default: every kind of `mutate.KINDS`, in that order)."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"kinds {list(kinds)}: give one or more of {', '.join(KINDS)}")
     out = Path(out)
     repo_root = out.parent / f"{out.stem}.repos"
     if sources is None:
@@ -222,6 +228,7 @@ async def generate(
             concurrency,
             env_options or EnvOptions(),
             progress,
+            kinds,
         )
     write_jsonl(kept, out, relative_to=out.parent)
     return kept
@@ -267,6 +274,7 @@ async def _generate_repo(
     concurrency: int,
     env_options: EnvOptions,
     progress: Callable[[str], None] | None,
+    kinds: Sequence[str],
 ) -> list[SweInstance]:
     sem = asyncio.Semaphore(concurrency)
     kept: list[SweInstance] = []
@@ -325,7 +333,7 @@ async def _generate_repo(
             progress(f"{instance_id}: {'valid' if check.valid else 'invalid: ' + check.reason}")
         return instance if check.valid else None
 
-    for kind in KINDS:
+    for kind in kinds:
         candidates = by_kind[kind]
         random.Random(f"swe/{seed}/{name}/{kind}").shuffle(candidates)
         found: list[SweInstance] = []

@@ -80,6 +80,15 @@ def generated(tmp_path_factory):
     return out, instances
 
 
+@pytest.mark.parametrize("kinds", [["off_by_one", "no_such_kind"], [], "off_by_one"])
+def test_generating_unknown_kinds_is_refused_before_any_work(tmp_path, kinds):
+    with pytest.raises(ValueError, match="give one or more of off_by_one, wrong_operator"):
+        asyncio.run(
+            generate(tmp_path / "swe.jsonl", SubprocessBackendForTests(), repos=["ledger"], kinds=kinds)
+        )
+    assert not list(tmp_path.iterdir())
+
+
 def test_generated_instances_are_valid_and_load_back(generated):
     out, instances = generated
     assert len(instances) >= 4 and len({i.bug_kind for i in instances}) >= 4

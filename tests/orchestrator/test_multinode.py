@@ -42,8 +42,8 @@ def cluster():
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the variable was set
 
-    if ray.is_initialized():
-        pytest.skip("a Ray instance is already running in this process; this test needs its own cluster")
+    if ray.is_initialized():  # the local Ray the other modules share (conftest.py's `ray_local`)
+        ray.shutdown()  # this test needs a cluster of its own; the next module starts that one again
     saved = os.environ.get("PYTHONPATH")  # the nodes' workers import tests.orchestrator.test_multinode
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(Path(__file__).resolve().parents[2]), saved] if p

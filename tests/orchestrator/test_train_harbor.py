@@ -2,8 +2,10 @@
 engine) on an example Harbor task, attempted by each of three agents in the local (bubblewrap)
 sandbox, graded by the task's test.sh: the openai-tools loop (the OpenAI SDK's chat completions
 with a bash tool), and two CLI harnesses, unchanged, through their session tunnels: mini-swe-agent
-(bash-only, ~1,500-token prompts) and OpenCode (~8,000-token prompts, told an output budget of 16
-tokens per call).
+(bash-only, ~1,500-token prompts) and OpenCode (told an output budget of 16 tokens per call; per
+episode a 1,128-token title request and a 14,714-token first prompt in the `tiny` tokenizer, its
+system prompt and tools: the engine's prefill and the trainer's passes over two such samples make
+its case 3-4x the mini-swe-agent case's time).
 
 The random model does not solve the task (reward 0); what is checked is the path: the task's
 environment built, both episodes graded by the verifier (its named reward reaches the step's

@@ -6,15 +6,16 @@ The random model answers Codex's first call with noise (`gateway.default_max_tok
 16 tokens: Codex sends no max_output_tokens), on which Codex stops ("Incomplete response returned,
 reason: max_output_tokens", exit 1: `failure/harness_exit`), so each episode is one turn and
 reward 0; what is checked is the path: turns recorded, the episode graded by swe's hidden tests,
-the samples trained. Expensive: 135-140 s in a fresh-clone CI run, the suite's longest test. Its
-parts: generating the swe instances (the session's `swe_data`: the bundled textkit repository's tests
-run in sandboxes for each mutation kind, ~20 s on a quiet machine, 128-132 s at load average ~80),
-the run's start (one engine, router, gateway, trainer), two Codex episodes each prefilling a
-~18,200-token prompt (Codex's instructions and tools in the `tiny` tokenizer) and graded by swe's
-hidden tests, and the trainer's step on the two samples (the packed attention no longer builds a
-dense [n, n] mask: trainer/packed_attention.py). Codex rather than Claude Code: Claude Code asks
-for `max_tokens: 32000`, which a random model fills to the context (minutes per turn on CPU);
-Claude Code's episode in the sandbox is tests/environments/test_harness_env.py's.
+the samples trained. Expensive: 135-175 s in a fresh-clone CI run, the suite's longest test. Its
+parts: generating the swe instance (the session's `swe_instance`: the bundled textkit repository's
+tests run in sandboxes for one mutation kind: 1.1 s against `swe_data`'s five kinds' 6.7 s at load
+average ~3, 8-12 s against 64-76 s at ~43), the run's start (one engine, router, gateway,
+trainer), two Codex episodes each prefilling a ~18,200-token prompt (Codex's instructions and
+tools in the `tiny` tokenizer) and graded by swe's hidden tests, and the trainer's step on the two
+samples (the packed attention no longer builds a dense [n, n] mask: trainer/packed_attention.py).
+Codex rather than Claude Code: Claude Code asks for `max_tokens: 32000`, which a random model fills
+to the context (minutes per turn on CPU); Claude Code's episode in the sandbox is
+tests/environments/test_harness_env.py's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.support.sandbox import SANDBOX_BACKENDS
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.engine]
 
 
-def test_train_one_step_on_codex_episodes_in_the_sandbox(ray_local, swe_data, tmp_path):
+def test_train_one_step_on_codex_episodes_in_the_sandbox(ray_local, swe_instance, tmp_path):
     from palaestra.train import train
 
     if binary("codex") is None:
@@ -43,7 +44,7 @@ def test_train_one_step_on_codex_episodes_in_the_sandbox(ray_local, swe_data, tm
         pytest.skip("the local (bubblewrap) sandbox backend is not registered here")
     args = {
         "harness": "codex",
-        "data": str(swe_data),
+        "data": str(swe_instance),
         "backend": "local",
         "max_turns": 4,
         "time_limit_s": 300,

@@ -1,16 +1,14 @@
 """What the `palaestra train` tests on Ray share: the two-turn environment the rollout actors load
 by import path (`TWO_TURN`), the CI-sized run config (`make_config`; `make_episode_config`, its
-variant for one group of agent episodes) and the module's local Ray
+variant for one group of agent episodes) and the process's local Ray
 (`local_ray`, used by tests/orchestrator/conftest.py's `ray_local`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +128,10 @@ def make_episode_config(out: Path, env: str, args: dict[str, Any], *extra: str):
     )
 
 
-@contextlib.contextmanager
-def local_ray() -> Iterator[None]:
-    """One local Ray whose workers can import this repository's tests (`TWO_TURN`) and run at
-    normal priority; shut down afterwards if this call started it."""
+def local_ray() -> bool:
+    """Starts the one local Ray of this process (unless one runs) whose workers can import this
+    repository's tests (`TWO_TURN`) and run at normal priority; True if this call started it. It
+    is left running: tests/orchestrator/conftest.py shares it between modules and stops it."""
     from palaestra.orchestrator.cluster import init_ray
 
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_worker_niceness")}
@@ -142,17 +140,10 @@ def local_ray() -> Iterator[None]:
     # in parallel (`make test -n 2`) or other work on the machine they would get almost no CPU.
     os.environ["RAY_worker_niceness"] = "0"
     try:  # Ray's processes take the environment they start with; other tests get theirs back
-        started = init_ray("127.0.0.1", num_cpus=8)
+        return init_ray("127.0.0.1", num_cpus=8)
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    try:
-        yield
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
