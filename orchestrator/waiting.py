@@ -74,6 +74,7 @@ class Waiter:
 
         pending = list(refs)
         self._pending(redo)
+        repaired = False  # a server restarted while the call ran: its failure may be that death's
         while pending:
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -84,7 +85,7 @@ class Waiter:
                 )
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.poll_s, left))
             if pending:
-                self.cluster.check_alive(phase)
+                repaired = bool(self.cluster.check_alive(phase)) or repaired
                 self._pending(redo)
         try:
             return ray.get(list(refs))
@@ -94,8 +95,10 @@ class Waiter:
                 died(exc, phase)  # replaces it and raises Replaced, or fails the run
             raise RunFailed(f"{self.label}, {phase}: {root_cause(exc)}") from None
         except ray.exceptions.RayError as exc:
-            # a dead engine explains a failed call best; restarted, the call may be tried again
-            if self.cluster.check_alive(phase) and again is not None:
+            # a dead engine explains a failed call best; restarted (now, or by a check while the call
+            # ran: an engine killed inside a weight sync is back before the sync gives up on it),
+            # the call may be tried again
+            if (self.cluster.check_alive(phase) or repaired) and again is not None:
                 return self.get(again(), phase, progress=progress, redo=redo)
             raise RunFailed(f"{self.label}, {phase}: {root_cause(exc)}") from None
 

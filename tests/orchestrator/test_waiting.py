@@ -124,3 +124,51 @@ def test_a_client_that_gave_up_is_called_again_only_after_a_restart():
             waiter.call(refused, "reading the versions", unreachable=(GaveUp,))
     finally:
         watched.close()
+
+
+class RepairsDuringTheCall:
+    """TEST DOUBLE of the supervisor: its first check (while the call runs) restarts a dead
+    engine; later checks find everything alive."""
+
+    def __init__(self):
+        self.checks = 0
+
+    def check_alive(self, phase: str) -> bool:
+        self.checks += 1
+        return self.checks == 1
+
+
+def test_a_call_that_fails_after_a_restart_during_it_is_made_again(monkeypatch):
+    """The chaos soak's failure: an engine killed inside a weight sync was restarted (with the new
+    weights) by a liveness check while the sync still ran; the sync then failed on it, and the
+    check after the failure found nothing left to repair, so the run stopped. A restart during the
+    call counts: the call is made again. Ray's wait and get are TEST DOUBLES (no Ray started)."""
+    import ray
+
+    waits = iter([([], ["first"]), (["first"], []), (["again"], [])])
+    monkeypatch.setattr(ray, "wait", lambda pending, num_returns, timeout: next(waits))
+
+    def get(refs):
+        if refs == ["first"]:
+            raise ray.exceptions.RayError("engine http://127.0.0.1:1: update 1/1 failed after 3 attempts")
+        return ["synced"]
+
+    monkeypatch.setattr(ray, "get", get)
+    calls = []
+    waiter = Waiter(RepairsDuringTheCall(), timeout_s=60, poll_s=0.01)
+    assert waiter.get(["first"], "weight sync", again=lambda: calls.append(1) or ["again"]) == ["synced"]
+    assert calls == [1]
+
+
+def test_a_call_that_fails_with_nothing_restarted_fails_the_run(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "wait", lambda pending, num_returns, timeout: (list(pending), []))
+    monkeypatch.setattr(ray, "get", lambda refs: (_ for _ in ()).throw(ray.exceptions.RayError("boom")))
+
+    class NothingDied:
+        def check_alive(self, phase: str) -> bool:
+            return False
+
+    with pytest.raises(RunFailed, match="weight sync: boom"):
+        Waiter(NothingDied(), timeout_s=60, poll_s=0.01).get(["first"], "weight sync", again=lambda: ["x"])
