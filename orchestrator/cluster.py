@@ -538,6 +538,18 @@ class Cluster:
         the same. The gateway reads that list too (its placement follows within seconds)."""
         assert self.router is not None
         want = [b.url.rstrip("/") for b in self.engines if b.url]
+        try:
+            self._set_router_workers(want)
+        except httpx.TransportError as exc:
+            # a router that cannot be reached is dead (or dying): the liveness check restarts it
+            # with the engines live then (`restart_args`), so the list it would be told is its own
+            log.warning(
+                "router %s unreachable while setting its workers (%s: %s): its restart lists the engines live then",
+                self.router.url, type(exc).__name__, exc,
+            )  # fmt: skip
+
+    def _set_router_workers(self, want: list[str]) -> None:
+        assert self.router is not None
         with httpx.Client(timeout=30, trust_env=False) as client:
             listed = client.get(f"{self.router.url}/workers")
             listed.raise_for_status()

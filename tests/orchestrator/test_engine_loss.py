@@ -274,3 +274,19 @@ def test_a_router_restarted_after_an_engine_left_starts_with_and_waits_for_the_e
     assert router._all_workers_healthy(ready)  # before: it waited for 2 healthy workers
     cluster.engines.append(Box("engine-1", None, url="http://n1:2"))
     assert cluster.restart_args(cluster.router) == []  # the engines it started with: its own command
+
+
+def test_an_engine_rejoining_while_the_router_is_dead_leaves_the_router_to_its_restart():
+    """The chaos soak (seed 1) found it: engine-1 rejoined at a step's start just after the router
+    was killed, and telling the dead router its workers raised ConnectError, which ended the run.
+    An unreachable router is left to the liveness check, whose restart lists the engines live then
+    (engine-1 included). The router is a closed loopback port (no server, no Ray)."""
+    from palaestra.config import load_config
+    from palaestra.net import free_port
+
+    cluster = Cluster(load_config(None, []))
+    cluster.router = Box("router", None, url=f"http://127.0.0.1:{free_port()}")
+    cluster.router_urls = ["http://n0:1", "http://n1:2"]
+    cluster.engines = [Box("engine-0", None, url="http://n0:1"), Box("engine-1", None, url="http://n1:3")]
+    cluster.sync_router()  # before: httpx.ConnectError
+    assert cluster.restart_args(cluster.router) == ["--worker-urls", "http://n0:1", "http://n1:3"]
