@@ -465,10 +465,23 @@ class Cluster:
         start = fresh.actor.start_engine.remote(*self.engine_start, 1800.0)
         fresh.url = self._get_all([start], f"starting {box.name} again")[0]
         self.engines.insert(index, fresh)
-        self._get_all(self.trainer_call("set_engines", [b.url for b in self.engines]), "telling the trainer")
         weights = self.bring_engine_up_to_date(fresh)
         self.sync_router()
+        self._tell_trainer_engines()  # last: a rank dead meanwhile is rebuilt with these engines
         return f"started again on node {node[:8]} at {fresh.url}; {weights}"
+
+    def _tell_trainer_engines(self) -> None:
+        """The trainer's weight syncs reach the engines live now. A rank that died raises Ray's
+        `RayActorError` unchanged, for the supervisor to rebuild the trainer (with these engines:
+        `replace_trainer` builds it with them); any other failure ends the run, named."""
+        import ray
+
+        try:
+            ray.get(self.trainer_call("set_engines", [b.url for b in self.engines]))
+        except ray.exceptions.RayActorError:
+            raise
+        except ray.exceptions.RayError as exc:
+            raise RunFailed(f"telling the trainer failed: {root_cause(exc)}") from None
 
     def rejoin_engines(self) -> list[tuple[str, str]]:
         """Each left-out engine whose bundle Ray has since placed on a live node (a node with room

@@ -217,18 +217,23 @@ class Supervisor:
         """Starts every engine left out for want of room whose bundle Ray has placed on a node
         that joined since (`Cluster.rejoin_engines`); each one's fault gets the rejoin added to
         its action. The names of those that rejoined."""
+        import ray
+
         if not self.cluster.left_out:
             return []
         if self.cluster.trainer:  # a rejoin tells the trainer: a rank dead meanwhile is rebuilt first
-            import ray
-
             try:
                 ray.get([rank.ready.remote() for rank in self.cluster.trainer], timeout=120)
             except ray.exceptions.RayActorError as exc:
                 self.actor_died(exc, phase)  # raises Replaced
+
         started = time.monotonic()
         names = []
-        for name, action in self.cluster.rejoin_engines():
+        try:
+            rejoined = self.cluster.rejoin_engines()
+        except ray.exceptions.RayActorError as exc:  # a rank died while being told the engines
+            self.actor_died(exc, phase)  # raises Replaced: the trainer is rebuilt with them
+        for name, action in rejoined:
             took = time.monotonic() - started
             log.warning("%s, left out, rejoined during %s: %s (%.1f s)", name, phase, action, took)
             dead = (f"node of {name}", f"host of {name}")

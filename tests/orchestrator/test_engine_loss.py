@@ -290,3 +290,27 @@ def test_an_engine_rejoining_while_the_router_is_dead_leaves_the_router_to_its_r
     cluster.engines = [Box("engine-0", None, url="http://n0:1"), Box("engine-1", None, url="http://n1:3")]
     cluster.sync_router()  # before: httpx.ConnectError
     assert cluster.restart_args(cluster.router) == ["--worker-urls", "http://n0:1", "http://n1:3"]
+
+
+def test_a_trainer_rank_dying_while_a_rejoin_tells_it_the_engines_is_rebuilt_not_the_end():
+    """The chaos soak (seed 1) found it: a trainer rank killed while engine-1 rejoined made telling
+    the trainer the engines fail, and that ended the run. The rank's death is now the trainer's
+    fault (`Replaced`): it is rebuilt, with the engines live then (engine-1 among them). The
+    cluster is a TEST DOUBLE (`_Placing`) whose trainer call raises what Ray raises for a dead actor."""
+    import ray
+
+    from palaestra.orchestrator.errors import Replaced
+
+    class _RankDies(_Placing):
+        def _start_again(self, box: Box, node: str, index: int) -> str:
+            super()._start_again(box, node, index)
+            raise ray.exceptions.RayActorError()  # what `_tell_trainer_engines` lets through
+
+    cluster = _RankDies({"engine-1": "n9"})
+    cluster.engines = [Box("engine-0", None, url="http://n0:1", node="n0")]
+    cluster.left_out = [Box("engine-1", None, options={"name": "engine-1"})]
+    supervisor = Supervisor(cluster, max_restarts=3)
+    with pytest.raises(Replaced) as raised:
+        supervisor.rejoin_engines("the step's start")  # before: RunFailed("telling the trainer failed: ...")
+    assert raised.value.component == "trainer"
+    assert [b.name for b in cluster.engines] == ["engine-0", "engine-1"] and not cluster.left_out
