@@ -108,7 +108,7 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
         router.url,
         tmp_path / "placed",
         tok,
-        placement=PlacementConfig(enabled=True),
+        placement=PlacementConfig(enabled="on"),
         routing_trace=str(record),
     ) as gw:
         snap = httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()
