@@ -95,10 +95,23 @@ def register(groups: argparse._SubParsersAction) -> None:
     placed = p.add_argument_group(
         "placement (its config's gateway.placement: section)", field_docs(GatewayOptions)["placement"]
     )
-    add_arguments(placed, PlacementConfig, prefix="placement_")
-    placed.add_argument(
-        "--placement", dest="placement_enabled", action="store_true", help="= --placement-enabled"
+    placed.add_argument(  # by hand: a bare --placement-enabled (its earlier bool form) still means on
+        "--placement-enabled",
+        dest="placement_enabled",
+        choices=["auto", "on", "off"],
+        nargs="?",
+        const="on",
+        default=PlacementConfig.enabled,
+        help=" ".join(field_docs(PlacementConfig)["enabled"].split()),
     )
+    placed.add_argument(
+        "--placement", dest="placement_enabled", action="store_const", const="on", help="= on"
+    )
+    placed.add_argument(
+        "--no-placement", dest="placement_enabled", action="store_const", const="off", help="= off"
+    )
+    others = [f.name for f in dataclasses.fields(PlacementConfig) if f.name != "enabled"]
+    add_arguments(placed, PlacementConfig, others, prefix="placement_")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_serve)
     f = sub.add_parser(

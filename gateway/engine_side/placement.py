@@ -1,9 +1,10 @@
 """Workload-aware placement: which engine worker each call goes to, chosen from what the gateway knows.
 
 sglang-router stays the engine-facing router; this module only chooses the headers of a call. With
-placement off (the default, see docs/routing.md for the measurements) every call carries
-`X-SMG-Routing-Key: <session>` and the router's `consistent_hashing` picks the worker, as before.
-With it on, a call also carries `X-SMG-Target-Worker: <index>`, which the same policy honours
+placement off every call carries `X-SMG-Routing-Key: <session>` and the router's
+`consistent_hashing` picks the worker. With it on (the default wherever the engine URL is a router
+that lists its workers: `enabled: auto`, decided in `routing.py`; docs/routing.md has the
+measurements), a call also carries `X-SMG-Target-Worker: <index>`, which the same policy honours
 first. In sglang-router 0.3.2 (measured, tests/engine/test_sim.py) the index counts the workers the
 router holds healthy, in its `GET /workers` order; an index past them is a 503
 `no_available_workers`, and a target that died before the router noticed is a 500
@@ -54,10 +55,12 @@ class PlacementConfig:
     """How sessions are placed (docs/routing.md explains each knob and shows what it measured): the
     ``gateway.placement`` section of a run config, flags ``--placement-<field>`` of the gateway."""
 
-    enabled: bool = False
+    enabled: Literal["auto", "on", "off"] = "auto"
     """Workload-aware placement: choose each engine call's worker (X-SMG-Target-Worker) from the
-    session's env, group, turns and context and each worker's load; off = the router's
-    consistent_hashing on the session id alone."""
+    session's env, group, turns and context and each worker's load. auto = on when the engine URL
+    answers GET /workers with a worker list (an sglang-router), else off with one info log line
+    (one engine, a plain SGLang server); on = place (a warning if the URL lists no workers); off =
+    the router's consistent_hashing on the session id alone. true / false read as on / off."""
     epsilon: float = 0.25
     """A new session joins its group's worker only while that worker is within (1 + epsilon) x mean load."""
     move_epsilon: float = 1.0
@@ -87,6 +90,13 @@ class PlacementConfig:
     """The longest a new session waits for room; then it is placed anyway."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.enabled, bool):  # `enabled: true` of earlier configs and callers
+            object.__setattr__(self, "enabled", "on" if self.enabled else "off")
+        if self.enabled not in ("auto", "on", "off"):
+            raise ValueError(
+                f"placement enabled must be 'auto', 'on' or 'off' (got {self.enabled!r}); auto = on where "
+                "the engine URL is a router listing its workers"
+            )
         for name in (
             "epsilon",
             "move_epsilon",

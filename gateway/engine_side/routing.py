@@ -2,12 +2,18 @@
 
 `EngineRouting` sits between the turn core (`service.py`) and the engine client: per call it gives
 the routing headers (`CallRoute.call_headers()`), and when the call answers it counts the environment's
-traffic. With `placement` off (the default) the headers are today's, `X-SMG-Routing-Key:
-<session>` for sglang-router's consistent hashing; with it on, `gateway/engine_side/placement.py` also chooses
+traffic. With `placement` off the headers are `X-SMG-Routing-Key: <session>` for sglang-router's
+consistent hashing; with it on, `gateway/engine_side/placement.py` also chooses
 `X-SMG-Target-Worker` from the router's worker list, which a background task re-reads from the
 router's `GET /workers` every few seconds (and before re-placing a refused call). The engine client
 asks for a new route only when the router refused the target before anything was generated, so
 the tokens of a call never depend on routing (docs/routing.md).
+
+`placement.enabled: auto` (the default) is decided by the first answer of `GET /workers`: a worker
+list (an sglang-router, the `palaestra train` path) turns placement on; any other answer below 500
+(one engine, a plain SGLang server: 404) turns it off for good, with one info log line, and calls
+carry the routing key only, as with `off`. Until an answer comes (the URL not up yet) calls carry
+the routing key and the list is asked again every few seconds.
 
 Also here: per-environment counters in /metrics (`palaestra_gateway_routing_*`), the JSON of
 `GET /admin/routing`, and the optional routing record (`routing_trace`: one JSON line per engine
@@ -123,8 +129,12 @@ class EngineRouting:
         self.options = options
         self.engine_url = engine_url.rstrip("/")
         self.placement: SessionPlacement | None = (
-            SessionPlacement(options.placement) if options.placement.enabled or options.direct else None
+            SessionPlacement(options.placement)
+            if options.placement.enabled != "off" or options.direct
+            else None
         )
+        # `auto`, not yet decided: the first answer of GET /workers turns placement on or off
+        self.undecided = options.placement.enabled == "auto" and not options.direct
         self._calls: dict[str, int] = {}  # session -> engine calls so far (its turn index)
         self._first_prompt: OrderedDict[str, list[int]] = OrderedDict()  # env / group -> its first prompt
         self._record: TextIO | None = None
@@ -257,11 +267,12 @@ class EngineRouting:
             return
         async with aiohttp.ClientSession(trust_env=False) as http:
             await self._refresh(http)
-        self._task = asyncio.create_task(self._refresh_loop())
+        if self.placement is not None:  # `auto` may have found no router
+            self._task = asyncio.create_task(self._refresh_loop())
 
     async def _refresh_loop(self) -> None:
         async with aiohttp.ClientSession(trust_env=False) as http:
-            while True:
+            while self.placement is not None:
                 await asyncio.sleep(self.options.refresh_s)
                 await self._refresh(http)
 
@@ -276,11 +287,19 @@ class EngineRouting:
             return
         workers = (data or {}).get("workers") if isinstance(data, dict) else None
         if status != 200 or not isinstance(workers, list):
+            if self.undecided and status < 500:
+                self._no_router(status)
+                return
             self._workers_unknown(
-                f"GET {self.engine_url}/workers answered {status}: the engine URL is not an sglang-router, "
-                "so there is nothing to place (calls carry the routing key only)"
+                f"GET {self.engine_url}/workers answered {status}: the engine URL is not an sglang-router "
+                "listing its workers, so there is nothing to place (calls carry the routing key only); "
+                "point the engine URL at the router, or set gateway.placement.enabled=auto "
+                "(--placement-enabled auto) or off"
             )
             return
+        if self.undecided:
+            self.undecided = False
+            log.info("placement on: %s/workers lists %d worker(s)", self.engine_url, len(workers))
         urls = [str(w.get("url")) for w in workers]
         healthy = [bool(w.get("is_healthy", True)) for w in workers]
         if urls != [w.url for w in self.placement.workers] or healthy != [
@@ -308,8 +327,25 @@ class EngineRouting:
 
     def _workers_unknown(self, message: str) -> None:
         if message != self.workers_error:
-            log.warning("placement: %s", message)
+            if self.undecided:  # `auto` waits for an answer, routing as with placement off meanwhile
+                log.info(
+                    "placement (auto) undecided, asked again in %.0f s: %s", self.options.refresh_s, message
+                )
+            else:
+                log.warning("placement: %s", message)
         self.workers_error = message
+
+    def _no_router(self, status: int) -> None:
+        """`auto` and the engine URL answered GET /workers without a worker list: placement off."""
+        self.undecided = False
+        self.placement = None
+        self.workers_error = None
+        log.info(
+            "placement off: GET %s/workers answered %d, so the engine URL is one engine, not a router "
+            "listing its workers; calls carry the routing key only (gateway.placement.enabled=auto)",
+            self.engine_url,
+            status,
+        )
 
     async def close(self) -> None:
         if self._task is not None:
@@ -335,8 +371,9 @@ class EngineRouting:
             "mode": "direct"
             if self.options.direct
             else "placement"
-            if self.placement is not None
+            if self.placement is not None and not self.undecided
             else "routing_key",
+            "placement_enabled": self.options.placement.enabled,
             "router": self.engine_url,
             "routing_trace": self.options.routing_trace,
             "traffic": envs,

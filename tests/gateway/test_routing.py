@@ -1,4 +1,6 @@
-"""Routing with placement off (the default): today's header only, per-env traffic counted, the record.
+"""Routing with placement off (the default against one engine): the routing key only, per-env
+traffic counted, the record; the default's decision (`placement.enabled: auto`: on where the engine
+URL lists its workers, off otherwise); what the gateway sends around placement's decisions.
 
 The engine is `ScriptedEngine`, a TEST DOUBLE that records the headers of every /generate call;
 placement itself is tested against the real router and real engines in test_routing_engines.py.
@@ -56,6 +58,7 @@ def test_placement_off_sends_the_session_routing_key_only(routed):
 
     snap = httpx.get(f"{gw.url}/admin/routing", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
     assert snap["mode"] == "routing_key" and "placement" not in snap
+    assert snap["placement_enabled"] == "auto"  # the default, off here: one engine lists no workers
     prompts = [len(ex.body["input_ids"]) for ex in engine.exchanges]
     assert snap["traffic"]["math"]["calls"] == 4
     assert snap["traffic"]["math"]["prompt_tokens"] == sum(prompts)
@@ -122,7 +125,7 @@ def test_the_router_worker_list_unknown_keeps_the_routing_key(tmp_path):
 
     async def check() -> None:
         routing = EngineRouting(
-            RoutingOptions(placement=PlacementConfig(enabled=True)), "http://127.0.0.1:9", CollectorRegistry()
+            RoutingOptions(placement=PlacementConfig(enabled="on")), "http://127.0.0.1:9", CollectorRegistry()
         )
         await routing.refresh_workers()
         call = routing.route("s1", "e", None, [1, 2, 3], 4)
@@ -131,6 +134,126 @@ def test_the_router_worker_list_unknown_keeps_the_routing_key(tmp_path):
         await routing.close()
 
     asyncio.run(check())
+
+
+def workers_server(listed: bool) -> tuple[ThreadServer, list[int]]:
+    """A TEST DOUBLE of the engine URL: with `listed`, a router whose GET /workers lists two workers;
+    without, one engine (a 404 there, as the embedded engine and SGLang's server answer). The list
+    counts the GET /workers it answered."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app, asked = FastAPI(), []
+
+    @app.get("/workers")
+    async def workers():
+        asked.append(1)
+        if not listed:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return {"workers": [{"url": f"http://10.0.0.{i}:30000", "is_healthy": True} for i in range(2)]}
+
+    return ThreadServer(app), asked
+
+
+def routed_by(enabled: str, url: str, check) -> None:
+    """Starts an `EngineRouting` with `placement.enabled` against `url` as the gateway's lifespan
+    does (its first GET /workers answered), runs `check(routing)` (awaited if it is a coroutine) in
+    the same event loop, and closes it."""
+    import asyncio
+    import inspect
+
+    from prometheus_client import CollectorRegistry
+
+    async def run() -> None:
+        routing = EngineRouting(
+            RoutingOptions(placement=PlacementConfig(enabled=enabled)), url, CollectorRegistry()
+        )
+        await routing.start()
+        try:
+            result = check(routing)
+            if inspect.isawaitable(result):
+                await result
+        finally:
+            await routing.close()
+
+    asyncio.run(run())
+
+
+def test_the_default_places_where_the_engine_url_lists_its_workers(caplog):
+    server, asked = workers_server(listed=True)
+
+    def check(routing: EngineRouting) -> None:
+        assert routing.placement is not None and len(routing.placement.workers) == 2
+        headers = routing.route("s1", "math", None, [1, 2, 3], 4).call_headers()
+        assert headers["X-SMG-Routing-Key"] == "s1" and headers["X-SMG-Target-Worker"] in ("0", "1")
+        snap = routing.snapshot()
+        assert snap["mode"] == "placement" and snap["placement_enabled"] == "auto"
+        assert routing._task is not None and not routing._task.done()  # the list is kept fresh
+
+    with server, caplog.at_level("INFO", logger="palaestra.gateway.engine_side.routing"):
+        routed_by("auto", server.url, check)
+    assert asked == [1]
+    assert "placement on: " in caplog.text and "lists 2 worker(s)" in caplog.text
+
+
+def test_the_default_against_one_engine_is_the_routing_key_only_and_says_so_once(caplog):
+    server, asked = workers_server(listed=False)
+
+    def check(routing: EngineRouting) -> None:
+        assert routing.placement is None and routing._task is None  # never asked again
+        assert routing.route("s1", "math", None, [1, 2, 3], 4).call_headers() == {"X-SMG-Routing-Key": "s1"}
+        snap = routing.snapshot()
+        assert snap["mode"] == "routing_key" and "placement" not in snap
+
+    with server, caplog.at_level("INFO", logger="palaestra.gateway.engine_side.routing"):
+        routed_by("auto", server.url, check)
+    assert asked == [1]
+    lines = [r for r in caplog.records if r.name == "palaestra.gateway.engine_side.routing"]
+    assert len(lines) == 1 and lines[0].levelname == "INFO", [r.getMessage() for r in lines]
+    assert "placement off: GET" in lines[0].getMessage() and "answered 404" in lines[0].getMessage()
+
+
+def test_explicit_off_never_asks_for_workers_even_from_a_router():
+    server, asked = workers_server(listed=True)
+
+    def check(routing: EngineRouting) -> None:
+        assert routing.placement is None
+        assert routing.route("s1", "math", None, [1], 4).call_headers() == {"X-SMG-Routing-Key": "s1"}
+        assert routing.snapshot()["mode"] == "routing_key"
+
+    with server:
+        routed_by("off", server.url, check)
+    assert asked == []
+
+
+def test_explicit_on_against_one_engine_warns_naming_the_option_and_keeps_the_routing_key(caplog):
+    server, _ = workers_server(listed=False)
+
+    def check(routing: EngineRouting) -> None:
+        assert routing.route("s1", "math", None, [1], 4).call_headers() == {"X-SMG-Routing-Key": "s1"}
+
+    with server, caplog.at_level("INFO", logger="palaestra.gateway.engine_side.routing"):
+        routed_by("on", server.url, check)
+    (line,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "answered 404" in line.getMessage() and "gateway.placement.enabled=auto" in line.getMessage()
+
+
+def test_the_default_waits_for_an_answer_before_deciding(caplog):
+    """The engine URL not up when the gateway starts: the routing key meanwhile, decided by the first
+    answer (here one engine: off)."""
+    server, asked = workers_server(listed=False)  # its port is chosen, nothing listens yet
+
+    async def check(routing: EngineRouting) -> None:
+        assert routing.undecided and routing.placement is not None
+        assert routing.route("s1", "math", None, [1], 4).call_headers() == {"X-SMG-Routing-Key": "s1"}
+        assert routing.snapshot()["mode"] == "routing_key"
+        assert "placement (auto) undecided" in caplog.text and "WARNING" not in caplog.text
+        with server:
+            await routing.refresh_workers()
+        assert not routing.undecided and routing.placement is None and asked == [1]
+
+    with caplog.at_level("INFO", logger="palaestra.gateway.engine_side.routing"):
+        routed_by("auto", server.url, check)
 
 
 class ListedRouter:
@@ -187,15 +310,17 @@ def play_sessions(gw, n: int = 3, turns: int = 3, between=None) -> list[str]:
     return sids
 
 
-def placed_run(tok, spool, placement: bool) -> dict:
-    """Three sessions through a gateway over `ListedRouter`; with placement, the first session's
-    worker is removed from the router before turn 1 and the router refuses a target at turn 2."""
+def placed_run(tok, spool, enabled: str) -> dict:
+    """Three sessions through a gateway over `ListedRouter` with `placement.enabled` (auto: the
+    default, on since the router lists its workers); with placement, the first session's worker is
+    removed from the router before turn 1 and the router refuses a target at turn 2."""
+    placement = enabled != "off"
     script = TextScript(tok)
     engine = ScriptedEngine(script, stop_ids={script.end})
     router = ListedRouter(engine, [f"http://10.0.0.{i}:30000" for i in range(3)])
     with (
         ThreadServer(router.app) as eng,
-        gateway_server(eng.url, spool, tok, placement=PlacementConfig(enabled=placement)) as gw,
+        gateway_server(eng.url, spool, tok, placement=PlacementConfig(enabled=enabled)) as gw,
     ):
 
         def admin() -> dict:
@@ -215,6 +340,7 @@ def placed_run(tok, spool, placement: bool) -> dict:
                 router.refuse = 1
 
         assert admin()["mode"] == ("placement" if placement else "routing_key")
+        assert admin()["placement_enabled"] == enabled
         sids = play_sessions(gw, between=disturb)
         got = [s for s in samples(gw)["samples"] if s["session_id"] in sids]
         return {
@@ -228,10 +354,11 @@ def placed_run(tok, spool, placement: bool) -> dict:
 
 
 def test_placement_never_changes_what_the_engine_is_sent_or_the_samples(tok, tmp_path):
-    """Same sessions with placement off and on, a worker removed and a target refused on the way:
-    every /generate body and every sample is the same; only the routing headers differ."""
-    off = placed_run(tok, tmp_path / "off", placement=False)
-    on = placed_run(tok, tmp_path / "on", placement=True)
+    """Same sessions with placement off and on (the default, auto, over a router), a worker removed
+    and a target refused on the way: every /generate body and every sample is the same; only the
+    routing headers differ."""
+    off = placed_run(tok, tmp_path / "off", enabled="off")
+    on = placed_run(tok, tmp_path / "on", enabled="auto")
     assert on["bodies"] == off["bodies"] and len(on["bodies"]) == 9
     assert on["samples"] == off["samples"] and len(on["samples"]) == 3
     assert all("x-smg-target-worker" not in h for h in off["headers"])
@@ -252,7 +379,7 @@ def test_a_call_an_engine_fails_is_moved_to_another_engine_and_counted(tok, tmp_
     router = ListedRouter(engine, [f"http://10.0.0.{i}:30000" for i in range(3)])
     with (
         ThreadServer(router.app) as eng,
-        gateway_server(eng.url, tmp_path, tok, placement=PlacementConfig(enabled=True)) as gw,
+        gateway_server(eng.url, tmp_path, tok, placement=PlacementConfig(enabled="on")) as gw,
     ):
         sid = new_session(gw, env="math")["session_id"]
         msgs = [{"role": "user", "content": "what is 1 + 1?"}]

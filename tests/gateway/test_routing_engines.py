@@ -94,7 +94,7 @@ def wait_for(predicate, what: str, timeout: float = 30.0):
 def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(cluster, tok, tmp_path):
     engines, router = cluster
     # the reference: placement off, nothing disturbed
-    with gateway_server(router.url, tmp_path / "ref", tok) as ref:
+    with gateway_server(router.url, tmp_path / "ref", tok, placement=PlacementConfig(enabled="off")) as ref:
         expected = {}
         for name in ("removed", "dead"):
             sid = new_session(ref, env="e", group_id=name)["session_id"]
@@ -108,7 +108,7 @@ def test_removed_and_dead_workers_move_their_sessions_and_tokens_stay_exact(clus
         router.url,
         tmp_path / "placed",
         tok,
-        placement=PlacementConfig(enabled=True),
+        placement=PlacementConfig(enabled="on"),
         routing_trace=str(record),
     ) as gw:
         snap = httpx.get(f"{gw.url}/admin/routing", headers=ADMIN).json()

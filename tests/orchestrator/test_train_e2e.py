@@ -254,6 +254,7 @@ def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local
         "run.steps=3",
         "run.max_staleness=2",
         "trainer.tis.enabled=true",
+        f"gateway.routing_trace={tmp_path / 'routing.jsonl'}",
     )
     try:
         result = train(cfg, hook=hold_task_2_across_the_first_sync)
@@ -267,6 +268,10 @@ def test_async_respects_the_staleness_bound_and_keeps_partial_rollouts(ray_local
     assert "count-0-2" in step2.task_ids, [r.task_ids for r in result.trained]
     assert sum(v == ["0", "1"] for v in step2.versions) >= 2, [r.versions for r in result.trained]
     assert_finite(result.state.rows)
+    # placement is on by default behind the router: every engine call was placed on a worker (the
+    # record's `worker` is None for a call that carried the routing key only)
+    calls = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
+    assert calls and all(c["worker"] in (0, 1) for c in calls), calls[:3]
 
 
 @pytest.mark.slow

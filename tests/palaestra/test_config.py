@@ -206,8 +206,9 @@ def test_flat_placement_keys_of_earlier_configs_are_read_under_gateway_placement
     with caplog.at_level("WARNING", logger="palaestra.config"):
         from_file = load_config(path, []).gateway.placement
         overridden = load_config(None, ["gateway.placement=true", "gateway.placement_admit_fill=0.8"]).gateway
-    assert from_file == PlacementConfig(enabled=True, epsilon=0.5, groups="apart")
-    assert overridden.placement == PlacementConfig(enabled=True, admit_fill=0.8)
+    assert from_file == PlacementConfig(enabled="on", epsilon=0.5, groups="apart")
+    assert overridden.placement == PlacementConfig(enabled="on", admit_fill=0.8)
+    assert load_config(None, ["gateway.placement=false"]).gateway.placement.enabled == "off"
     for old, new in [
         ("gateway.placement", "gateway.placement.enabled"),
         ("gateway.placement_epsilon", "gateway.placement.epsilon"),
@@ -215,6 +216,69 @@ def test_flat_placement_keys_of_earlier_configs_are_read_under_gateway_placement
         ("gateway.placement_admit_fill", "gateway.placement.admit_fill"),
     ]:
         assert f"config key {old} is now {new}" in caplog.text, old
+
+
+@pytest.mark.parametrize(
+    ("written", "enabled"),
+    [(None, "auto"), ("auto", "auto"), ("on", "on"), ("off", "off"), ("true", "on"), ("false", "off")],
+)
+def test_placement_enabled_reaches_the_gateway_as_written(written, enabled):
+    """`gateway.placement.enabled` (default auto; YAML's true / false are on / off) is what the run's
+    `palaestra gateway serve` gets: off too, which as a bool flag would have been left out and read as
+    the default there."""
+    import argparse
+
+    from palaestra.gateway import cli as gateway_cli
+
+    overrides = [] if written is None else [f"gateway.placement.enabled={written}"]
+    options = load_config(None, overrides).gateway
+    assert options.placement.enabled == enabled
+    parser = argparse.ArgumentParser()
+    gateway_cli.register(parser.add_subparsers(dest="group", required=True))
+    required = ["gateway", "serve", "--model", "m", "--engine-url", "http://127.0.0.1:1"]
+    served = gateway_cli.config_from_args(parser.parse_args([*required, *options.serve_flags()]))
+    assert served.placement.enabled == enabled
+
+
+@pytest.mark.parametrize(
+    ("flags", "enabled"),
+    [
+        ([], "auto"),
+        (["--placement"], "on"),
+        (["--placement-enabled"], "on"),  # the bare flag of its earlier bool form
+        (["--no-placement"], "off"),
+        (["--placement-enabled", "off"], "off"),
+        (["--placement-enabled", "auto"], "auto"),
+    ],
+)
+def test_the_gateway_command_spells_placement_on_off_and_auto(flags, enabled):
+    import argparse
+
+    from palaestra.gateway import cli as gateway_cli
+
+    parser = argparse.ArgumentParser()
+    gateway_cli.register(parser.add_subparsers(dest="group", required=True))
+    required = ["gateway", "serve", "--model", "m", "--engine-url", "http://127.0.0.1:1"]
+    assert gateway_cli.config_from_args(parser.parse_args([*required, *flags])).placement.enabled == enabled
+
+
+@pytest.mark.parametrize(
+    "value", ["maybe", "autoo", "1", "0.5", "null", "[on]", "{a: 1}", "''", "x" * 10_000]
+)
+def test_a_placement_enabled_other_than_auto_on_off_is_refused_naming_the_field(value):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"gateway.placement.enabled={value}"])
+    (problem,) = err.value.problems
+    assert problem.startswith("gateway.placement.enabled: expected 'auto' | 'on' | 'off'"), problem
+
+
+@pytest.mark.parametrize("value", ["maybe", None, 1, 0, 2.5, [], "ON"])
+def test_placement_config_refuses_an_enabled_other_than_auto_on_off_or_a_bool(value):
+    from palaestra.gateway.engine_side.placement import PlacementConfig
+
+    with pytest.raises(ValueError, match="placement enabled must be 'auto', 'on' or 'off'"):
+        PlacementConfig(enabled=value)
+    assert PlacementConfig(enabled=True).enabled == "on" and PlacementConfig(enabled=False).enabled == "off"
 
 
 def test_gateway_options_are_declared_once_by_the_gateway(capsys):
