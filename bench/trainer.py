@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -98,7 +99,7 @@ def main() -> None:
         def megatron_fwd_bwd() -> None:
             trainer.model.train()
             trainer.model.zero_grad_buffer()
-            trainer._run(mbs, trainer._policy_loss, forward_only=False)
+            trainer._run(mbs, partial(trainer._policy_loss, None), forward_only=False)
 
         megatron_s = best_of(megatron_fwd_bwd)
         fwd_s = best_of(lambda: trainer.logprobs(mbs))
