@@ -443,10 +443,8 @@ class Cluster:
         if node is None:
             if not self.engines:
                 raise RunFailed(f"{box.name}'s host died and no node has room for an engine: no engine left")
-            self._get_all(
-                self.trainer_call("set_engines", [b.url for b in self.engines]), "telling the trainer"
-            )
-            self.left_out.append(box)
+            self.left_out.append(box)  # first: a trainer rank that dies while told is rebuilt without it
+            self._tell_trainer_engines()
             left = ", ".join(b.name for b in self.engines)
             return (
                 f"no live node has room for it: the run goes on with {len(self.engines)} engine(s) ({left}); "
