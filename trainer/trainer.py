@@ -566,15 +566,7 @@ class Trainer:
             self.snapshots.save("old_actor")
 
     def _policy_loss(self, inputs: Callable[[MicroBatch], None] | None, mb: MicroBatch, logits: torch.Tensor):
-        rows = self._rows(mb, logits)
-        if inputs is not None:  # the fused old pass: this forward's logprobs are the old policy's
-            with torch.no_grad():
-                old = losses.vocab_parallel_logprobs(
-                    rows, mb.targets.to(rows.device), self.config.temperature
-                )
-            self._store([mb], "old_logprobs", [old.float().cpu()])
-            inputs(mb)
-        num, den, sums = objective.microbatch_loss(mb, rows, self.config)
+        num, den, sums = objective.microbatch_loss(mb, self._rows(mb, logits), self.config, inputs)
         return num, torch.tensor(den, dtype=torch.int, device=logits.device), {"sums": sums}
 
     def _train(
