@@ -89,7 +89,9 @@ TASKS = {
 # Where a step's time goes: the step's own timings (orchestrator and trainer), seconds per step.
 PROFILE = (
     ("generate", "perf/gen_s"),  # the rollouts, through gateway, router and engines
-    ("old pass", "perf/score_s"),  # the student's pre-update logprobs (and top-k ids), advantages
+    # the student's pre-update logprobs when they need a pass of their own (top-k ids: opd-topk;
+    # else the update's forward gives them: Trainer.separate_old_pass), the reference's, advantages
+    ("old pass", "perf/score_s"),
     ("teacher", "perf/teacher_s"),  # teacher scoring at the arm's granularity
     ("update", "perf/update_s"),  # forward + backward + optimizer
     ("sync", "perf/sync_s"),  # weights to the engines
@@ -121,6 +123,12 @@ class Arm:
     def reached(self, target: float) -> int | None:
         """The first evaluated step at or above `target` (None: not within the run)."""
         return next((s for s, a in self.curve if a >= target), None)
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate the run trained with: its rows' `train/lr` (None: it trained no step),
+        so that runs read back with `--load` keep theirs."""
+        return next((r["train/lr"] for r in self.rows if "train/lr" in r), None)
 
     def window_mean(self, key: str, lo: int, hi: int) -> float | None:
         """Mean of `key` over steps lo < step <= hi (None when no row has it)."""
@@ -158,6 +166,13 @@ def run(name: str, out: Path, overrides: list[str], per_step: int = 0, stop: flo
     except Reached as reached:  # the cluster is shut down on the way out, as at a run's end
         rows = reached.rows
     return Arm(rows, time.perf_counter() - started, per_step)
+
+
+def lr_label(runs: list[Arm], default: str = "lr: the config's") -> str:
+    """The learning rate(s) an arm's runs trained with, e.g. `lr 0.0003` (`default` when no run
+    recorded one)."""
+    lrs = sorted({r.lr for r in runs if r.lr is not None})
+    return "lr " + "/".join(f"{lr:g}" for lr in lrs) if lrs else default
 
 
 def evaluated(runs: list[Arm]) -> list[int]:
@@ -235,7 +250,11 @@ def plot(path: Path, results: dict[str, list[Arm]], teacher_acc: float, target: 
         stats = [mean_se([dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in steps]
         ys = [m for m, _ in stats]
         (line,) = ax.plot(
-            xs, ys, marker="o", markersize=3, label=f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})"
+            xs,
+            ys,
+            marker="o",
+            markersize=3,
+            label=f"{arm}, {lr_label(runs, 'lr ?')} ({len(runs)} seed{'s' * (len(runs) > 1)})",
         )
         if len(runs) > 1:
             ax.fill_between(
@@ -372,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{(target * (1 - target) / args.eval_tasks) ** 0.5:.3f})")  # fmt: skip
     for arm, runs in results.items():
         given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("trainer.megatron_optimizer.lr=")]
-        lr = f"lr {lrs[arm]:g}" if arm in lrs else f"lr {given[-1]}" if given else "lr: the config's"
+        # what the runs trained with (loaded runs too); else what this command set
+        lr = lr_label(
+            runs, f"lr {lrs[arm]:g}" if arm in lrs else f"lr {given[-1]}" if given else "lr: the config's"
+        )
         acc = [(s, [dict(r.curve)[s] for r in runs if s in dict(r.curve)]) for s in evaluated(runs)]
         print(f"{arm:9s} {len(runs)} seed(s), {lr}; accuracy (mean±se) " + " ".join(
               f"{s}:{_pm(a)}" + (f"({len(a)})" if len(a) < len(runs) else "") for s, a in acc))  # fmt: skip

@@ -5,6 +5,8 @@
 Prints, from one run:
 * forward+backward tokens/s of the Megatron model on packed micro-batches, against HF transformers
   doing forward+backward on the same samples one at a time (no padding either way);
+* a whole `Trainer.step` with the old-policy logprobs taken from the update's own forward (the
+  default where nothing needs them first: `Trainer.separate_old_pass`) against a pass of their own;
 * packing efficiency: real tokens / processed tokens for THD packing vs padding each micro-batch to
   its longest sample, and how full the packs are;
 * max/mean DP rank load (estimated FLOPs) of the default schedule (Karmarkar-Karp over samples,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,7 +80,10 @@ def main() -> None:
                     help="hidden size of the model the sync section pushes (the trainer model's "
                          "architecture widened, random weights; 0 = the --model itself)")  # fmt: skip
     ap.add_argument("--sync-rounds", type=int, default=7, help="timed pushes per sync mode")
-    ap.add_argument("--parts", default="throughput,balance,snapshot,sync",
+    ap.add_argument(
+        "--step-rounds", type=int, default=5, help="timed steps per way of taking the old logprobs"
+    )
+    ap.add_argument("--parts", default="throughput,step,balance,snapshot,sync",
                     help="comma-separated sections to run (default: all: %(default)s)")  # fmt: skip
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -98,7 +104,7 @@ def main() -> None:
         def megatron_fwd_bwd() -> None:
             trainer.model.train()
             trainer.model.zero_grad_buffer()
-            trainer._run(mbs, trainer._policy_loss, forward_only=False)
+            trainer._run(mbs, partial(trainer._policy_loss, None), forward_only=False)
 
         megatron_s = best_of(megatron_fwd_bwd)
         fwd_s = best_of(lambda: trainer.logprobs(mbs))
@@ -118,6 +124,29 @@ def main() -> None:
               f"megatron = {tokens / megatron_s:,.0f}, HF one sample at a time = {tokens / hf_s:,.0f}  "
               f"-> {hf_s / megatron_s:.2f}x; forward only = {tokens / fwd_s:,.0f} tokens/s "
               f"(fwd+bwd costs {megatron_s / fwd_s:.2f}x a forward)")  # fmt: skip
+
+    if "step" in parts:
+        # -- a whole step, the old-policy logprobs from the update's forward or a pass of their own --
+        samples = long_tailed_samples(args.samples, 2, vocab, 1024)
+        fused, apart = [], []  # alternating, so that both see the same machine
+        for i in range(2 * args.step_rounds + 2):
+            if i % 2:  # this step with the pass apart, as a configuration that needs it runs
+                trainer.separate_old_pass = lambda k=0: "measured with a pass of its own"
+            m = trainer.step(samples)
+            vars(trainer).pop("separate_old_pass", None)  # the class's own again
+            if i >= 2:  # the first of each: warm-up
+                (apart if i % 2 else fused).append(m)
+
+        def median(rows: list[dict[str, float]], key: str) -> float:
+            return sorted(r[key] for r in rows)[len(rows) // 2]
+
+        assert [r["perf/old_pass_fused"] for r in fused + apart] == [1.0] * len(fused) + [0.0] * len(apart)
+        f, a = median(fused, "perf/step_s"), median(apart, "perf/step_s")
+        print(f"step ({len(samples)} samples, {sum(len(s.tokens) for s in samples)} tokens, kl.coef 0.01, "
+              f"median of {args.step_rounds}): old logprobs from the update's forward {f:.3f} s, from a pass of "
+              f"their own {a:.3f} s -> {f / a:.3f}x the time (old+ref passes {median(fused, 'perf/score_s'):.3f} "
+              f"vs {median(apart, 'perf/score_s'):.3f} s, update {median(fused, 'perf/update_s'):.3f} vs "
+              f"{median(apart, 'perf/update_s'):.3f} s)")  # fmt: skip
 
     if "balance" in parts:
         # -- packing efficiency ---------------------------------------------------------------------

@@ -37,6 +37,7 @@ from palaestra.orchestrator.ledger import open_sessions
 from palaestra.orchestrator.placement import (
     RayPlacement,
     engine_threads_beside_trainer,
+    engines_beside_trainer,
     logical_cpus_needed,
     place,
     trainer_world_size,
@@ -313,13 +314,21 @@ class Cluster:
         lines.append(f"  environment runner: {rollout_info['node']}")
         return lines
 
+    def _engines_beside_trainer(self) -> int:
+        """Engines whose bundle Ray placed on a trainer rank's node (the group is ready: `start`)."""
+        from ray.util.placement_group import placement_group_table
+
+        assert self.placement is not None
+        table = placement_group_table(self.placement.group)["bundles_to_node_id"]
+        return engines_beside_trainer(self.placement, table)
+
     def _start_trainer(self) -> list[Any]:
         """The trainer rank actors (rank 0 hosts the rendezvous, asked for in `start`)."""
         import ray
 
         world = trainer_world_size(self.cfg)
         worker = ray.remote(TrainerWorker)
-        reserve = engine_threads_beside_trainer(self.cfg)
+        reserve = engine_threads_beside_trainer(self.cfg, self._engines_beside_trainer())
         omp = os.environ.get("OMP_NUM_THREADS")  # the driver's: respected by every rank
         torch_threads(reserve, world, omp)  # a bad value fails here, in one line, before any actor starts
         assert self.placement is not None
@@ -443,10 +452,8 @@ class Cluster:
         if node is None:
             if not self.engines:
                 raise RunFailed(f"{box.name}'s host died and no node has room for an engine: no engine left")
-            self._get_all(
-                self.trainer_call("set_engines", [b.url for b in self.engines]), "telling the trainer"
-            )
-            self.left_out.append(box)
+            self.left_out.append(box)  # first: a trainer rank that dies while told is rebuilt without it
+            self._tell_trainer_engines()
             left = ", ".join(b.name for b in self.engines)
             return (
                 f"no live node has room for it: the run goes on with {len(self.engines)} engine(s) ({left}); "

@@ -21,6 +21,7 @@ from palaestra.orchestrator.errors import RunFailed
 __all__ = [
     "RayPlacement",
     "engine_threads_beside_trainer",
+    "engines_beside_trainer",
     "logical_cpus_needed",
     "place",
     "trainer_world_size",
@@ -101,20 +102,32 @@ def place(cfg: RunConfig, gpus: int) -> RayPlacement:
     )
 
 
-def engine_threads_beside_trainer(cfg: RunConfig) -> int:
-    """CPU threads the trainer leaves to engines on its machine (its ranks share the rest).
+def engines_beside_trainer(placement: RayPlacement, bundle_nodes: dict[int, str]) -> int:
+    """How many engines Ray placed on a node that runs a trainer rank. `bundle_nodes`: each
+    bundle's node (Ray's placement-group table, once the group is ready). Colocated, every engine;
+    decoupled, those PACK put beside the trainer: all on a one-node cluster (`run.ray_address:
+    auto` after `ray start --head`), none where the engines' bundles filled other nodes."""
+
+    def node(options: dict[str, Any]) -> str | None:
+        return bundle_nodes.get(options["scheduling_strategy"].placement_group_bundle_index)
+
+    trainer_nodes = {node(o) for o in placement.trainer} - {None}
+    return sum(node(o) in trainer_nodes for o in placement.engines)
+
+
+def engine_threads_beside_trainer(cfg: RunConfig, engines_beside: int) -> int:
+    """CPU threads the trainer leaves to the `engines_beside` engines on its machine
+    (`engines_beside_trainer`; its ranks share the rest).
 
     In sync mode the engines idle while the trainer trains, so it takes every core. In the
-    overlapping modes, when engines share its machine (colocated, or a local run), it leaves them
-    `engines.engine.num_threads` each (half the cores when unset): on the 2-core development
-    machine one trainer thread beside two 1-thread engines made one-step-off steps ~15% faster
-    than two oversubscribed threads.
+    overlapping modes it leaves each engine beside it `engines.engine.num_threads` (all of them
+    half the cores when unset): on the 2-core development machine one trainer thread beside two
+    1-thread engines made one-step-off steps ~15% faster than two oversubscribed threads.
     """
-    local = cfg.run.placement == "colocated" or not (cfg.run.ray_address or os.environ.get("RAY_ADDRESS"))
-    if cfg.run.mode == "sync" or not local or cfg.engines.backend != "embedded":
+    if cfg.run.mode == "sync" or not engines_beside or cfg.engines.backend != "embedded":
         return 0
     per_engine = cfg.engines.engine.get("num_threads")
-    return int(per_engine) * cfg.engines.count if per_engine else (os.cpu_count() or 2) // 2
+    return int(per_engine) * engines_beside if per_engine else (os.cpu_count() or 2) // 2
 
 
 def logical_cpus_needed(cfg: RunConfig) -> int:

@@ -195,7 +195,10 @@ class Supervisor:
 
     def _replace_engine(self, box: Any, phase: str, exc: BaseException) -> None:
         """An engine's host actor died (its node with it, or alone): `Cluster.replace_engine` starts
-        it again where Ray finds room, or the run goes on with the engines left."""
+        it again where Ray finds room, or the run goes on with the engines left. An actor that dies
+        meanwhile (a trainer rank while told the engines) is `actor_died`'s, as elsewhere."""
+        import ray
+
         started = time.monotonic()
         node_gone = bool(box.node) and not self.cluster.node_alive(box.node)
         component = f"{'node' if node_gone else 'host'} of {box.name}"
@@ -205,6 +208,10 @@ class Supervisor:
         )
         try:
             action = self.cluster.replace_engine(box)
+        except ray.exceptions.RayActorError as died:
+            left = ", ".join(b.name for b in self.cluster.engines) or "none"
+            fault.action = f"an actor died meanwhile ({root_cause(died)}); the engines live then: {left}"
+            self.actor_died(died, phase)  # raises Replaced: a trainer rank is rebuilt with those engines
         except Exception as e:  # noqa: BLE001 (any failure to replace ends the run, explained)
             fault.action = f"replacement failed: {e}"
             raise RunFailed(

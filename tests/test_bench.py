@@ -107,20 +107,20 @@ def test_gpu_check_starts_its_trainer_ranks_as_the_module_from_the_repository_ro
     assert gpu_check.__doc__.splitlines()[0] in ranks.stdout
 
 
-def _opd_run(accuracies: list[float], generated: float, per_step: int = 8):
+def _opd_run(accuracies: list[float], generated: float, per_step: int = 8, lr: float | None = None):
     """An `opd_vs_grpo.Arm` of synthetic rows: an evaluation every step, `generated` samples made and
-    8 trained per step, 2 s per step."""
+    8 trained per step, 2 s per step (at `lr`: the trainer's train/lr)."""
     from bench.opd_vs_grpo import Arm
 
     rows = [{"train/step": 0, "eval/accuracy": accuracies[0]}]
     for step, acc in enumerate(accuracies[1:], start=1):
         rows.append({"train/step": step, "perf/step_wall_s": 2.0, "rollout/samples_generated": generated,
-                     "rollout/samples": 8.0, "eval/accuracy": acc})  # fmt: skip
+                     "rollout/samples": 8.0, "eval/accuracy": acc, **({"train/lr": lr} if lr else {})})  # fmt: skip
     return Arm(rows, wall=10.0, per_step=per_step)
 
 
 def test_opd_vs_grpo_counts_generated_samples_to_target_and_gives_the_ratio_with_its_spread(tmp_path):
-    from bench.opd_vs_grpo import per_arm, plot, ratio_line
+    from bench.opd_vs_grpo import lr_label, per_arm, plot, ratio_line
 
     grpo = [_opd_run([0.3, 0.35, 0.4, 0.5], 24.0), _opd_run([0.3, 0.5, 0.5, 0.5], 16.0)]
     opd = [_opd_run([0.3, 0.5, 0.6, 0.6], 8.0)]
@@ -138,21 +138,26 @@ def test_opd_vs_grpo_counts_generated_samples_to_target_and_gives_the_ratio_with
     assert per_arm("3e-4", ["grpo", "opd"], "--lr", float) == {"grpo": 3e-4, "opd": 3e-4}
     png = tmp_path / "fig.png"
     plot(png, {"grpo-ds": grpo, "opd-full": opd}, teacher_acc=0.95, target=0.5, title="t")
+    lr1, lr3 = _opd_run([0.3, 0.5], 8.0, lr=1e-4), _opd_run([0.3, 0.5], 8.0, lr=3e-4)
+    assert lr_label([lr3, _opd_run([0.3], 8.0)]) == "lr 0.0003"  # a run of no step has no lr
+    assert lr_label([lr1, lr3]) == "lr 0.0001/0.0003"
+    assert lr_label([_opd_run([0.3, 0.5], 8.0)]) == "lr: the config's"  # rows without train/lr
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_opd_vs_grpo_reports_and_draws_earlier_runs_without_running_any(tmp_path, capsys):
     from bench.opd_vs_grpo import main
 
-    runs = {"grpo-ds": [{"rows": _opd_run([0.3, 0.4, 0.5], 16.0).rows, "wall": 30.0}] * 2,
-            "opd-full": [{"rows": _opd_run([0.3, 0.5, 0.6], 8.0).rows, "wall": 20.0}]}  # fmt: skip
+    runs = {"grpo-ds": [{"rows": _opd_run([0.3, 0.4, 0.5], 16.0, lr=3e-4).rows, "wall": 30.0}] * 2,
+            "opd-full": [{"rows": _opd_run([0.3, 0.5, 0.6], 8.0, lr=1e-3).rows, "wall": 20.0}]}  # fmt: skip
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     png = tmp_path / "fig.png"
     argv = ["--arms", "", "--task", "worked_steps", "--teacher-acc", "0.9", "--target-acc", "0.5",
             "--load", str(tmp_path / "runs.json"), "--png", str(png)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "grpo-ds   2 seed(s)" in out and "0:0.300±0.000 1:0.400±0.000 2:0.500±0.000" in out
+    assert "grpo-ds   2 seed(s), lr 0.0003;" in out and "0:0.300±0.000 1:0.400±0.000 2:0.500±0.000" in out
+    assert "opd-full  1 seed(s), lr 0.001;" in out  # each arm's own, read back from its rows
     assert "opd-full  samples 8 / 32±0 = 0.250 (pairs 0.250-0.250)" in out  # 1 step of 8 vs 2 of 16
     assert png.stat().st_size > 0
 

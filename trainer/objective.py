@@ -18,6 +18,8 @@ schedule sums the denominators and `finalize_model_grads` scales the gradients b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from palaestra.trainer import advantages as adv
@@ -104,15 +106,24 @@ def distill_terms(
 
 
 def microbatch_loss(
-    mb: MicroBatch, rows: torch.Tensor, c: TrainerConfig
+    mb: MicroBatch,
+    rows: torch.Tensor,
+    c: TrainerConfig,
+    inputs: Callable[[MicroBatch], None] | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(loss numerator, denominator, metric sums in `SUM_KEYS` order) from the rows' logits [R, V/tp].
 
+    `inputs`: the old-policy pass is this forward (`Trainer.separate_old_pass`): `mb.old_logprobs`
+    are lp_t detached, then `inputs(mb)` fills the per-token inputs that read them (`token_inputs`).
     With OPD, `mb.opd_rkl` is set to each row's reverse-KL estimate (k1 on sampled-
     granularity rows, D_t on topk/full rows; detached, on CPU) for per-teacher metrics.
     """
     dev = rows.device
     lp = losses.vocab_parallel_logprobs(rows, mb.targets.to(dev), c.temperature)
+    if inputs is not None:
+        mb.old_logprobs = lp.detach().float().cpu()
+        mb.check()
+        inputs(mb)
     entropy = losses.vocab_parallel_entropy(rows, c.temperature)
     old, a = mb.old_logprobs.to(dev), mb.advantages.to(dev)
     pl = losses.policy_loss(lp, old, a, c.eps_clip, c.eps_clip_high, c.dual_clip_c)

@@ -10,7 +10,8 @@
 
     schedule     pack samples into micro-batches, spread them over DP ranks   (packing.py)
     teacher      route samples to the teacher panel, score them per teacher   (opd_step.py, opd_panel.py)
-    ref / old    logprobs of the reference and the pre-update policy           (snapshots.py)
+    ref / old    logprobs of the reference and the pre-update policy           (snapshots.py;
+                 `old` from the update's own forward when nothing needs it first)
     advantages   estimator per sample (a name or an import path), per-token terms (estimators.py,
                  OPD, KL-reward, RS, TIS                           advantages.py, objective.py)
     train        PPO-clip loss with TIS/RS/KL, one optimizer step    (objective.py, losses.py)
@@ -242,14 +243,20 @@ class Trainer:
         routes = self.distiller.route(samples) if self.distiller is not None else []
         ref = ["ref"] if self.config.kl.coef > 0 else []
         old_policy = "old_actor" if self.config.keep_old_actor else "actor"
-        teachers = self.distiller.snapshot_order(routes) if self.distiller is not None else []
-        plan = [t for t in [old_policy, *teachers, *ref, "actor"] if t in self.snapshots]  # LoRA: no ref/old
-        self.snapshots.plan(plan)  # eviction and prefetch order
         k = self.distiller.topk_needed(routes) if self.distiller is not None else 0
+        # Without a reason to run it apart, the old-policy pass is the update's own forward (the
+        # same weights and micro-batches give the same numbers; see `separate_old_pass`)
+        fused = self.separate_old_pass(k) is None
+        teachers = self.distiller.snapshot_order(routes) if self.distiller is not None else []
+        old_tags = [] if fused else [old_policy]
+        plan = [t for t in [*old_tags, *teachers, *ref, "actor"] if t in self.snapshots]  # LoRA: no ref/old
+        self.snapshots.plan(plan)  # eviction and prefetch order
         t_old = time.perf_counter()
-        with self._routing("record" if self.config.routing_replay == "r2" else "replay"):
-            old, topk_ids = self._student_pass(mbs, old_policy, k)
-        self._store(mbs, "old_logprobs", old)
+        topk_ids: dict[int, torch.Tensor] = {}
+        if not fused:
+            with self._routing("record" if self.config.routing_replay == "r2" else "replay"):
+                old, topk_ids = self._student_pass(mbs, old_policy, k)
+            self._store(mbs, "old_logprobs", old)
         t_teacher = time.perf_counter()
         opd_metrics = (
             self.distiller.score(samples, mbs, routes, topk_ids) if self.distiller is not None else {}
@@ -257,7 +264,9 @@ class Trainer:
         t_score = time.perf_counter()
         if self.config.kl.coef > 0:
             self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
-        signal_metrics = self._advantages(samples, mbs)
+        # fused: each micro-batch's per-token inputs once the update's forward has its old logprobs
+        per_sample, signal_metrics = self._advantages(samples, [] if fused else mbs)
+        inputs = partial(objective.token_inputs, per_sample=per_sample, c=self.config)
         if self.config.keep_old_actor:
             self._save_old_actor()  # the next step's "old" = these pre-update weights
         t_update = time.perf_counter()
@@ -265,7 +274,7 @@ class Trainer:
         # prefetch its first teacher from disk while this step trains.
         self.snapshots.plan(plan)
         with self._routing("replay"):
-            metrics = self._train(mbs)
+            metrics = self._train(mbs, inputs if fused else None)
         metrics.update(replay_metrics)
         metrics.update(signal_metrics)
         metrics.update(opd_metrics)
@@ -275,6 +284,7 @@ class Trainer:
         metrics["perf/teacher_s"] = t_score - t_teacher  # teacher scoring (OPD)
         metrics["perf/score_s"] = (t_teacher - t_old) + (t_update - t_score)  # old/ref passes, advantages
         metrics["perf/update_s"] = time.perf_counter() - t_update  # forward+backward+optimizer
+        metrics["perf/old_pass_fused"] = float(fused)  # 1: the old logprobs came from the update's forward
         self.step_count += 1
         self.weight_version += 1
         metrics.update(plan_metrics)
@@ -396,16 +406,44 @@ class Trainer:
         samples = self._broadcast(samples)
         return self.distiller.viewer_logprobs(samples) if samples else None
 
-    def _advantages(self, samples: list[Sample], mbs: list[MicroBatch]) -> dict[str, float]:
+    def _advantages(
+        self, samples: list[Sample], mbs: Sequence[MicroBatch]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The estimator's advantage per sample (`advantage_estimator`: a name in the table of
-        estimators.py or a user's import path), then each micro-batch's per-token inputs
-        (`objective.token_inputs`: OPD and KL-reward terms, RS masks, TIS weights)."""
+        estimators.py or a user's import path), [N], and the group metrics; then the per-token
+        inputs of `mbs`, which have their old logprobs (`objective.token_inputs`: OPD and
+        KL-reward terms, RS masks, TIS weights)."""
         ctx = AdvantageContext.of(samples, self.config.advantage_eps)
         per_sample = estimate(self.estimator, ctx, self.config.advantage_estimator)
         for mb in mbs:
             objective.token_inputs(mb, per_sample, self.config)
         flat, groups = adv.zero_variance_groups(ctx.rewards, ctx.group_ids, ctx.session_ids)
-        return {"train/groups": float(groups), "train/zero_variance_groups": float(flat)}
+        return per_sample, {"train/groups": float(groups), "train/zero_variance_groups": float(flat)}
+
+    def separate_old_pass(self, k: int = 0) -> str | None:
+        """Why this step's old logprobs need a forward pass of their own before the update (`k`:
+        the top-k ids a `topk` teacher scores), or None: the update's forward gives them.
+
+        One optimizer step per `step` means the update's forward runs the weights the old pass
+        would (the live actor) over the same micro-batches, and no per-token input of the loss
+        (advantage, TIS, RS, KL-reward and sampled-OPD terms) looks beyond its own micro-batch; so
+        each micro-batch's old logprobs can be that forward's own, detached, before its loss. The
+        pass stays apart where something else than the loss needs it first, or where a forward
+        in training mode differs from one in eval mode."""
+        c, tc = self.config, self.transformer_config
+        if c.keep_old_actor:
+            return "keep_old_actor: the old policy is the previous step's weights"
+        if c.routing_replay == "r2":
+            return "routing_replay r2: the old pass records the routing the update replays"
+        if k > 0:
+            return "a topk teacher scores the student's top-k ids before the update"
+        if tc.hidden_dropout or tc.attention_dropout:
+            return "dropout: a forward in training mode is not the old policy's"
+        if tc.moe_input_jitter_eps is not None:
+            return "moe_input_jitter_eps: every MoE forward draws its own noise"
+        if tc.moe_router_load_balancing_type == "sinkhorn":
+            return "sinkhorn routing chooses other experts in training mode"
+        return None
 
     def _inject(self, gpt: torch.nn.Module) -> None:
         """LoRA factors into the fresh model, everything else frozen (before DDP wraps it)."""
@@ -527,18 +565,23 @@ class Trainer:
         else:
             self.snapshots.save("old_actor")
 
-    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
-        num, den, sums = objective.microbatch_loss(mb, self._rows(mb, logits), self.config)
+    def _policy_loss(self, inputs: Callable[[MicroBatch], None] | None, mb: MicroBatch, logits: torch.Tensor):
+        num, den, sums = objective.microbatch_loss(mb, self._rows(mb, logits), self.config, inputs)
         return num, torch.tensor(den, dtype=torch.int, device=logits.device), {"sums": sums}
 
-    def _train(self, mbs: list[MicroBatch]) -> dict[str, float]:
+    def _train(
+        self, mbs: list[MicroBatch], inputs: Callable[[MicroBatch], None] | None = None
+    ) -> dict[str, float]:
+        """One forward/backward over `mbs` and one optimizer step. `inputs`: the old pass is fused,
+        so each micro-batch's old logprobs and per-token inputs (`inputs(mb)`) are filled from its
+        own forward, before its loss."""
         from megatron.core import parallel_state
 
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         with moe.RouterStats(self.gpt) as routers:
-            out = self._run(mbs, self._policy_loss, forward_only=False)
+            out = self._run(mbs, partial(self._policy_loss, inputs), forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if self.lora is None:  # with LoRA the base (all the store holds) did not change
             self.snapshots.mark_live_changed()

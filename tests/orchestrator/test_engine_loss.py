@@ -314,3 +314,47 @@ def test_a_trainer_rank_dying_while_a_rejoin_tells_it_the_engines_is_rebuilt_not
         supervisor.rejoin_engines("the step's start")  # before: RunFailed("telling the trainer failed: ...")
     assert raised.value.component == "trainer"
     assert [b.name for b in cluster.engines] == ["engine-0", "engine-1"] and not cluster.left_out
+
+
+def test_a_trainer_rank_dying_while_told_an_engine_was_left_out_is_rebuilt_not_the_end(monkeypatch):
+    """The same death when no node has room for the dead engine: `Cluster.replace_engine` tells the
+    trainer as a rejoin does (`_tell_trainer_engines`), the engine stays left out (to rejoin later),
+    and the supervisor hands the rank's death to `actor_died`. Ray is monkeypatched: `ray.get`
+    raises what it raises for a dead actor, `ray.kill` has nothing to kill."""
+    import ray
+
+    from palaestra.config import load_config
+    from palaestra.orchestrator.errors import Replaced
+
+    class _NoRoom(Cluster):
+        def node_alive(self, node: str) -> bool:
+            return False
+
+        def _bundle_node(self, options: dict, wait_s: float) -> None:
+            return None
+
+        def sync_router(self) -> None:
+            pass
+
+        def trainer_call(self, method: str, *args, rank0_args=None) -> list:
+            self.told.append(args[0])
+            return ["a call to a dead rank"]
+
+    def dead_rank(refs, **kwargs):
+        raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(ray, "kill", lambda actor: None)
+    monkeypatch.setattr(ray, "get", dead_rank)
+    cluster = _NoRoom(load_config(None, []))
+    cluster.told = []
+    dead = Box("engine-1", None, url="http://n1:1", node="n1")
+    cluster.engines = [Box("engine-0", None, url="http://n0:1", node="n0"), dead]
+    supervisor = Supervisor(cluster, max_restarts=3)
+    with pytest.raises(Replaced) as raised:  # before: RunFailed("telling the trainer failed: ...")
+        supervisor._replace_engine(dead, "training", RuntimeError("node n1 died"))
+    assert raised.value.component == "trainer"
+    assert cluster.told == [["http://n0:1"]]
+    assert [b.name for b in cluster.engines] == ["engine-0"] and cluster.left_out == [dead]
+    engine, trainer = supervisor.faults
+    assert engine.component == "node of engine-1" and "the engines live then: engine-0" in engine.action
+    assert trainer.component == "trainer"

@@ -213,6 +213,29 @@ def test_r3_drops_samples_whose_routing_does_not_fit(models, r3_trainer):
         r3_trainer.step([batch[2]])
 
 
+def test_r3_takes_the_old_logprobs_from_the_update_as_its_own_pass_would_and_r2_cannot(models):
+    """Under r3 the old pass and the update replay the same rollout routing, so the update's forward
+    gives the old logprobs (Trainer.separate_old_pass, tests/trainer/test_old_pass.py): two steps
+    match a trainer that runs the pass apart. r2 records the routing in that pass: it stays apart."""
+    path = models["qwen3_moe"][0]
+    config = TrainerConfig(routing_replay="r3", megatron_optimizer={"lr": 1e-2}, max_tokens_per_microbatch=64)
+    fused, apart = Trainer(config, path), Trainer(config, path)
+    apart.separate_old_pass = lambda k=0: "for comparison"
+    batch = samples(6, seed=9)
+    for i, s in enumerate(batch):
+        s.set_routing(random_routing(s, len(s.tokens), seed=i))
+    for _ in range(2):
+        a, b = fused.step(batch), apart.step(batch)
+        assert (a["perf/old_pass_fused"], b["perf/old_pass_fused"]) == (1.0, 0.0)
+        for key in ("train/loss", "train/grad_norm", "train/ratio_mean", "mismatch/kl", "train/clipfrac"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-6), key
+        wa, wb = fused.megatron_state(), apart.megatron_state()
+        assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
+    assert a["train/grad_norm"] > 0 and a["perf/microbatches"] > 1
+    r2 = Trainer(TrainerConfig(routing_replay="r2"), path)
+    assert "routing_replay r2" in r2.separate_old_pass()
+
+
 def test_r3_takes_the_engines_layout_with_a_row_for_every_layer(models):
     """GLM: one dense layer, then one MoE layer. The engine reports both (the dense one filler);
     the trainer keeps the MoE layer's rows and refuses a third layer."""

@@ -44,13 +44,13 @@ def score(url: str, ids: list[int]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def two_engines(tiny_model_dir):
+def two_engines(engine):
+    """The module's `engine` (tests/conftest.py, which test_bad_group_requests_are_named uses too)
+    and one more: run in one process, the file starts two engines, not three."""
     from palaestra.engine.cli import engine_process
 
-    with engine_process("tiny", extra_args=["--num-threads", "1"]) as a, engine_process(
-        "tiny", extra_args=["--num-threads", "1"]
-    ) as b:  # fmt: skip
-        yield [a.url, b.url]
+    with engine_process("tiny", extra_args=["--num-threads", "1"]) as other:
+        yield [engine.url, other.url]
 
 
 @pytest.mark.slow
@@ -106,10 +106,11 @@ def _alive(proc: subprocess.Popen) -> None:
         raise RuntimeError(f"the fake SGLang server exited with {proc.returncode} before it listened")
 
 
-@pytest.fixture
-def fake_sglang(tmp_path):
-    """TEST DOUBLE of SGLang's weight endpoints with tp_size 2 (see tests/support/fakes/sglang_weights.py)."""
-    port, record = free_port(), tmp_path / "record.jsonl"
+@pytest.fixture(scope="module")
+def fake_sglang(tmp_path_factory):
+    """TEST DOUBLE of SGLang's weight endpoints with tp_size 2 (see tests/support/fakes/sglang_weights.py),
+    one process for the module's tests (it imports torch: seconds each); each reads its own records."""
+    port, record = free_port(), tmp_path_factory.mktemp("fake_sglang") / "record.jsonl"
     assert FAKE.is_file(), f"the fake SGLang server is not at {FAKE}"
     proc = subprocess.Popen([sys.executable, str(FAKE), str(port), str(record), "2"])
     try:
@@ -145,12 +146,13 @@ def test_ipc_mode_needs_cuda_or_shared_files(fake_sglang):
 
 def test_ipc_payload_contract_against_fake_sglang(fake_sglang, file_system_sharing):
     url, record = fake_sglang
+    earlier = len(record.read_text().splitlines()) if record.exists() else 0  # the module's other tests'
     named = [("a.weight", torch.randn(4, 3)), ("b.weight", torch.randn(5)),
              ("c.weight", torch.randn(2, 2).to(torch.bfloat16))]  # fmt: skip
     with WeightSync([url], mode="ipc", bucket_mb=1) as sync:
         report = sync.push(named, "ipc-1")
     assert report.buckets == 2  # float32 and bfloat16 buckets: a flattened bucket has one dtype
-    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    calls = [json.loads(line) for line in record.read_text().splitlines()[earlier:]]
     assert [c["load_format"] for c in calls] == ["flattened_bucket"] * 2
     assert all(c["paused"] for c in calls)  # applied between pause and continue
     assert [c["flush_cache"] for c in calls] == [False, True]  # only the last call flushes
