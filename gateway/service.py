@@ -391,7 +391,13 @@ class GatewayService:
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
             away_s += time.perf_counter() - sent
             markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
-            text = HeldBackText(self._decode, markers, params.stop, hold_space=call.request.tools_on)
+            text = HeldBackText(
+                self._decode,
+                markers,
+                params.stop,
+                hold_space=call.request.tools_on,
+                concatenates=self.renderer.decode_concatenates,
+            )
             ids: list[int] = []
             final: Generation | None = None
             parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
