@@ -77,7 +77,7 @@ class HeldBackText:
     held string's length before it (where one may have begun). Once a held string occurs whole where
     the text is cut, nothing after it can go out, and later pieces cost nothing. Without it, every
     piece decodes all ids (a decoder that strips or joins spaces may change earlier text).
-    tests/gateway/test_streaming_text.py checks both give the text the plain definition gives."""
+    tests/gateway/test_streaming.py checks both give the text the plain definition gives."""
 
     def __init__(
         self,

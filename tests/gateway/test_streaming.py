@@ -1,10 +1,16 @@
-"""The streamed text's holdback decoding only the new ids (`streaming.HeldBackText` with
-`concatenates`) hands out exactly what decoding every id on every piece hands out: the same deltas,
-piece by piece, for random ids (partial and invalid UTF-8, added tokens), markers and stop strings
-split across pieces, with and without held trailing whitespace."""
+"""The streaming path's pieces on their own.
+
+* The streamed text's holdback decoding only the new ids (`streaming.HeldBackText` with
+  `concatenates`) hands out exactly what decoding every id on every piece hands out: the same
+  deltas, piece by piece, for random ids (partial and invalid UTF-8, added tokens), markers and stop
+  strings split across pieces, with and without held trailing whitespace.
+* A stream's one send deadline (`guards._SendDeadline`) ends a send that waits past it, never a
+  stream of quick sends however long, and leaves a cancellation from elsewhere a cancellation.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import types
 
@@ -12,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from palaestra.gateway.guards import _SendDeadline
 from palaestra.gateway.renderer import ChatRenderer, _decode_concatenates
 from palaestra.gateway.streaming import HeldBackText
 
@@ -119,3 +126,51 @@ def test_decoders_that_change_earlier_text_decode_every_id():
     assert not _decode_concatenates(metaspace, plain)  # strips the first word's space
     assert not _decode_concatenates(byte_level, types.SimpleNamespace(clean_up_tokenization_spaces=True))
     assert not _decode_concatenates(None, plain)  # transformers' own decode
+
+
+# -- the send deadline ----------------------------------------------------------------------------
+async def _send(deadline: _SendDeadline, wait_s: float) -> str:
+    """One send through the deadline, as `GuardedStream` makes it: 'sent', or 'timeout'."""
+    deadline.start()
+    try:
+        await asyncio.sleep(wait_s)
+    except asyncio.CancelledError:
+        if deadline.timed_out():
+            return "timeout"
+        raise
+    deadline.deadline = None
+    return "sent"
+
+
+def test_a_send_waiting_past_the_deadline_times_out_and_quick_ones_never_do():
+    async def stream(waits: list[float]) -> list[str]:
+        deadline = _SendDeadline(0.15)
+        try:
+            out = []
+            for wait in waits:
+                out.append(await _send(deadline, wait))
+                if out[-1] == "timeout":
+                    break
+                await asyncio.sleep(0.004)  # the next event being made: no send waits
+            return out
+        finally:
+            deadline.close()
+
+    quick = asyncio.run(stream([0.005] * 40))  # 0.35 s of sends, each well inside the deadline
+    assert quick == ["sent"] * 40
+    late = asyncio.run(stream([0.005, 0.08, 0.1, 0.4, 0.005]))  # the fourth waits past it
+    assert late == ["sent", "sent", "sent", "timeout"]
+
+
+def test_a_cancellation_from_elsewhere_stays_a_cancellation():
+    async def main() -> None:
+        deadline = _SendDeadline(10.0)
+        task = asyncio.current_task()
+        asyncio.get_running_loop().call_later(0.01, task.cancel)  # the client went away
+        try:
+            await _send(deadline, 1.0)
+        finally:
+            deadline.close()
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(main())
