@@ -35,8 +35,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from palaestra.gateway import parse_status, parsers
 from palaestra.gateway.bridge import Plan, RenderGaps, plan_chat
 from palaestra.gateway.config import GatewayConfig
@@ -261,7 +259,7 @@ class GatewayService:
 
     def _plan_chat(self, session: Session, request: TurnRequest, dialect: Dialect[TurnRequest]) -> _ChatCall:
         digests = session.history.of(request.messages)
-        context = orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
+        context = session.parse_memo.context(request.tools, request.template_kwargs)
         context_key = hash(context)
         plan = plan_chat(
             self.renderer,
