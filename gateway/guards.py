@@ -184,6 +184,55 @@ def count_rejection(rejected: Counter, exc: GatewayError) -> None:
         rejected.labels(reason=reason).inc()
 
 
+class _SendDeadline:
+    """The deadline of a stream's send that is waiting, on one timer for the whole stream: what
+    `asyncio.timeout` does per send (the task cancelled when a send waits past `timeout_s`), without a
+    context and a timer per event. Marking a send costs a clock read; the timer, once armed, finds
+    at its time either no send waiting (then the next send arms it), the send it was armed for still
+    waiting (it cancels the task), or a later send (it waits for that one's deadline)."""
+
+    __slots__ = ("loop", "task", "timeout_s", "deadline", "armed_for", "expired", "cancelling", "_timer")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.timeout_s = timeout_s
+        self.deadline: float | None = None  # the waiting send's; None: no send waiting
+        self.armed_for = 0.0
+        self.expired = False
+        self.cancelling = task.cancelling()  # cancellations asked before ours (`asyncio.Timeout`'s rule)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """A send begins."""
+        self.deadline = when = self.loop.time() + self.timeout_s
+        if self._timer is None:
+            self.armed_for = when
+            self._timer = self.loop.call_at(when, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        if self.deadline is None:
+            return
+        if self.deadline <= self.armed_for:
+            self.expired = True
+            self.task.cancel()
+        else:
+            self.armed_for = self.deadline
+            self._timer = self.loop.call_at(self.deadline, self._check)
+
+    def timed_out(self) -> bool:
+        """After a CancelledError: whether it was this deadline's alone (then it is a timeout)."""
+        return self.expired and self.task.uncancel() <= self.cancelling
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class GuardedStream(StreamingResponse):
     """Server-sent events that cannot pin the gateway: a send that waits longer than
     `send_timeout_s` (a client that stopped reading; the socket's buffers are full) ends the
@@ -197,20 +246,25 @@ class GuardedStream(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         finished = False
+        deadline = _SendDeadline(self.send_timeout_s)
         try:
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
+            charset = self.charset
             async for chunk in self.body_iterator:
-                data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+                data = chunk.encode(charset) if isinstance(chunk, str) else chunk
+                deadline.start()
                 try:
-                    async with asyncio.timeout(self.send_timeout_s):
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-                except TimeoutError:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                except asyncio.CancelledError:
+                    if not deadline.timed_out():
+                        raise
                     # Returning without the last body message makes uvicorn close the connection.
                     self.cut.labels(reason="send_timeout").inc()
                     log.warning("a client read nothing for %.0f s: its stream was ended", self.send_timeout_s)
                     return
+                deadline.deadline = None
             finished = True
             # a shaper may end before the core's events do (`streaming.ShapedStream` closes both)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -219,6 +273,7 @@ class GuardedStream(StreamingResponse):
             self.cut.labels(reason="client_disconnected").inc()
             raise
         finally:
+            deadline.close()
             if not finished:
                 with anyio.CancelScope(shield=True):  # cleanup must run inside a cancelled scope
                     await self.body_iterator.aclose()  # type: ignore[attr-defined]

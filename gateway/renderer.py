@@ -237,6 +237,10 @@ class ChatRenderer:
             except ImportError:  # other transformers versions: the public (slower) path
                 self._compiled = None
         self._backend = _fast_backend(tokenizer)
+        self.decode_concatenates = _decode_concatenates(self._backend, tokenizer)
+        """`decode(ids)` is `decode(ids[:p]) + decode(ids[p:])` wherever the first part's text ends
+        on a whole character (no trailing U+FFFD): a byte-level decoder read through the backend.
+        A streamed answer then decodes only its new ids (`streaming.HeldBackText`)."""
         self._specials = {
             k: v
             for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
@@ -292,6 +296,20 @@ class ChatRenderer:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _decode_concatenates(backend: Any, tokenizer: Any) -> bool:
+    """Whether `ChatRenderer.decode` joins at whole characters (its attribute `decode_concatenates`):
+    the backend decodes (no Python clean-up of spaces) with the byte-level decoder alone, which maps
+    each id to its bytes, reads them as UTF-8 and puts an added token's text between runs of them.
+    Decoders that strip a leading space or join word pieces do not."""
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    try:
+        from tokenizers import decoders
+    except ImportError:
+        return False
+    return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
 
 
 def _fast_backend(tokenizer: Any) -> Any:

@@ -35,8 +35,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from palaestra.gateway import parse_status, parsers
 from palaestra.gateway.bridge import Plan, RenderGaps, plan_chat
 from palaestra.gateway.config import GatewayConfig
@@ -261,7 +259,7 @@ class GatewayService:
 
     def _plan_chat(self, session: Session, request: TurnRequest, dialect: Dialect[TurnRequest]) -> _ChatCall:
         digests = session.history.of(request.messages)
-        context = orjson.dumps([request.tools, request.template_kwargs], option=orjson.OPT_SORT_KEYS)
+        context = session.parse_memo.context(request.tools, request.template_kwargs)
         context_key = hash(context)
         plan = plan_chat(
             self.renderer,
@@ -384,53 +382,88 @@ class GatewayService:
         each event spends with the consumer (shaping it and the client reading it, which an
         unstreamed call's answer is not counted for either)."""
         created = int(time.time())
-        params = call.request.params
         engine_s = away_s = 0.0
+        text: HeldBackText | None = None  # what went out while streaming (None: nothing could)
+        final: Generation | None = None
         async with self.turns.admitted(call.session, call.plan.prompt_ids, call.sampling):
             sent = time.perf_counter()
             yield StreamStarted(call.call_id, created, self.model_name, len(call.plan.prompt_ids))
             away_s += time.perf_counter() - sent
-            markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
-            text = HeldBackText(self._decode, markers, params.stop, hold_space=call.request.tools_on)
-            ids: list[int] = []
-            final: Generation | None = None
-            parse_whole = self.reasoning_parser is not None  # reasoning comes first: parsed at the end
-            pieces = self.turns.stream(
-                call.session,
-                call.call_id,
-                call.plan.prompt_ids,
-                call.sampling,
-                params.top_logprobs,
-                routing_start(call.plan.parent),
-            )
-            try:
-                async with contextlib.aclosing(pieces):
+            if self.reasoning_parser is not None:
+                # Reasoning comes first and is parsed at the end: no text goes out before the answer
+                # is whole, so the engine answers it whole (one response, where a stream is a socket
+                # read and a pass through every layer per token). The agent sees the same events.
+                try:
                     asked = time.perf_counter()
-                    async for new_ids, new_lps, end in pieces:
-                        engine_s += time.perf_counter() - asked
-                        ids += new_ids
-                        if end is not None:  # an engine call's last piece: parsed whole below
-                            final = end
-                        elif not parse_whole:
-                            delta = text.advance(ids)
-                            if delta:
-                                lps = (
-                                    self._token_logprobs(new_ids, new_lps, None, 0)
-                                    if params.logprobs
-                                    else None
-                                )
-                                sent = time.perf_counter()
-                                yield TextDelta(delta, lps)
-                                away_s += time.perf_counter() - sent
+                    final = await self._whole_choice(call)
+                    engine_s = time.perf_counter() - asked
+                except GatewayError as exc:  # recorded on the session by the turn core
+                    yield StreamFailed(exc)
+                    return
+            else:
+                params = call.request.params
+                text = self._held_back(call)
+                ids: list[int] = []
+                pieces = self.turns.stream(
+                    call.session,
+                    call.call_id,
+                    call.plan.prompt_ids,
+                    call.sampling,
+                    params.top_logprobs,
+                    routing_start(call.plan.parent),
+                )
+                try:
+                    async with contextlib.aclosing(pieces):
                         asked = time.perf_counter()
-            except GatewayError as exc:  # recorded on the session by the turn core
-                yield StreamFailed(exc)
-                return
+                        async for new_ids, new_lps, end in pieces:
+                            engine_s += time.perf_counter() - asked
+                            ids += new_ids
+                            if end is not None:  # an engine call's last piece: parsed whole below
+                                final = end
+                            else:
+                                delta = text.advance(ids)
+                                if delta:
+                                    lps = (
+                                        self._token_logprobs(new_ids, new_lps, None, 0)
+                                        if params.logprobs
+                                        else None
+                                    )
+                                    sent = time.perf_counter()
+                                    yield TextDelta(delta, lps)
+                                    away_s += time.perf_counter() - sent
+                            asked = time.perf_counter()
+                except GatewayError as exc:  # recorded on the session by the turn core
+                    yield StreamFailed(exc)
+                    return
         assert final is not None
         output = self._chat_output(call, 0, final, engine_s)  # the turn's latency, as unstreamed
         result = self._result(call.call_id, len(call.plan.prompt_ids), [output], created)
         self.metrics.overhead.observe(max(time.perf_counter() - t0 - engine_s - away_s, 0.0))
-        yield StreamFinished(result, text.unsent(output.content or ""))
+        unsent = output.content or ""
+        yield StreamFinished(result, unsent if text is None else text.unsent(unsent))
+
+    async def _whole_choice(self, call: _ChatCall) -> Generation:
+        """The streamed call's one choice from a whole engine call (inside `admitted`)."""
+        gens = await self.turns.generate(
+            call.session,
+            call.call_id,
+            call.plan.prompt_ids,
+            call.sampling,
+            call.request.params.top_logprobs,
+            routing_start(call.plan.parent),
+        )
+        return gens[0]
+
+    def _held_back(self, call: _ChatCall) -> HeldBackText:
+        """What of the streamed text may go out: not tool-call markup, `<think>` or a stop string."""
+        markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
+        return HeldBackText(
+            self._decode,
+            markers,
+            call.request.params.stop,
+            hold_space=call.request.tools_on,
+            concatenates=self.renderer.decode_concatenates,
+        )
 
     def count_tokens(self, session_id: str, body: dict[str, Any], parse: Any) -> int:
         """Prompt tokens of a chat request as a fresh call renders them (`parse`: a dialect's parser)."""

@@ -323,6 +323,20 @@ def _tools(raw: Any, recorder: Recorder) -> list[dict[str, Any]] | None:
     return out or None
 
 
+def _memo_tools(raw: Any, recorder: Recorder, memo: ParseMemo) -> list[dict[str, Any]] | None:
+    """`_tools` through the session's memo: the same tools as the last call's are not converted again
+    (what converting them recorded is recorded again)."""
+
+    def convert(raw: Any) -> tuple[list[dict[str, Any]] | None, list[str]]:
+        own = Recorder()
+        return _tools(raw, own), own.notes
+
+    tools, notes = memo.tools("messages", raw, convert)
+    for note in notes:
+        recorder.note(note)
+    return tools
+
+
 def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None, recorder: Recorder) -> tuple[str, str | None]:
     if raw is None:
         return ("auto" if tools else "none"), None
@@ -423,7 +437,11 @@ def _request(
     body: dict[str, Any], params: GenerationParams, recorder: Recorder, memo: ParseMemo | None = None
 ) -> TurnRequest:
     messages = _history(body.get("system"), body.get("messages"), memo)
-    tools = _tools(body.get("tools"), recorder)
+    tools = (
+        _tools(body.get("tools"), recorder)
+        if memo is None
+        else _memo_tools(body.get("tools"), recorder, memo)
+    )
     tool_choice, named = _tool_choice(body.get("tool_choice"), tools, recorder)
     shaping: dict[str, Any] = {}
     reasoning = _reasoning(body, recorder, shaping)

@@ -150,12 +150,12 @@ def parse_chat(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnReque
     recorder = screen_fields(body, CHAT)
     params = parse_generation(body, True, recorder)
     params.sampling.update(constraints(body, body.get("response_format"), "response_format"))
-    raw = body.get("messages")
+    raw, raw_tools = body.get("messages"), body.get("tools")
     if memo is None or not isinstance(raw, list) or not raw:
         messages = normalize_messages(raw)
     else:
         messages = memo.history("chat", raw, _as_is, 0)
-    tools = normalize_tools(body.get("tools"))
+    tools = normalize_tools(raw_tools) if memo is None else memo.tools("chat", raw_tools, normalize_tools)
     tool_choice = body.get("tool_choice", "auto" if tools else "none")
     named = None
     if isinstance(tool_choice, dict):

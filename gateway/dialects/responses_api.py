@@ -226,6 +226,22 @@ def _tools(raw: Any, recorder: Recorder, aliases: dict[str, Any]) -> list[dict[s
     return out or None
 
 
+def _tools_of(
+    raw: Any, recorder: Recorder, memo: ParseMemo | None
+) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
+    """`_tools` and its aliases, through the session's memo when there is one: the same tools as the
+    last call's are not converted again (what converting them recorded is recorded again)."""
+
+    def convert(raw: Any) -> tuple[list[dict[str, Any]] | None, dict[str, Any], list[str]]:
+        own, aliases = Recorder(), {}
+        return _tools(raw, own, aliases), aliases, own.notes
+
+    tools, aliases, notes = convert(raw) if memo is None else memo.tools("responses", raw, convert)
+    for note in notes:
+        recorder.note(note)
+    return tools, dict(aliases)
+
+
 def _tool_choice(raw: Any, tools: list[dict[str, Any]] | None, recorder: Recorder) -> tuple[str, str | None]:
     if raw is None:
         return ("auto" if tools else "none"), None
@@ -378,8 +394,7 @@ def parse(body: dict[str, Any], memo: ParseMemo | None = None) -> TurnRequest:
     if previous is not None and not isinstance(previous, str):
         raise GatewayError("'previous_response_id' must be a string", param="previous_response_id")
     messages = _history(preamble, body.get("input"), memo)
-    aliases: dict[str, Any] = {}
-    tools = _tools(body.get("tools"), recorder, aliases)
+    tools, aliases = _tools_of(body.get("tools"), recorder, memo)
     tool_choice, named = _tool_choice(body.get("tool_choice"), tools, recorder)
     store = body.get("store", True)
     if not isinstance(store, bool):

@@ -427,3 +427,41 @@ def test_replies_sent_back_are_the_recorded_message(out):
     )
     assert back.messages[-1] == expected
     assert isinstance(request, TurnRequest)
+
+
+def test_with_a_reasoning_parser_a_streamed_call_is_answered_whole_by_the_engine(tok, tmp_path):
+    """Reasoning is parsed at the end, so no text can go out before the answer is whole: the engine
+    is asked for the whole answer (no stream of one chunk per token), and each SDK's stream carries
+    the same reasoning and text as the unstreamed answer; an engine failure is the stream's error."""
+    from tests.support.servers import ScriptedEngine, TextScript, ThreadServer, gateway_server
+
+    script = TextScript(tok)
+    engine = ScriptedEngine(script, stop_ids={script.end})
+    with (
+        ThreadServer(engine.app()) as eng,
+        gateway_server(eng.url, tmp_path / "spool", tok, reasoning_parser="qwen3") as gw,
+    ):
+        s = new_session(gw)
+        msgs = [{"role": "user", "content": "hi"}]
+        script.queue += ["<think>\nhmm\n</think>\n\nFine."] * 4
+        oa = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+        whole = oa.chat.completions.create(model="tiny", messages=msgs, max_tokens=32).choices[0].message
+        chunks = list(oa.chat.completions.create(model="tiny", messages=msgs, max_tokens=32, stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.content == "Fine."
+        an = anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="k-test")
+        with an.messages.stream(model="tiny", messages=msgs, max_tokens=32) as stream:
+            blocks = stream.get_final_message().content
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in blocks] == [
+            ("thinking", "hmm"),
+            ("text", "Fine."),
+        ]
+        assert [bool(e.body.get("stream")) for e in engine.exchanges] == [False, False, False]
+        engine.fail_next = 3  # every attempt refused: the stream ends with the engine's error
+        r = httpx.post(
+            f"{s['base_url']}/messages",
+            json={"messages": msgs, "max_tokens": 8, "stream": True},
+            headers={"x-api-key": "k-test"},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.text.rstrip().splitlines()[-2] == "event: error", r.text

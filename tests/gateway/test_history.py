@@ -138,3 +138,74 @@ def test_the_repeated_history_is_reused_not_converted_again(dialect):
     before = parse(_fresh(body_of(history[:-2])), memo).messages  # ends closed: a tool result
     after = parse(_fresh(body_of(history)), memo).messages
     assert all(a is b for a, b in zip(before[1:], after[1 : len(before)], strict=True))
+
+
+# -- the tools: converted once while the same ones come back -----------------------------------------
+_SCHEMA = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 1}}}
+TOOLS = {
+    "chat": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": _SCHEMA}}],
+    "responses": [
+        {"type": "function", "name": "f", "description": "d", "parameters": _SCHEMA, "strict": True},
+        {"type": "web_search"},  # hosted: recorded
+    ],
+    "messages": [
+        {"name": "f", "description": "d", "input_schema": _SCHEMA, "defer_loading": True},  # recorded
+        {"type": "web_search_20250305", "name": "web_search"},  # a server tool: recorded
+    ],
+}
+
+
+def _request(dialect: str, tools: list[dict[str, Any]], memo: ParseMemo | None) -> Any:
+    parse, body_of, history = CASES[dialect]
+    return parse(_fresh({**body_of(history), "tools": tools}), memo)
+
+
+@pytest.mark.parametrize("dialect", list(CASES))
+def test_the_same_tools_again_are_not_converted_again_and_come_out_as_from_scratch(dialect):
+    memo = ParseMemo()
+    first = _request(dialect, TOOLS[dialect], memo)
+    again = _request(dialect, TOOLS[dialect], memo)
+    plain = _request(dialect, TOOLS[dialect], None)
+    assert again.tools is first.tools  # the memo's: not converted again
+    for request in (first, again):
+        assert request.tools == plain.tools
+        assert request.ignored == plain.ignored  # what converting them recorded, recorded again
+        assert request.shaping == plain.shaping  # Responses: each rendered name's tool
+    assert bool(plain.ignored) is (dialect != "chat")  # (chat's tools record nothing)
+    if dialect == "responses":  # the answer's own map of names, not the memo's
+        assert again.shaping["tools"] is not first.shaping["tools"]
+
+
+@pytest.mark.parametrize("dialect", list(CASES))
+def test_tools_that_differ_in_a_byte_are_converted_again(dialect):
+    memo = ParseMemo()
+    first = _request(dialect, TOOLS[dialect], memo)
+    edited = copy.deepcopy(TOOLS[dialect])
+    schema = edited[0].get("function", edited[0]).get("parameters") or edited[0]["input_schema"]
+    schema["properties"]["x"]["minimum"] = 1.0  # == 1 in Python; the template prints 1.0
+    again = _request(dialect, edited, memo)
+    assert again.tools is not first.tools and again.tools == _request(dialect, edited, None).tools
+    assert b"1.0" in orjson.dumps(again.tools)
+
+
+@pytest.mark.parametrize("dialect", list(CASES))
+def test_bad_tools_are_refused_as_without_the_memo_and_not_kept(dialect):
+    memo = ParseMemo()
+    _request(dialect, TOOLS[dialect], memo)
+    bad = [{"type": "function"}] if dialect != "messages" else [{"description": "no name"}]
+    with pytest.raises(GatewayError) as plain:
+        _request(dialect, bad, None)
+    for _ in range(2):
+        with pytest.raises(GatewayError) as memoised:
+            _request(dialect, bad, memo)
+        assert memoised.value.message == plain.value.message
+
+
+def test_the_context_is_the_tools_and_template_arguments_json_with_sorted_keys():
+    memo = ParseMemo()
+    tools = _request("messages", TOOLS["messages"], memo).tools
+    for kwargs in (None, {"enable_thinking": False, "a": [1, 2.0]}):
+        expected = orjson.dumps([tools, kwargs], option=orjson.OPT_SORT_KEYS)
+        assert memo.context(tools, kwargs) == expected
+        assert memo.context(tools, kwargs) == expected  # the tools' JSON kept
+    assert memo.context(None, None) == b"[null,null]"
