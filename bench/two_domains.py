@@ -2,8 +2,12 @@
 
     .venv/bin/python -m bench.two_domains                        # 3 arms x 40 steps, eval every 20
     .venv/bin/python -m bench.two_domains --steps 60 --eval-tasks 400
+    .venv/bin/python -m bench.two_domains --student demo-mixed-student   # the earlier, weaker student
+    .venv/bin/python -m bench.two_domains run.seed=1 --json s1.json        # one seed per run, then:
+    .venv/bin/python -m bench.two_domains --load s0.json s1.json s2.json   # the seeds' table, paired
 
-The student (`demo-mixed-student`: tiny after 300 SFT steps on both kinds in turn) learns two
+The student (`demo-mixed-student-rl`: tiny after 800 SFT steps of three worked-steps tasks to one
+sum, about 0.5 / 0.27 greedy on the two kinds, so RL has reward variance on both) learns two
 math task kinds in one run: `arithmetic` ("What is 3 + 4?", answered ``\\boxed{7}``) and
 `worked_steps` ("Start with 7, add 5, multiply by 3, ... Show each step.", answered one line per
 step, 23-29 tokens). Each kind has its own warm-started teacher: `demo-teacher` (SFT on sums)
@@ -27,6 +31,7 @@ only teacher is the other kind's.
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -51,8 +56,8 @@ ARMS = {
     "sums-teacher": [_panel({"default": TEACHERS["arithmetic"]})],
     "steps-teacher": [_panel({"default": TEACHERS["worked_steps"]})],
 }
+STUDENT = "demo-mixed-student-rl"
 COMMON = [
-    "model.student=demo-mixed-student",
     "model.teacher=null",
     "trainer.opd.teacher_mode=null",
     "env.args.kinds=[arithmetic,worked_steps]",
@@ -68,6 +73,56 @@ def _se(acc: float, n: int) -> float:
 
 def _pm(acc: float, n: int) -> str:
     return f"{acc:.3f} ± {_se(acc, n):.3f}"
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean over runs (0 for one run)."""
+    m = statistics.fmean(values)
+    return m, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0)
+
+
+def _last(runs: list[dict], arm: str, kind: str | None = None) -> list[float]:
+    """Each run's accuracy after its last step on `kind` (None: the two kinds' mean)."""
+    kinds = KINDS if kind is None else (kind,)
+    return [statistics.fmean(r["arms"][arm][-1][f"eval/accuracy/{k}"] for k in kinds) for r in runs]
+
+
+SPECIALIST = {"arithmetic": "sums-teacher", "worked_steps": "steps-teacher"}
+
+
+def summarize(runs: list[dict], names: list[str]) -> str:
+    """The table over runs (one per seed: `--json` files): each arm's start and last accuracy per
+    kind, run by run and mean ± standard error over runs, and the panel paired by run against each
+    specialist on its own kind and against every single teacher on the two-kind mean."""
+    arms = [a for a in ARMS if all(a in r["arms"] for r in runs)]
+    lines = [f"== two domains over {len(runs)} runs ({', '.join(names)}): accuracy after the last step, "
+             "run by run (mean ± standard error over runs)"]  # fmt: skip
+
+    def cell(values: list[float]) -> str:
+        m, se = mean_se(values)
+        return " / ".join(f"{v:.3f}" for v in values) + f" ({m:.3f} ± {se:.3f})"
+
+    for arm in arms:
+        start = " / ".join(
+            f"{statistics.fmean(r['arms'][arm][0][f'eval/accuracy/{k}'] for r in runs):.3f}" for k in KINDS
+        )
+        parts = [f"{k} {cell(_last(runs, arm, k))}" for k in KINDS]
+        lines.append(f"{arm:14s} start {start}; " + "; ".join(parts) + f"; mean {cell(_last(runs, arm))}")
+    if "panel" in arms:
+        lines.append("paired by run, panel minus the other arm (mean ± standard error over runs):")
+        for kind, rival in SPECIALIST.items():
+            if rival in arms:
+                diff = [
+                    p - r for p, r in zip(_last(runs, "panel", kind), _last(runs, rival, kind), strict=True)
+                ]
+                m, se = mean_se(diff)
+                lines.append(f"  {kind}, against its specialist {rival}: {m:+.3f} ± {se:.3f}")
+        for rival in SPECIALIST.values():
+            if rival in arms:
+                diff = [p - r for p, r in zip(_last(runs, "panel"), _last(runs, rival), strict=True)]
+                m, se = mean_se(diff)
+                lines.append(f"  two-kind mean, against {rival} alone: {m:+.3f} ± {se:.3f}")
+    return "\n".join(lines)
 
 
 def run(name: str, out: Path, overrides: list[str]) -> tuple[list[dict[str, float]], float]:
@@ -88,14 +143,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--eval-tasks", type=int, default=200, help="held-out tasks, both kinds (default: %(default)s)"
     )
+    ap.add_argument(
+        "--student", default=STUDENT, help="the student preset or directory (default: %(default)s)"
+    )
     ap.add_argument("--json", default=None, help="also write the curves to this file")
+    ap.add_argument(
+        "--load",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print the table over earlier runs' --json files",
+    )
     ap.add_argument("overrides", nargs="*", help="more dotted config overrides for every arm")
     args = ap.parse_args(argv)  # fmt: skip
+    if args.load:
+        try:
+            runs = [json.loads(Path(f).read_text()) for f in args.load]
+        except (OSError, ValueError) as e:
+            ap.error(f"--load: {e}")
+        print(summarize(runs, [Path(f).name for f in args.load]))
+        return 0
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    shared = [*COMMON, f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
+    shared = [*COMMON, f"model.student={args.student}", f"run.steps={args.steps}", f"env.eval_every={args.eval_every}",
               f"env.eval_tasks={args.eval_tasks}", *args.overrides]  # fmt: skip
     results: dict[str, tuple[list[dict[str, float]], float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-two-domains-") as tmp:
@@ -148,7 +220,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"teachers": teachers, "arms": {a: r for a, (r, _) in results.items()}}, indent=1)
+            json.dumps(
+                {
+                    "student": args.student,
+                    "overrides": args.overrides,
+                    "teachers": teachers,
+                    "arms": {a: r for a, (r, _) in results.items()},
+                    "wall_s": {a: w for a, (_, w) in results.items()},
+                },
+                indent=1,
+            )
         )
     return 0
 

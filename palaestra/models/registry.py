@@ -91,7 +91,12 @@ PRESETS: dict[str, Preset] = {
         "built with the teacher)",
     ),
     "demo-mixed-student": Preset(
-        _WARM_START, "tiny after 300 SFT steps on sums and worked_steps in turn (the two-domain student)"
+        _WARM_START, "tiny after 300 SFT steps on sums and worked_steps in turn (~11% / 4% greedy)"
+    ),
+    "demo-mixed-student-rl": Preset(
+        _WARM_START,
+        "tiny after 800 SFT steps of 3 worked_steps tasks to 1 sum (~52% / 27% greedy: the two-domain "
+        "student RL can move on both kinds; ~7 min to build)",
     ),
 }
 

@@ -117,7 +117,7 @@ def test_demo_presets_build_teacher_and_student_in_one_run(tmp_path, monkeypatch
     assert {"demo-teacher", "demo-student"} <= set(PRESETS)
     small = {
         k: warmstart.SFTRecipe(**{**asdict(r), "steps": n})
-        for (k, r), n in zip(warmstart.RECIPES.items(), (4, 2, 4, 2, 2, 4, 2, 3), strict=True)
+        for (k, r), n in zip(warmstart.RECIPES.items(), (4, 2, 4, 2, 2, 4, 2, 3, 2), strict=True)
     }
     monkeypatch.setattr(warmstart, "RECIPES", small)
     student = resolve_model("demo-student", cache_dir=tmp_path)
