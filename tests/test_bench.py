@@ -9,6 +9,8 @@ import types
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from bench import common
 from bench.__main__ import benchmarks
 
@@ -283,3 +285,61 @@ def test_the_chaos_soak_counts_every_failed_episode_from_the_spool_by_what_becam
         "sandbox_error": Counter({"failed": 1, "runner_died": 1}),
         "error": Counter({"failed": 1, "trainer_restart": 1}),
     }
+
+
+class _FlakyStart:
+    """Test double for a run's start: raises each of `errors` in turn (None: the run trains a step,
+    calling `hook` when one is given, then raises nothing), then returns "ran"."""
+
+    def __init__(self, *errors: Exception | None):
+        self.errors, self.calls = list(errors), 0
+
+    def __call__(self, cfg=None, hook=None):
+        self.calls += 1
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None and "after a step" in str(error) and hook is not None:
+            hook("step", 0, None)  # the run got past its start before it failed
+        if error is not None:
+            raise error
+        return "ran"
+
+
+_NODE_TIMEOUT = (
+    "The current node timed out during startup. This could happen because some of the raylet failed "
+    "to startup or the GCS has become overloaded."
+)
+
+
+def test_a_bench_starts_a_run_again_only_when_ray_itself_did_not_start(capsys):
+    start = _FlakyStart(Exception(_NODE_TIMEOUT))
+    assert common.retry_ray_start(start, "run grpo-s0") == "ran" and start.calls == 2
+    note = capsys.readouterr().err.strip()
+    assert (
+        note == f"run grpo-s0: Ray did not start (Exception: {_NODE_TIMEOUT}); starting it again (try 2 of 3)"
+    )
+    start = _FlakyStart(*[Exception(_NODE_TIMEOUT)] * 3)  # three times: the last failure is raised
+    with pytest.raises(Exception, match="timed out during startup"):
+        common.retry_ray_start(start, "run")
+    assert start.calls == 3 and capsys.readouterr().err.count("starting it again") == 2
+    start = _FlakyStart(RuntimeError("the trainer died at step 3"))  # a failure inside training: once
+    with pytest.raises(RuntimeError, match="trainer died"):
+        common.retry_ray_start(start, "run")
+    assert start.calls == 1
+    start = _FlakyStart(Exception(_NODE_TIMEOUT))  # the same words once the run began: not its start
+    with pytest.raises(Exception, match="timed out"):
+        common.retry_ray_start(start, "run", began=lambda: True)
+    assert start.calls == 1 and "again" not in capsys.readouterr().err
+
+
+def test_a_bench_run_that_stepped_is_never_started_again(monkeypatch, tmp_path):
+    """train_config's run: retried when Ray's start failed before any step, not after one."""
+    calls = []
+    start = _FlakyStart(Exception(_NODE_TIMEOUT))
+    monkeypatch.setattr(common, "train", start)
+    assert common.train_demo(tmp_path, "t", [], hook=lambda *a: calls.append(a[0])) == "ran"
+    assert start.calls == 2
+    start = _FlakyStart(Exception(f"{_NODE_TIMEOUT} (after a step)"))
+    monkeypatch.setattr(common, "train", start)
+    with pytest.raises(Exception, match="after a step"):
+        common.train_demo(tmp_path, "t", [], hook=lambda *a: calls.append(a[0]))
+    assert start.calls == 1 and calls == ["step"]  # the bench's own hook still saw the phase
