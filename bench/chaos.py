@@ -446,14 +446,8 @@ def ray_nodes():
     ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the variable was set
     head = {"num_cpus": 4, "resources": {HEAD: 1, SLOT: 1}, "include_dashboard": False,
             "node_ip_address": "127.0.0.1", "object_store_memory": 512 * 1024 * 1024}  # fmt: skip
-    for attempt in range(3):  # a loaded machine's GCS may miss Ray's start-up deadline: again
-        try:
-            nodes = Cluster(initialize_head=True, head_node_args=head)
-            break
-        except Exception as exc:  # noqa: BLE001 (Ray raises a bare Exception for it)
-            if attempt == 2:
-                raise
-            print(f"the Ray head did not start ({exc}); trying again", flush=True)
+    # a loaded machine's GCS or raylet may miss Ray's start-up deadline: again, that failure only
+    nodes = common.retry_ray_start(lambda: Cluster(initialize_head=True, head_node_args=head), "the Ray head")
     nodes.add_node(**WORKER_NODE)
     nodes.wait_for_nodes()
     return nodes

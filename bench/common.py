@@ -1,4 +1,5 @@
-"""What the benchmarks share: their command line, one `palaestra train` run of a config, its metrics
+"""What the benchmarks share: their command line, one `palaestra train` run of a config (started
+again when Ray's own node fails to start: `retry_ray_start`), its metrics
 rows, and a side-by-side table.
 
 Benchmarks are run from the repository root as modules, `.venv/bin/python -m bench.NAME`, so
@@ -10,9 +11,10 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from palaestra.config import load_config
 from palaestra.orchestrator.loop import Hook, RunResult
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
 MODES = ("sync", "one_step_off", "async")
+T = TypeVar("T")
 
 
 # -- a gateway bench on the zero-work engine -----------------------------------------------------
@@ -121,7 +124,50 @@ def train_config(
     in the rows that carry `eval/accuracy` (step 0: before training). `hook`: `train`'s."""
     settings = [f"run.output_dir={out}", f"run.name=bench-{name}", "run.checkpoint_every=0",
                 "logging.tensorboard_dir=null"]  # fmt: skip
-    return train(load_config(config, [*settings, *overrides]), hook=hook)
+    cfg = load_config(config, [*settings, *overrides])
+    stepped = False  # once a step began, no failure is Ray's start any more
+
+    def seen(phase: str, step: int, run: Any) -> None:
+        nonlocal stepped
+        stepped = True
+        if hook is not None:
+            hook(phase, step, run)
+
+    return retry_ray_start(lambda: train(cfg, hook=seen), f"run {name}", began=lambda: stepped)
+
+
+# What Ray raises when its own node does not come up in time (ray.init and ray.cluster_utils on a
+# loaded machine: the raylet or the GCS missing Ray's start-up deadline); nothing a run does.
+RAY_START_FAILURES = (
+    "timed out during startup",  # the raylet did not register with the GCS within Ray's 30 s
+    "while waiting for node to startup",
+    "may not have started successfully",  # the head's GCS or raylet
+    "Failed to start GCS",
+)
+
+
+def ray_start_failed(exc: BaseException) -> bool:
+    """Whether `exc` is Ray failing to start its local node (`RAY_START_FAILURES`)."""
+    return any(part in str(exc) for part in RAY_START_FAILURES)
+
+
+def retry_ray_start(
+    start: Callable[[], T], what: str, tries: int = 3, began: Callable[[], bool] | None = None
+) -> T:
+    """`start()` (a run, or a Ray cluster), started again when Ray failed to start its node, with
+    a one-line note on stderr naming the error, at most `tries` times in all. Any other failure,
+    or one after `began()` says the run got past its start (a step ran), is raised as it is."""
+    attempt = 1
+    while True:
+        try:
+            return start()
+        except Exception as exc:  # noqa: BLE001 (Ray raises a bare Exception for its start-up timeout)
+            if attempt >= tries or (began is not None and began()) or not ray_start_failed(exc):
+                raise
+            attempt += 1
+            first = str(exc).strip().splitlines()[0]
+            print(f"{what}: Ray did not start ({type(exc).__name__}: {first}); starting it again "
+                  f"(try {attempt} of {tries})", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def train_demo(out: Path, name: str, overrides: Sequence[str], hook: Hook | None = None) -> RunResult:

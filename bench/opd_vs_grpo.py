@@ -45,8 +45,10 @@ standard error over its seeds at each evaluation) and reverse-KL curves, the fir
 at target with the samples generated (dynamic sampling's dropped groups included:
 `rollout/samples_generated`) and trained up to it and the seconds (the training steps' wall time up
 to it, evaluations excluded), each arm's ratio of generated samples to the RL baseline's (`grpo-ds`,
-else `grpo`) with its spread over seeds (a bound when the baseline misses the target within the
-budget), and where a step's time goes (generation, teacher scoring, update, weight sync). `--png`
+else `grpo`) with its spread over the seeds that reached it, and where a seed missed it
+the ratio with each missed seed counted at its budget (samples and seconds to the end of its run: an
+upper bound when only baseline seeds missed), and where a step's time goes (generation; the old,
+reference and advantage passes; teacher scoring; update; weight sync). `--png`
 draws held-out accuracy against samples generated, one line per arm with its seeds' band, the
 teacher's level as a line (`make demo-opd`).
 """
@@ -89,9 +91,11 @@ TASKS = {
 # Where a step's time goes: the step's own timings (orchestrator and trainer), seconds per step.
 PROFILE = (
     ("generate", "perf/gen_s"),  # the rollouts, through gateway, router and engines
-    # the student's pre-update logprobs when they need a pass of their own (top-k ids: opd-topk;
-    # else the update's forward gives them: Trainer.separate_old_pass), the reference's, advantages
-    ("old pass", "perf/score_s"),
+    # Trainer.step's perf/score_s: the student's pre-update logprobs when they need a pass of their
+    # own (top-k ids: opd-topk; else the update's forward gives them: Trainer.separate_old_pass),
+    # the reference's logprobs (trainer.kl.coef > 0), the advantages with their per-token inputs and
+    # keep_old_actor's copy of the weights
+    ("old+ref+adv", "perf/score_s"),
     ("teacher", "perf/teacher_s"),  # teacher scoring at the arm's granularity
     ("update", "perf/update_s"),  # forward + backward + optimizer
     ("sync", "perf/sync_s"),  # weights to the engines
@@ -208,31 +212,64 @@ def per_arm(text: str, arms: list[str], what: str, cast=int) -> dict[str, object
     return out
 
 
+@dataclass(frozen=True)
+class Cost:
+    """One seed's samples generated and training seconds to the target: up to its first evaluation
+    at or above it, or (`reached` False) up to the end of its run, its budget, which the seed's
+    real cost is above."""
+
+    samples: float
+    seconds: float
+    reached: bool
+
+    @classmethod
+    def of(cls, run: Arm, target: float) -> Cost:
+        step = run.reached(target)
+        end = step if step is not None else run.curve[-1][0]
+        return cls(run.samples_to(end), run.seconds_to(end), step is not None)
+
+
+def budget_bound(costs: list[Cost], base_costs: list[Cost]) -> str:
+    """The ratio of the means with every missed seed counted at its budget, per measure: an upper
+    bound when only the baseline missed seeds (its real mean is higher), a lower bound when only
+    the arm did; "" when every seed reached the target. Leaving a missed baseline seed out of the
+    mean instead would make the baseline look faster than it is."""
+    missed, base_missed = sum(not c.reached for c in costs), sum(not c.reached for c in base_costs)
+    if not missed and not base_missed:
+        return ""
+    sign = ">=" if not base_missed else "<=" if not missed else "~"
+    parts = []
+    for what in ("samples", "seconds"):
+        num = statistics.fmean(getattr(c, what) for c in costs)
+        den = statistics.fmean(getattr(c, what) for c in base_costs)
+        bound = f"{num / den:.3f}" if den > 0 else "inf"
+        parts.append(
+            f"{what}: ratio {sign} {bound} counting {missed + base_missed} missed seed(s) at their budget"
+        )
+    caveat = " (no bound: both sides missed seeds)" if missed and base_missed else ""
+    return "; " + "; ".join(parts) + caveat
+
+
 def ratio_line(arm: str, runs: list[Arm], base: str, base_runs: list[Arm], target: float) -> str:
-    """Samples generated and seconds to target against the baseline's: the ratio of the means and
-    its spread (the lowest and highest ratio over every pair of seeds), or a bound."""
-
-    def ends(rs: list[Arm]) -> tuple[list[float], list[float], float, float]:
-        got = [(r.samples_to(s), r.seconds_to(s)) for r in rs if (s := r.reached(target)) is not None]
-        last = max(r.curve[-1][0] for r in rs)
-        budget = max(r.samples_to(last) for r in rs), max(r.seconds_to(last) for r in rs)
-        return [g[0] for g in got], [g[1] for g in got], *budget
-
-    a_n, a_s, _, _ = ends(runs)
-    b_n, b_s, b_budget_n, b_budget_s = ends(base_runs)
+    """Samples generated and seconds to target against the baseline's: the ratio of the means of
+    the seeds that reached it and its spread (the lowest and highest ratio over every pair of
+    seeds), and where a seed missed it, the ratio with each missed seed counted at its budget."""
+    costs = [Cost.of(r, target) for r in runs]
+    base_costs = [Cost.of(r, target) for r in base_runs]
+    a_n, a_s = [c.samples for c in costs if c.reached], [c.seconds for c in costs if c.reached]
+    b_n, b_s = [c.samples for c in base_costs if c.reached], [c.seconds for c in base_costs if c.reached]
     reach = f"{len(a_n)}/{len(runs)} seeds vs {len(b_n)}/{len(base_runs)}"
+    bound = budget_bound(costs, base_costs)
     if not a_n:
-        return f"{arm:9s} not reached ({reach})"
+        return f"{arm:9s} not reached ({reach}){bound}"
     if not b_n:
-        return (f"{arm:9s} samples {_pm(a_n, '.0f')} / {base} not reached within {b_budget_n:.0f} = below "
-                f"{statistics.fmean(a_n) / b_budget_n:.3f}; seconds below {statistics.fmean(a_s) / b_budget_s:.3f} "
-                f"({reach})")  # fmt: skip
+        return f"{arm:9s} samples {_pm(a_n, '.0f')}, seconds {_pm(a_s, '.0f')}; {base} not reached ({reach}){bound}"
     pairs = [x / y for x in a_n for y in b_n]
     return (f"{arm:9s} samples {_pm(a_n, '.0f')} / {_pm(b_n, '.0f')} = {statistics.fmean(a_n) / statistics.fmean(b_n):.3f} "
             f"(pairs {min(pairs):.3f}-{max(pairs):.3f}); seconds {_pm(a_s, '.0f')} / {_pm(b_s, '.0f')} = "
             f"{statistics.fmean(a_s) / statistics.fmean(b_s):.3f} ({reach}"
-            + ("; seeds that missed it are left out" if len(a_n) < len(runs) or len(b_n) < len(base_runs) else "")
-            + ")")  # fmt: skip
+            + ("; seeds that missed it are left out" if bound else "")
+            + ")" + bound)  # fmt: skip
 
 
 def plot(path: Path, results: dict[str, list[Arm]], teacher_acc: float, target: float, title: str) -> None:
@@ -424,13 +461,13 @@ def main(argv: list[str] | None = None) -> int:
             if arm != base:
                 print(ratio_line(arm, runs, base, results[base], target))
     print("\nseconds per step (mean over the run, seed 0)")
-    print(f"{'':9s} " + " ".join(f"{name:>9s}" for name, _ in PROFILE) + f" {'eval+start':>10s}")
+    print(f"{'':9s} " + " ".join(f"{name:>11s}" for name, _ in PROFILE) + f" {'eval+start':>10s}")
     for arm, runs in results.items():
         r = runs[0]
         steps = r.curve[-1][0]
         cells = [r.window_mean(key, 0, steps) for _, key in PROFILE]
         other = r.wall - r.seconds_to(steps)  # start-up, evaluations, shutdown
-        print(f"{arm:9s} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>9s}" for c in cells)
+        print(f"{arm:9s} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>11s}" for c in cells)
               + f" {other:10.0f}")  # fmt: skip
     if args.png:
         plot(Path(args.png), results, teacher_acc, target,

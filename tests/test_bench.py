@@ -9,6 +9,8 @@ import types
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from bench import common
 from bench.__main__ import benchmarks
 
@@ -130,7 +132,7 @@ def test_opd_vs_grpo_counts_generated_samples_to_target_and_gives_the_ratio_with
     line = ratio_line("opd-full", opd, "grpo-ds", grpo, 0.5)
     assert "= 0.182 (pairs 0.111-0.500)" in line and "(1/1 seeds vs 2/2" in line
     missed = ratio_line("opd-full", opd, "grpo-ds", [_opd_run([0.3, 0.3], 8.0)], 0.5)
-    assert "not reached within 8 = below 1.000" in missed  # a bound when the baseline misses
+    assert "grpo-ds not reached (1/1 seeds vs 0/1); samples: ratio <= 1.000 counting 1 missed" in missed
     old = _opd_run([0.3, 0.5], 8.0)  # rows of a run before dynamic sampling's counts: steps x samples
     del old.rows[1]["rollout/samples_generated"]
     assert old.samples_to(1) == 8.0
@@ -143,6 +145,28 @@ def test_opd_vs_grpo_counts_generated_samples_to_target_and_gives_the_ratio_with
     assert lr_label([lr1, lr3]) == "lr 0.0001/0.0003"
     assert lr_label([_opd_run([0.3, 0.5], 8.0)]) == "lr: the config's"  # rows without train/lr
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_opd_vs_grpo_counts_a_missed_seed_at_its_budget_for_a_bound_on_the_ratio():
+    from bench.opd_vs_grpo import ratio_line
+
+    # the baseline: seed 0 at the target at step 2 (32 samples, 4 s), seed 1 never within 3 steps
+    # (its budget: 48 samples, 6 s); the arm reaches it at step 1 (8 samples, 2 s)
+    base = [_opd_run([0.3, 0.4, 0.5], 16.0), _opd_run([0.3, 0.4, 0.4, 0.4], 16.0)]
+    arm = [_opd_run([0.3, 0.5], 8.0)]
+    line = ratio_line("opd-full", arm, "grpo-ds", base, 0.5)
+    assert "samples 8 / 32 = 0.250" in line and "seconds 2 / 4 = 0.500" in line  # the reached seed alone
+    assert "seeds that missed it are left out" in line
+    # 8 / mean(32, 48) and 2 / mean(4, 6): the missed seed would have cost more than its budget
+    assert "samples: ratio <= 0.200 counting 1 missed seed(s) at their budget" in line
+    assert "seconds: ratio <= 0.400 counting 1 missed seed(s) at their budget" in line
+    # the arm's own missed seed makes it a lower bound; both sides missing: no bound either way
+    slow = [_opd_run([0.3, 0.5], 8.0), _opd_run([0.3, 0.4, 0.4, 0.4, 0.4], 8.0)]  # 8 and 32 samples
+    low = ratio_line("opd", slow, "grpo-ds", base[:1], 0.5)
+    assert "samples: ratio >= 0.625 counting 1 missed seed(s)" in low  # mean(8, 32) / 32
+    both = ratio_line("opd", slow, "grpo-ds", base, 0.5)
+    assert "samples: ratio ~ 0.500 counting 2 missed seed(s)" in both and "(no bound: both sides" in both
+    assert "missed" not in ratio_line("opd", arm, "grpo-ds", base[:1], 0.5)  # every seed reached it
 
 
 def test_opd_vs_grpo_reports_and_draws_earlier_runs_without_running_any(tmp_path, capsys):
@@ -159,6 +183,8 @@ def test_opd_vs_grpo_reports_and_draws_earlier_runs_without_running_any(tmp_path
     assert "grpo-ds   2 seed(s), lr 0.0003;" in out and "0:0.300±0.000 1:0.400±0.000 2:0.500±0.000" in out
     assert "opd-full  1 seed(s), lr 0.001;" in out  # each arm's own, read back from its rows
     assert "opd-full  samples 8 / 32±0 = 0.250 (pairs 0.250-0.250)" in out  # 1 step of 8 vs 2 of 16
+    # perf/score_s times the old pass (when apart), the reference pass and the advantages
+    assert "old+ref+adv" in out and "old pass" not in out
     assert png.stat().st_size > 0
 
 
@@ -259,3 +285,61 @@ def test_the_chaos_soak_counts_every_failed_episode_from_the_spool_by_what_becam
         "sandbox_error": Counter({"failed": 1, "runner_died": 1}),
         "error": Counter({"failed": 1, "trainer_restart": 1}),
     }
+
+
+class _FlakyStart:
+    """Test double for a run's start: raises each of `errors` in turn (None: the run trains a step,
+    calling `hook` when one is given, then raises nothing), then returns "ran"."""
+
+    def __init__(self, *errors: Exception | None):
+        self.errors, self.calls = list(errors), 0
+
+    def __call__(self, cfg=None, hook=None):
+        self.calls += 1
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None and "after a step" in str(error) and hook is not None:
+            hook("step", 0, None)  # the run got past its start before it failed
+        if error is not None:
+            raise error
+        return "ran"
+
+
+_NODE_TIMEOUT = (
+    "The current node timed out during startup. This could happen because some of the raylet failed "
+    "to startup or the GCS has become overloaded."
+)
+
+
+def test_a_bench_starts_a_run_again_only_when_ray_itself_did_not_start(capsys):
+    start = _FlakyStart(Exception(_NODE_TIMEOUT))
+    assert common.retry_ray_start(start, "run grpo-s0") == "ran" and start.calls == 2
+    note = capsys.readouterr().err.strip()
+    assert (
+        note == f"run grpo-s0: Ray did not start (Exception: {_NODE_TIMEOUT}); starting it again (try 2 of 3)"
+    )
+    start = _FlakyStart(*[Exception(_NODE_TIMEOUT)] * 3)  # three times: the last failure is raised
+    with pytest.raises(Exception, match="timed out during startup"):
+        common.retry_ray_start(start, "run")
+    assert start.calls == 3 and capsys.readouterr().err.count("starting it again") == 2
+    start = _FlakyStart(RuntimeError("the trainer died at step 3"))  # a failure inside training: once
+    with pytest.raises(RuntimeError, match="trainer died"):
+        common.retry_ray_start(start, "run")
+    assert start.calls == 1
+    start = _FlakyStart(Exception(_NODE_TIMEOUT))  # the same words once the run began: not its start
+    with pytest.raises(Exception, match="timed out"):
+        common.retry_ray_start(start, "run", began=lambda: True)
+    assert start.calls == 1 and "again" not in capsys.readouterr().err
+
+
+def test_a_bench_run_that_stepped_is_never_started_again(monkeypatch, tmp_path):
+    """train_config's run: retried when Ray's start failed before any step, not after one."""
+    calls = []
+    start = _FlakyStart(Exception(_NODE_TIMEOUT))
+    monkeypatch.setattr(common, "train", start)
+    assert common.train_demo(tmp_path, "t", [], hook=lambda *a: calls.append(a[0])) == "ran"
+    assert start.calls == 2
+    start = _FlakyStart(Exception(f"{_NODE_TIMEOUT} (after a step)"))
+    monkeypatch.setattr(common, "train", start)
+    with pytest.raises(Exception, match="after a step"):
+        common.train_demo(tmp_path, "t", [], hook=lambda *a: calls.append(a[0]))
+    assert start.calls == 1 and calls == ["step"]  # the bench's own hook still saw the phase

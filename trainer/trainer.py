@@ -265,8 +265,9 @@ class Trainer:
         if self.config.kl.coef > 0:
             self._store(mbs, "ref_logprobs", self.logprobs(mbs, tag="ref"))
         # fused: each micro-batch's per-token inputs once the update's forward has its old logprobs
+        # (`inputs`, built only then); apart: here, from the old pass's
         per_sample, signal_metrics = self._advantages(samples, [] if fused else mbs)
-        inputs = partial(objective.token_inputs, per_sample=per_sample, c=self.config)
+        inputs = partial(objective.token_inputs, per_sample=per_sample, c=self.config) if fused else None
         if self.config.keep_old_actor:
             self._save_old_actor()  # the next step's "old" = these pre-update weights
         t_update = time.perf_counter()
@@ -274,7 +275,7 @@ class Trainer:
         # prefetch its first teacher from disk while this step trains.
         self.snapshots.plan(plan)
         with self._routing("replay"):
-            metrics = self._train(mbs, inputs if fused else None)
+            metrics = self._train(mbs, inputs)
         metrics.update(replay_metrics)
         metrics.update(signal_metrics)
         metrics.update(opd_metrics)

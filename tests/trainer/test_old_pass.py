@@ -4,6 +4,7 @@ steps (tiny preset, CPU); and a configuration whose old pass must stay apart sti
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from palaestra.sample import Sample
-from palaestra.trainer import Trainer, TrainerConfig
+from palaestra.trainer import Trainer, TrainerConfig, objective
+from palaestra.trainer import trainer as trainer_module
 from palaestra.trainer.config import KlOptions, OpdOptions, RsOptions, TisOptions
 
 # timings differ between any two runs; `old_pass_fused` is what the two paths differ in by design
@@ -81,11 +83,24 @@ def _compare(config: TrainerConfig, model_dir) -> tuple[Trainer, Trainer, list[f
     return fused, apart, losses
 
 
-def test_grpo_fused_matches_the_separate_pass(tiny_model_dir):
+def _record_partials(monkeypatch) -> list:
+    """The functions the trainer module wraps in `partial` from now on (a recording stand-in for
+    functools.partial that builds the same objects)."""
+    built = []
+    monkeypatch.setattr(
+        trainer_module, "partial", lambda f, *a, **kw: built.append(f) or functools.partial(f, *a, **kw)
+    )
+    return built
+
+
+def test_grpo_fused_matches_the_separate_pass(tiny_model_dir, monkeypatch):
+    built = _record_partials(monkeypatch)
     _, _, losses = _compare(
         TrainerConfig(megatron_optimizer={"lr": 1e-3}, max_tokens_per_microbatch=96), tiny_model_dir
     )
     assert losses[0] != losses[1]  # the second step ran on updated weights
+    # the update's per-token inputs: built by the fused trainer's two steps, never by the separate pass
+    assert built.count(objective.token_inputs) == 2
 
 
 def test_grpo_with_tis_rs_and_kl_reward_fused_matches_the_separate_pass(tiny_model_dir):
@@ -135,7 +150,9 @@ def test_what_cannot_fuse_still_runs_the_separate_pass(tiny_model_dir, options, 
     calls = []
     original = t._student_pass
     monkeypatch.setattr(t, "_student_pass", lambda *a: calls.append(a[1:]) or original(*a))
+    built = _record_partials(monkeypatch)
     metrics = t.step(_samples())
+    assert objective.token_inputs not in built  # the fused path's inputs: the old pass filled them
     k = 4 if "opd" in options else 0
     assert reason in t.separate_old_pass(k)
     assert metrics["perf/old_pass_fused"] == 0.0
