@@ -15,9 +15,10 @@ seconds per turn of the gateway processes (the front and every shard, from /proc
 ratios of each layout to one gateway, and per layout where its turns/s peaked and its
 ceiling on paper with a core per process (from the CPU per turn). Then, per layout, the CPU per
 turn of each process below saturation (``--calm`` sessions at a time, 2 by default, rounds of them
-until ``--calm-turns`` turns: the processes mostly take turns, so the figures are not inflated by
+until ``--calm-turns`` turns, the layouts' rounds alternating so that a load from outside the bench
+falls on each alike: the processes mostly take turns, so the figures are not inflated by
 processes waiting for a core, as they are at the levels above on a machine with fewer cores than
-processes), the ceiling it allows with a core per process (the busiest process's core full), and
+processes; every layout's processes are up from the start), the ceiling it allows with a core per process (the busiest process's core full), and
 ``2 shards / 1 gateway on paper = ...`` from it and from each level's CPU per turn.
 Layouts: ``1`` = one `palaestra gateway serve`;
 ``1+front`` = the same behind `palaestra gateway front` (what the front's hop costs);
@@ -32,6 +33,7 @@ what a core per shard would allow. Run it where each process has its own core fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 from bench import common
 from palaestra.gateway.shards import GatewayFleet, front_process
+from palaestra.net import ServerProcess
 from tests.support.load_agents import ZeroReplies, fds_needed, raise_fd_limit, run_agents
 
 KEY = "bench"
@@ -121,62 +124,72 @@ class Calm:
         return "the front" if self.front_ms > self.shard_ms[busiest] else f"shard {busiest}"
 
 
-def measure_calm(
-    layout: str,
-    url: str,
-    shards: list[int],
-    fronts: list[int],
-    n: int,
-    turns: int,
-    replies: ZeroReplies,
-    least: int,
-) -> Calm:
-    """CPU per turn of each process with `n` sessions at a time (`n` far below where the processes
-    saturate: they mostly take turns, so none is measured while it waits for a core), rounds of them
-    until at least `least` chat turns (CPU times are exact to a nanosecond, a round's share of a turn is not)."""
-    asyncio.run(run_agents(url, HEADERS, n, turns, f"cw{n}", replies))
+class Layout:
+    """One layout's processes (its shards and, but for ``1``, a front) while in its `with`."""
+
+    def __init__(self, layout: str, engine_url: str):
+        self.name = layout
+        self.spool = tempfile.TemporaryDirectory(prefix="palaestra-bench-shards-")
+        shards = 1 if layout.startswith("1") else int(layout)
+        self.fleet = GatewayFleet("tiny", engine_url, self.spool.name, shards, env=ENV)
+        self.extra_front: ServerProcess | None = None
+
+    def __enter__(self) -> Layout:
+        try:
+            self.fleet.__enter__()
+            if self.name == "1+front":
+                self.extra_front = front_process([self.fleet.shards[0].url])
+                self.extra_front.start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.extra_front is not None:
+            self.extra_front.stop()
+        self.fleet.stop()
+        self.spool.cleanup()
+
+    @property
+    def url(self) -> str:
+        return (self.extra_front or self.fleet).url
+
+    @property
+    def shard_pids(self) -> list[int]:
+        return [p.pid for p in self.fleet.shards if p.pid is not None]
+
+    @property
+    def front_pids(self) -> list[int]:
+        fronts = (self.fleet.front, self.extra_front)
+        return [p.pid for p in fronts if p is not None and p.pid is not None]
+
+
+def measure_calm(layouts: list[Layout], n: int, turns: int, replies: ZeroReplies, least: int) -> list[Calm]:
+    """CPU per turn of each process of each layout with `n` sessions at a time (`n` far below where
+    the processes saturate: they mostly take turns, so none is measured while it waits for a core),
+    rounds of them until each layout served at least `least` chat turns. The layouts' rounds
+    alternate, so a load from outside the bench that comes and goes falls on each alike; CPU times
+    are exact to a nanosecond, a round's share of a turn is not, hence many rounds."""
+    for lay in layouts:
+        asyncio.run(run_agents(lay.url, HEADERS, n, turns, f"cw{n}", replies))
     time.sleep(0.5)
-    pids = [*fronts, *shards]
-    before = [cpu_s([p]) for p in pids]
-    done, wall, round_ = 0, 0.0, 0
-    while done < least:
-        records, seconds = asyncio.run(run_agents(url, HEADERS, n, turns, f"c{n}-{round_}", replies))
-        done += sum(len(r.latencies) for r in records)
-        wall += seconds
+    pids = [[*lay.front_pids, *lay.shard_pids] for lay in layouts]
+    before = [[cpu_s([p]) for p in own] for own in pids]
+    done, wall = [0] * len(layouts), [0.0] * len(layouts)
+    round_ = 0
+    while min(done) < least:
+        for k, lay in enumerate(layouts):
+            records, seconds = asyncio.run(run_agents(lay.url, HEADERS, n, turns, f"c{n}-{round_}", replies))
+            done[k] += sum(len(r.latencies) for r in records)
+            wall[k] += seconds
         round_ += 1
-    ms = [(cpu_s([p]) - b) * 1e3 / done for p, b in zip(pids, before, strict=True)]
-    return Calm(layout, n, done, wall, sum(ms[: len(fronts)]), ms[len(fronts) :])
-
-
-def run_layout(
-    layout: str,
-    engine_url: str,
-    levels: list[int],
-    turns: int,
-    replies: ZeroReplies,
-    calm: int,
-    calm_turns: int,
-) -> tuple[list[Row], Calm | None]:
-    shards = 1 if layout.startswith("1") else int(layout)
-    with tempfile.TemporaryDirectory(prefix="palaestra-bench-shards-") as spool:
-        with GatewayFleet("tiny", engine_url, spool, shards, env=ENV) as fleet:
-            front = front_process([fleet.shards[0].url]) if layout == "1+front" else None
-            try:
-                if front is not None:
-                    front.start()
-                url = (front or fleet).url
-                shard_pids = [p.pid for p in fleet.shards if p.pid is not None]
-                front_pids = [p.pid for p in (fleet.front, front) if p is not None and p.pid is not None]
-                rows = [measure(layout, url, shard_pids, front_pids, n, turns, replies) for n in levels]
-                quiet = (
-                    measure_calm(layout, url, shard_pids, front_pids, calm, turns, replies, calm_turns)
-                    if calm > 0
-                    else None
-                )
-                return rows, quiet
-            finally:
-                if front is not None:
-                    front.stop()
+    out = []
+    for k, lay in enumerate(layouts):
+        ms = [(cpu_s([p]) - b) * 1e3 / done[k] for p, b in zip(pids[k], before[k], strict=True)]
+        fronts = len(lay.front_pids)
+        out.append(Calm(lay.name, n, done[k], wall[k], sum(ms[:fronts]), ms[fronts:]))
+    return out
 
 
 def main() -> None:
@@ -208,14 +221,14 @@ def main() -> None:
         raise SystemExit(f"RLIMIT_NOFILE hard limit below {needed}: raise it (ulimit -Hn) or lower --levels")
     replies = ZeroReplies.for_tokenizer(AutoTokenizer.from_pretrained(resolve_model("tiny")))
     rows: list[Row] = []
-    calms: list[Calm] = []
-    with replies.engine() as engine:
-        for layout in args.layouts:
-            more, calm = run_layout(
-                layout, engine.url, args.levels, args.turns, replies, args.calm, args.calm_turns
-            )
-            rows += more
-            calms += [calm] if calm else []
+    with replies.engine() as engine, contextlib.ExitStack() as stack:
+        layouts = [stack.enter_context(Layout(name, engine.url)) for name in args.layouts]
+        for lay in layouts:
+            rows += [
+                measure(lay.name, lay.url, lay.shard_pids, lay.front_pids, n, args.turns, replies)
+                for n in args.levels
+            ]
+        calms = measure_calm(layouts, args.calm, args.turns, replies, args.calm_turns) if args.calm else []
 
     print(f"gateway layouts over the zero-work engine, {args.turns} chat turns per session; {common_load()}")
     print("layout    sessions  turns/s  p50 ms  p99 ms  CPU ms/turn: all gateway processes  of it the front")
