@@ -14,7 +14,7 @@ time, session creation and reward included), p50/p99 of the chat calls' latency,
 seconds per turn of the gateway processes (the front and every shard, from /proc); then the
 ratios of each layout to one gateway, and per layout where its turns/s peaked and its
 ceiling on paper with a core per process (from the CPU per turn). Then, per layout, the CPU per
-turn of each process below saturation (``--calm`` sessions at a time, 2 by default, rounds of them
+turn of each process below saturation (``--calm`` sessions at a time per shard, 2 by default, rounds of them
 until ``--calm-turns`` turns, the layouts' rounds alternating so that a load from outside the bench
 falls on each alike: the processes mostly take turns, so the figures are not inflated by
 processes waiting for a core, as they are at the levels above on a machine with fewer cores than
@@ -114,14 +114,23 @@ class Calm:
     shard_ms: list[float]
 
     @property
+    def per_shard_ms(self) -> float:
+        """CPU per turn of a shard for its own turns, the shards sharing the turns evenly (as many
+        sessions do; the bench's few hundred split by chance, a few % off even)."""
+        return sum(self.shard_ms)
+
+    @property
     def ceiling(self) -> float:
-        """Turns/s with a core per process: the busiest process's core full."""
-        return 1000 / max([self.front_ms, *self.shard_ms])
+        """Turns/s with a core per process: the shards' cores or the front's full, whichever first."""
+        return min(
+            len(self.shard_ms) * 1000 / self.per_shard_ms,
+            1000 / self.front_ms if self.front_ms else float("inf"),
+        )
 
     @property
     def bound(self) -> str:
-        busiest = max(range(len(self.shard_ms)), key=self.shard_ms.__getitem__)
-        return "the front" if self.front_ms > self.shard_ms[busiest] else f"shard {busiest}"
+        shards = len(self.shard_ms) * 1000 / self.per_shard_ms
+        return "the front" if self.front_ms and 1000 / self.front_ms < shards else "the shards"
 
 
 class Layout:
@@ -166,13 +175,15 @@ class Layout:
 
 
 def measure_calm(layouts: list[Layout], n: int, turns: int, replies: ZeroReplies, least: int) -> list[Calm]:
-    """CPU per turn of each process of each layout with `n` sessions at a time (`n` far below where
+    """CPU per turn of each process of each layout with `n` sessions at a time per shard (so each
+    gateway process has as many calls in flight in every layout: a process's CPU per call falls
+    with how many it serves at once, each wake-up of its loop serving more; `n` is far below where
     the processes saturate: they mostly take turns, so none is measured while it waits for a core),
     rounds of them until each layout served at least `least` chat turns. The layouts' rounds
     alternate, so a load from outside the bench that comes and goes falls on each alike; CPU times
     are exact to a nanosecond, a round's share of a turn is not, hence many rounds."""
     for lay in layouts:
-        asyncio.run(run_agents(lay.url, HEADERS, n, turns, f"cw{n}", replies))
+        asyncio.run(run_agents(lay.url, HEADERS, n * len(lay.shard_pids), turns, f"cw{n}", replies))
     time.sleep(0.5)
     pids = [[*lay.front_pids, *lay.shard_pids] for lay in layouts]
     before = [[cpu_s([p]) for p in own] for own in pids]
@@ -180,7 +191,10 @@ def measure_calm(layouts: list[Layout], n: int, turns: int, replies: ZeroReplies
     round_ = 0
     while min(done) < least:
         for k, lay in enumerate(layouts):
-            records, seconds = asyncio.run(run_agents(lay.url, HEADERS, n, turns, f"c{n}-{round_}", replies))
+            each = n * len(lay.shard_pids)
+            records, seconds = asyncio.run(
+                run_agents(lay.url, HEADERS, each, turns, f"c{n}-{round_}", replies)
+            )
             done[k] += sum(len(r.latencies) for r in records)
             wall[k] += seconds
         round_ += 1
@@ -188,7 +202,7 @@ def measure_calm(layouts: list[Layout], n: int, turns: int, replies: ZeroReplies
     for k, lay in enumerate(layouts):
         ms = [(cpu_s([p]) - b) * 1e3 / done[k] for p, b in zip(pids[k], before[k], strict=True)]
         fronts = len(lay.front_pids)
-        out.append(Calm(lay.name, n, done[k], wall[k], sum(ms[:fronts]), ms[fronts:]))
+        out.append(Calm(lay.name, n * len(lay.shard_pids), done[k], wall[k], sum(ms[:fronts]), ms[fronts:]))
     return out
 
 
@@ -203,7 +217,7 @@ def main() -> None:
         "--calm",
         type=int,
         default=2,
-        help="sessions at a time for the CPU per turn below saturation (0: not measured)",
+        help="sessions at a time per shard for the CPU per turn below saturation (0: not measured)",
     )
     ap.add_argument("--calm-turns", type=int, default=512, help="chat turns measured below saturation")
     args = ap.parse_args()
@@ -289,17 +303,20 @@ def print_calm(calms: list[Calm], turns: int) -> None:
     """Each layout's CPU per turn below saturation, per process, and its ceiling with a core each."""
     if not calms:
         return
+    per = calms[0].sessions // max(1, len(calms[0].shard_ms))
     print(
-        f"CPU per turn below saturation ({calms[0].sessions} sessions at a time, {turns} chat turns each, "
-        "rounds of them; each process's CPU / all the layout's turns):"
+        f"CPU per turn below saturation ({per} sessions at a time per shard, {turns} chat turns each, "
+        "rounds of them, the layouts alternating; each process's CPU / all the layout's turns):"
     )
-    print("layout    turns  turns/s  front ms  shards' ms (each)    with a core per process")
+    print(
+        "layout  sessions  turns  turns/s  front ms  shards' ms (each)  a shard's own turn  with a core per process"
+    )
     for c in calms:
         front = f"{c.front_ms:.2f}" if c.front_ms > 0 else "-"
         shards = " ".join(f"{m:.2f}" for m in c.shard_ms)
         print(
-            f"{c.layout:<8}  {c.turns:>5}  {c.turns / c.wall_s:>7.1f}  {front:>8}  {shards:<19}  "
-            f"{c.ceiling:.0f} turns/s, bound by {c.bound}"
+            f"{c.layout:<6}  {c.sessions:>8}  {c.turns:>5}  {c.turns / c.wall_s:>7.1f}  {front:>8}  {shards:<17}  "
+            f"{c.per_shard_ms:>18.2f}  {c.ceiling:.0f} turns/s, bound by {c.bound}"
         )
 
 

@@ -338,10 +338,16 @@ def test_the_shard_bench_puts_each_layouts_ceiling_on_paper_at_its_busiest_proce
     from bench.shards import Calm, Row, paper_ceiling, print_on_paper
 
     one = Calm("1", 2, 512, 4.0, 0.0, [2.0])
-    two = Calm("2", 2, 512, 4.0, 0.8, [1.1, 1.25])
-    assert (one.ceiling, one.bound) == (500, "shard 0")
-    assert (two.ceiling, two.bound) == (800, "shard 1")
-    assert Calm("2", 2, 512, 4.0, 1.0, [0.5, 0.5]).bound == "the front"
+    two = Calm("2", 4, 512, 4.0, 0.8, [1.1, 1.4])  # each shard 2.5 ms a turn of its own, split 44/56
+    assert (one.ceiling, one.bound) == (500, "the shards")
+    assert (two.per_shard_ms, two.ceiling, two.bound) == (2.5, 800, "the shards")
+    assert (
+        Calm("2", 4, 512, 4.0, 1.0, [0.5, 0.5]).ceiling,
+        Calm("2", 4, 512, 4.0, 1.0, [0.5, 0.5]).bound,
+    ) == (
+        1000,
+        "the front",
+    )
     lone = Row("1", 64, 256, 1.0, 1.0, 2.0, 2.5, 0.0)
     pair = Row("2", 64, 256, 1.0, 1.0, 2.0, 3.5, 0.5)
     assert paper_ceiling("1", lone) == 400 and paper_ceiling("2", pair) == pytest.approx(2000 / 3)
