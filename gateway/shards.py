@@ -118,6 +118,7 @@ class Front:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),  # a shard's cookie is its client's, not every client's
         )
 
     async def close(self, _app: web.Application | None = None) -> None:
