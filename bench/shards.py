@@ -40,7 +40,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from bench import common
 from palaestra.gateway.shards import GatewayFleet, front_process
 from palaestra.net import ServerProcess
 from tests.support.load_agents import ZeroReplies, fds_needed, raise_fd_limit, run_agents
@@ -207,6 +206,8 @@ def measure_calm(layouts: list[Layout], n: int, turns: int, replies: ZeroReplies
 
 
 def main() -> None:
+    from bench import common  # the training stack it imports: not for the arithmetic's tests
+
     ap = common.parser(__doc__)
     ap.add_argument("--levels", type=int, nargs="+", default=[16, 64, 256], help="concurrent sessions")
     ap.add_argument("--turns", type=int, default=4, help="chat turns per session")

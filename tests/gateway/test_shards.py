@@ -337,7 +337,7 @@ def test_the_front_answers_a_known_length_whole_with_the_shards_repeated_headers
     asyncio.run(main())
 
 
-def test_the_shard_bench_puts_each_layouts_ceiling_on_paper_at_its_busiest_process(capsys):
+def test_the_shard_bench_puts_2_shards_against_1_gateway_on_paper(capsys):
     from bench.shards import Calm, Row, paper_ceiling, print_on_paper
 
     one = Calm("1", 2, 512, 4.0, 0.0, [2.0])
