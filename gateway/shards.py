@@ -59,6 +59,9 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgra
 _NOT_SENT = _HOP | {"content-length"}
 # Not forwarded back: the front's server writes its own length, date and name.
 _NOT_RETURNED = _HOP | {"content-length", "date", "server"}
+# An answer up to this length is read whole and written back in one write; a longer one (a page of
+# samples, a long trajectory) streams through, so the front never holds more than this of one answer.
+_WHOLE_MAX = 1 << 20
 _SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?( .*)$")
 
 
@@ -179,10 +182,11 @@ class Front:
 
     # -- one shard -------------------------------------------------------------------------------
     async def forward(self, request: web.Request, shard: int, body: bytes) -> web.StreamResponse:
-        """The shard's answer to `request`: an answer of known length read whole and written back in
-        one response (one write of headers and body), any other (SSE) streamed back chunk by chunk
-        as the shard sends it. The request goes on a pooled keep-alive connection to the shard, its
-        body with its length (`body` is already read), its headers but the hop's unchanged."""
+        """The shard's answer to `request`: an answer of known length up to `_WHOLE_MAX` read whole
+        and written back in one response (one write of headers and body), any other (SSE, a long
+        page) streamed back chunk by chunk as the shard sends it. The request goes on a pooled
+        keep-alive connection to the shard, its body with its length (`body` is already read), its
+        headers but the hop's unchanged."""
         assert self.http is not None
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_SENT)
         url = self.urls[shard] + request.rel_url.raw_path_qs
@@ -202,7 +206,12 @@ class Front:
         try:
             back = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_RETURNED)
             length = upstream.headers.get("Content-Length")
-            if length is not None and request.method != "HEAD":
+            if (
+                length is not None
+                and length.isdigit()
+                and int(length) <= _WHOLE_MAX
+                and request.method != "HEAD"
+            ):
                 answer = await upstream.read()
                 return web.Response(status=upstream.status, reason=upstream.reason, body=answer, headers=back)
             out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=back)

@@ -305,7 +305,8 @@ def test_a_shards_death_is_counted_as_a_gateway_shard_fault_per_process():
 
 def test_the_front_answers_a_known_length_whole_with_the_shards_repeated_headers():
     async def shard(request: web.Request) -> web.Response:
-        out = web.Response(body=b"x" * 70_000, content_type="text/plain")  # aiohttp answers HEAD bodiless
+        size = 3 << 20 if request.path.endswith("/long") else 70_000  # past the front's whole-answer size
+        out = web.Response(body=b"x" * size, content_type="text/plain")  # aiohttp answers HEAD bodiless
         out.headers.add("Set-Cookie", "a=1")
         out.headers.add("Set-Cookie", "b=2")
         seen.append(request.headers.getall("X-Twice", []) + request.headers.getall("Cookie", []))
@@ -325,11 +326,13 @@ def test_the_front_answers_a_known_length_whole_with_the_shards_repeated_headers
                 r = await c.post("/s/abc/v1/chat/completions", content=b"{}", headers=headers)
                 assert r.content == b"x" * 70_000 and r.headers["content-length"] == "70000"
                 assert r.headers.get_list("set-cookie") == ["a=1", "b=2"]
+                long = await c.get("/sessions/abc/long")  # streamed through, its length kept
+                assert long.content == b"x" * (3 << 20) and long.headers["content-length"] == str(3 << 20)
                 c.cookies.clear()  # this client's own jar: the next call sends no cookie of its own
                 head = await c.head("/s/abc/v1/chat/completions")
                 assert head.content == b"" and head.headers["content-length"] == "70000"
             # repeated headers arrive repeated; the front keeps no cookie of one client for the next
-            assert seen == [["1", "2"], []]
+            assert seen == [["1", "2"], [], []]
         finally:
             for r, _ in reversed(runners):
                 await r.cleanup()
