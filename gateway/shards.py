@@ -42,10 +42,11 @@ import re
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from palaestra.net import ServerProcess, free_port
 
@@ -54,6 +55,13 @@ __all__ = ["Front", "GatewayFleet", "front_app", "front_process", "shard_of", "s
 SESSION_HEADER = "x-session-id"
 # Headers of one hop (RFC 9110 section 7.6.1): never forwarded.
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+# Not forwarded to a shard: the body's length is the forwarded body's (aiohttp sends it).
+_NOT_SENT = _HOP | {"content-length"}
+# Not forwarded back: the front's server writes its own length, date and name.
+_NOT_RETURNED = _HOP | {"content-length", "date", "server"}
+# An answer up to this length is read whole and written back in one write; a longer one (a page of
+# samples, a long trajectory) streams through, so the front never holds more than this of one answer.
+_WHOLE_MAX = 1 << 20
 _SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?( .*)$")
 
 
@@ -113,6 +121,7 @@ class Front:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),  # a shard's cookie is its client's, not every client's
         )
 
     async def close(self, _app: web.Application | None = None) -> None:
@@ -120,8 +129,9 @@ class Front:
             await self.http.close()
 
     # -- which shard -------------------------------------------------------------------------------
-    def owner(self, path: str, headers: dict[str, str] | None = None) -> int | None:
-        """The shard of a session's route, None for a route that is not a session's."""
+    def owner(self, path: str, headers: Mapping[str, str] | None = None) -> int | None:
+        """The shard of a session's route, None for a route that is not a session's (`headers`: the
+        request's, case-insensitive, as aiohttp gives them, or lower-cased names)."""
         parts = path.split("/")
         if len(parts) > 2 and parts[1] in ("s", "sessions") and parts[2]:
             return shard_of(parts[2], self.n)
@@ -152,7 +162,7 @@ class Front:
             return await self.forward(request, int(shard), body)
         if path == "/sessions" and method == "POST":
             return await self._create(request, body)
-        owner = self.owner(path, {k.lower(): v for k, v in request.headers.items()})
+        owner = self.owner(path, request.headers)
         return await self.forward(request, owner or 0, body)
 
     async def _create(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -172,10 +182,13 @@ class Front:
 
     # -- one shard -------------------------------------------------------------------------------
     async def forward(self, request: web.Request, shard: int, body: bytes) -> web.StreamResponse:
-        """The shard's answer to `request`, its bytes streamed back as they come."""
+        """The shard's answer to `request`: an answer of known length up to `_WHOLE_MAX` read whole
+        and written back in one response (one write of headers and body), any other (SSE, a long
+        page) streamed back chunk by chunk as the shard sends it. The request goes on a pooled
+        keep-alive connection to the shard, its body with its length (`body` is already read), its
+        headers but the hop's unchanged."""
         assert self.http is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        headers.pop("Content-Length", None)
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_SENT)
         url = self.urls[shard] + request.rel_url.raw_path_qs
         try:
             upstream = await self.http.request(
@@ -189,12 +202,19 @@ class Front:
                 request.path,
                 **{"Retry-After": "1"},
             )
+        out: web.StreamResponse | None = None
         try:
-            out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for k, v in upstream.headers.items():
-                if k.lower() not in _HOP and k.lower() not in ("content-length", "date", "server"):
-                    out.headers.add(k, v)
+            back = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_RETURNED)
             length = upstream.headers.get("Content-Length")
+            if (
+                length is not None
+                and length.isdigit()
+                and int(length) <= _WHOLE_MAX
+                and request.method != "HEAD"
+            ):
+                answer = await upstream.read()
+                return web.Response(status=upstream.status, reason=upstream.reason, body=answer, headers=back)
+            out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=back)
             if length is not None:
                 out.content_length = int(length)
             await out.prepare(request)
@@ -208,7 +228,7 @@ class Front:
             upstream.close()
             if request.transport is not None:
                 request.transport.close()
-            return out
+            return out or web.StreamResponse(status=502)
         finally:
             upstream.release()
 

@@ -301,3 +301,65 @@ def test_a_shards_death_is_counted_as_a_gateway_shard_fault_per_process():
     supervisor._noticed("gateway-shard-0", "generation", "exited with code -9")
     assert supervisor.new_counters()["faults/gateway_shard"] == 2.0
     assert supervisor.restarts == {"gateway-shard-1": 1, "gateway-shard-0": 1}  # each its own budget
+
+
+def test_the_front_answers_a_known_length_whole_with_the_shards_repeated_headers():
+    async def shard(request: web.Request) -> web.Response:
+        size = 3 << 20 if request.path.endswith("/long") else 70_000  # past the front's whole-answer size
+        out = web.Response(body=b"x" * size, content_type="text/plain")  # aiohttp answers HEAD bodiless
+        out.headers.add("Set-Cookie", "a=1")
+        out.headers.add("Set-Cookie", "b=2")
+        seen.append(request.headers.getall("X-Twice", []) + request.headers.getall("Cookie", []))
+        return out
+
+    seen: list[list[str]] = []
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", shard)
+        runners = [await _serve(app)]
+        by_name = runners[0][1].replace("127.0.0.1", "localhost")  # a client's jar keeps no IP's cookies
+        runners.append(await _serve(front_app([by_name])))
+        try:
+            async with httpx.AsyncClient(base_url=runners[1][1], timeout=10) as c:
+                headers = [("X-Twice", "1"), ("X-Twice", "2")]
+                r = await c.post("/s/abc/v1/chat/completions", content=b"{}", headers=headers)
+                assert r.content == b"x" * 70_000 and r.headers["content-length"] == "70000"
+                assert r.headers.get_list("set-cookie") == ["a=1", "b=2"]
+                long = await c.get("/sessions/abc/long")  # streamed through, its length kept
+                assert long.content == b"x" * (3 << 20) and long.headers["content-length"] == str(3 << 20)
+                c.cookies.clear()  # this client's own jar: the next call sends no cookie of its own
+                head = await c.head("/s/abc/v1/chat/completions")
+                assert head.content == b"" and head.headers["content-length"] == "70000"
+            # repeated headers arrive repeated; the front keeps no cookie of one client for the next
+            assert seen == [["1", "2"], [], []]
+        finally:
+            for r, _ in reversed(runners):
+                await r.cleanup()
+
+    asyncio.run(main())
+
+
+def test_the_shard_bench_puts_2_shards_against_1_gateway_on_paper(capsys):
+    from bench.shards import Calm, Row, paper_ceiling, print_on_paper
+
+    one = Calm("1", 2, 512, 4.0, 0.0, [2.0])
+    two = Calm("2", 4, 512, 4.0, 0.8, [1.1, 1.4])  # each shard 2.5 ms a turn of its own, split 44/56
+    assert (one.ceiling, one.bound) == (500, "the shards")
+    assert (two.per_shard_ms, two.ceiling, two.bound) == (2.5, 800, "the shards")
+    assert (
+        Calm("2", 4, 512, 4.0, 1.0, [0.5, 0.5]).ceiling,
+        Calm("2", 4, 512, 4.0, 1.0, [0.5, 0.5]).bound,
+    ) == (
+        1000,
+        "the front",
+    )
+    lone = Row("1", 64, 256, 1.0, 1.0, 2.0, 2.5, 0.0)
+    pair = Row("2", 64, 256, 1.0, 1.0, 2.0, 3.5, 0.5)
+    assert paper_ceiling("1", lone) == 400 and paper_ceiling("2", pair) == pytest.approx(2000 / 3)
+    print_on_paper([lone, pair], [one, two])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        "2 shards / 1 gateway on paper = 1.60x (below saturation: 800 / 500 turns/s)",
+        "2 shards / 1 gateway on paper = 1.67x (from the CPU per turn at 64 sessions)",
+    ]
