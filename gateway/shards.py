@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import aiohttp
 from aiohttp import web
 
+from palaestra.gateway.event_loop import new_event_loop
 from palaestra.net import ServerProcess, free_port
 
 __all__ = ["Front", "GatewayFleet", "front_app", "front_process", "shard_of", "shard_spool"]
@@ -312,9 +313,10 @@ def front_app(shard_urls: Sequence[str]) -> web.Application:
     return app
 
 
-def serve_front(shard_urls: Sequence[str], host: str, port: int) -> None:
+def serve_front(shard_urls: Sequence[str], host: str, port: int, *, event_loop: str = "auto") -> None:
     print(f"palaestra gateway front: http://{host}:{port} -> shards {', '.join(shard_urls)}", flush=True)
-    web.run_app(front_app(shard_urls), host=host, port=port, print=None, access_log=None)
+    loop = new_event_loop(event_loop, "palaestra gateway front")  # gateway.event_loop, as the shards'
+    web.run_app(front_app(shard_urls), host=host, port=port, print=None, access_log=None, loop=loop)
 
 
 def front_process(
