@@ -110,10 +110,10 @@ class GatewayOptions:
     ended and its engine request dropped, seconds."""
 
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
-    """The event loop the gateway (and a run's shard front) serves on: auto = uvloop where it is
-    installed (cheaper socket reads, writes and loop passes per call and per streamed token), else
-    asyncio's own; asyncio = always asyncio's; uvloop = uvloop or an error at start. The start logs
-    the loop taken (info)."""
+    """The event loop the gateway serves on: auto = uvloop where it is installed (cheaper socket
+    reads, writes and loop passes per call and per streamed token), else asyncio's own; asyncio =
+    always asyncio's; uvloop = uvloop or an error at start. The start logs the loop taken (info).
+    The shards' front takes its own `palaestra gateway front --event-loop` (auto in a run)."""
 
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """Workload-aware placement of sessions on engine workers (docs/routing.md): ``enabled``, its
