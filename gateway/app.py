@@ -27,6 +27,7 @@ from palaestra.gateway.engine_side.turns import EngineTurns
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import BodyLimit
 from palaestra.gateway.header_sessions import bound
+from palaestra.gateway.hot_routes import HotRoutes
 from palaestra.gateway.metrics import GatewayMetrics
 from palaestra.gateway.renderer import ChatRenderer
 from palaestra.gateway.routes import admin, anthropic, error_body, openai, public, sessions
@@ -151,6 +152,8 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
 
     app = FastAPI(title="palaestra gateway", lifespan=lifespan)
     app.state.service = svc
+    # the turn routes served without FastAPI's routing and dependency layers, inside the body limit
+    app.add_middleware(HotRoutes)
     # outermost: an oversized body is refused before routing, auth or parsing see it
     app.add_middleware(
         BodyLimit, max_bytes=config.max_body_bytes, rejected=svc.metrics.rejected, error_body=error_body

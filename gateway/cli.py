@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from palaestra.gateway.app import create_app
+    from palaestra.gateway.event_loop import loop_name
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
@@ -49,7 +50,10 @@ def _serve(args: argparse.Namespace) -> int:
         f"samples and session journal in {Path(config.spool_dir).resolve()}",
         flush=True,
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, access_log=False)
+    loop = loop_name(config.event_loop, "palaestra gateway serve")
+    uvicorn.run(
+        app, host=config.host, port=config.port, log_level=args.log_level, access_log=False, loop=loop
+    )
     return 0
 
 
@@ -129,13 +133,21 @@ def register(groups: argparse._SubParsersAction) -> None:
     )
     f.add_argument("--host", default="127.0.0.1", help="Bind address.")
     f.add_argument("--port", type=int, default=8000, help="TCP port.")
+    f.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=["auto", "asyncio", "uvloop"],
+        help="auto = uvloop where installed, else asyncio's (as gateway serve's --event-loop).",
+    )
+    f.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     f.set_defaults(func=_front)
 
 
 def _front(args: argparse.Namespace) -> int:
     from palaestra.gateway.shards import serve_front
 
-    serve_front(args.shard_url, args.host, args.port)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve_front(args.shard_url, args.host, args.port, event_loop=args.event_loop)
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import PurePath
 from typing import Any, Literal
 
 from palaestra.gateway.engine_side.placement import PlacementConfig
+from palaestra.gateway.event_loop import EVENT_LOOPS
 from palaestra.typed_config import to_flags
 
 # the flat placement keys of earlier configs -> their field in `placement`
@@ -108,6 +109,12 @@ class GatewayOptions:
     """A streamed answer whose client reads nothing for this long (its socket buffers full) is
     ended and its engine request dropped, seconds."""
 
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    """The event loop the gateway serves on: auto = uvloop where it is installed (cheaper socket
+    reads, writes and loop passes per call and per streamed token), else asyncio's own; asyncio =
+    always asyncio's; uvloop = uvloop or an error at start. The start logs the loop taken (info).
+    The shards' front takes its own `palaestra gateway front --event-loop` (auto in a run)."""
+
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """Workload-aware placement of sessions on engine workers (docs/routing.md): ``enabled``, its
     bounds and pools, each a field of `palaestra.gateway.engine_side.placement.PlacementConfig`."""
@@ -136,6 +143,10 @@ class GatewayOptions:
             )
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or not 1 <= self.shards <= 64:
             raise ValueError(f"gateway.shards must be an integer from 1 to 64 (got {self.shards!r})")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(
+                f"gateway.event_loop must be one of {', '.join(EVENT_LOOPS)} (got {self.event_loop!r})"
+            )
         if (
             isinstance(self.engine_max_connections, bool)
             or not isinstance(self.engine_max_connections, int)

@@ -48,6 +48,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from palaestra.gateway.event_loop import new_event_loop
 from palaestra.net import ServerProcess, free_port
 
 __all__ = ["Front", "GatewayFleet", "front_app", "front_process", "shard_of", "shard_spool"]
@@ -332,9 +333,10 @@ def front_app(shard_urls: Sequence[str]) -> web.Application:
     return app
 
 
-def serve_front(shard_urls: Sequence[str], host: str, port: int) -> None:
+def serve_front(shard_urls: Sequence[str], host: str, port: int, *, event_loop: str = "auto") -> None:
     print(f"palaestra gateway front: http://{host}:{port} -> shards {', '.join(shard_urls)}", flush=True)
-    web.run_app(front_app(shard_urls), host=host, port=port, print=None, access_log=None)
+    loop = new_event_loop(event_loop, "palaestra gateway front")  # gateway.event_loop, as the shards'
+    web.run_app(front_app(shard_urls), host=host, port=port, print=None, access_log=None, loop=loop)
 
 
 def front_process(

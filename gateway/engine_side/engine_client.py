@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
+from palaestra.gateway.engine_side.encoded_ids import EncodedIds
 from palaestra.gateway.engine_side.generation import (
     FinishReason,
     Generation,
@@ -126,6 +127,7 @@ class EngineClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._client: aiohttp.ClientSession | None = None
+        self.encoded_ids = EncodedIds()  # each session's last prompt ids as JSON, for the next call
 
     def _session(self) -> aiohttp.ClientSession:
         if self._client is None or self._client.closed:
@@ -158,14 +160,16 @@ class EngineClient:
 
     def _body(
         self,
+        session_id: str,
         input_ids: list[int],
         sampling: SamplingParams,
         top_logprobs: int,
         stream: bool,
         routing: RoutingAsk | None = None,
-    ) -> dict[str, Any]:
+    ) -> bytes:
+        """The /generate body: `orjson.dumps` of {"input_ids": ..., the rest} byte for byte, the ids'
+        JSON reusing the session's previous prompt's (`EncodedIds`)."""
         body: dict[str, Any] = {
-            "input_ids": input_ids,
             "sampling_params": sampling.to_wire(),
             "return_logprob": True,
         }
@@ -178,7 +182,8 @@ class EngineClient:
         if routing is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routing.start
-        return body
+        ids = self.encoded_ids.dumps(session_id, input_ids)
+        return b"".join((b'{"input_ids":', ids, b",", orjson.dumps(body)[1:]))
 
     def _raise_for(self, status: int, raw: bytes) -> None:
         text = raw.decode(errors="replace")
@@ -215,7 +220,7 @@ class EngineClient:
         """Non-streaming; returns one Generation per sample (`n` in sampling). `routed_from`: the
         first position whose routed experts the call asks (with `routed_experts`)."""
         routing = self._ask(routed_from)
-        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, False, routing))
+        body = self._body(session_id, input_ids, sampling, top_logprobs, False, routing)
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
             try:
@@ -267,7 +272,7 @@ class EngineClient:
         """Streams (new ids, their logprobs, final Generation or None) for one sample. Attempts are
         retried as `generate`'s are while nothing was streamed; once a token went out, never."""
         routing = self._ask(routed_from)
-        body = orjson.dumps(self._body(input_ids, sampling, top_logprobs, True, routing))
+        body = self._body(session_id, input_ids, sampling, top_logprobs, True, routing)
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
             progress = _Progress()

@@ -380,15 +380,20 @@ class SessionJournal:
     def _fork_base(self, session: Session, turn: Turn, prompt: list[int]) -> tuple[Turn | None, int]:
         """The session's earlier turn whose prompt + output shares the most leading tokens with
         `turn`'s `prompt`, and how many; (None, 0) below `MIN_SHARED`. A leaf's tokens begin with its
-        ancestors', so the leaves are the only candidates."""
+        ancestors', so the leaves are the only candidates. The first leaf that shares the whole
+        prompt ends the search (no later one can share more), and a leaf whose tokens are no longer
+        than the best share so far is not compared: a session that forks on every call (a client
+        resending the same start) would otherwise compare every earlier fork on each call."""
         if not self.share_prefixes:
             return None, 0
-        best, most = None, 0
+        best, most, whole = None, 0, len(prompt)
         for other in session.turns:
-            if other.children == 0 and other.call_id != turn.call_id:
+            if other.children == 0 and other.call_id != turn.call_id and other.end > most:
                 n = shared_prefix.shared_with_turn(prompt, other)
                 if n > most:
                     best, most = other, n
+                    if most == whole:
+                        break
         return (best, most) if most >= shared_prefix.MIN_SHARED else (None, 0)
 
     def failed(self, session: Session, call: dict[str, Any]) -> None:

@@ -337,3 +337,61 @@ def test_references_chain_at_most_max_depth(tmp_path):
     for r in spooled_records(tmp_path):
         depth[r["cursor"]] = depth[r["ref"][0]] + 1 if "ref" in r else 0
     assert max(depth.values()) == MAX_DEPTH  # past it, a sample references a shallower one
+
+
+def test_the_journals_fork_base_is_the_full_searchs_and_stops_at_a_whole_match(tmp_path):
+    """`SessionJournal._fork_base` skips leaves that cannot share more than the best so far and
+    stops at the first that shares the whole prompt: on seeded random sessions it picks the turn
+    the full search over every leaf picks, and a session of 400 identical forks compares one."""
+    from types import SimpleNamespace
+
+    from palaestra.gateway.sessions.journal import SessionJournal
+
+    journal = SessionJournal(tmp_path, fsync="off")
+
+    def full_search(turns: list, prompt: list[int], call_id: str) -> tuple[Any, int]:
+        best, most = None, 0
+        for other in turns:
+            if other.children == 0 and other.call_id != call_id:
+                n = shared_prefix.shared_with_turn(prompt, other)
+                if n > most:
+                    best, most = other, n
+        return (best, most) if most >= shared_prefix.MIN_SHARED else (None, 0)
+
+    rng = random.Random(7)
+    for _ in range(300):
+        base = [rng.randrange(4) for _ in range(rng.randrange(10, 60))]
+        turns = []
+        for i in range(rng.randrange(1, 12)):
+            tokens = base[: rng.randrange(len(base) + 1)] + [
+                rng.randrange(4) for _ in range(rng.randrange(30))
+            ]
+            turns.append(
+                SimpleNamespace(
+                    tokens=tokens,
+                    end=rng.randrange(len(tokens) + 1),
+                    children=rng.randrange(2),
+                    call_id=f"c{i}",
+                )
+            )
+        prompt = base[: rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(5))]
+        turn = SimpleNamespace(call_id=f"c{rng.randrange(12)}")
+        session = SimpleNamespace(turns=turns)
+        assert journal._fork_base(session, turn, prompt) == full_search(turns, prompt, turn.call_id)
+
+    prompt = list(range(40))
+    compared = []
+
+    class Counted(SimpleNamespace):
+        @property
+        def tokens(self) -> list[int]:
+            compared.append(self)
+            return prompt + [7, 8]
+
+    forks = [Counted(end=42, children=0, call_id=f"c{i}") for i in range(400)]
+    assert journal._fork_base(SimpleNamespace(turns=forks), SimpleNamespace(call_id="new"), prompt) == (
+        forks[0],
+        40,
+    )
+    assert compared == [forks[0]]
+    journal.close()

@@ -1,0 +1,95 @@
+"""The turn routes served by `gateway.hot_routes.HotRoutes` answer as FastAPI's routes answered:
+the same request through the app with and without the middleware gets the same status and body
+(errors byte for byte, answers but for their ids and times) and the same counts in /metrics; the
+three routes skip FastAPI's router, every other request still goes through it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from starlette.routing import Router
+
+from palaestra.gateway.hot_routes import HotRoutes
+from palaestra.testing.zero import make_app
+from tests.support.servers import ADMIN_KEY, ENV_KEY, ThreadServer, gateway_server
+
+KEY = {"Authorization": f"Bearer {ENV_KEY}"}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8}
+RESPONSES = {"model": "tiny", "input": "Hi.", "max_output_tokens": 8}
+MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8}
+ROUTES = [("chat/completions", CHAT), ("responses", RESPONSES), ("messages", MESSAGES)]
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    reply = tok.encode("Sure.", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    with ThreadServer(make_app(reply_ids=reply)) as eng:
+        yield eng
+
+
+def without_ids(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created", "created_at")}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
+
+
+def exchange(url: str, routed: list[str], hot: bool) -> list[tuple[int, Any]]:
+    """Every case against the gateway at `url` (answers, auth refusals, bad bodies, an unknown
+    session), checking that the turn routes went around FastAPI's router when `hot`."""
+    out: list[tuple[int, Any]] = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        sid = http.post("/sessions", json={"env": "e", "session_id": "fixed"}, headers=KEY).json()[
+            "session_id"
+        ]
+        for path, body in ROUTES:
+            good, bad = orjson.dumps(body), orjson.dumps({**body, "max_tokens": -1, "max_output_tokens": -1})
+            cases = [
+                (f"/s/{sid}/v1/{path}", KEY, good),
+                (f"/s/{sid}/v1/{path}", KEY, bad),
+                (f"/s/{sid}/v1/{path}", KEY, b"{not json"),
+                (f"/s/{sid}/v1/{path}", KEY, b"[1]"),
+                (f"/s/{sid}/v1/{path}", {}, good),
+                (f"/s/{sid}/v1/{path}", {"Authorization": f"Bearer {ADMIN_KEY}"}, good),
+                (f"/s/{sid}/v1/{path}", {"x-api-key": ENV_KEY}, good),
+                (f"/s/nobody/v1/{path}", KEY, good),
+            ]
+            for target, headers, raw in cases:
+                routed.clear()
+                r = http.post(target, content=raw, headers={**headers, "content-type": "application/json"})
+                out.append((r.status_code, without_ids(r.json())))
+                assert (routed == []) == hot, (target, routed)
+            routed.clear()
+            r = http.get(f"/s/{sid}/v1/{path}", headers=KEY)  # not a turn route: FastAPI's 405
+            out.append((r.status_code, r.json()))
+            assert routed, "a GET went around FastAPI's router"
+        metrics = http.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+    counted = ("palaestra_gateway_calls_total", "palaestra_gateway_auth_refused_total")
+    out.append((0, sorted(line for line in metrics.splitlines() if line.startswith(counted))))
+    return out
+
+
+def test_the_hot_routes_answer_as_fastapis_routes(engine, tok, tmp_path, monkeypatch):
+    routed: list[str] = []
+    router_call = Router.__call__
+
+    async def counted(self, scope, receive, send):
+        if scope["path"].startswith("/s/"):  # not the engine's (a FastAPI app in this process too)
+            routed.append(scope["path"])
+        await router_call(self, scope, receive, send)
+
+    monkeypatch.setattr(Router, "__call__", counted)
+    answers = {}
+    for hot in (True, False):
+        with gateway_server(engine.url, tmp_path / str(hot), tok) as gw:
+            if not hot:  # the app as it was: FastAPI routes every call
+                gw.app.user_middleware = [m for m in gw.app.user_middleware if m.cls is not HotRoutes]
+                gw.app.middleware_stack = gw.app.build_middleware_stack()
+            answers[hot] = exchange(gw.url, routed, hot)
+    assert answers[True] == answers[False]
+    statuses = [status for status, _ in answers[True]]
+    assert statuses.count(200) == 6 and {400, 401, 403, 404, 405} <= set(statuses), statuses
