@@ -170,6 +170,12 @@ def retry_ray_start(
                   f"(try {attempt} of {tries})", file=sys.stderr, flush=True)  # fmt: skip
 
 
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean over seeds or runs (0 for one value)."""
+    m = statistics.fmean(values)
+    return m, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0)
+
+
 def train_demo(out: Path, name: str, overrides: Sequence[str], hook: Hook | None = None) -> RunResult:
     """configs/demo.yaml through `train_config`."""
     return train_config(CONFIG, out, name, overrides, hook)

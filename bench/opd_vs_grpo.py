@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import common
-from bench.common import CONFIG, train_demo
+from bench.common import CONFIG, mean_se, train_demo
 from palaestra.config import load_config
 from palaestra.orchestrator.loop import Hook
 
@@ -182,12 +182,6 @@ def lr_label(runs: list[Arm], default: str = "lr: the config's") -> str:
 def evaluated(runs: list[Arm]) -> list[int]:
     """Every step some seed evaluated (a run stopped at the target ends before the others)."""
     return sorted({s for r in runs for s, _ in r.curve})
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (0 for one value)."""
-    m = statistics.fmean(values)
-    return m, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0)
 
 
 def _pm(values: list[float], fmt: str = ".3f") -> str:

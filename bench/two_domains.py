@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from bench import common
-from bench.common import train_demo
+from bench.common import mean_se, train_demo
 
 KINDS = ("arithmetic", "worked_steps")
 TEACHERS = {"arithmetic": "demo-teacher", "worked_steps": "demo-steps-teacher"}
@@ -73,12 +73,6 @@ def _se(acc: float, n: int) -> float:
 
 def _pm(acc: float, n: int) -> str:
     return f"{acc:.3f} ± {_se(acc, n):.3f}"
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean over runs (0 for one run)."""
-    m = statistics.fmean(values)
-    return m, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0)
 
 
 def _last(runs: list[dict], arm: str, kind: str | None = None) -> list[float]:
