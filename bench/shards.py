@@ -99,6 +99,17 @@ def measure(
     return Row(layout, n, len(lat), wall, p50, p99, cpu * 1e3 / len(lat), front * 1e3 / len(lat))
 
 
+def core_ceiling(shards: int, shard_ms: float, front_ms: float) -> tuple[float, str]:
+    """Turns/s with a core per process and what bounds it (``"shards"`` or ``"front"``): each of
+    `shards` shards serves its share of the turns (`shards x 1000 / shard_ms`, `shard_ms` a shard's
+    CPU per turn of its own) and the front serves all of them (`1000 / front_ms`; 0: no front)."""
+    ceilings = {"shards": shards * 1000 / shard_ms if shard_ms > 0 else float("inf")}
+    if front_ms > 0:
+        ceilings["front"] = 1000 / front_ms
+    bound = min(ceilings, key=ceilings.__getitem__)
+    return ceilings[bound], bound
+
+
 @dataclass
 class Calm:
     """A layout's CPU per turn below saturation: `sessions` agents at a time, rounds of them until
@@ -121,15 +132,11 @@ class Calm:
     @property
     def ceiling(self) -> float:
         """Turns/s with a core per process: the shards' cores or the front's full, whichever first."""
-        return min(
-            len(self.shard_ms) * 1000 / self.per_shard_ms,
-            1000 / self.front_ms if self.front_ms else float("inf"),
-        )
+        return core_ceiling(len(self.shard_ms), self.per_shard_ms, self.front_ms)[0]
 
     @property
     def bound(self) -> str:
-        shards = len(self.shard_ms) * 1000 / self.per_shard_ms
-        return "the front" if self.front_ms and 1000 / self.front_ms < shards else "the shards"
+        return "the " + core_ceiling(len(self.shard_ms), self.per_shard_ms, self.front_ms)[1]
 
 
 class Layout:
@@ -282,10 +289,7 @@ def print_saturation(rows: list[Row], layouts: list[str]) -> None:
         top = own[-1]
         shards = 1 if layout.startswith("1") else int(layout)
         shard_ms = top.cpu_ms_per_turn - top.front_cpu_ms_per_turn
-        ceilings = {"shards": shards * 1000 / shard_ms if shard_ms > 0 else float("inf")}
-        if top.front_cpu_ms_per_turn > 0:
-            ceilings["front"] = 1000 / top.front_cpu_ms_per_turn
-        bound = min(ceilings, key=ceilings.get)
+        ceiling, bound = core_ceiling(shards, shard_ms, top.front_cpu_ms_per_turn)
         print(
             f"{layout}: turns/s "
             + (
@@ -293,9 +297,9 @@ def print_saturation(rows: list[Row], layouts: list[str]) -> None:
                 if flat
                 else f"still growing at {top.sessions} sessions ({top.rate:.1f}/s)"
             )
-            + f"; with a core per process: {ceilings[bound]:.0f} turns/s, bound by the {bound} "
+            + f"; with a core per process: {ceiling:.0f} turns/s, bound by the {bound} "
             f"({shard_ms:.2f} ms per turn in the shards"
-            + (f", {top.front_cpu_ms_per_turn:.2f} ms in the front" if "front" in ceilings else "")
+            + (f", {top.front_cpu_ms_per_turn:.2f} ms in the front" if top.front_cpu_ms_per_turn > 0 else "")
             + f", at {top.sessions} sessions)"
         )
 
@@ -324,11 +328,7 @@ def print_calm(calms: list[Calm], turns: int) -> None:
 def paper_ceiling(layout: str, row: Row) -> float:
     """`print_saturation`'s ceiling of a measured level: the shards split the turns evenly."""
     shards = 1 if layout.startswith("1") else int(layout)
-    shard_ms = row.cpu_ms_per_turn - row.front_cpu_ms_per_turn
-    bounds = [shards * 1000 / shard_ms] if shard_ms > 0 else []
-    if row.front_cpu_ms_per_turn > 0:
-        bounds.append(1000 / row.front_cpu_ms_per_turn)
-    return min(bounds, default=float("inf"))
+    return core_ceiling(shards, row.cpu_ms_per_turn - row.front_cpu_ms_per_turn, row.front_cpu_ms_per_turn)[0]
 
 
 def print_on_paper(rows: list[Row], calms: list[Calm]) -> None:
