@@ -226,8 +226,9 @@ def _bridged(
         tail = tail[len(closing) :]
     bridge = renderer.encode(tail)
     # the engine call needs the whole list; the turn recorded from it appends only `bridge` and its
-    # output to the parent's (`Turn.tokens`)
-    return Plan(parent.tokens[: parent.end] + bridge, rendered, parent, bridge_tokens=len(bridge))
+    # output to the parent's (`Turn.tokens`), and the request's JSON is the parent's plus the bridge's
+    # (`PromptIds`: neither compares the history again)
+    return Plan(parent.extended(bridge), rendered, parent, bridge_tokens=len(bridge))
 
 
 def _bridge_short(append: _Append, short: ShortRender) -> Plan | None:

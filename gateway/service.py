@@ -488,7 +488,7 @@ class GatewayService:
             None,
         )
         if parent is not None:
-            ids = parent.tokens[: parent.end] + self.renderer.encode(prompt[len(parent.rendered) :])
+            ids = parent.extended(self.renderer.encode(prompt[len(parent.rendered) :]))
             fork = None
         else:
             ids = self.renderer.encode(prompt)

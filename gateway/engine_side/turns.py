@@ -150,7 +150,8 @@ class EngineTurns:
             final = first
             if final is None:
                 async with contextlib.aclosing(
-                    call(ids + (done.output_ids if done else []), current, routed_from)
+                    # the prompt itself on the first call (a `PromptIds` stays one: EncodedIds)
+                    call(ids if done is None else ids + done.output_ids, current, routed_from)
                 ) as pieces:
                     async for new_ids, new_lps, end in pieces:
                         if end is None:

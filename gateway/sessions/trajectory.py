@@ -34,6 +34,22 @@ FORK_REASONS = (
 )
 
 
+class PromptIds(list[int]):
+    """A prompt that extends a turn, known by construction: `base[:start] + tail`, where `base` is the
+    turn's `tokens` list and `start` its `end` (`Turn.extended`). A `Turn.tokens` list only grows, so
+    its first `start` ids stay what they were: a consumer may take them as `base`'s without comparing
+    (the turn recorded from this prompt appends to `base`; `EncodedIds` writes the engine request's
+    JSON from the JSON it wrote for `base` before). A list like any other to everything else."""
+
+    __slots__ = ("base", "start", "tail")
+
+    def __init__(self, base: list[int], start: int, tail: list[int]) -> None:
+        # one copy: the whole `base` where the turn is its list's last (the usual case), else a slice
+        super().__init__(base if len(base) == start else base[:start])
+        self += tail
+        self.base, self.start, self.tail = base, start, tail
+
+
 @dataclass
 class Turn:
     turn_id: int
@@ -72,7 +88,8 @@ class Turn:
     tokens: list[int] = field(init=False, repr=False)
     """The token list whose first `prompt_len` ids are the prompt, followed by the output: one list
     along a chain of turns (each child's bridge and output appended to its parent's), so a session
-    holds its tokens once, not once per turn (64 turns of a 100k-token history: 6.4 M list slots)."""
+    holds its tokens once, not once per turn (64 turns of a 100k-token history: 6.4 M list slots).
+    Only ever appended to (`PromptIds` relies on it)."""
     prompt_len: int = field(init=False)
 
     def __post_init__(self, prompt_ids: list[int]) -> None:
@@ -82,11 +99,19 @@ class Turn:
         parent, self.prompt_len = self.parent, len(prompt_ids)
         end = parent.end if parent is not None else 0
         # the parent is its list's last turn and this prompt extends it: append (else a list of its
-        # own: a root, a branch, or another choice of the same call)
+        # own: a root, a branch, or another choice of the same call). A `PromptIds` built on the
+        # parent's list up to its end says so without comparing the history again.
         if (
             parent is not None
             and len(parent.tokens) == end <= len(prompt_ids)
-            and prompt_ids[:end] == parent.tokens
+            and (
+                (
+                    isinstance(prompt_ids, PromptIds)
+                    and prompt_ids.base is parent.tokens
+                    and prompt_ids.start == end
+                )
+                or prompt_ids[:end] == parent.tokens
+            )
         ):
             self.tokens = parent.tokens
             self.tokens += prompt_ids[end:]
@@ -98,6 +123,10 @@ class Turn:
     def end(self) -> int:
         """Where this turn's output ends in `tokens`."""
         return self.prompt_len + len(self.output_ids)
+
+    def extended(self, tail: list[int]) -> PromptIds:
+        """The prompt of a turn that continues this one: its prompt and output, then `tail`."""
+        return PromptIds(self.tokens, self.end, tail)
 
     def prompt(self) -> list[int]:
         """The prompt ids (a copy)."""
