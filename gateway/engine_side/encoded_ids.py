@@ -12,6 +12,11 @@ previous answer's bridge, not the history). The bytes are always `orjson.dumps(i
 prompt (a plain list: a fork, a continuation after a weight update) is written whole. Held: the JSON
 of at most `max_ids` ids over all sessions (the least recently used dropped first), only prompts of
 `min_ids` ids or more.
+
+The JSON is kept and handed out in pieces (`pieces`: the caller joins them once, into the request
+body): each `bytes + bytes` of a 600 KB list is a fresh allocation of its size, and three of them per
+call (drop the "]", add the new ids, join into the body) cost more than the new ids' JSON. A
+session's pieces are joined into one after `MAX_PIECES`.
 """
 
 from __future__ import annotations
@@ -26,13 +31,17 @@ from palaestra.gateway.sessions.trajectory import PromptIds
 __all__ = ["EncodedIds"]
 
 
+MAX_PIECES = 32
+
+
 class _Sent(NamedTuple):
-    """A prompt written: `orjson.dumps(base[:start] + tail)` as it was when written."""
+    """A prompt written: `b"".join(head) + b"]" == orjson.dumps(base[:start] + tail)` as it was when
+    written (`head`: its JSON without the closing bracket, in pieces)."""
 
     base: list[int]
     start: int
     tail: list[int]
-    encoded: bytes
+    head: tuple[bytes | memoryview, ...]
 
 
 class EncodedIds:
@@ -46,26 +55,34 @@ class EncodedIds:
         self._held = 0  # ids whose JSON is held
 
     def dumps(self, key: str, ids: list[int]) -> bytes:
-        """`orjson.dumps(ids)`, byte for byte, reusing `key`'s last bridged prompt's JSON where `ids`
-        is a `PromptIds` known to begin with that prompt."""
+        """`orjson.dumps(ids)`, byte for byte (`pieces`, joined)."""
+        return b"".join(self.pieces(key, ids))
+
+    def pieces(self, key: str, ids: list[int]) -> list[bytes | memoryview]:
+        """`orjson.dumps(ids)` in pieces (their join is it byte for byte), reusing `key`'s last bridged
+        prompt's JSON where `ids` is a `PromptIds` known to begin with that prompt."""
         if not isinstance(ids, PromptIds):
-            return orjson.dumps(ids)
-        out = None
+            return [orjson.dumps(ids)]
+        head = None
         sent = self._last.pop(key, None)
         if sent is not None:
-            n = sent.start + len(sent.tail)  # the ids `sent.encoded` writes
+            n = sent.start + len(sent.tail)  # the ids `sent.head` writes
             self._held -= n
             # `base` only grows, so its first `sent.start` ids are still the ones written; the tail's
             # (the bridge then) must be what `base` holds after them now (the turn appended it)
             if ids.base is sent.base and ids.start >= n and sent.base[sent.start : n] == sent.tail:
-                out = sent.encoded if len(ids) == n else sent.encoded[:-1] + b"," + orjson.dumps(ids[n:])[1:]
+                head = sent.head
+                if len(ids) > n:  # "[a,b" + ",c,d": the new ids' JSON without its brackets
+                    head += (b",", memoryview(orjson.dumps(ids[n:]))[1:-1])
+                    if len(head) > MAX_PIECES:
+                        head = (b"".join(head),)
                 self.reused += n
-        if out is None:
-            out = orjson.dumps(ids)
+        if head is None:
+            head = (memoryview(orjson.dumps(ids))[:-1],)
         if self.min_ids <= len(ids) <= self.max_ids:
-            self._last[key] = _Sent(ids.base, ids.start, ids.tail, out)
+            self._last[key] = _Sent(ids.base, ids.start, ids.tail, head)
             self._held += len(ids)
             while self._held > self.max_ids:
                 dropped = self._last.popitem(last=False)[1]
                 self._held -= dropped.start + len(dropped.tail)
-        return out
+        return [*head, b"]"]

@@ -127,6 +127,16 @@ def test_encoded_ids_are_orjsons_bytes_over_random_sessions_of_turns():
     assert enc.dumps("s", [5, 6, 7, 8, 9, 10, 11, 12]) == b"[5,6,7,8,9,10,11,12]"  # a plain list: whole
     assert enc.reused == 5
 
+    # a long chain: the pieces kept are joined into one now and then, the bytes stay orjson's
+    from palaestra.gateway.engine_side.encoded_ids import MAX_PIECES
+
+    turn = _turn(1, None, [1, 2], [3])
+    for i in range(3 * MAX_PIECES):
+        ids = turn.extended([i, -i] if i % 3 else [])
+        assert enc.dumps("long", ids) == orjson.dumps(list(ids))
+        assert len(enc._last["long"].head) <= MAX_PIECES
+        turn = _turn(i + 2, turn, ids, [i % 7])
+
 
 def test_the_generate_body_is_the_dicts_json_byte_for_byte():
     import orjson
