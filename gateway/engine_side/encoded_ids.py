@@ -22,11 +22,12 @@ session's pieces are joined into one after `MAX_PIECES`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import orjson
 
-from palaestra.gateway.sessions.trajectory import PromptIds
+from palaestra.gateway.sessions.trajectory import PromptIds, list_of
 
 __all__ = ["EncodedIds"]
 
@@ -54,15 +55,15 @@ class EncodedIds:
         self._last: OrderedDict[str, _Sent] = OrderedDict()
         self._held = 0  # ids whose JSON is held
 
-    def dumps(self, key: str, ids: list[int]) -> bytes:
+    def dumps(self, key: str, ids: Sequence[int]) -> bytes:
         """`orjson.dumps(ids)`, byte for byte (`pieces`, joined)."""
         return b"".join(self.pieces(key, ids))
 
-    def pieces(self, key: str, ids: list[int]) -> list[bytes | memoryview]:
+    def pieces(self, key: str, ids: Sequence[int]) -> list[bytes | memoryview]:
         """`orjson.dumps(ids)` in pieces (their join is it byte for byte), reusing `key`'s last bridged
         prompt's JSON where `ids` is a `PromptIds` known to begin with that prompt."""
         if not isinstance(ids, PromptIds):
-            return [orjson.dumps(ids)]
+            return [orjson.dumps(list_of(ids))]
         head = None
         sent = self._last.pop(key, None)
         if sent is not None:
@@ -73,12 +74,13 @@ class EncodedIds:
             if ids.base is sent.base and ids.start >= n and sent.base[sent.start : n] == sent.tail:
                 head = sent.head
                 if len(ids) > n:  # "[a,b" + ",c,d": the new ids' JSON without its brackets
-                    head += (b",", memoryview(orjson.dumps(ids[n:]))[1:-1])
+                    new = ids.base[n : ids.start] + ids.tail  # ids[n:], not copying what is before
+                    head += (b",", memoryview(orjson.dumps(new))[1:-1])
                     if len(head) > MAX_PIECES:
                         head = (b"".join(head),)
                 self.reused += n
         if head is None:
-            head = (memoryview(orjson.dumps(ids))[:-1],)
+            head = (memoryview(orjson.dumps(ids.list()))[:-1],)
         if self.min_ids <= len(ids) <= self.max_ids:
             self._last[key] = _Sent(ids.base, ids.start, ids.tail, head)
             self._held += len(ids)

@@ -99,7 +99,7 @@ def test_encoded_ids_are_orjsons_bytes_over_random_sessions_of_turns():
                 ids[rng.randrange(len(ids))] += 1
         else:  # a fork or a first call
             parent, ids = None, fresh(rng.randrange(1, 80))
-        want = orjson.dumps(ids)
+        want = orjson.dumps(list(ids))
         assert enc.dumps(key, ids) == want
         assert enc._held == sum(s.start + len(s.tail) for s in enc._last.values()) <= enc.max_ids
         sent.append((ids, list(ids)))
@@ -148,7 +148,7 @@ def test_the_generate_body_is_the_dicts_json_byte_for_byte():
         ids = turn.extended([8, 9])  # each call's prompt: the last one's, its answer, a bridge
         turn = _turn(call + 2, turn, ids, [7])
         want = {
-            "input_ids": ids,
+            "input_ids": list(ids),
             "sampling_params": sampling.to_wire(),
             "return_logprob": True,
             "lora_path": "a",
@@ -157,3 +157,22 @@ def test_the_generate_body_is_the_dicts_json_byte_for_byte():
             want["top_logprobs_num"] = call
         assert client._body("s", ids, sampling, call, False) == orjson.dumps(want)
     assert client.encoded_ids.reused == 5003 + 5006  # the second and third calls: the JSON before
+
+
+def test_prompt_ids_read_as_the_list_they_stand_for():
+    """A `PromptIds` answers len, indexing (negative too), slices, iteration, `==` and `+` as
+    `base[:start] + tail` would, also after `base` grew past `start`; `list_of` copies it."""
+    from palaestra.gateway.sessions.trajectory import PromptIds, list_of
+
+    base = [1, 2, 3, 4]
+    ids = PromptIds(base, 3, [7, 8])
+    base += [9, 9]  # grown past `start`: the prompt is unchanged
+    want = [1, 2, 3, 7, 8]
+    assert len(ids) == 5 and [ids[i] for i in range(-5, 5)] == want * 2 and list(ids) == want
+    assert ids[1:4] == want[1:4] and ids[::-1] == want[::-1] and ids == want and ids != [*want, 0]
+    assert ids == PromptIds([1, 2, 3], 3, [7, 8]) and ids + [5] == [*want, 5]
+    for bad in (5, -6):
+        with pytest.raises(IndexError, match="of 5"):
+            ids[bad]
+    copy = list_of(ids)
+    assert copy == want and copy is not list_of(ids) and list_of(copy) is copy
