@@ -728,6 +728,7 @@ class GatewayService:
             self.metrics.sessions_finished.labels(status=status).inc()
             self.sessions.closed(session)
             self.routing.ended(session_id)
+            self.turns.ended(session_id)
             return self._finish_answer(session)
 
     async def trajectory(self, session_id: str) -> dict[str, Any]:

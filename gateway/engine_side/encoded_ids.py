@@ -11,7 +11,7 @@ construction, and only the last prompt's `tail` is compared with what `base` hol
 previous answer's bridge, not the history). The bytes are always `orjson.dumps(ids)`'s; any other
 prompt (a plain list: a fork, a continuation after a weight update) is written whole. Held: the JSON
 of at most `max_ids` ids over all sessions (the least recently used dropped first), only prompts of
-`min_ids` ids or more.
+`min_ids` ids or more; a session's dropped when it ends (`forget`: the JSON also holds its `base`).
 
 The JSON is kept and handed out in pieces (`pieces`: the caller joins them once, into the request
 body): each `bytes + bytes` of a 600 KB list is a fresh allocation of its size, and three of them per
@@ -54,6 +54,12 @@ class EncodedIds:
         self.reused = 0  # ids not written again (tests, benches)
         self._last: OrderedDict[str, _Sent] = OrderedDict()
         self._held = 0  # ids whose JSON is held
+
+    def forget(self, key: str) -> None:
+        """Drops `key`'s JSON (its session ended): what is held also keeps its token list alive."""
+        sent = self._last.pop(key, None)
+        if sent is not None:
+            self._held -= sent.start + len(sent.tail)
 
     def dumps(self, key: str, ids: Sequence[int]) -> bytes:
         """`orjson.dumps(ids)`, byte for byte (`pieces`, joined)."""

@@ -246,6 +246,10 @@ class EngineTurns:
 
         return call
 
+    def ended(self, session_id: str) -> None:
+        """The session takes no more calls: its engine request JSON is not kept for a next one."""
+        self.engine.encoded_ids.forget(session_id)
+
     def _record_failure(self, session: Session, call_id: str, exc: GatewayError) -> None:
         failure = {"call_id": call_id, "status": exc.status, "message": exc.message, "time": time.time()}
         session.failed_calls.append(failure)

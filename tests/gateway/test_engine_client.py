@@ -127,6 +127,10 @@ def test_encoded_ids_are_orjsons_bytes_over_random_sessions_of_turns():
     assert enc.dumps("s", [5, 6, 7, 8, 9, 10, 11, 12]) == b"[5,6,7,8,9,10,11,12]"  # a plain list: whole
     assert enc.reused == 5
 
+    enc.forget("s")  # the session ended: nothing of it is held
+    assert "s" not in enc._last and enc._held == 0
+    enc.forget("s")
+
     # a long chain: the pieces kept are joined into one now and then, the bytes stay orjson's
     from palaestra.gateway.engine_side.encoded_ids import MAX_PIECES
 
