@@ -33,6 +33,7 @@ rendering of M, and the fork's reason is recorded (see `trajectory.FORK_REASONS`
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ SENTINEL = "\u2063PALAESTRA\u2063SENTINEL\u2063"
 
 @dataclass
 class Plan:
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # a `PromptIds` where bridged (not copied)
     rendered: str  # the template's rendering of the full request (kept for the next turn's checks)
     parent: Turn | None
     fork_reason: str | None = None
@@ -226,8 +227,9 @@ def _bridged(
         tail = tail[len(closing) :]
     bridge = renderer.encode(tail)
     # the engine call needs the whole list; the turn recorded from it appends only `bridge` and its
-    # output to the parent's (`Turn.tokens`)
-    return Plan(parent.tokens[: parent.end] + bridge, rendered, parent, bridge_tokens=len(bridge))
+    # output to the parent's (`Turn.tokens`), and the request's JSON is the parent's plus the bridge's
+    # (`PromptIds`: neither compares the history again)
+    return Plan(parent.extended(bridge), rendered, parent, bridge_tokens=len(bridge))
 
 
 def _bridge_short(append: _Append, short: ShortRender) -> Plan | None:

@@ -488,7 +488,7 @@ class GatewayService:
             None,
         )
         if parent is not None:
-            ids = parent.tokens[: parent.end] + self.renderer.encode(prompt[len(parent.rendered) :])
+            ids = parent.extended(self.renderer.encode(prompt[len(parent.rendered) :]))
             fork = None
         else:
             ids = self.renderer.encode(prompt)
@@ -728,6 +728,7 @@ class GatewayService:
             self.metrics.sessions_finished.labels(status=status).inc()
             self.sessions.closed(session)
             self.routing.ended(session_id)
+            self.turns.ended(session_id)
             return self._finish_answer(session)
 
     async def trajectory(self, session_id: str) -> dict[str, Any]:

@@ -2,52 +2,95 @@
 
 SGLang's `/generate` takes every prompt id on every call, so the JSON of the id list grows with the
 history (about 6 bytes an id; orjson writes 100k ids in about 1 ms): the largest part of what a
-turn's cost still grows by (docs/gateway.md, "Performance"). A session's next prompt almost always
-begins with its previous prompt (the bridge appends the answer and the new messages), so
-`EncodedIds` keeps, per session, the last prompt's ids and their JSON, and writes a prompt that
-begins with them as that JSON plus the new ids' only. The prefix is compared id for id (a list
-comparison in C, several times cheaper than writing the ids) against a copy held here, so the bytes
-are always `orjson.dumps(ids)`'s; anything else is written whole. Held: at most `max_ids` ids over
-all sessions (the least recently used dropped first), only prompts of `min_ids` ids or more.
+turn's cost still grows by (docs/gateway.md, "Performance"). A bridged prompt is a `PromptIds`: its
+turn's tokens list (`base`, only ever appended to) up to the parent's end, then the bridge
+(`tail`). `EncodedIds` keeps, per session, the JSON of the last such prompt with its `base`,
+`start` and `tail` (references, not copies), and writes the next prompt on the same `base` whose
+known part reaches past them as that JSON plus the new ids': the ids before `start` are `base`'s by
+construction, and only the last prompt's `tail` is compared with what `base` holds there (the
+previous answer's bridge, not the history). The bytes are always `orjson.dumps(ids)`'s; any other
+prompt (a plain list: a fork, a continuation after a weight update) is written whole. Held: the JSON
+of at most `max_ids` ids over all sessions (the least recently used dropped first), only prompts of
+`min_ids` ids or more; a session's dropped when it ends (`forget`: the JSON also holds its `base`).
+
+The JSON is kept and handed out in pieces (`pieces`: the caller joins them once, into the request
+body): each `bytes + bytes` of a 600 KB list is a fresh allocation of its size, and three of them per
+call (drop the "]", add the new ids, join into the body) cost more than the new ids' JSON. A
+session's pieces are joined into one after `MAX_PIECES`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import orjson
+
+from palaestra.gateway.sessions.trajectory import PromptIds, list_of
 
 __all__ = ["EncodedIds"]
 
 
+MAX_PIECES = 32
+
+
+class _Sent(NamedTuple):
+    """A prompt written: `b"".join(head) + b"]" == orjson.dumps(base[:start] + tail)` as it was when
+    written (`head`: its JSON without the closing bracket, in pieces)."""
+
+    base: list[int]
+    start: int
+    tail: list[int]
+    head: tuple[bytes | memoryview, ...]
+
+
 class EncodedIds:
-    """Per session, the last prompt ids sent and their JSON (module doc)."""
+    """Per session, the last bridged prompt's JSON and what it was made of (module doc)."""
 
     def __init__(self, max_ids: int = 2_000_000, min_ids: int = 2048) -> None:
         self.max_ids = max_ids
-        self.min_ids = min_ids
+        self.min_ids = max(1, min_ids)  # an empty list's JSON "[]" cannot be extended
         self.reused = 0  # ids not written again (tests, benches)
-        self._last: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
-        self._held = 0
+        self._last: OrderedDict[str, _Sent] = OrderedDict()
+        self._held = 0  # ids whose JSON is held
 
-    def dumps(self, key: str, ids: list[int]) -> bytes:
-        """`orjson.dumps(ids)`, byte for byte, reusing `key`'s last prompt's JSON where `ids` begins
-        with that prompt."""
-        out = None
-        entry = self._last.pop(key, None)
-        if entry is not None:
-            prev, encoded = entry
-            self._held -= len(prev)
-            n = len(prev)
-            if len(ids) >= n and ids[:n] == prev:
-                out = encoded if len(ids) == n else encoded[:-1] + b"," + orjson.dumps(ids[n:])[1:]
+    def forget(self, key: str) -> None:
+        """Drops `key`'s JSON (its session ended): what is held also keeps its token list alive."""
+        sent = self._last.pop(key, None)
+        if sent is not None:
+            self._held -= sent.start + len(sent.tail)
+
+    def dumps(self, key: str, ids: Sequence[int]) -> bytes:
+        """`orjson.dumps(ids)`, byte for byte (`pieces`, joined)."""
+        return b"".join(self.pieces(key, ids))
+
+    def pieces(self, key: str, ids: Sequence[int]) -> list[bytes | memoryview]:
+        """`orjson.dumps(ids)` in pieces (their join is it byte for byte), reusing `key`'s last bridged
+        prompt's JSON where `ids` is a `PromptIds` known to begin with that prompt."""
+        if not isinstance(ids, PromptIds):
+            return [orjson.dumps(list_of(ids))]
+        head = None
+        sent = self._last.pop(key, None)
+        if sent is not None:
+            n = sent.start + len(sent.tail)  # the ids `sent.head` writes
+            self._held -= n
+            # `base` only grows, so its first `sent.start` ids are still the ones written; the tail's
+            # (the bridge then) must be what `base` holds after them now (the turn appended it)
+            if ids.base is sent.base and ids.start >= n and sent.base[sent.start : n] == sent.tail:
+                head = sent.head
+                if len(ids) > n:  # "[a,b" + ",c,d": the new ids' JSON without its brackets
+                    new = ids.base[n : ids.start] + ids.tail  # ids[n:], not copying what is before
+                    head += (b",", memoryview(orjson.dumps(new))[1:-1])
+                    if len(head) > MAX_PIECES:
+                        head = (b"".join(head),)
                 self.reused += n
-        if out is None:
-            out = orjson.dumps(ids)
+        if head is None:
+            head = (memoryview(orjson.dumps(ids.list()))[:-1],)
         if self.min_ids <= len(ids) <= self.max_ids:
-            self._last[key] = (list(ids), out)  # a copy: the caller's list may change after the call
+            self._last[key] = _Sent(ids.base, ids.start, ids.tail, head)
             self._held += len(ids)
             while self._held > self.max_ids:
-                dropped, _ = self._last.popitem(last=False)[1]
-                self._held -= len(dropped)
-        return out
+                dropped = self._last.popitem(last=False)[1]
+                self._held -= dropped.start + len(dropped.tail)
+        return [*head, b"]"]

@@ -182,8 +182,8 @@ class EngineClient:
         if routing is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routing.start
-        ids = self.encoded_ids.dumps(session_id, input_ids)
-        return b"".join((b'{"input_ids":', ids, b",", orjson.dumps(body)[1:]))
+        ids = self.encoded_ids.pieces(session_id, input_ids)  # joined once, here
+        return b"".join((b'{"input_ids":', *ids, b",", memoryview(orjson.dumps(body))[1:]))
 
     def _raise_for(self, status: int, raw: bytes) -> None:
         text = raw.decode(errors="replace")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from palaestra.gateway.engine_side import partial
 from palaestra.gateway.engine_side.engine_client import EngineClient
@@ -37,7 +37,7 @@ Piece = tuple[list[int], list[float], Generation | None]
 """New output ids, their logprobs, and the Generation when the piece ends an engine call (the last
 piece of a choice carries the whole choice, continuations joined)."""
 
-_Call = Callable[[list[int], SamplingParams, int], AsyncIterator[Piece]]
+_Call = Callable[[Sequence[int], SamplingParams, int], AsyncIterator[Piece]]
 
 
 def _max_new(sampling: SamplingParams) -> int:
@@ -63,7 +63,7 @@ class EngineTurns:
 
     @contextlib.asynccontextmanager
     async def admitted(
-        self, session: Session, ids: list[int], sampling: SamplingParams
+        self, session: Session, ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncIterator[None]:
         """Placement's admission (before the pause gate, so a weight sync never waits for it), then
         the gate. The session's calls in flight are counted from before the gate, so one waiting out a
@@ -89,7 +89,7 @@ class EngineTurns:
         self,
         session: Session,
         call_id: str,
-        ids: list[int],
+        ids: Sequence[int],
         sampling: SamplingParams,
         top_logprobs: int,
         routed_from: int = 0,
@@ -111,7 +111,7 @@ class EngineTurns:
         self,
         session: Session,
         call_id: str,
-        ids: list[int],
+        ids: Sequence[int],
         sampling: SamplingParams,
         top_logprobs: int,
         routed_from: int = 0,
@@ -132,7 +132,7 @@ class EngineTurns:
         self,
         session: Session,
         call_id: str,
-        ids: list[int],
+        ids: Sequence[int],
         sampling: SamplingParams,
         routed_from: int,
         pauses: int,
@@ -150,7 +150,8 @@ class EngineTurns:
             final = first
             if final is None:
                 async with contextlib.aclosing(
-                    call(ids + (done.output_ids if done else []), current, routed_from)
+                    # the prompt itself on the first call (a `PromptIds` stays one: EncodedIds)
+                    call(ids if done is None else ids + done.output_ids, current, routed_from)
                 ) as pieces:
                     async for new_ids, new_lps, end in pieces:
                         if end is None:
@@ -184,7 +185,7 @@ class EngineTurns:
         self,
         session: Session,
         call_id: str,
-        ids: list[int],
+        ids: Sequence[int],
         sampling: SamplingParams,
         top_logprobs: int,
         routed_from: int,
@@ -207,14 +208,18 @@ class EngineTurns:
         return gens
 
     def _whole_call(self, session: Session, call_id: str, top_logprobs: int) -> _Call:
-        async def call(ids: list[int], sampling: SamplingParams, routed_from: int) -> AsyncIterator[Piece]:
+        async def call(
+            ids: Sequence[int], sampling: SamplingParams, routed_from: int
+        ) -> AsyncIterator[Piece]:
             gen = (await self._whole(session, call_id, ids, sampling, top_logprobs, routed_from))[0]
             yield gen.output_ids, gen.logprobs, gen
 
         return call
 
     def _streamed_call(self, session: Session, call_id: str, top_logprobs: int) -> _Call:
-        async def call(ids: list[int], sampling: SamplingParams, routed_from: int) -> AsyncIterator[Piece]:
+        async def call(
+            ids: Sequence[int], sampling: SamplingParams, routed_from: int
+        ) -> AsyncIterator[Piece]:
             route = self.routing.route(
                 session.session_id, session.env, session.group_id, ids, sampling.max_new_tokens
             )
@@ -240,6 +245,10 @@ class EngineTurns:
             route.done(final.cached_tokens, len(final.output_ids))
 
         return call
+
+    def ended(self, session_id: str) -> None:
+        """The session takes no more calls: its engine request JSON is not kept for a next one."""
+        self.engine.encoded_ids.forget(session_id)
 
     def _record_failure(self, session: Session, call_id: str, exc: GatewayError) -> None:
         failure = {"call_id": call_id, "status": exc.status, "message": exc.message, "time": time.time()}

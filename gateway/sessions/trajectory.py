@@ -16,9 +16,11 @@ from where its parent's ended. A gap or a shape that differs is a `RoutingError`
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -34,13 +36,70 @@ FORK_REASONS = (
 )
 
 
+class PromptIds(Sequence[int]):
+    """A prompt that extends a turn, known by construction and not copied: `base[:start] + tail`,
+    where `base` is the turn's `tokens` list and `start` its `end` (`Turn.extended`). A `Turn.tokens`
+    list only grows, so its first `start` ids stay what they were: the turn recorded from this
+    prompt appends `tail` to `base` without comparing the history, and `EncodedIds` writes the engine
+    request's JSON from the JSON it wrote for `base` before. Where a list is needed (a fork's JSON, a
+    continuation's prompt) `list_of` makes one; at 100k ids that copy and its release cost about as
+    much as writing the new ids' JSON, so the bridged path never makes it."""
+
+    __slots__ = ("base", "start", "tail")
+
+    def __init__(self, base: list[int], start: int, tail: list[int]) -> None:
+        self.base, self.start, self.tail = base, start, tail
+
+    def __len__(self) -> int:
+        return self.start + len(self.tail)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return self.list()[i]
+        k = i + len(self) if i < 0 else i
+        if not 0 <= k < len(self):
+            raise IndexError(f"prompt id {i} of {len(self)}")
+        return self.base[k] if k < self.start else self.tail[k - self.start]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(itertools.islice(self.base, self.start), self.tail)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PromptIds):
+            other = other.list()
+        return isinstance(other, list) and len(other) == len(self) and self.list() == other
+
+    __hash__ = None  # type: ignore[assignment]  # a list's value: not hashable
+
+    def __add__(self, other: list[int]) -> list[int]:
+        return self.list() + other
+
+    def __repr__(self) -> str:
+        return f"PromptIds({self.start} ids of a turn's tokens + {self.tail!r})"
+
+    def list(self) -> list[int]:
+        """The ids as a list of their own (a copy)."""
+        return (self.base if len(self.base) == self.start else self.base[: self.start]) + self.tail
+
+
+def list_of(ids: Sequence[int]) -> list[int]:
+    """`ids` as a list: itself where it is one, a copy of a `PromptIds`' ids."""
+    if isinstance(ids, list):
+        return ids
+    return ids.list() if isinstance(ids, PromptIds) else list(ids)
+
+
 @dataclass
 class Turn:
     turn_id: int
     call_id: str
     choice: int
     parent: Turn | None
-    prompt_ids: InitVar[list[int]]  # kept in `tokens` (read it with `prompt()`)
+    prompt_ids: InitVar[Sequence[int]]  # a list or a `PromptIds`, kept in `tokens` (read it with `prompt()`)
     output_ids: list[int]
     output_logprobs: list[float]
     weight_version: str
@@ -72,32 +131,44 @@ class Turn:
     tokens: list[int] = field(init=False, repr=False)
     """The token list whose first `prompt_len` ids are the prompt, followed by the output: one list
     along a chain of turns (each child's bridge and output appended to its parent's), so a session
-    holds its tokens once, not once per turn (64 turns of a 100k-token history: 6.4 M list slots)."""
+    holds its tokens once, not once per turn (64 turns of a 100k-token history: 6.4 M list slots).
+    Only ever appended to (`PromptIds` relies on it)."""
     prompt_len: int = field(init=False)
 
-    def __post_init__(self, prompt_ids: list[int]) -> None:
+    def __post_init__(self, prompt_ids: Sequence[int]) -> None:
         self.reasoning_on_path = self.had_reasoning or (
             self.parent is not None and self.parent.reasoning_on_path
         )
         parent, self.prompt_len = self.parent, len(prompt_ids)
         end = parent.end if parent is not None else 0
         # the parent is its list's last turn and this prompt extends it: append (else a list of its
-        # own: a root, a branch, or another choice of the same call)
-        if (
-            parent is not None
-            and len(parent.tokens) == end <= len(prompt_ids)
-            and prompt_ids[:end] == parent.tokens
+        # own: a root, a branch, or another choice of the same call). A `PromptIds` built on the
+        # parent's list up to its end says so without comparing the history again.
+        if parent is None or len(parent.tokens) != end or len(prompt_ids) < end:
+            self.tokens = list_of(prompt_ids) + self.output_ids
+        elif (
+            isinstance(prompt_ids, PromptIds) and prompt_ids.base is parent.tokens and prompt_ids.start == end
         ):
             self.tokens = parent.tokens
-            self.tokens += prompt_ids[end:]
+            self.tokens += prompt_ids.tail
             self.tokens += self.output_ids
         else:
-            self.tokens = [*prompt_ids, *self.output_ids]
+            prompt = list_of(prompt_ids)
+            if prompt[:end] == parent.tokens:
+                self.tokens = parent.tokens
+                self.tokens += prompt[end:]
+                self.tokens += self.output_ids
+            else:
+                self.tokens = prompt + self.output_ids
 
     @property
     def end(self) -> int:
         """Where this turn's output ends in `tokens`."""
         return self.prompt_len + len(self.output_ids)
+
+    def extended(self, tail: list[int]) -> PromptIds:
+        """The prompt of a turn that continues this one: its prompt and output, then `tail`."""
+        return PromptIds(self.tokens, self.end, tail)
 
     def prompt(self) -> list[int]:
         """The prompt ids (a copy)."""
