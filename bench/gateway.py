@@ -111,7 +111,6 @@ def paired_cost(
     c: httpx.Client,
     gw_url: str,
     engine_url: str,
-    reply: list[int],
     system: str,
     dialect: str,
     max_tokens: int,
@@ -121,11 +120,11 @@ def paired_cost(
     cycles: int,
 ) -> dict:
     """The gateway's own cost per turn along a session in `dialect`: each turn's latency minus that of a
-    direct /generate with as many input ids as the turn's prompt (and the same budget), sent right
-    after it. `slots` sessions run side by side, staggered by turns / slots, each replaced by a fresh
-    one when it reaches `turns`: every round has a session in every bucket of 8 turns, so the
-    machine's noise hits them alike. Each user turn carries `filler` (the history's size); answers
-    are `reply` cut at `max_tokens`. Returns the medians per bucket and the first finished session's
+    direct /generate of the very body the gateway sent the engine for it (the zero engine keeps it:
+    `--keep-bodies`), sent right after it. `slots` sessions run side by side, staggered by turns /
+    slots, each replaced by a fresh one when it reaches `turns`: every round has a session in every
+    bucket of 8 turns, so the machine's noise hits them alike. Each user turn carries `filler` (the
+    history's size); answers are the engine's reply cut at `max_tokens`. Returns the medians per bucket and the first finished session's
     record (`session_record`)."""
     if turns % 8 or turns < 16:
         raise SystemExit("--turns must be a multiple of 8 and at least 16 for the paired test")
@@ -147,8 +146,9 @@ def paired_cost(
         gw_s = time.perf_counter() - t0
         r.raise_for_status()
         n, items, _ = paired_reply(dialect, r.json())
-        ids = (reply * (n // len(reply) + 1))[:n]
-        direct_body = orjson.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens}})
+        kept = c.get(f"{engine_url}/last_body", params={"key": slot["id"]})  # what the gateway sent
+        kept.raise_for_status()
+        direct_body = kept.content
         t0 = time.perf_counter()
         d = c.post(
             f"{engine_url}/generate", content=direct_body, headers={"Content-Type": "application/json"}
@@ -197,7 +197,7 @@ def paired_table(
     per_word = len(tok.encode(word * 100, add_special_tokens=False)) / 100
     for dialect in dialects:  # warm-up, unmeasured: the first turns of a fresh gateway cost more
         for kind in answers:
-            paired_cost(c, gw_url, engine_url, reply, system, dialect, budgets[kind], "", 16, 2, 1)
+            paired_cost(c, gw_url, engine_url, system, dialect, budgets[kind], "", 16, 2, 1)
     rows = []
     for size in histories:
         # each turn adds about 30 tokens of template, question and answer beside its filler
@@ -208,7 +208,6 @@ def paired_table(
                     c,
                     gw_url,
                     engine_url,
-                    reply,
                     system,
                     dialect,
                     budgets[kind],
@@ -289,7 +288,7 @@ def main() -> None:
     reply = tok.encode("Sure, here it is.", add_special_tokens=False) + [
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
-    zero = zero_engine.process("--reply-ids", *map(str, reply), "--context-length", "262144")
+    zero = zero_engine.process("--reply-ids", *map(str, reply), "--context-length", "262144", "--keep-bodies")
     spool = Path("runs/bench-gateway-spool")
     with (
         zero,

@@ -16,6 +16,13 @@ It does no model work, so what a benchmark or a load test measures through it is
 An answer longer than the request's `sampling_params.max_new_tokens` is cut there and reported as
 `length`, as an engine's would be (bench/gateway.py's paired test asks for answers cut at the limit).
 
+The input ids are counted, not parsed (`read_body`): turning 100k ids of JSON into Python ints cost
+this engine 5-7 ms a call (the stdlib's parser, FastAPI's `request.json()`), more for larger ids, and
+freeing them delayed its next answer, so a bench pairing a gateway call with a direct one of as
+many ids measured the engine's work on two different id lists and on the call before. With
+`--keep-bodies` it keeps each routing key's last /generate body (`GET /last_body?key=K`), so a bench
+can send the engine exactly what the gateway sent.
+
 It serves the probes the router and the gateway need (/health, /server_info, /model_info,
 /v1/models with owned_by "sglang"). It is not a model of the engine's behaviour (no sampling, no
 streaming, no pause or weight sync): only for measuring and loading what stands in front of it.
@@ -25,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -54,6 +63,27 @@ def derived_reply(key: str, prompt_len: int, alphabet: list[int], length: int, s
     return [alphabet[b % len(alphabet)] for b in digest[:length]] + [stop_id]
 
 
+_IDS = re.compile(rb'"input_ids"\s*:\s*\[([0-9,\s]*)\]')
+
+
+def read_body(raw: bytes) -> tuple[int, dict[str, Any]]:
+    """(the number of input ids, the rest of the body) of a /generate body, the ids counted in the
+    raw bytes (module doc); any body the count cannot be sure of is parsed whole."""
+    m = _IDS.search(raw) if raw.count(b'"input_ids"') == 1 else None  # a key, in one place only
+    if m is not None:
+        try:
+            rest = orjson.loads(raw[: m.start(1)] + raw[m.end(1) :])
+        except orjson.JSONDecodeError:
+            rest = None
+        if isinstance(rest, dict) and rest.get("input_ids") == []:  # the match was the top-level list
+            ids = m.group(1)
+            return (ids.count(b",") + 1 if ids.strip() else 0), rest
+    body = orjson.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError("the body is not a JSON object")
+    return len(body.get("input_ids") or []), body
+
+
 def make_app(
     reply_ids: list[int] | None = None,
     *,
@@ -61,14 +91,17 @@ def make_app(
     stop_id: int | None = None,
     reply_len: int = 8,
     context_length: int = 32768,
+    keep_bodies: bool = False,
 ) -> FastAPI:
-    """The engine app: fixed `reply_ids`, or `derived_reply` over `alphabet` + `stop_id`."""
+    """The engine app: fixed `reply_ids`, or `derived_reply` over `alphabet` + `stop_id`; with
+    `keep_bodies`, each routing key's last /generate body served at `GET /last_body?key=`."""
     if (reply_ids is None) == (alphabet is None):
         raise ValueError("give exactly one of reply_ids and alphabet")
     if alphabet is not None and (not alphabet or stop_id is None or reply_len < 1):
         raise ValueError("the alphabet mode needs a non-empty alphabet, a stop_id and reply_len >= 1")
     app = FastAPI()
     count = {"n": 0}  # answer ids, for meta_info.id (one event loop: no lock needed)
+    last_bodies: dict[str, bytes] = {}
 
     def answer_ids(request: Request, prompt_len: int) -> list[int]:
         if reply_ids is not None:
@@ -80,8 +113,10 @@ def make_app(
 
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        body = await request.json()
-        prompt_len = len(body.get("input_ids") or [])
+        raw = await request.body()
+        prompt_len, body = read_body(raw)
+        if keep_bodies:
+            last_bodies[request.headers.get(ROUTING_HEADER, "")] = raw
         ids = answer_ids(request, prompt_len)
         limit = (body.get("sampling_params") or {}).get("max_new_tokens")
         finish: dict[str, Any] = {"type": "stop", "matched": ids[-1]}
@@ -98,6 +133,12 @@ def make_app(
             "output_token_logprobs": [[-0.1, t, None] for t in ids],
         }
         return JSONResponse({"text": "", "output_ids": ids, "meta_info": meta})
+
+    @app.get("/last_body")
+    async def last_body(key: str = "") -> Response:
+        if key not in last_bodies:
+            return Response(status_code=404)
+        return Response(last_bodies[key], media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
@@ -136,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stop-id", type=int, help="alphabet mode: the id that ends every answer")
     ap.add_argument("--reply-len", type=int, default=8, help="alphabet mode: ids per answer before the stop")
     ap.add_argument("--context-length", type=int, default=32768)
+    ap.add_argument(
+        "--keep-bodies", action="store_true", help="keep each routing key's last body: GET /last_body?key=K"
+    )
     args = ap.parse_args(argv)
     if args.alphabet is not None and args.stop_id is None:
         ap.error("--alphabet needs --stop-id")
@@ -145,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         stop_id=args.stop_id,
         reply_len=args.reply_len,
         context_length=args.context_length,
+        keep_bodies=args.keep_bodies,
     )
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
