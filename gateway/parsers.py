@@ -458,11 +458,12 @@ def parse_output(
             content, parser_errors = rest, [f"tool-call parser {tool_parser.name!r} failed: {error!r}"]
         errors += parser_errors
         if tools is not None:
-            known = {_tool_name(tool) for tool in tools}
+            # each call's name looked up in the tools until found (a call or two against ~30 tools;
+            # a set of every tool's name cost more than the lookups)
             errors += [
                 f"tool call {i} names {call.name!r}, which is not in the request's tools; returned as a call"
                 for i, call in enumerate(calls)
-                if call.name not in known
+                if not any(_tool_name(tool) == call.name for tool in tools)
             ]
     return ParsedOutput(
         content=content if content or not calls else None,
