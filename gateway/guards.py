@@ -7,9 +7,9 @@
 * `read_json`: the body -> a JSON object, refusing invalid UTF-8, invalid JSON, nesting deeper than
   `MAX_JSON_DEPTH` and anything but an object, each with a 400 naming the problem.
 * `GuardedStream`: a streamed answer that gives up on a client that stops reading (a send that
-  waits longer than `stream_send_timeout_s`) and closes the call's event generator however the
-  stream ends, so the engine request is dropped (the engine aborts a request whose connection
-  closes) and the pause gate released.
+  waits longer than `stream_send_timeout_s`), ends at once for a client that disconnects, and closes
+  the call's event generator however the stream ends, so the engine request is dropped (the engine
+  aborts a request whose connection closes) and the pause gate released.
 
 Every refusal is counted in `palaestra_gateway_rejected_requests{reason}` and every stream cut
 short in `palaestra_gateway_streams_cut{reason}` (docs/reliability-input.md lists them).
