@@ -287,6 +287,8 @@ class GuardedStream(Response):
             finished = True
             # a shaper may end before the core's events do (`streaming.ShapedStream` closes both)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            # the answer is whole: the server reports a disconnect once the last message goes out
+            left.active = False
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (asyncio.CancelledError, OSError):  # the client went away
             left.active = False  # (before any await: no second cancellation from the listener)
@@ -317,8 +319,11 @@ class _ClientLeft:
         self.active = True
 
     async def listen(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a server whose receive fails: then only a failed send notices a client gone
+            return
         if self.active:
             self.cancelled = True
             self.task.cancel()
