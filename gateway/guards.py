@@ -7,9 +7,9 @@
 * `read_json`: the body -> a JSON object, refusing invalid UTF-8, invalid JSON, nesting deeper than
   `MAX_JSON_DEPTH` and anything but an object, each with a 400 naming the problem.
 * `GuardedStream`: a streamed answer that gives up on a client that stops reading (a send that
-  waits longer than `stream_send_timeout_s`) and closes the call's event generator however the
-  stream ends, so the engine request is dropped (the engine aborts a request whose connection
-  closes) and the pause gate released.
+  waits longer than `stream_send_timeout_s`), ends at once for a client that disconnects, and closes
+  the call's event generator however the stream ends, so the engine request is dropped (the engine
+  aborts a request whose connection closes) and the pause gate released.
 
 Every refusal is counted in `palaestra_gateway_rejected_requests{reason}` and every stream cut
 short in `palaestra_gateway_streams_cut{reason}` (docs/reliability-input.md lists them).
@@ -23,10 +23,9 @@ import logging
 from collections.abc import AsyncIterable, Callable
 from typing import Any
 
-import anyio
 import orjson
 from prometheus_client import Counter
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from palaestra.gateway.errors import GatewayError
@@ -233,30 +232,50 @@ class _SendDeadline:
             self._timer = None
 
 
-class GuardedStream(StreamingResponse):
-    """Server-sent events that cannot pin the gateway: a send that waits longer than
-    `send_timeout_s` (a client that stopped reading; the socket's buffers are full) ends the
-    stream, and the event generator is closed however the stream ends, which drops the engine
-    request and releases the pause gate. Ends cut short are counted by `CUT_REASONS`."""
+class GuardedStream(Response):
+    """Server-sent events that cannot pin the gateway, as a bare ASGI send loop (Starlette's
+    `StreamingResponse` ran each stream in an anyio task group, and, under a server of ASGI spec 2.4,
+    noticed a client that left only at its next send: a call waiting for a whole engine answer kept
+    the engine generating). A send that waits longer than `send_timeout_s` (a client that stopped
+    reading; the socket's buffers are full) ends the stream; a client that disconnects cancels it at
+    once, whatever it waits for (a task beside it listens for `http.disconnect`); and the event
+    generator is closed however the stream ends, which drops the engine request (the engine aborts a
+    request whose connection closes) and releases the pause gate. Ends cut short are counted by
+    `CUT_REASONS`. A `Response` for FastAPI's sake (it returns a route's `Response` as it is)."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterable[str], *, send_timeout_s: float, cut: Counter):
-        super().__init__(content, media_type="text/event-stream")
+        self.body_iterator = content
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         self.send_timeout_s = send_timeout_s
         self.cut = cut
 
-    async def stream_response(self, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        left = _ClientLeft()
+        listener = asyncio.ensure_future(left.listen(receive))
+        try:
+            await self.stream_response(send, left)
+        finally:
+            left.active = False
+            listener.cancel()
+        if self.background is not None:
+            await self.background()
+
+    async def stream_response(self, send: Send, left: _ClientLeft) -> None:
         finished = False
         deadline = _SendDeadline(self.send_timeout_s)
         try:
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
-            charset = self.charset
             async for chunk in self.body_iterator:
-                data = chunk.encode(charset) if isinstance(chunk, str) else chunk
                 deadline.start()
                 try:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    body = chunk.encode() if isinstance(chunk, str) else chunk
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
                 except asyncio.CancelledError:
                     if not deadline.timed_out():
                         raise
@@ -268,12 +287,46 @@ class GuardedStream(StreamingResponse):
             finished = True
             # a shaper may end before the core's events do (`streaming.ShapedStream` closes both)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            # the answer is whole: the server reports a disconnect once the last message goes out
+            left.active = False
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except (asyncio.CancelledError, OSError):  # the client went away (starlette cancels the send)
+        except (asyncio.CancelledError, OSError):  # the client went away
+            left.active = False  # (before any await: no second cancellation from the listener)
             self.cut.labels(reason="client_disconnected").inc()
-            raise
+            if not left.gone():
+                raise
+            # the listener's cancellation alone: the client left, nothing is left to answer
         finally:
+            left.active = False
             deadline.close()
             if not finished:
-                with anyio.CancelScope(shield=True):  # cleanup must run inside a cancelled scope
-                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _ClientLeft:
+    """Cancels a stream's task when its client disconnects (`GuardedStream`): `listen` runs beside the
+    stream while `active`; `gone()`, after a CancelledError, says whether it was this cancellation
+    alone (`asyncio.Timeout`'s rule: the task's other cancellation requests stay)."""
+
+    __slots__ = ("task", "cancelling", "cancelled", "active")
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.cancelling = task.cancelling()
+        self.cancelled = False
+        self.active = True
+
+    async def listen(self, receive: Receive) -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a server whose receive fails: then only a failed send notices a client gone
+            return
+        if self.active:
+            self.cancelled = True
+            self.task.cancel()
+
+    def gone(self) -> bool:
+        return self.cancelled and self.task.uncancel() <= self.cancelling

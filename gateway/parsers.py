@@ -457,8 +457,8 @@ def parse_output(
         except Exception as error:  # likewise: the text stays content
             content, parser_errors = rest, [f"tool-call parser {tool_parser.name!r} failed: {error!r}"]
         errors += parser_errors
-        if tools is not None:
-            known = {_tool_name(tool) for tool in tools}
+        if tools is not None and calls:
+            known = _tool_names(tools)
             errors += [
                 f"tool call {i} names {call.name!r}, which is not in the request's tools; returned as a call"
                 for i, call in enumerate(calls)
@@ -470,6 +470,18 @@ def parse_output(
         tool_calls=calls,
         parse_errors=errors,
     )
+
+
+_last_names: tuple[object, frozenset[str | None]] = (None, frozenset())
+
+
+def _tool_names(tools: Tools) -> frozenset[str | None]:
+    """The names of `tools`, kept for the last list asked about: a session's parse memo hands the
+    same list to each call whose tools are the same, and ~30 tools' names cost more than the parse."""
+    global _last_names
+    if _last_names[0] is not tools:
+        _last_names = (tools, frozenset(_tool_name(tool) for tool in tools))
+    return _last_names[1]
 
 
 def _tool_name(tool: object) -> str | None:

@@ -202,6 +202,43 @@ class HistoryDigests:
         return digests
 
 
+_MEMO_ATTRIBUTE_CHECKS = 4096
+"""Most (type, attribute) answers a renderer keeps: the names come from the template's text, except
+where a template subscripts with a name from the messages (then each new name is checked as before)."""
+
+
+def _attribute_checks_memoised(compiled: Any, template: str) -> Any:
+    """The template compiled again in an overlay of its environment whose sandbox check of an
+    attribute (`is_safe_attribute`, on every `message.content`-style access that finds a Python
+    attribute, such as a string's `startswith`) is answered once per (type, attribute name).
+
+    In jinja's `ImmutableSandboxedEnvironment` the answer depends on nothing else: the name (private,
+    or a known internal of functions, frames, generators...) and whether the object is of a mutable
+    builtin kind that the attribute would modify, both decided by the type. Uncached, those checks
+    (abstract-class `isinstance` tests) were two thirds of rendering a short bridge. Any other
+    environment class (one that may decide by the value) is left as it is."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = compiled.environment
+    if type(env) is not ImmutableSandboxedEnvironment:
+        return compiled
+    check = env.is_safe_attribute
+    answers: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = answers.get(key)
+        if safe is None:
+            safe = check(obj, attr, value)
+            if len(answers) < _MEMO_ATTRIBUTE_CHECKS:
+                answers[key] = safe
+        return safe
+
+    overlay = env.overlay()  # the same filters, globals and extensions; its own checks
+    overlay.is_safe_attribute = is_safe_attribute
+    return overlay.from_string(template)
+
+
 class ChatRenderer:
     """Renders with the tokenizer's chat template.
 
@@ -233,7 +270,7 @@ class ChatRenderer:
             try:
                 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-                self._compiled = _compile_jinja_template(template)
+                self._compiled = _attribute_checks_memoised(_compile_jinja_template(template), template)
             except ImportError:  # other transformers versions: the public (slower) path
                 self._compiled = None
         self._backend = _fast_backend(tokenizer)

@@ -563,14 +563,18 @@ async def stream(
             }
             yield _event("message_start", message=message)
         elif isinstance(event, TextDelta):
+            delta = _event("content_block_delta", index=0, delta={"type": "text_delta", "text": event.text})
             if not opened:
                 opened = True
-                yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": event.text})
+                start = _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                delta = start + delta
+            yield delta
         elif isinstance(event, StreamFailed):
             yield _event("error", error=error_body(event.error)["error"])
             return
         elif isinstance(event, StreamFinished):
+            # the last piece's events in one write (one send through the ASGI layers, one packet)
+            parts: list[str] = []
             out = event.result.outputs[0]
             blocks = content_blocks(out, _omitted(request))
             if opened and blocks[0]["type"] != "text":
@@ -578,16 +582,20 @@ async def stream(
             for index, block in enumerate(blocks):
                 if opened and index == 0:
                     if event.unsent:
-                        yield _event(
-                            "content_block_delta", index=0, delta={"type": "text_delta", "text": event.unsent}
+                        parts.append(
+                            _event(
+                                "content_block_delta",
+                                index=0,
+                                delta={"type": "text_delta", "text": event.unsent},
+                            )
                         )
-                    yield _event("content_block_stop", index=0)
+                    parts.append(_event("content_block_stop", index=0))
                 else:
-                    for chunk in _block_events(index, block):
-                        yield chunk
+                    parts += _block_events(index, block)
             reason, sequence = stop_reason(request, out)
             delta = {"stop_reason": reason, "stop_sequence": sequence}
-            yield _event(
-                "message_delta", delta=delta, usage={"output_tokens": event.result.completion_tokens}
+            parts.append(
+                _event("message_delta", delta=delta, usage={"output_tokens": event.result.completion_tokens})
             )
-            yield _event("message_stop")
+            parts.append(_event("message_stop"))
+            yield "".join(parts)

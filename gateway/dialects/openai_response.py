@@ -130,22 +130,24 @@ async def chat_stream(
             logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
             yield chunks.delta({"content": event.text}, logprobs=logprobs)
         elif isinstance(event, StreamFailed):
-            yield sse(event.error.body())
-            yield SSE_DONE
+            yield sse(event.error.body()) + SSE_DONE
             return
         elif isinstance(event, StreamFinished):
+            # the last piece's chunks in one write (one send through the ASGI layers, one packet)
             assert chunks is not None
             out = event.result.outputs[0]
+            parts: list[str] = []
             if out.reasoning is not None:
-                yield chunks.delta({"reasoning_content": out.reasoning})
+                parts.append(chunks.delta({"reasoning_content": out.reasoning}))
             if event.unsent:
-                yield chunks.delta({"content": event.unsent})
+                parts.append(chunks.delta({"content": event.unsent}))
             if out.tool_calls:
-                yield chunks.delta({"tool_calls": tool_call_deltas(out.tool_calls)})
-            yield chunks.delta({}, finish_reason(out))
+                parts.append(chunks.delta({"tool_calls": tool_call_deltas(out.tool_calls)}))
+            parts.append(chunks.delta({}, finish_reason(out)))
             if request.params.include_usage:
-                yield chunks.usage(event.result)
-            yield SSE_DONE
+                parts.append(chunks.usage(event.result))
+            parts.append(SSE_DONE)
+            yield "".join(parts)
 
 
 def completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:

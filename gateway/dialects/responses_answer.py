@@ -263,8 +263,7 @@ async def stream(
         if isinstance(event, StreamStarted):
             call_id, created, model = event.call_id, event.created, event.model
             head = _response(request, call_id, created, model, "in_progress", [], None)
-            yield ev("response.created", response=head)
-            yield ev("response.in_progress", response=head)
+            yield ev("response.created", response=head) + ev("response.in_progress", response=head)
         elif isinstance(event, TextDelta):
             item_id = f"msg_{_ids(call_id)}"
             if not opened:
@@ -293,13 +292,14 @@ async def stream(
             yield ev("response.failed", response=failed)
             return
         elif isinstance(event, StreamFinished):
+            # the last piece's events in one write (one send through the ASGI layers, one packet)
             final = answer(request, event.result, force_message=opened)
+            parts: list[str] = []
             for index, item in enumerate(final["output"]):
                 if opened and item["type"] == "message":
-                    for chunk in _text_done(ev, index, item, event.unsent):
-                        yield chunk
+                    parts += _text_done(ev, index, item, event.unsent)
                 else:
-                    for chunk in _item_events(ev, index, item):
-                        yield chunk
+                    parts += _item_events(ev, index, item)
             done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-            yield ev(done, response=final)
+            parts.append(ev(done, response=final))
+            yield "".join(parts)

@@ -168,8 +168,11 @@ def shaped(request: TurnRequest, events: list[StreamEvent]) -> list[Any]:
     async def collect() -> list[str]:
         return [c async for c in openai_response.chat_stream(request, feed())]
 
-    lines = asyncio.run(collect())
-    assert all(line.startswith("data: ") and line.endswith("\n\n") for line in lines)
+    # a piece's events may go out as one chunk: split the stream's text into its events
+    text = "".join(asyncio.run(collect()))
+    assert text.endswith("\n\n")
+    lines = [event + "\n\n" for event in text.split("\n\n")[:-1]]
+    assert all(line.startswith("data: ") for line in lines)
     return [line[6:-2] if line == "data: [DONE]\n\n" else json.loads(line[6:]) for line in lines]
 
 

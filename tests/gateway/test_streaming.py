@@ -6,14 +6,21 @@
   strings split across pieces, with and without held trailing whitespace.
 * A stream's one send deadline (`guards._SendDeadline`) ends a send that waits past it, never a
   stream of quick sends however long, and leaves a cancellation from elsewhere a cancellation.
+* A client that leaves while the gateway waits for the engine (each turn route, under servers of ASGI
+  spec 2.3 and 2.4) drops the engine's request and leaves no half turn (`guards.GuardedStream`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
+import threading
+import time
 import types
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,6 +28,7 @@ from hypothesis import strategies as st
 from palaestra.gateway.guards import _SendDeadline
 from palaestra.gateway.renderer import ChatRenderer, _decode_concatenates
 from palaestra.gateway.streaming import HeldBackText
+from tests.support.servers import ThreadServer
 
 EXAMPLES = int(os.environ.get("PALAESTRA_FUZZ_EXAMPLES", "120"))
 PROPERTY = settings(
@@ -174,3 +182,101 @@ def test_a_cancellation_from_elsewhere_stays_a_cancellation():
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(main())
+
+
+class HeldEngine:
+    """TEST DOUBLE of an engine that never answers a /generate: it holds each one until the caller
+    closes the connection, and records that it was asked and that it was left (what the real engine
+    does then is abort the request)."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.left = threading.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] != "/generate":
+            body = b'{"context_length": 32768}' if scope["path"] == "/server_info" else b"{}"
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        while (await receive()).get("more_body"):
+            pass
+        self.asked.set()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.left.set()
+
+
+def spec_version(app, version: str):
+    """`app` served as by a server of that ASGI spec version (uvicorn says 2.3; Starlette's
+    StreamingResponse listens for a disconnect only below 2.4)."""
+
+    async def served(scope, receive, send):
+        if scope["type"] == "http":
+            scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": version}}
+        await app(scope, receive, send)
+
+    served.state = app.state
+    return served
+
+
+@pytest.mark.parametrize("version", ["2.3", "2.4"])
+@pytest.mark.parametrize("route", ["messages", "chat/completions", "responses"])
+def test_a_client_that_leaves_while_the_engine_answers_drops_the_engine_call(tok, tmp_path, version, route):
+    """The client goes away while the gateway waits for the engine (nothing of the answer sent yet):
+    the stream is cancelled, the engine's request dropped, the session left without a half turn."""
+    from palaestra.gateway.app import create_app
+    from tests.support.servers import ENV_KEY, gateway_config
+
+    engine = HeldEngine()
+    key = {"Authorization": f"Bearer {ENV_KEY}"}
+    body = {"model": "m", "stream": True}
+    if route == "responses":
+        body |= {"input": "hi", "max_output_tokens": 8}
+    else:
+        body |= {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    with ThreadServer(engine) as eng:
+        app = create_app(gateway_config(eng.url, tmp_path / "spool"), tokenizer=tok)
+        with ThreadServer(spec_version(app, version)) as gw:
+            sid = httpx.post(f"{gw.url}/sessions", json={}, headers=key).json()["session_id"]
+            cut = cut_count(gw.url, key)
+
+            async def leave() -> None:
+                async with httpx.AsyncClient(timeout=120, headers=key) as client:
+                    call = asyncio.create_task(client.post(f"{gw.url}/s/{sid}/v1/{route}", json=body))
+                    # the engine asked, or the call over (a refusal: then its answer says why); the
+                    # bound only ends a hang, the test waits on the events, not on a duration
+                    asked = asyncio.ensure_future(asyncio.to_thread(engine.asked.wait, 120))
+                    await asyncio.wait({call, asked}, return_when=asyncio.FIRST_COMPLETED)
+                    assert not call.done(), call.result().text
+                    assert await asked, "the engine was never asked"
+                    call.cancel()  # the client goes away: its connection closes
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await call
+
+            asyncio.run(leave())
+            assert engine.left.wait(120), "the gateway kept waiting on the engine for a client that left"
+            deadline = time.monotonic() + 120
+            while cut_count(gw.url, key) != cut + 1:
+                assert time.monotonic() < deadline, "the stream's cut was not counted"
+                time.sleep(0.02)
+            assert httpx.get(f"{gw.url}/sessions/{sid}", headers=key).json()["turns"] == []
+
+
+def cut_count(url: str, key: dict[str, str]) -> float:
+    text = httpx.get(f"{url}/metrics", headers=key).text
+    found = re.search(
+        r'^palaestra_gateway_streams_cut_total\{reason="client_disconnected"\} (\S+)$', text, re.M
+    )
+    return float(found.group(1)) if found else 0.0
