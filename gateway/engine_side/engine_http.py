@@ -103,6 +103,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         self.pieces: list[bytes] = []
         self.buffered = 0
+        self.whole = False  # read whole (`read`), not as it comes (`read_some`)
 
     # -- one request --------------------------------------------------------------------------
     def send(self, data: bytes, deadline: float) -> None:
@@ -119,6 +120,10 @@ class _Connection(asyncio.Protocol):
 
     async def read(self) -> bytes:
         """The whole body."""
+        self.whole = True  # held whole whatever its size: the reads are never paused for it
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
         while not self.complete:
             if self.error is not None:
                 raise self.error
@@ -233,7 +238,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.pieces.append(body)
         self.buffered += len(body)
-        if self.buffered > _HIGH_WATER and not self.paused and not self.closed:
+        if self.buffered > _HIGH_WATER and not self.whole and not self.paused and not self.closed:
             self.paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
         self._wake()
