@@ -356,6 +356,7 @@ class EngineClient:
                     data = line[6:].strip()
                     if data == b"[DONE]":
                         done = True
+                        r.ended()  # its connection may go back to the pool once the body's framing ends
                         break
                     events.append(data)
                 if events:

@@ -48,6 +48,10 @@ ENGINE_HTTP = ("auto", "bare", "aiohttp")
 
 # A streamed answer's bytes held unread above this stop the socket's reads until the reader catches up.
 _HIGH_WATER = 1 << 20
+# A stream whose reader saw its end marker ([DONE]) is left to end in the background and rejoins the
+# pool when it does: given this long, and at most this many bytes more, else closed.
+_DRAIN_S = 1.0
+_DRAIN_BYTES = 1 << 16
 
 
 class EngineConnectionError(Exception):
@@ -88,6 +92,7 @@ class _Connection(asyncio.Protocol):
         self.idle = False  # in the pool, between requests
         self.reused = False  # carried an answer before this request
         self.paused = False
+        self.draining = False  # the reader is done; the rest of the body is awaited, then the pool
         self._timer: asyncio.TimerHandle | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._begin()
@@ -104,6 +109,7 @@ class _Connection(asyncio.Protocol):
         self.pieces: list[bytes] = []
         self.buffered = 0
         self.whole = False  # read whole (`read`), not as it comes (`read_some`)
+        self.reader_done = False  # the reader saw the answer's end marker (`ended`)
 
     # -- one request --------------------------------------------------------------------------
     def send(self, data: bytes, deadline: float) -> None:
@@ -148,6 +154,11 @@ class _Connection(asyncio.Protocol):
             if self.error is not None:
                 raise self.error
             await self._wait()
+
+    def ended(self) -> None:
+        """The reader saw the answer's own end (SGLang's `data: [DONE]`): what may still come is the
+        body's framing, so leaving now keeps the connection (it rejoins the pool once the body ends)."""
+        self.reader_done = True
 
     def reusable(self) -> bool:
         return self.complete and self.keep_alive and not self.closed
@@ -212,6 +223,9 @@ class _Connection(asyncio.Protocol):
             self._fail(EngineConnectionError(f"the engine closed the connection: {exc or 'EOF'}"))
         if self.idle:
             self.pool._lost_idle(self)
+        if self.draining:
+            self.draining = False
+            self.pool._drained(self)
 
     def pause_writing(self) -> None:  # the whole request is one write: the kernel takes it as it can
         pass
@@ -236,6 +250,11 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.draining:  # nobody reads it: dropped, and a body that goes on is not framing
+            self.buffered += len(body)
+            if self.buffered > _DRAIN_BYTES:
+                self.close()
+            return
         self.pieces.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.whole and not self.paused and not self.closed:
@@ -248,6 +267,9 @@ class _Connection(asyncio.Protocol):
         self.complete = True
         self._disarm()
         self._wake()
+        if self.draining:
+            self.draining = False
+            self.pool._drained(self)
 
 
 class _BarePost:
@@ -285,10 +307,14 @@ class _BarePost:
             self.conn = conn
             return conn
 
-    async def __aexit__(self, *exc: object) -> None:
-        if self.conn is not None:
-            self.http._release(self.conn)
-            self.conn = None
+    async def __aexit__(self, kind: object, *exc: object) -> None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        if kind is None and conn.reader_done and not conn.complete and conn.error is None and not conn.closed:
+            self.http._drain(conn)  # left at the stream's end marker: its last bytes are awaited
+        else:
+            self.http._release(conn)  # read to its end, or left midway: closed (the engine aborts)
 
 
 class BareHttp:
@@ -384,6 +410,23 @@ class BareHttp:
             self._open -= 1
         self._wake_one()
 
+    def _drain(self, conn: _Connection) -> None:
+        conn._disarm()
+        conn.draining = True
+        conn.pieces = []
+        conn.buffered = 0
+        conn._timer = conn.loop.call_later(_DRAIN_S, conn.close)  # on_message_complete cancels it
+
+    def _drained(self, conn: _Connection) -> None:
+        """A drained answer ended (into the pool) or its connection closed (its place free)."""
+        if conn.reusable():
+            conn.idle = True
+            self._idle.setdefault(conn.key, []).append(conn)
+        else:
+            conn.close()
+            self._open -= 1
+        self._wake_one()
+
     def _lost_idle(self, conn: _Connection) -> None:
         """An idle connection the server closed: out of the pool, its place free."""
         conn.idle = False
@@ -431,6 +474,9 @@ class _AiohttpAnswer:
     async def read(self) -> bytes:
         with _aiohttp_errors():
             return await self.r.read()
+
+    def ended(self) -> None:
+        """aiohttp's connection is released, or closed when the body has not ended, as it decides."""
 
     async def read_some(self) -> bytes | None:
         with _aiohttp_errors():

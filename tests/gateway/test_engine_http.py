@@ -409,3 +409,50 @@ def test_engine_client_against_the_embedded_engine(engine, engine_http):
         await client.close()
 
     asyncio.run(main())
+
+
+def test_a_stream_left_at_its_done_marker_rejoins_the_pool_and_one_that_never_ends_is_closed(monkeypatch):
+    """SGLang ends a stream with `data: [DONE]`, the chunked body's last chunk after it: the client
+    leaves at the marker, the connection rejoins the pool when that chunk comes (the next calls reuse
+    it), and is closed when it does not come within the drain time."""
+    from palaestra.gateway.engine_side import engine_http
+
+    monkeypatch.setattr(engine_http, "_DRAIN_S", 0.2)
+    meta = {"output_token_logprobs": [[-0.5, 7, None]], "finish_reason": {"type": "stop"}}
+    event = b"data: " + orjson.dumps({"output_ids": [7], "meta_info": meta}) + b"\n\ndata: [DONE]\n\n"
+
+    async def answer(reader, writer, i):
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(event), event)
+        )
+        await writer.drain()
+        if i == 3:  # the last chunk never comes
+            await reader.read(1)
+            srv.closed_by_client.set()
+            return False
+        await asyncio.sleep(0.02)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def main():
+        nonlocal srv
+        async with RawServer(answer) as srv:
+            client = EngineClient(srv.url.removesuffix("/generate"), timeout_s=10.0)
+            for call in range(4):
+                got = [i async for ids, _, _ in client.stream("s", [1], SamplingParams({}, 4)) for i in ids]
+                assert got == [7]
+                if call < 3:
+                    await asyncio.sleep(0.1)  # the last chunk came meanwhile: back in the pool
+                    assert client.http._open == 1 and len(client.http._idle[srv_key(srv)]) == 1
+            assert srv.connections == 1 and len(srv.requests) == 4
+            await asyncio.wait_for(srv.closed_by_client.wait(), 5)  # closed after the drain time
+            await asyncio.sleep(0.05)
+            assert client.http._open == 0
+            await client.close()
+
+    srv: RawServer
+    asyncio.run(main())
+
+
+def srv_key(srv: RawServer) -> tuple[str, int]:
+    return ("127.0.0.1", srv.server.sockets[0].getsockname()[1])
