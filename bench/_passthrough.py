@@ -12,11 +12,11 @@ bench starts it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import uvicorn
 
+from bench import common
 from palaestra.gateway.engine_side.engine_http import ENGINE_HTTP, open_http
 from palaestra.gateway.event_loop import EVENT_LOOPS, loop_name
 from palaestra.net import ServerProcess, free_port
@@ -65,7 +65,7 @@ def process(engine_url: str, *, engine_http: str = "bare", event_loop: str = "au
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--engine-url", required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--engine-http", default="bare", choices=ENGINE_HTTP)
