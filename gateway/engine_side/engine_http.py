@@ -415,6 +415,9 @@ class BareHttp:
         conn.draining = True
         conn.pieces = []
         conn.buffered = 0
+        if conn.paused:  # the reads a slow reader paused: the last chunk must come in
+            conn.paused = False
+            conn.transport.resume_reading()  # type: ignore[union-attr]
         conn._timer = conn.loop.call_later(_DRAIN_S, conn.close)  # on_message_complete cancels it
 
     def _drained(self, conn: _Connection) -> None:
