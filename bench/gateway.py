@@ -7,7 +7,9 @@ Everything runs against a zero-work engine (palaestra/testing/zero.py), so only 
 are measured:
 * per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
-  paths are interleaved call by call (goal: gateway <= 2x the router);
+  paths are interleaved call by call (goal: gateway <= 2x the router), and the floor under them: a
+  minimal Python pass-through proxy (bench/_passthrough.py, a test double) on the gateway's server
+  and engine client;
 * gateway CPU per turn at turns 61-64 vs turns 1-4 of sessions in each dialect, read from /proc,
   the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
 * the gateway's own cost per turn along a session, paired: each turn's latency minus that of a
@@ -30,7 +32,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench import common
+from bench import _passthrough, common
 from palaestra.engine.router import RouterProcess
 from palaestra.gateway.cli import gateway_process
 from palaestra.testing import zero as zero_engine
@@ -293,6 +295,7 @@ def main() -> None:
     with (
         zero,
         RouterProcess([zero.url]) as router,
+        _passthrough.process(zero.url) as hop,
         gateway_process("tiny", zero.url, str(spool / str(time.time())), env=ENV) as gw,
         httpx.Client(timeout=60, trust_env=False) as c,
     ):
@@ -318,12 +321,16 @@ def main() -> None:
             "router": lambda: c.post(
                 f"{router.url}/generate", json=gen_body, headers={"X-SMG-Routing-Key": "k"}
             ),
+            # the floor: a Python hop alone (bench/_passthrough.py, a test double), the gateway's client
+            "python hop": lambda: c.post(
+                f"{hop.url}/generate", json=gen_body, headers={"X-SMG-Routing-Key": "k"}
+            ),
             "chat": lambda: c.post(f"{base}/chat/completions", json=chat_body, headers=KEY),
             "responses": lambda: c.post(f"{base}/responses", json=responses_body, headers=KEY),
             "messages": lambda: c.post(f"{base}/messages", json=messages_body, headers=KEY),
         }
         if "overhead" in parts:
-            paths = {k: v for k, v in all_paths.items() if k in ("direct", "router", *dialects)}
+            paths = {k: v for k, v in all_paths.items() if k in ("direct", "router", "python hop", *dialects)}
             for _ in range(20):  # warm-up of every path
                 for call in paths.values():
                     call().raise_for_status()
@@ -341,6 +348,11 @@ def main() -> None:
                     f"{name} {(med[name] - direct) * 1e3:.2f} ms -> {(med[name] - direct) / r_over:.2f}x router"
                     for name in dialects
                 )
+            )
+            hop_over = med["python hop"] - direct
+            print(
+                f"the floor, a minimal Python pass-through proxy (bench/_passthrough.py: uvicorn, the gateway's "
+                f"engine client): {hop_over * 1e3:.2f} ms -> {hop_over / r_over:.2f}x router"
             )
 
         # CPU per turn at turn 1 vs turn N (lockstep rounds over many sessions, CPU read from /proc)

@@ -131,6 +131,7 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
         incremental_stream=config.engine_incremental_stream,
         lora_adapter=config.engine_lora_adapter,
         routed_experts=routed_experts,
+        engine_http=config.engine_http,
     )
     spool = SampleSpool(config.spool_dir, config.spool_segment_bytes, not config.spool_keep_acked)
     svc = build_service(config, tokenizer, config.context_length, engine, spool)  # replays the journal

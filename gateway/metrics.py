@@ -10,7 +10,25 @@ from palaestra.gateway.guards import CUT_REASONS, REJECT_REASONS
 from palaestra.gateway.parsers import PARSE_ERROR_REASONS
 from palaestra.gateway.sessions.trajectory import FORK_REASONS
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "Children"]
+
+
+class Children:
+    """`metric.labels(*values)` for the per-call counters, each child looked up once: prometheus_client
+    checks the values and takes a lock on every `labels()` call (7 per unstreamed call, ~5% of its
+    profiled CPU). The child is the object `labels()` returns each time (nothing here removes one)."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric: Counter) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Counter] = {}
+
+    def __call__(self, *values: str) -> Counter:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 
 def _by_reason(registry: CollectorRegistry, name: str, doc: str, reasons) -> Counter:
@@ -30,6 +48,9 @@ class GatewayMetrics:
         self.calls = Counter(f"{p}_calls", "OpenAI calls answered", ["route", "status"], registry=r)
         self.turns = Counter(f"{p}_turns", "Turns recorded (one per sampled choice)", ["kind"], registry=r)
         self.forks = _by_reason(r, f"{p}_forks", "Turns that started a new sample, by reason", FORK_REASONS)
+        self.call_child, self.turn_child, self.fork_child = map(
+            Children, (self.calls, self.turns, self.forks)
+        )
         self.bridged = Counter(
             f"{p}_bridged_turns", "Turns built on the previous turn's exact tokens", registry=r
         )

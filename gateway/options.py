@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Literal
 
+from palaestra.gateway.engine_side.engine_http import ENGINE_HTTP
 from palaestra.gateway.engine_side.placement import PlacementConfig
 from palaestra.gateway.event_loop import EVENT_LOOPS
 from palaestra.typed_config import to_flags
@@ -78,6 +79,11 @@ class GatewayOptions:
     """Connections to the engine (the router) the gateway keeps open at most; calls beyond them wait
     for a free one. In a run with gateway.shards=N each shard gets this divided by N (rounded up),
     so the fleet opens no more than one gateway would."""
+
+    engine_http: Literal["auto", "bare", "aiohttp"] = "bare"
+    """The HTTP client of engine calls: bare = a keep-alive HTTP/1.1 client of the gateway's own (an
+    asyncio protocol and httptools' parser; the cheapest per call, plain http:// only); aiohttp =
+    aiohttp's client (the fallback); auto = bare where it can serve the engine URL, else aiohttp."""
 
     journal_fsync: Literal["always", "batch", "off"] = "batch"
     """Session journal durability (docs/reliability-journal.md): always = fsync every record before
@@ -146,6 +152,10 @@ class GatewayOptions:
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(
                 f"gateway.event_loop must be one of {', '.join(EVENT_LOOPS)} (got {self.event_loop!r})"
+            )
+        if self.engine_http not in ENGINE_HTTP:
+            raise ValueError(
+                f"gateway.engine_http must be one of {', '.join(ENGINE_HTTP)} (got {self.engine_http!r})"
             )
         if (
             isinstance(self.engine_max_connections, bool)

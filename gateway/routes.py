@@ -147,7 +147,7 @@ async def _counted(request: Request, route: str, call, history_field: str = "mes
         svc.metrics.calls.labels(route=route, status=str(exc.status)).inc()
         count_rejection(svc.metrics.rejected, exc)
         raise
-    svc.metrics.calls.labels(route=route, status="200").inc()
+    svc.metrics.call_child(route, "200").inc()
     return result
 
 

@@ -675,9 +675,9 @@ class GatewayService:
                 f"turn {plan_parent.turn_id} already had a continuation",
             )
         session.add_turn(turn)
-        self.metrics.turns.labels(kind=kind).inc()
+        self.metrics.turn_child(kind).inc()
         if turn.fork_reason:
-            self.metrics.forks.labels(reason=turn.fork_reason).inc()
+            self.metrics.fork_child(turn.fork_reason).inc()
         if plan_parent is not None:
             self.metrics.bridged.inc()
         self.metrics.completion_tokens.inc(len(gen.output_ids))

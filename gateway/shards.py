@@ -345,11 +345,14 @@ def front_process(
     port: int | None = None,
     host: str = "127.0.0.1",
     startup_timeout: float = 60.0,
+    event_loop: str = "auto",
 ) -> ServerProcess:
-    """`palaestra gateway front` as a subprocess (tests, benches, `palaestra train`)."""
+    """`palaestra gateway front` as a subprocess (tests, benches, `palaestra train`), on the shards'
+    `gateway.event_loop`."""
     picked = ["--port"] if not port else []
     port = port or free_port()
     argv = [sys.executable, "-m", "palaestra.cli", "gateway", "front", "--host", host, "--port", str(port)]
+    argv += ["--event-loop", event_loop]
     for url in shard_urls:
         argv += ["--shard-url", url]
     return ServerProcess(
@@ -359,6 +362,17 @@ def front_process(
         startup_timeout=startup_timeout,
         free_ports=picked,
     )
+
+
+def _event_loop(serve_args: Sequence[str]) -> str:
+    """The `--event-loop` of `palaestra gateway serve` arguments (auto when they give none)."""
+    args = list(serve_args)
+    for i, arg in enumerate(args):
+        if arg == "--event-loop" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--event-loop="):
+            return arg.split("=", 1)[1]
+    return "auto"
 
 
 class GatewayFleet:
@@ -384,7 +398,11 @@ class GatewayFleet:
             )
             for i in range(shards)
         ]
-        self.front = front_process([p.url for p in self.shards]) if shards > 1 else None
+        self.front = (
+            front_process([p.url for p in self.shards], event_loop=_event_loop(extra_args))
+            if shards > 1
+            else None
+        )
 
     @property
     def url(self) -> str:

@@ -263,7 +263,11 @@ class Cluster:
             return
         self.gateway = Box("gateway", light.remote("gateway", log_dir), log=f"{log_dir}/gateway.log")
         self.gateway.url = self._get_all(
-            [self.gateway.actor.start_front.remote([b.url for b in self.gateway_shards], cfg.run.host)],
+            [
+                self.gateway.actor.start_front.remote(
+                    [b.url for b in self.gateway_shards], cfg.run.host, cfg.gateway.event_loop
+                )
+            ],
             "starting the gateway front",
         )[0]
 

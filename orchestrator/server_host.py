@@ -118,13 +118,15 @@ class ServerHost:
         # Keys travel in the environment, not argv (argv is visible to every local user in `ps`).
         return self._run(argv, host, port, env=keys, timeout=180.0)
 
-    def start_front(self, shard_urls: Sequence[str], host: str) -> str:
-        """The front of gateway shards (`palaestra gateway front`, gateway/shards.py); it holds no key."""
+    def start_front(self, shard_urls: Sequence[str], host: str, event_loop: str = "auto") -> str:
+        """The front of gateway shards (`palaestra gateway front`, gateway/shards.py), on the shards'
+        `gateway.event_loop`; it holds no key."""
         from palaestra.gateway.shards import front_process
         from palaestra.net import free_port
 
         port = free_port(node_address(host)[0])
-        return self._run(front_process(shard_urls, port=port, host=host).argv, host, port, timeout=60.0)
+        argv = front_process(shard_urls, port=port, host=host, event_loop=event_loop).argv
+        return self._run(argv, host, port, timeout=60.0)
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None

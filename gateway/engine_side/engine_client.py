@@ -11,9 +11,12 @@ when no token can have been committed: the connection failed, or the engine answ
 before streaming anything. Errors become OpenAI-style 503 (unreachable) / 504 (timeout) /
 400 (the engine refused the input) for the agent.
 
-The HTTP client is aiohttp's: measured as the cheapest Python upstream client per call (about the
-Rust router's own overhead, where httpx's async client costs ~2.5x more; bench/gateway.py). Its
-session is created on first use, inside the serving event loop.
+The HTTP client is `gateway.engine_http`'s (`engine_http.py`): by default a bare keep-alive HTTP/1.1
+client (an asyncio protocol per connection and httptools' parser), which costs less per call than
+aiohttp's, the cheapest general client measured before it (httpx's async client cost ~2.5x
+aiohttp's); aiohttp's stays behind the switch (`engine_http: aiohttp`). Measured: docs/gateway.md,
+"(issue 39, point 1, fifth part: the engine client)". Either opens its connections on first use,
+inside the serving event loop.
 """
 
 from __future__ import annotations
@@ -24,10 +27,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson  # request bodies carry the whole prompt's ids: serialisation is on the hot path
 
 from palaestra.gateway.engine_side.encoded_ids import EncodedIds
+from palaestra.gateway.engine_side.engine_http import (
+    AiohttpHttp,
+    BareHttp,
+    ConnectionTimeoutError,
+    EngineConnectionError,
+    open_http,
+)
 from palaestra.gateway.engine_side.generation import (
     FinishReason,
     Generation,
@@ -113,6 +122,7 @@ class EngineClient:
         connect_timeout_s: float = 10.0,
         lora_adapter: str | None = None,
         routed_experts: tuple[int, int] | None = None,
+        engine_http: str = "bare",
     ):
         self.url = url.rstrip("/")
         self.routed_experts = routed_experts  # (layers, top_k): every call asks its routed experts
@@ -120,23 +130,17 @@ class EngineClient:
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self.incremental_stream = incremental_stream
-        # sock_connect, not connect: aiohttp's `connect` also counts the wait for a free pooled
-        # connection, so with more calls in flight than `max_connections` queued calls failed as
-        # engine_timeout (504) after 10 s although the engine was answering (tests/gateway/test_load.py).
-        # A connection not made in `connect_timeout_s` sent nothing, so it is retried like a refused one.
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        self._max_connections = max_connections
-        self._client: aiohttp.ClientSession | None = None
+        # `connect_timeout_s` counts from the socket's connect, not a wait for a free connection: a
+        # connection not made in it sent nothing, so it is retried like a refused one. A bad
+        # `engine_http` is refused here, at start, in one line naming the option.
+        self.http: BareHttp | AiohttpHttp = open_http(
+            engine_http,
+            self.url,
+            max_connections=max_connections,
+            connect_timeout_s=connect_timeout_s,
+            timeout_s=timeout_s,
+        )
         self.encoded_ids = EncodedIds()  # each session's last prompt ids as JSON, for the next call
-
-    def _session(self) -> aiohttp.ClientSession:
-        if self._client is None or self._client.closed:
-            self._client = aiohttp.ClientSession(
-                timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                trust_env=False,
-            )
-        return self._client
 
     def _target(self, route: CallRoute | None) -> str:
         """Where the call is posted: the router (or the one engine), or the placed worker itself when
@@ -150,8 +154,7 @@ class EngineClient:
         return {**call_headers, "content-type": "application/json"}
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
+        await self.http.close()
 
     def _ask(self, routed_from: int) -> RoutingAsk | None:
         if self.routed_experts is None:
@@ -224,20 +227,18 @@ class EngineClient:
         last: GatewayError | None = None
         for attempt in range(self.retries + 1):
             try:
-                async with self._session().post(
-                    self._target(route), data=body, headers=self._headers(session_id, route)
-                ) as r:
+                async with self.http.post(self._target(route), body, self._headers(session_id, route)) as r:
                     raw = await r.read()
                     status = r.status
-            except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
+            except ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
                 last = self._unreachable(exc)
                 if await _replace_direct(route):
                     continue
-            except TimeoutError:  # aiohttp's timeouts are TimeoutErrors (checked before ClientError)
+            except TimeoutError:  # the call's total timeout
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
                 ) from None
-            except aiohttp.ClientError as exc:  # nothing was generated: safe to retry
+            except EngineConnectionError as exc:  # nothing was generated: safe to retry
                 last = self._unreachable(exc)
                 if await _replace_direct(route):
                     continue
@@ -281,7 +282,7 @@ class EngineClient:
                 async with contextlib.aclosing(attempt_pieces):  # a client gone: the answer is closed now
                     async for piece in attempt_pieces:
                         yield piece
-            except aiohttp.ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
+            except ConnectionTimeoutError as exc:  # no connection: nothing sent, safe to retry
                 last = self._unreachable(exc)
                 if await _replace_direct(route):
                     continue
@@ -289,7 +290,7 @@ class EngineClient:
                 raise GatewayError(
                     "the engine timed out", 504, type="engine_error", code="engine_timeout"
                 ) from None
-            except aiohttp.ClientError as exc:
+            except EngineConnectionError as exc:
                 if progress.sent:  # tokens already went to the agent: never retry
                     raise GatewayError(
                         f"the engine connection broke mid-stream: {exc!r}", 502, type="engine_error"
@@ -321,9 +322,7 @@ class EngineClient:
     ) -> AsyncIterator[tuple[list[int], list[float], Generation | None]]:
         """One POST of a streamed call, its pieces as they come; `progress` counts the ids that went
         out, or holds the error when the router refused the target (then nothing was streamed)."""
-        async with self._session().post(
-            self._target(route), data=body, headers=self._headers(session_id, route)
-        ) as r:
+        async with self.http.post(self._target(route), body, self._headers(session_id, route)) as r:
             if r.status != 200:
                 raw = await r.read()
                 refused = _refused_target(r.status, raw)
@@ -341,10 +340,9 @@ class EngineClient:
             # loop from the socket's reads to the pieces; lines of any length (cumulative chunks of a
             # long generation outgrow aiohttp's own readline limit).
             buffer = b""  # a line not complete yet
-            reads = r.content.iter_any()
             done = False
             while not done:
-                data = await anext(reads, None)
+                data = await r.read_some()
                 if data is None:  # the body ended: what is left is its last line
                     lines, buffer, done = [buffer] if buffer else [], b"", True
                 else:
@@ -358,6 +356,7 @@ class EngineClient:
                     data = line[6:].strip()
                     if data == b"[DONE]":
                         done = True
+                        r.ended()  # its connection may go back to the pool once the body's framing ends
                         break
                     events.append(data)
                 if events:

@@ -173,6 +173,7 @@ class EngineRouting:
         )
         self.worker_count = Gauge(f"{p}_workers", "Workers the placement layer knows", registry=registry)
         self._env_totals: dict[str, dict[str, float]] = {}
+        self._env_children: dict[str, tuple[Any, ...]] = {}
 
     # -- the call path ------------------------------------------------------------------------
     async def admit(
@@ -197,10 +198,15 @@ class EngineRouting:
     def answered(self, call: CallRoute, cached: int, output: int, engine_s: float) -> None:
         env = call._env
         prompt = len(call._prompt_ids)
-        self.calls.labels(env=env).inc()
-        self.prompt_tokens.labels(env=env).inc(prompt)
-        self.cached_tokens.labels(env=env).inc(cached)
-        self.output_tokens.labels(env=env).inc(output)
+        children = self._env_children.get(env)
+        if children is None:  # each counter's child for `env`, looked up once (`labels` locks each time)
+            counters = (self.calls, self.prompt_tokens, self.cached_tokens, self.output_tokens)
+            children = self._env_children[env] = tuple(c.labels(env=env) for c in counters)
+        calls, prompt_tokens, cached_tokens, output_tokens = children
+        calls.inc()
+        prompt_tokens.inc(prompt)
+        cached_tokens.inc(cached)
+        output_tokens.inc(output)
         t = self._env_totals.setdefault(
             env, {"calls": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
         )

@@ -31,9 +31,14 @@ def never_accepting():
         s.close()
 
 
+@pytest.mark.parametrize("engine_http", ["bare", "aiohttp"])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_a_connect_that_times_out_is_retried_and_reported_unreachable(never_accepting, streaming):
-    client = EngineClient(never_accepting, connect_timeout_s=0.3, retries=1, retry_backoff_s=0.0)
+def test_a_connect_that_times_out_is_retried_and_reported_unreachable(
+    never_accepting, streaming, engine_http
+):
+    client = EngineClient(
+        never_accepting, connect_timeout_s=0.3, retries=1, retry_backoff_s=0.0, engine_http=engine_http
+    )
 
     async def call():
         try:

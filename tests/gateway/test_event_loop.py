@@ -91,3 +91,25 @@ def test_a_run_config_names_the_bad_event_loop_in_one_line():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["gateway.event_loop=tokio"])
     assert "gateway.event_loop: expected 'auto' | 'asyncio' | 'uvloop', got 'tokio'" in str(err.value)
+
+
+@pytest.mark.parametrize("choice", ["asyncio", "uvloop"])
+def test_the_fronts_process_is_started_on_the_shards_loop(monkeypatch, choice):
+    """`front_process` (tests, benches, the run's server host) and `GatewayFleet` pass the shards'
+    `gateway.event_loop` on to `palaestra gateway front`, whose parser takes it."""
+    argv = shards.front_process(["http://127.0.0.1:1"], port=9, event_loop=choice).argv
+    assert argv[argv.index("--event-loop") + 1] == choice
+    args = build_parser("gateway").parse_args(argv[argv.index("gateway") :])
+    assert args.event_loop == choice
+    default = shards.front_process(["http://127.0.0.1:1"], port=9).argv
+    assert default[default.index("--event-loop") + 1] == "auto"
+    serve_args = [*GatewayOptions(event_loop=choice).serve_flags(), "--host", "h"]
+    assert shards._event_loop(serve_args) == choice and shards._event_loop([]) == "auto"
+    assert shards._event_loop([f"--event-loop={choice}"]) == choice
+
+    from palaestra.orchestrator.server_host import ServerHost
+
+    started: dict = {}
+    monkeypatch.setattr(ServerHost, "_run", lambda self, argv, *a, **kw: started.update(argv=argv) or "url")
+    ServerHost.__new__(ServerHost).start_front(["http://127.0.0.1:1"], "127.0.0.1", choice)
+    assert started["argv"][started["argv"].index("--event-loop") + 1] == choice

@@ -104,7 +104,7 @@ def test_the_gateway_opens_at_most_engine_max_connections_to_the_engine(tok, tmp
 
     async def main() -> None:
         try:
-            assert engine._session().connector.limit == 7
+            assert engine.http.max_connections == 7
         finally:
             await engine.close()
 
