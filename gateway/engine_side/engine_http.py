@@ -402,13 +402,7 @@ class BareHttp:
 
     def _release(self, conn: _Connection) -> None:
         conn._disarm()
-        if conn.reusable():
-            conn.idle = True
-            self._idle.setdefault(conn.key, []).append(conn)
-        else:
-            conn.close()
-            self._open -= 1
-        self._wake_one()
+        self._drained(conn)
 
     def _drain(self, conn: _Connection) -> None:
         conn._disarm()
@@ -421,7 +415,8 @@ class BareHttp:
         conn._timer = conn.loop.call_later(_DRAIN_S, conn.close)  # on_message_complete cancels it
 
     def _drained(self, conn: _Connection) -> None:
-        """A drained answer ended (into the pool) or its connection closed (its place free)."""
+        """An answer done with, or a drained one ended: its connection into the pool, else closed (its
+        place free)."""
         if conn.reusable():
             conn.idle = True
             self._idle.setdefault(conn.key, []).append(conn)

@@ -346,16 +346,19 @@ def test_engine_client_over_either_http_answers_errors_and_breaks_alike(engine_h
             return False
         await writer.drain()
 
+    def engine_client(url: str) -> EngineClient:
+        return EngineClient(
+            url.removesuffix("/generate"),
+            retries=1,
+            retry_backoff_s=0.0,
+            timeout_s=10.0,
+            engine_http=engine_http,
+        )
+
     async def main():
         nonlocal srv
         async with RawServer(answer) as srv:
-            client = EngineClient(
-                srv.url.removesuffix("/generate"),
-                retries=1,
-                retry_backoff_s=0.0,
-                timeout_s=10.0,
-                engine_http=engine_http,
-            )
+            client = engine_client(srv.url)
             sampling = SamplingParams({}, 4)
             (gen,) = await client.generate("s1", [1], sampling)
             assert gen.output_ids == [5, 6] and gen.finish_reason.kind == "stop"
@@ -375,13 +378,7 @@ def test_engine_client_over_either_http_answers_errors_and_breaks_alike(engine_h
             assert got == [7] and caught.value.status == 502 and "mid-stream" in str(caught.value)
             assert len(srv.requests) - before == 1  # a token went out: never retried
             await client.close()
-        gone = EngineClient(
-            srv.url.removesuffix("/generate"),
-            retries=1,
-            retry_backoff_s=0.0,
-            timeout_s=10.0,
-            engine_http=engine_http,
-        )
+        gone = engine_client(srv.url)
         with pytest.raises(GatewayError) as caught:
             await gone.generate("s1", [1], SamplingParams({}, 4))
         assert caught.value.code == "engine_unavailable" and "unreachable" in str(caught.value)
