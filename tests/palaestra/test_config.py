@@ -326,6 +326,7 @@ def test_gateway_options_are_declared_once_by_the_gateway(capsys):
             "gateway.max_body_bytes=1048576",
             "gateway.stream_send_timeout_s=5",
             "gateway.event_loop=asyncio",
+            "gateway.engine_http=aiohttp",
             "gateway.max_tokens_over_context=reject",
             "gateway.return_routed_experts=true",
             "gateway.placement.enabled=true",
