@@ -42,6 +42,7 @@ from palaestra.gateway.engine_side.placement import (
     Route,
     SessionPlacement,
 )
+from palaestra.gateway.metrics import Children
 
 __all__ = ["CallRoute", "EngineRouting", "RoutingOptions"]
 
@@ -173,7 +174,10 @@ class EngineRouting:
         )
         self.worker_count = Gauge(f"{p}_workers", "Workers the placement layer knows", registry=registry)
         self._env_totals: dict[str, dict[str, float]] = {}
-        self._env_children: dict[str, tuple[Any, ...]] = {}
+        # each counter's child per env, looked up once (`labels` checks and locks on every call)
+        self._env_calls, self._env_prompt, self._env_cached, self._env_output = map(
+            Children, (self.calls, self.prompt_tokens, self.cached_tokens, self.output_tokens)
+        )
 
     # -- the call path ------------------------------------------------------------------------
     async def admit(
@@ -198,15 +202,10 @@ class EngineRouting:
     def answered(self, call: CallRoute, cached: int, output: int, engine_s: float) -> None:
         env = call._env
         prompt = len(call._prompt_ids)
-        children = self._env_children.get(env)
-        if children is None:  # each counter's child for `env`, looked up once (`labels` locks each time)
-            counters = (self.calls, self.prompt_tokens, self.cached_tokens, self.output_tokens)
-            children = self._env_children[env] = tuple(c.labels(env=env) for c in counters)
-        calls, prompt_tokens, cached_tokens, output_tokens = children
-        calls.inc()
-        prompt_tokens.inc(prompt)
-        cached_tokens.inc(cached)
-        output_tokens.inc(output)
+        self._env_calls(env).inc()
+        self._env_prompt(env).inc(prompt)
+        self._env_cached(env).inc(cached)
+        self._env_output(env).inc(output)
         t = self._env_totals.setdefault(
             env, {"calls": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
         )
