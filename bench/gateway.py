@@ -7,13 +7,14 @@ Everything runs against a zero-work engine (palaestra/testing/zero.py), so only 
 are measured:
 * per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
-  paths are interleaved call by call (goal: gateway <= 2x the router), and the floor under them: a
+  paths are interleaved call by call (goal: gateway <= 1.2x the router), and the floor under them: a
   minimal Python pass-through proxy (bench/_passthrough.py, a test double) on the gateway's server
   and engine client;
 * gateway CPU per turn at turns 61-64 vs turns 1-4 of sessions in each dialect, read from /proc,
   the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
 * the gateway's own cost per turn along a session, paired: each turn's latency minus that of a
-  direct /generate with the same number of input ids, sent right after it, in buckets of 8 turns
+  direct /generate of the very body the gateway sent the engine for it (the zero engine keeps it),
+  sent right after it, in buckets of 8 turns
   (goal: the last bucket <= 1.2x the first; CPU time alone misses what grows in wall time), per
   dialect, for answers that end on the end-of-turn token and answers cut at the length limit
   (the client sends either back as its SDK hands it over), at several history sizes (user turns
