@@ -57,7 +57,26 @@ class Plan:
     bridge_tokens: int = 0
 
 
-def _fork(renderer: ChatRenderer, rendered: str, reason: str | None, detail: str = "") -> Plan:
+_SAME_REQUEST_SCAN = 8
+"""Most earlier turns with the same messages a fork looks through for one it can take the ids of."""
+
+
+def _fork(
+    renderer: ChatRenderer,
+    rendered: str,
+    reason: str | None,
+    detail: str = "",
+    same_messages: list[Turn] | None = None,
+) -> Plan:
+    """A new sample whose prompt is the tokens of `rendered`: those of an earlier root turn that
+    rendered to the same text (`same_messages`: the turns whose request had these messages), else
+    tokenized. A retry, another sample of the same turn (n > 1 sampling across calls, a GRPO-style
+    group on one session) or a benchmark's repeated call then skips the tokenizer, the largest part
+    of planning a short fork. A root's prompt is `encode(rendered)` of its `rendered` and tokenizing
+    is a function of the text, so the ids are the same; the list is a copy, as `encode`'s would be."""
+    for turn in itertools.islice(reversed(same_messages or ()), _SAME_REQUEST_SCAN):  # the latest first
+        if turn.parent is None and turn.rendered == rendered:
+            return Plan(turn.tokens[: turn.prompt_len], rendered, None, reason, detail)
     return Plan(renderer.encode(rendered), rendered, None, reason, detail)
 
 
@@ -94,7 +113,9 @@ def plan_chat(
         return _bridge_full(append, reasoning_policy, same_context)
     except _Fork as no:
         rendered = no.rendered or renderer.render(messages, tools, True, template_extra)
-        return _fork(renderer, rendered, no.reason, no.detail)
+        return _fork(
+            renderer, rendered, no.reason, no.detail, turns_by_digest.get(digests[-1]) if digests else None
+        )
 
 
 class _Fork(Exception):
