@@ -100,7 +100,7 @@ def plan_chat(
     arguments: `RenderGaps`) lets an append to a turn without reasoning be rendered from its last
     messages only (`_bridge_short`)."""
     if not has_turns:
-        return _fork(renderer, renderer.render(messages, tools, True, template_extra), None, "")
+        return _fork_rendering(renderer, messages, tools, template_extra, _Fork("", ""), None)
     try:
         prefix_k, parent = _parent(turns_by_digest, messages, digests)
         same_context = parent.context_key == context_key
@@ -112,10 +112,35 @@ def plan_chat(
                 return plan
         return _bridge_full(append, reasoning_policy, same_context)
     except _Fork as no:
-        rendered = no.rendered or renderer.render(messages, tools, True, template_extra)
-        return _fork(
-            renderer, rendered, no.reason, no.detail, turns_by_digest.get(digests[-1]) if digests else None
-        )
+        same = turns_by_digest.get(digests[-1]) if digests else None
+        if no.rendered:
+            return _fork(renderer, no.rendered, no.reason, no.detail, same)
+        return _fork_rendering(renderer, messages, tools, template_extra, no, same)
+
+
+def _fork_rendering(
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_extra: dict[str, Any] | None,
+    no: _Fork,
+    same_messages: list[Turn] | None,
+) -> Plan:
+    """A fork (`no`'s reason; empty: the session's first call) rendered whole: the rendering and ids
+    the renderer kept for an equal request (`ChatRenderer.recall`), else rendered and then `_fork`."""
+    key = renderer.memo_key(messages, tools, template_extra)
+    known = renderer.recall(key)
+    if known is not None:
+        return Plan(known[1], known[0], None, no.reason or None, no.detail)
+    plan = _fork(
+        renderer,
+        renderer.render(messages, tools, True, template_extra),
+        no.reason or None,
+        no.detail,
+        same_messages,
+    )
+    renderer.remember(key, plan.rendered, plan.prompt_ids)
+    return plan
 
 
 class _Fork(Exception):

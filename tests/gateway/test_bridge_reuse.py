@@ -1,12 +1,14 @@
 """A fork whose request renders to the text of an earlier root turn takes that turn's prompt ids
-instead of tokenizing (`bridge._fork`): random conversations against the full path (render, then
-tokenize), and the gateway's records of repeated calls (retries, samples of one turn)."""
+instead of tokenizing (`bridge._fork`), and a request equal to one the renderer rendered whole lately
+takes its rendering and ids (`ChatRenderer.recall`): random conversations against the full path
+(render, then tokenize), and the gateway's records of repeated calls (retries, samples of one turn)."""
 
 from __future__ import annotations
 
 import random
 
 import openai
+from transformers import AutoTokenizer
 
 from palaestra.gateway import bridge
 from palaestra.gateway.engine_side.generation import FinishReason
@@ -53,6 +55,7 @@ def test_a_repeated_fork_takes_the_earlier_ids_and_nothing_else_does(tok):
     list of its own); a different request filed under the same digest (a hash collision), other
     tools, and a bridged turn that rendered the same text are not taken: tokenized as before."""
     renderer = _Counting(tok)
+    renderer._memo = None  # the session's turns alone (the renderer's memo: the test below)
     rng = random.Random(39)
     for case in range(25):
         msgs = _conversation(rng)
@@ -87,8 +90,8 @@ def test_a_repeated_fork_takes_the_earlier_ids_and_nothing_else_does(tok):
 
 def test_repeated_calls_record_the_same_samples_as_tokenizing(stack, tok, monkeypatch):
     """The same request sent again and again to one session (retries, samples of one turn): each
-    call's prompt is the template's tokens of the request, taken from the first call's turn after
-    the first (the tokenizer runs once), and the samples are what they were with the cache off."""
+    call's prompt is the template's tokens of the request, taken from what the first call kept after
+    the first (the tokenizer runs once), and the samples are what they were with both caches off."""
     gw, engine, script = stack
     counting = []
     encode = ChatRenderer.encode
@@ -97,8 +100,11 @@ def test_repeated_calls_record_the_same_samples_as_tokenizing(stack, tok, monkey
     )
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
 
-    def run(scan: int) -> list[dict]:
+    renderer = gw.app.state.service.renderer
+
+    def run(scan: int, memo: dict | None) -> list[dict]:
         monkeypatch.setattr(bridge, "_SAME_REQUEST_SCAN", scan)
+        monkeypatch.setattr(renderer, "_memo", memo)
         s = new_session(gw)
         client = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
         counting.clear()
@@ -116,6 +122,50 @@ def test_repeated_calls_record_the_same_samples_as_tokenizing(stack, tok, monkey
             del x["sample_id"], x["session_id"]
         return got, encoded
 
-    cached, tokenized = run(bridge._SAME_REQUEST_SCAN), run(0)
+    cached, tokenized = run(bridge._SAME_REQUEST_SCAN, {}), run(0, None)
     assert cached[1] == 1 and tokenized[1] == 3
     assert cached[0] == tokenized[0]
+
+
+def _args(value) -> dict:
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": value}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def test_an_equal_request_takes_the_kept_rendering_and_no_other_does(tok):
+    """Random requests planned whole twice: the second takes the first's rendering and ids (a list of
+    its own) without rendering; requests `==` finds equal but the template prints otherwise (1, 1.0
+    and True; the keys' order), other tools or template arguments are rendered, each as the full
+    path renders it; a template that prints the date renders every time."""
+    renderer = _Counting(tok)
+    rng = random.Random(7)
+    plain = [{"role": "user", "content": "add"}]
+    variants = [[*plain, _args({"x": v}), {"role": "user", "content": "ok"}] for v in (1, 1.0, True)]
+    variants.append([*plain, _args({"y": 2, "x": 1}), {"role": "user", "content": "ok"}])
+    variants.append([*plain, _args({"x": 1, "y": 2}), {"role": "user", "content": "ok"}])
+    cases = [(_conversation(rng), None, None) for _ in range(20)]
+    cases += [(m, [CALC], None) for m in variants] + [(plain, [CALC], {"flag": True}), (plain, None, None)]
+    texts = set()
+    for msgs, tools, extra in cases:
+        full_text = tok.apply_chat_template(
+            msgs, tools=tools, tokenize=False, add_generation_prompt=True, **(extra or {})
+        )
+        full = tok.encode(full_text, add_special_tokens=False)
+        first = bridge.plan_chat(
+            renderer, {}, False, msgs, chain_digests(msgs), tools, {}, template_extra=extra
+        )
+        assert first.rendered == full_text and first.prompt_ids == full
+        texts.add(full_text)
+        before = renderer.encoded
+        again = bridge.plan_chat(
+            renderer, {}, True, [dict(m) for m in msgs], chain_digests(msgs), tools, {}, template_extra=extra
+        )
+        assert renderer.encoded == before and again.prompt_ids == full and again.rendered == full_text
+        assert again.prompt_ids is not first.prompt_ids and again.fork_reason == "prefix_changed"
+        again.prompt_ids.append(-1)  # the kept ids are the renderer's own
+        assert renderer.recall(renderer.memo_key(msgs, tools, extra))[1] == full
+    assert len(texts) == len(cases)  # the variants render apart: a shared key would have mixed them
+
+    dated = AutoTokenizer.from_pretrained(tok.name_or_path)
+    dated.chat_template = "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert ChatRenderer(dated).memo_key(plain, None, None) is None
