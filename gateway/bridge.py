@@ -57,7 +57,26 @@ class Plan:
     bridge_tokens: int = 0
 
 
-def _fork(renderer: ChatRenderer, rendered: str, reason: str | None, detail: str = "") -> Plan:
+_SAME_REQUEST_SCAN = 8
+"""Most earlier turns with the same messages a fork looks through for one it can take the ids of."""
+
+
+def _fork(
+    renderer: ChatRenderer,
+    rendered: str,
+    reason: str | None,
+    detail: str = "",
+    same_messages: list[Turn] | None = None,
+) -> Plan:
+    """A new sample whose prompt is the tokens of `rendered`: those of an earlier root turn that
+    rendered to the same text (`same_messages`: the turns whose request had these messages), else
+    tokenized. A retry, another sample of the same turn (n > 1 sampling across calls, a GRPO-style
+    group on one session) or a benchmark's repeated call then skips the tokenizer, the largest part
+    of planning a short fork. A root's prompt is `encode(rendered)` of its `rendered` and tokenizing
+    is a function of the text, so the ids are the same; the list is a copy, as `encode`'s would be."""
+    for turn in itertools.islice(reversed(same_messages or ()), _SAME_REQUEST_SCAN):  # the latest first
+        if turn.parent is None and turn.rendered == rendered:
+            return Plan(turn.tokens[: turn.prompt_len], rendered, None, reason, detail)
     return Plan(renderer.encode(rendered), rendered, None, reason, detail)
 
 
@@ -81,7 +100,7 @@ def plan_chat(
     arguments: `RenderGaps`) lets an append to a turn without reasoning be rendered from its last
     messages only (`_bridge_short`)."""
     if not has_turns:
-        return _fork(renderer, renderer.render(messages, tools, True, template_extra), None, "")
+        return _fork_rendering(renderer, messages, tools, template_extra, _Fork("", ""), None)
     try:
         prefix_k, parent = _parent(turns_by_digest, messages, digests)
         same_context = parent.context_key == context_key
@@ -93,8 +112,35 @@ def plan_chat(
                 return plan
         return _bridge_full(append, reasoning_policy, same_context)
     except _Fork as no:
-        rendered = no.rendered or renderer.render(messages, tools, True, template_extra)
-        return _fork(renderer, rendered, no.reason, no.detail)
+        same = turns_by_digest.get(digests[-1]) if digests else None
+        if no.rendered:
+            return _fork(renderer, no.rendered, no.reason, no.detail, same)
+        return _fork_rendering(renderer, messages, tools, template_extra, no, same)
+
+
+def _fork_rendering(
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_extra: dict[str, Any] | None,
+    no: _Fork,
+    same_messages: list[Turn] | None,
+) -> Plan:
+    """A fork (`no`'s reason; empty: the session's first call) rendered whole: the rendering and ids
+    the renderer kept for an equal request (`ChatRenderer.recall`), else rendered and then `_fork`."""
+    key = renderer.memo_key(messages, tools, template_extra)
+    known = renderer.recall(key)
+    if known is not None:
+        return Plan(known[1], known[0], None, no.reason or None, no.detail)
+    plan = _fork(
+        renderer,
+        renderer.render(messages, tools, True, template_extra),
+        no.reason or None,
+        no.detail,
+        same_messages,
+    )
+    renderer.remember(key, plan.rendered, plan.prompt_ids)
+    return plan
 
 
 class _Fork(Exception):

@@ -239,6 +239,30 @@ def _attribute_checks_memoised(compiled: Any, template: str) -> Any:
     return overlay.from_string(template)
 
 
+_MEMO_RENDERS = 8
+"""Most requests whose rendering and ids a renderer keeps for a repeat (`ChatRenderer.recall`)."""
+
+_IMPURE_NAMES = frozenset({"strftime_now", "lipsum"})  # today's date; random text
+_IMPURE_FILTERS = frozenset({"random"})
+
+
+def _renders_alike(compiled: Any, template: str) -> bool:
+    """Whether the template's text depends only on what it is given: it calls none of the globals or
+    filters whose answer changes between calls (transformers' `strftime_now`, jinja's `lipsum` and
+    `random`). Llama 3's templates print today's date: a repeat of a request may render otherwise."""
+    from jinja2 import nodes
+
+    try:
+        tree = compiled.environment.parse(template)
+    except Exception:
+        return False
+    for node in tree.find_all((nodes.Name, nodes.Filter)):
+        names = _IMPURE_NAMES if isinstance(node, nodes.Name) else _IMPURE_FILTERS
+        if node.name in names:
+            return False
+    return True
+
+
 class ChatRenderer:
     """Renders with the tokenizer's chat template.
 
@@ -273,6 +297,9 @@ class ChatRenderer:
                 self._compiled = _attribute_checks_memoised(_compile_jinja_template(template), template)
             except ImportError:  # other transformers versions: the public (slower) path
                 self._compiled = None
+        self._memo: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        if self._compiled is not None and _renders_alike(self._compiled, template):
+            self._memo = {}
         self._backend = _fast_backend(tokenizer)
         self.decode_concatenates = _decode_concatenates(self._backend, tokenizer)
         """`decode(ids)` is `decode(ids[:p]) + decode(ids[p:])` wherever the first part's text ends
@@ -314,6 +341,30 @@ class ChatRenderer:
             raise GatewayError(
                 f"the chat template rejected these messages: {exc}", param="messages"
             ) from None
+
+    def memo_key(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, extra: dict[str, Any] | None
+    ) -> str | None:
+        """What `recall` and `remember` know a request's whole rendering by (None: this template is
+        rendered every time, `_renders_alike`). A fork's prompt, rendered and tokenized whole, is
+        often one the gateway just rendered: a retry, another sample of the same turn, the first
+        calls of a GRPO group's sessions. The key is the request's `repr`: the requests are JSON
+        values, whose repr tells 1, 1.0 and True apart and keeps the keys' order, as `tojson` does."""
+        return None if self._memo is None else repr((messages, tools, extra))
+
+    def recall(self, key: str | None) -> tuple[str, list[int]] | None:
+        """`render(..., True, extra)` of the request `key` names and its `encode` (a copy), if kept."""
+        known = self._memo.get(key) if self._memo is not None and key is not None else None
+        return None if known is None else (known[0], list(known[1]))
+
+    def remember(self, key: str | None, text: str, ids: list[int]) -> None:
+        """Keeps the request's rendering `text` and its ids (copied) for `recall`; the oldest of
+        `_MEMO_RENDERS` goes."""
+        if self._memo is None or key is None:
+            return
+        if len(self._memo) >= _MEMO_RENDERS:
+            del self._memo[next(iter(self._memo))]
+        self._memo[key] = (text, tuple(ids))
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included (through the backend when that is the same)."""
