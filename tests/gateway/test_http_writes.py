@@ -197,3 +197,30 @@ def test_serve_runs_uvicorn_with_the_joining_protocol(monkeypatch, tmp_path):
     ]
     assert cli._serve(build_parser("gateway").parse_args(argv)) == 0
     assert ran["http"] is HeadJoiningProtocol
+
+
+def test_fastapis_own_telemetry_is_not_looked_up_per_request(monkeypatch, tok, tmp_path):
+    """FastAPI (0.16x) asks OpenTelemetry for its three providers on every request unless told its
+    instrumentation is off (gateway/app.py); nothing in the gateway configures one."""
+    trace = pytest.importorskip(
+        "opentelemetry.trace", reason="this FastAPI has no OpenTelemetry instrumentation"
+    )
+    import httpx
+
+    from palaestra.gateway.app import create_app
+    from tests.support.servers import gateway_config
+
+    app = create_app(gateway_config("http://127.0.0.1:1", tmp_path / "spool", context_length=4096), tok)
+    if not hasattr(app, "_native_telemetry"):
+        pytest.skip("this FastAPI has no native telemetry to turn off")
+    asked: list[int] = []
+    real = trace.get_tracer_provider
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: asked.append(1) or real())
+
+    async def call() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as http:
+            return (await http.get("/health")).status_code
+
+    assert asyncio.run(call()) == 200
+    assert asked == []
+    app.state.service.close()
