@@ -345,7 +345,8 @@ def main() -> None:
             other = gateway_process(
                 "tiny", zero.url, str(spool / f"baseline-{time.time()}"), env={**ENV, "PYTHONPATH": ""}
             )
-            other.argv[0] = args.baseline_python  # its own code: wherever that interpreter imports it from
+            # its own code, wherever that interpreter imports it from (-P: not this tree's from the cwd)
+            other.argv[0:1] = [args.baseline_python, "-P"]
             other_gw = extra.enter_context(other)
             other_base = c.post(f"{other_gw.url}/sessions", json={"env": "bench"}, headers=KEY).json()[
                 "base_url"
