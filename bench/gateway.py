@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.gateway [--calls 300] [--turns 64] [--sessions 24] [--parts overhead,growth,paired,load]
     .venv/bin/python -m bench.gateway --parts paired [--paired-history 8000,32000,100000] [--paired-answers stop,cut]
+    .venv/bin/python -m bench.gateway --parts overhead --baseline-python ../main/.venv/bin/python
 
 Everything runs against a zero-work engine (palaestra/testing/zero.py), so only the layers in front of it
 are measured:
@@ -9,7 +10,8 @@ are measured:
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
   paths are interleaved call by call (goal: gateway <= 1.2x the router), and the floor under them: a
   minimal Python pass-through proxy (bench/_passthrough.py, a test double) on the gateway's server
-  and engine client;
+  and engine client; with --baseline-python, another checkout's gateway (the code that interpreter
+  imports) served beside this one and interleaved with it, call by call: a before/after in one run;
 * gateway CPU per turn at turns 61-64 vs turns 1-4 of sessions in each dialect, read from /proc,
   the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
 * the gateway's own cost per turn along a session, paired: each turn's latency minus that of a
@@ -26,6 +28,7 @@ are measured:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -263,6 +266,12 @@ def main() -> None:
         help="what to measure (comma-separated): overhead, growth (CPU per turn), paired (cost per turn "
         "minus a direct call of the same size), load",
     )
+    ap.add_argument(
+        "--baseline-python",
+        default=None,
+        help="overhead part: the interpreter of another checkout (e.g. ../main/.venv/bin/python) whose "
+        "gateway is measured beside this one, interleaved call by call",
+    )
     ap.add_argument("--paired-sessions", type=int, default=4, help="sessions side by side in the paired test")
     ap.add_argument("--paired-cycles", type=int, default=1, help="turns of each bucket per session slot")
     ap.add_argument(
@@ -299,6 +308,7 @@ def main() -> None:
         _passthrough.process(zero.url) as hop,
         gateway_process("tiny", zero.url, str(spool / str(time.time())), env=ENV) as gw,
         httpx.Client(timeout=60, trust_env=False) as c,
+        contextlib.ExitStack() as extra,
     ):
         gen_body = {"input_ids": reply * 8, "sampling_params": {"max_new_tokens": 8}}
 
@@ -330,8 +340,30 @@ def main() -> None:
             "responses": lambda: c.post(f"{base}/responses", json=responses_body, headers=KEY),
             "messages": lambda: c.post(f"{base}/messages", json=messages_body, headers=KEY),
         }
+        baseline = []
+        if args.baseline_python and "overhead" in parts:
+            other = gateway_process(
+                "tiny", zero.url, str(spool / f"baseline-{time.time()}"), env={**ENV, "PYTHONPATH": ""}
+            )
+            # its own code, wherever that interpreter imports it from (-P: not this tree's from the cwd)
+            other.argv[0:1] = [args.baseline_python, "-P"]
+            other_gw = extra.enter_context(other)
+            other_base = c.post(f"{other_gw.url}/sessions", json={"env": "bench"}, headers=KEY).json()[
+                "base_url"
+            ]
+            other_paths = {
+                "chat": lambda: c.post(f"{other_base}/chat/completions", json=chat_body, headers=KEY),
+                "responses": lambda: c.post(f"{other_base}/responses", json=responses_body, headers=KEY),
+                "messages": lambda: c.post(f"{other_base}/messages", json=messages_body, headers=KEY),
+            }
+            baseline = [d for d in dialects if d in other_paths]
+            all_paths.update({f"baseline {d}": other_paths[d] for d in baseline})
         if "overhead" in parts:
-            paths = {k: v for k, v in all_paths.items() if k in ("direct", "router", "python hop", *dialects)}
+            paths = {
+                k: v
+                for k, v in all_paths.items()
+                if k in ("direct", "router", "python hop", *dialects, *(f"baseline {d}" for d in baseline))
+            }
             for _ in range(20):  # warm-up of every path
                 for call in paths.values():
                     call().raise_for_status()
@@ -350,6 +382,16 @@ def main() -> None:
                     for name in dialects
                 )
             )
+            if baseline:
+                print(
+                    f"beside it, the gateway of {args.baseline_python}: "
+                    + ", ".join(
+                        f"{d} {(med[f'baseline {d}'] - direct) * 1e3:.2f} ms -> "
+                        f"{(med[f'baseline {d}'] - direct) / r_over:.2f}x router; this one / it "
+                        f"{(med[d] - direct) / (med[f'baseline {d}'] - direct):.2f}x"
+                        for d in baseline
+                    )
+                )
             hop_over = med["python hop"] - direct
             print(
                 f"the floor, a minimal Python pass-through proxy (bench/_passthrough.py: uvicorn, the gateway's "

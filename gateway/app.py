@@ -151,7 +151,14 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
         svc.close()
         spool.close()
 
-    app = FastAPI(title="palaestra gateway", lifespan=lifespan)
+    # FastAPI's own OpenTelemetry instrumentation off: nothing here configures a provider, so it only
+    # looked the three providers up again on every request to find that out (the gateway's
+    # metrics are its Prometheus ones, `metrics.py`)
+    app = FastAPI(
+        title="palaestra gateway",
+        lifespan=lifespan,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     app.state.service = svc
     # the turn routes served without FastAPI's routing and dependency layers, inside the body limit
     app.add_middleware(HotRoutes)

@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from palaestra.gateway.app import create_app
     from palaestra.gateway.event_loop import loop_name
+    from palaestra.gateway.http_writes import HeadJoiningProtocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
@@ -52,7 +53,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     loop = loop_name(config.event_loop, "palaestra gateway serve")
     uvicorn.run(
-        app, host=config.host, port=config.port, log_level=args.log_level, access_log=False, loop=loop
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        access_log=False,
+        loop=loop,
+        http=HeadJoiningProtocol,  # an answer's head and body in one write (gateway/http_writes.py)
     )
     return 0
 

@@ -132,6 +132,7 @@ class GatewayService:
         self.model_name = config.served_model_name or config.model
         self._turn_ids = 0
         self.recovered: dict[str, int] = {}
+        self._one_token: dict[int, str] = {}  # decode([id]) of the stop ids answers ended on (`_text_of`)
 
     # -- the journal: what a restarted gateway continues ------------------------------------------
     def recover(self) -> dict[str, int]:
@@ -573,16 +574,34 @@ class GatewayService:
         return self.renderer.decode(ids)
 
     def _text_of(self, gen: Generation) -> tuple[str, str]:
-        """(text for the agent, text incl. the final stop token) of a generation."""
+        """(text for the agent, text incl. the final stop token) of a generation. An answer that ended
+        on a stop token is decoded once, without it, and the token's own text appended, where the
+        renderer's decode joins at whole characters (`ChatRenderer.decode_concatenates`) and the text
+        ends on one: the same string as decoding all of it, at half the decoding."""
         ids = gen.output_ids
         matched = gen.finish_reason.matched
-        full = self._decode(ids)
-        text = self._decode(ids[:-1]) if ids and isinstance(matched, int) else full
+        if ids and isinstance(matched, int):
+            text = self._decode(ids[:-1])
+            if self.renderer.decode_concatenates and not text.endswith("\ufffd"):
+                full = text + self._token_text(ids[-1])
+            else:
+                full = self._decode(ids)
+        else:
+            text = full = self._decode(ids)
         if isinstance(matched, str):
             cut = text.find(matched)
             if cut >= 0:
                 text = text[:cut]
         return text, full
+
+    def _token_text(self, token: int) -> str:
+        """decode([token]), kept for the few ids answers end on (a request's stop ids: at most 4096 kept)."""
+        text = self._one_token.get(token)
+        if text is None:
+            text = self._decode([token])
+            if len(self._one_token) < 4096:
+                self._one_token[token] = text
+        return text
 
     def _token_logprobs(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[float, int]]] | None, top_n: int

@@ -1,0 +1,226 @@
+"""The gateway's server protocol (gateway/http_writes.py): a whole answer's head and body go out in
+one write, and every answer's bytes are those uvicorn's own protocol writes, in the same order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from palaestra.gateway.http_writes import HeadJoiningProtocol, _HeadJoiner
+
+
+class _Recorder:
+    """A transport that records what is written to it (and what else is done to it)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.events: list[str] = []
+        self.closing = False
+
+    def write(self, data) -> None:
+        self.writes.append(bytes(data))
+        self.events.append("write")
+
+    def writelines(self, chunks) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def close(self) -> None:
+        self.closing = True
+        self.events.append("close")
+
+    def abort(self) -> None:
+        self.closing = True
+        self.events.append("abort")
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 1234), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/json")
+    async def json_answer() -> JSONResponse:
+        return JSONResponse({"id": "chatcmpl-1", "choices": [{"text": "é"}]}, headers={"x-extra": "1"})
+
+    @app.get("/empty")
+    async def empty() -> Response:
+        return Response(status_code=204)
+
+    @app.api_route("/text", methods=["GET", "HEAD"])
+    async def text() -> PlainTextResponse:
+        return PlainTextResponse("hello")
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def events():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+                await asyncio.sleep(0)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/boom")
+    async def boom() -> Response:
+        raise RuntimeError("boom")
+
+    return app
+
+
+def _serve(protocol_class, requests: bytes) -> _Recorder:
+    """What `protocol_class` writes for `requests` (raw HTTP/1.1 bytes, several may be pipelined)."""
+
+    async def run() -> _Recorder:
+        config = Config(_app(), log_level="critical", lifespan="off")
+        state = ServerState()  # no default headers: no date to differ between runs
+        proto = protocol_class(
+            config=config, server_state=state, app_state={}, _loop=asyncio.get_running_loop()
+        )
+        transport = _Recorder()
+        proto.connection_made(transport)
+        proto.data_received(requests)
+        for _ in range(200):  # the ASGI tasks run, pipelined ones after the answer before them
+            await asyncio.sleep(0)
+            if not state.tasks and not proto.pipeline:
+                break
+        await asyncio.sleep(0)
+        if proto.timeout_keep_alive_task is not None:
+            proto.timeout_keep_alive_task.cancel()
+        return transport
+
+    return asyncio.run(run())
+
+
+POST_JSON = b"POST /json HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}"
+CASES = {
+    "json": POST_JSON,
+    "no content": b"GET /empty HTTP/1.1\r\nhost: x\r\n\r\n",
+    "head request": b"HEAD /text HTTP/1.1\r\nhost: x\r\n\r\n",
+    "stream": b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n",
+    "error": b"GET /boom HTTP/1.1\r\nhost: x\r\n\r\n",
+    "not found": b"GET /nowhere HTTP/1.1\r\nhost: x\r\n\r\n",
+    "connection close": b"GET /text HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    "pipelined": POST_JSON
+    + b"GET /text HTTP/1.1\r\nhost: x\r\n\r\n"
+    + b"HEAD /text HTTP/1.1\r\nhost: x\r\n\r\n",
+    "http/1.0": b"GET /text HTTP/1.0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_same_bytes_in_the_same_order_as_uvicorns_protocol(case):
+    stock = _serve(HttpToolsProtocol, CASES[case])
+    joined = _serve(HeadJoiningProtocol, CASES[case])
+    assert stock.writes, "the stock protocol answered nothing: the case is wrong"
+    assert b"".join(joined.writes) == b"".join(stock.writes)
+    # a close comes after the same bytes as before
+    assert joined.events.count("close") == stock.events.count("close")
+    if "close" in stock.events:
+        before = stock.events.index("close")
+        assert b"".join(joined.writes[: joined.events.index("close")]) == b"".join(stock.writes[:before])
+
+
+def test_a_whole_answer_is_one_write():
+    """Fails on uvicorn's own protocol: head and body are two writes (two send syscalls) there."""
+    stock = _serve(HttpToolsProtocol, POST_JSON)
+    joined = _serve(HeadJoiningProtocol, POST_JSON)
+    assert len(stock.writes) == 2
+    assert len(joined.writes) == 1
+    assert joined.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert joined.writes[0].endswith(b'{"id":"chatcmpl-1","choices":[{"text":"\xc3\xa9"}]}')
+
+
+def test_a_streams_head_is_not_held():
+    joined = _serve(HeadJoiningProtocol, CASES["stream"])
+    assert b"transfer-encoding: chunked" in joined.writes[0]
+    assert not joined.writes[0].endswith(b"data: 0\n\n\r\n")  # written before its first event
+    assert len(joined.writes) == len(_serve(HttpToolsProtocol, CASES["stream"]).writes)
+
+
+def test_the_joiner_ends_a_hold_on_close_abort_and_flush():
+    real = _Recorder()
+    joiner = _HeadJoiner(real)  # type: ignore[arg-type]
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+    joiner.write(head)
+    assert real.writes == []
+    joiner.close()
+    assert real.writes == [head] and real.events == ["write", "close"]
+    real = _Recorder()
+    joiner = _HeadJoiner(real)  # type: ignore[arg-type]
+    joiner.write(head)
+    joiner.abort()  # an abort drops what is buffered, as the transport's own does
+    assert real.writes == [] and real.events == ["abort"]
+    real = _Recorder()
+    joiner = _HeadJoiner(real)  # type: ignore[arg-type]
+    joiner.write(memoryview(head))
+    joiner.writelines([b"o", b"k"])
+    joiner.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # no length: written at once
+    assert real.writes == [head, b"o", b"k", b"HTTP/1.1 100 Continue\r\n\r\n"]
+    joiner.flush()
+    assert len(real.writes) == 4
+    assert joiner.get_extra_info("peername") == ("127.0.0.1", 1234)
+
+
+def test_serve_runs_uvicorn_with_the_joining_protocol(monkeypatch, tmp_path):
+    from palaestra.cli import build_parser
+    from palaestra.gateway import app as gateway_app
+    from palaestra.gateway import cli
+
+    ran: dict = {}
+    monkeypatch.setattr(gateway_app, "create_app", lambda config: "app")
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: ran.update(kw))
+    argv = [
+        "gateway",
+        "serve",
+        "--model",
+        "tiny",
+        "--engine-url",
+        "http://127.0.0.1:1",
+        "--spool-dir",
+        str(tmp_path),
+    ]
+    assert cli._serve(build_parser("gateway").parse_args(argv)) == 0
+    assert ran["http"] is HeadJoiningProtocol
+
+
+def test_fastapis_own_telemetry_is_not_looked_up_per_request(monkeypatch, tok, tmp_path):
+    """FastAPI (0.16x) asks OpenTelemetry for its three providers on every request unless told its
+    instrumentation is off (gateway/app.py); nothing in the gateway configures one."""
+    trace = pytest.importorskip(
+        "opentelemetry.trace", reason="this FastAPI has no OpenTelemetry instrumentation"
+    )
+    import httpx
+
+    from palaestra.gateway.app import create_app
+    from tests.support.servers import gateway_config
+
+    app = create_app(gateway_config("http://127.0.0.1:1", tmp_path / "spool", context_length=4096), tok)
+    if not hasattr(app, "_native_telemetry"):
+        pytest.skip("this FastAPI has no native telemetry to turn off")
+    asked: list[int] = []
+    real = trace.get_tracer_provider
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: asked.append(1) or real())
+
+    async def call() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as http:
+            return (await http.get("/health")).status_code
+
+    assert asyncio.run(call()) == 200
+    assert asked == []
+    app.state.service.close()
