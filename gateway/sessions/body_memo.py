@@ -1,0 +1,230 @@
+"""A session's last request body, so that a call parses only the bytes its body adds.
+
+Agents send their whole conversation on every call: at a 100k-token history a chat body is about
+490 KB, and parsing all of it (`guards.read_json`) grew to half a millisecond a call. The body of
+a session's next call almost always repeats the previous one up to the end of its history array's
+last item, then adds items and closes the object with the same few keys. `BodyMemo` keeps, per
+session, the previous body's bytes up to that point (`prefix`) and the items they parsed to; a body
+that starts with `prefix` (one byte compare) is parsed as three pieces, each by orjson:
+
+* the keys before the history array (`head`: the prefix up to the array, with `null` in its place);
+* the new items, `[` + the bytes after the prefix up to the array's closing bracket + `]`;
+* the keys after the array, `{` + the bytes after its `,`.
+
+The body is the head's object with the previous items plus the new ones under the history key and
+the rest's keys set after: the same key order and the same last-wins duplicates as one parse of
+the whole body (a dict keeps a repeated key where it first came and takes its last value). Pieces
+that each parse make a whole that parses to the same values, so the only checks left are those
+orjson or `read_json` make across pieces: nesting depth (the new items and the rest are checked at
+the depth they sit in the body) and the history key written twice. Anything unexpected (no
+prefix, an invalid piece, a depth or duplicate problem, a key missing or not an array) falls back
+to `read_json` of the whole body, which refuses a bad body with its usual 400.
+
+Where a body's array ends is found by a small scanner (`_close`): regular expressions skip strings
+(with their escapes) and every other byte but brackets in C, leaving Python a step per bracket. It
+runs over the new items only, and over the whole body once after a full parse (`_locate`), when
+the body is known valid. A session whose bodies stop repeating each other (three misses in a row)
+stops being scanned.
+
+Reusing the previous call's item objects is sound because nothing edits parsed request items in
+place: the dialects' converters and `renderer.normalize_more` build new messages (or keep an item
+that is already in the internal form as it is), and `history.ParseMemo` already reused them.
+`ParseMemo.read_body` marks the list of items it hands out as trusted, which lets the parse memo
+skip writing the whole history back to JSON to find what it repeats.
+
+Memory: one body's bytes up to its last item and a list of references to the items (which the
+request holds anyway while it is served) per open session; `Session.release` drops it when the
+session finishes, and eviction with the session.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from palaestra.gateway.guards import MAX_JSON_DEPTH, _too_deep
+
+__all__ = ["BodyMemo", "MISSES"]
+
+MISSES = 3
+"""Bodies in a row that do not repeat the previous one, after which a session's bodies are parsed
+whole without being scanned (an agent that rewrites its history every call)."""
+
+_WS = re.compile(rb"[ \t\n\r]*")  # JSON's whitespace (bytes.strip's also takes \x0b and \x0c)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# everything up to the next bracket: runs of other bytes and whole strings, escapes included
+_SKIP = re.compile(rb'[^"\[\]{}]*(?:"[^"\\]*(?:\\.[^"\\]*)*"[^"\[\]{}]*)*', re.DOTALL)
+_SCALAR = re.compile(rb"[^,}\] \t\n\r]*")
+_OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
+
+
+def _close(raw: bytes, pos: int) -> int:
+    """The position of the bracket that closes the array or object whose contents start at `pos`;
+    -1 where there is none (an unterminated string, a missing bracket). Brackets are not matched by
+    kind: on valid JSON the answer is right, and on invalid JSON orjson refuses the pieces."""
+    depth, skip, n = 0, _SKIP.match, len(raw)
+    while True:
+        pos = skip(raw, pos).end()  # type: ignore[union-attr]  # (it matches the empty string)
+        if pos >= n:
+            return -1
+        c = raw[pos]
+        if c in _OPEN:
+            depth += 1
+        elif c in _CLOSE:
+            if not depth:
+                return pos
+            depth -= 1
+        else:  # a quote that starts no whole string
+            return -1
+        pos += 1
+
+
+def _ws(raw: bytes, pos: int) -> int:
+    return _WS.match(raw, pos).end()  # type: ignore[union-attr]
+
+
+def _locate(raw: bytes, key: str) -> tuple[int, int] | None:
+    """(the position of the `[` of top-level `key`'s array, that of its `]`) in `raw`, a body that
+    orjson parsed into an object; None when `key` is missing, repeated, or not an array."""
+    i = _ws(raw, 0) + 1  # past the "{"
+    found: tuple[int, int] | None = None
+    seen = 0
+    i = _ws(raw, i)
+    if raw[i] == 0x7D:  # "{}"
+        return None
+    while True:
+        m = _STRING.match(raw, i)
+        if m is None:
+            return None
+        name_bytes, i = m.group(), _ws(raw, m.end())
+        name = orjson.loads(name_bytes) if b"\\" in name_bytes else name_bytes[1:-1].decode()
+        i = _ws(raw, i + 1)  # past the ":"
+        c = raw[i]
+        if c in _OPEN:
+            end = _close(raw, i + 1)
+            if end < 0:
+                return None
+            end += 1
+        elif c == 0x22:
+            m = _STRING.match(raw, i)
+            if m is None:
+                return None
+            end = m.end()
+        else:
+            end = _SCALAR.match(raw, i).end()  # type: ignore[union-attr]
+        if name == key:
+            seen += 1
+            found = (i, end - 1) if c == 0x5B else None
+        i = _ws(raw, end)
+        if raw[i] != 0x2C:  # the closing "}"
+            break
+        i = _ws(raw, i + 1)
+    return found if seen == 1 else None
+
+
+class BodyMemo:
+    """The previous body of a session's turn route, as far as its history's last item (module doc)."""
+
+    __slots__ = ("route", "key", "prefix", "head", "items", "misses")
+
+    def __init__(self) -> None:
+        self.route = ""  # the route whose body is kept ("" : none)
+        self.key = ""  # its history field
+        self.prefix = b""  # the body's bytes up to the end of its history array's last item
+        self.head = b""  # the bytes before the array with `null}` after: the keys before it
+        self.items: list[Any] = []  # the history items the body parsed to
+        self.misses = 0  # bodies in a row that did not repeat the kept one
+
+    def parse(self, raw: bytes, route: str, key: str) -> dict[str, Any] | None:
+        """`raw` parsed as `orjson.loads` would, from the kept body and the bytes after its prefix;
+        None when it cannot be (not the same route, no prefix, anything unexpected): then the body
+        is to be parsed whole and handed to `remember`."""
+        if not self.prefix:
+            return None
+        body = self._parse(raw, key) if route == self.route and key == self.key else None
+        if body is None:
+            self.misses += 1
+        else:
+            self.misses = 0
+        return body
+
+    def _parse(self, raw: bytes, key: str) -> dict[str, Any] | None:
+        prefix = self.prefix
+        if not raw.startswith(prefix):
+            return None
+        n = len(raw)
+        i = _ws(raw, len(prefix))
+        if i >= n:
+            return None
+        new: list[Any] = []
+        end = len(prefix)
+        if raw[i] == 0x5D:  # no new items
+            close = i
+        else:
+            if self.items:
+                if raw[i] != 0x2C:
+                    return None
+                i += 1
+            close = _close(raw, i)
+            if close < 0:
+                return None
+            try:
+                new = orjson.loads(b"[" + raw[i:close] + b"]")
+            except orjson.JSONDecodeError:
+                return None
+            # "[a,]": the new part must hold an item; and each sits two levels down in the body
+            if not new or _too_deep(new, MAX_JSON_DEPTH - 1):
+                return None
+            end = close
+            while raw[end - 1] in b" \t\n\r":
+                end -= 1
+        j = _ws(raw, close + 1)
+        if j >= n:
+            return None
+        if raw[j] == 0x7D:  # the array was the last key
+            if _ws(raw, j + 1) != n:
+                return None
+            rest: dict[str, Any] = {}
+        elif raw[j] == 0x2C:
+            k = _ws(raw, j + 1)
+            if k >= n or raw[k] != 0x22:  # '{"a":[],}' is no object
+                return None
+            try:
+                rest = orjson.loads(b"{" + raw[k:])
+            except orjson.JSONDecodeError:
+                return None
+            if key in rest or _too_deep(rest):
+                return None
+        else:
+            return None
+        try:
+            body = orjson.loads(self.head)
+        except orjson.JSONDecodeError:  # (it parsed as part of the kept body)
+            return None
+        items = [*self.items, *new] if new else [*self.items]
+        body[key] = items
+        if rest:
+            body.update(rest)
+        if new:
+            self.prefix = raw[:end]
+            self.items = [*items]
+        return body
+
+    def remember(self, raw: bytes, route: str, key: str, body: dict[str, Any]) -> None:
+        """Keeps `raw`, just parsed whole into `body`, for the next call of `route`; forgets the
+        kept body instead when `raw` cannot be a next call's prefix."""
+        value = body.get(key)
+        located = (
+            _locate(raw, key) if self.misses < MISSES and type(value) is list else None
+        )
+        if located is None:
+            self.route, self.key, self.prefix, self.head, self.items = "", "", b"", b"", []
+            return
+        start, close = located
+        end = close
+        while raw[end - 1] in b" \t\n\r":
+            end -= 1
+        self.route, self.key = route, key
+        self.prefix, self.head, self.items = raw[:end], raw[:start] + b"null}", [*value]

@@ -1,0 +1,231 @@
+"""The incremental parse of a session's request bodies (gateway/sessions/body_memo.py) against a
+whole parse (`guards.read_json`: orjson): random sequences of bodies of each dialect's shape, as SDKs
+write them (whitespace, escapes, key order, duplicate keys), appended to, edited, cut and broken;
+every body must come out the same (its JSON written back, key order included) or be refused with
+the same 400, counted the same.
+
+    .venv/bin/python -m pytest -q tests/gateway/test_body_memo.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.guards import MAX_JSON_DEPTH, read_json
+from palaestra.gateway.sessions import body_memo
+from palaestra.gateway.sessions.body_memo import BodyMemo, _close, _locate
+from palaestra.gateway.sessions.history import ParseMemo
+
+SHAPES = {  # route -> (history key, the other keys a body of it may have)
+    "chat": ("messages", ["model", "max_tokens", "stream", "tools", "temperature", "stop"]),
+    "responses": ("input", ["model", "instructions", "tools", "max_output_tokens", "store"]),
+    "messages": ("messages", ["model", "system", "max_tokens", "tools", "stream"]),
+}
+TRICKY = ['a"b', "a\\", "\\", '\\"', "é", "💡", "\u2028", "x\ny", "]", "}", "[{", "\\u0041", "\x7f", ""]
+
+
+def _text(rng: random.Random) -> str:
+    return "".join(rng.choice(TRICKY + ["hi", " ", "ok"]) for _ in range(rng.randrange(4)))
+
+
+def _value(rng: random.Random, depth: int = 0) -> Any:
+    kind = rng.randrange(9 if depth < 3 else 6)
+    if kind == 0:
+        return rng.choice([0, 1, -1, 2**63 - 1, -(2**63), 2**64 - 1])
+    if kind == 1:
+        return rng.choice([1.0, 0.5, -0.0, 1e300, 1.5e-7])
+    if kind == 2:
+        return rng.choice([True, False, None])
+    if kind in (3, 4, 5):
+        return _text(rng)
+    if kind in (6, 7):
+        return {_text(rng) or "k": _value(rng, depth + 1) for _ in range(rng.randrange(3))}
+    return [_value(rng, depth + 1) for _ in range(rng.randrange(3))]
+
+
+def _item(rng: random.Random) -> Any:
+    r = rng.random()
+    if r < 0.05:  # not every item is an object
+        return _value(rng, 2)
+    item: dict[str, Any] = {"role": rng.choice(["user", "assistant", "tool"]), "content": _text(rng)}
+    if r < 0.4:
+        item["content"] = [{"type": "text", "text": _text(rng)} for _ in range(rng.randrange(3))]
+    if r < 0.2:
+        item["extra"] = _value(rng, 1)
+    return item
+
+
+class Writer:
+    """One SDK's way of writing JSON: separators, indent, ASCII escapes."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.item_sep = rng.choice([",", ", ", ",\n  ", " , "])
+        self.colon = rng.choice([":", ": ", " : "])
+        self.ascii = rng.random() < 0.5
+        self.outer = rng.choice(["", " ", "\n", "\t", "\r\n"])
+
+    def value(self, v: Any) -> str:
+        return json.dumps(v, ensure_ascii=self.ascii, separators=(self.item_sep, self.colon))
+
+    def body(self, pairs: list[tuple[str, Any]]) -> bytes:
+        inner = self.item_sep.join(f"{self.value(k)}{self.colon}{self.value(v)}" for k, v in pairs)
+        return f"{self.outer}{{{self.outer}{inner}{self.outer}}}{self.outer}".encode()
+
+
+BREAKS = [
+    lambda raw: raw[:-2],  # cut short
+    lambda raw: raw + b"x",
+    lambda raw: raw.replace(b"]", b",]", 1),  # a trailing comma
+    lambda raw: raw.rstrip()[:-1] + b',}',
+    lambda raw: raw.rstrip()[:-1] + b',"z":NaN}',
+    lambda raw: raw.rstrip()[:-1] + b',"z":123456789012345678901234567890}',
+    lambda raw: raw.rstrip()[:-1] + b',"z":"\\ud800"}',
+    lambda raw: raw.rstrip()[:-1] + b',"z":"\xff"}',
+    lambda raw: raw.rstrip()[:-1] + b',"z":' + b"[" * (MAX_JSON_DEPTH + 2) + b"]" * (MAX_JSON_DEPTH + 2) + b"}",
+    lambda raw: raw.rstrip()[:-1] + b',"z":' + b"[" * 1100 + b"]" * 1100 + b"}",
+]
+
+
+def _append_raw(raw: bytes, key: str, text: bytes) -> bytes:
+    """`raw` with `text` written in as its history's last item, by hand (to break it inside)."""
+    located = _locate(raw, key)
+    if located is None:
+        return raw
+    start, close = located
+    sep = b"," if raw[start + 1 : close].strip() else b""
+    return raw[:close] + sep + text + raw[close:]
+
+
+ITEM_BREAKS = [
+    b'{"role":"user","content":"x"',  # unclosed
+    b'{"role":"user","content":"x\\"}',  # an escaped quote that leaves the string open
+    b'{"role":"user","content":"\xc3"}',  # bad UTF-8
+    b'{"role":"user","content":NaN}',
+    b'{"role":"user","content":"\\udc00"}',
+    b'{"a":1}{"b":2}',
+    b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1),  # too deep two levels down
+    b"[" * (MAX_JSON_DEPTH - 2) + b"]" * (MAX_JSON_DEPTH - 2),  # just deep enough
+    b"[" * 1023 + b"]" * 1023,
+    b'"\\\\"',  # a string ending in an escaped backslash
+    b"12",
+    b"1.0",
+    b"true",
+    b'{"x":"]"}',
+]
+
+
+def _outcome(parse, raw: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", orjson.dumps(parse(raw))
+    except GatewayError as exc:
+        return "error", (exc.status, exc.code, exc.message)
+
+
+def _counts(counter: Counter) -> dict[str, float]:
+    return {s.labels["reason"]: s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")}
+
+
+def _counter() -> Counter:
+    return Counter("rejected", "refused bodies", ["reason"], registry=CollectorRegistry())
+
+
+@pytest.mark.parametrize("route", sorted(SHAPES))
+def test_incremental_parse_equals_whole_parse(route: str) -> None:
+    key, others = SHAPES[route]
+    rng = random.Random(f"body-memo-{route}")
+    hits = 0
+    for _ in range(2000):
+        memo, plain_rejected, memo_rejected = ParseMemo(), _counter(), _counter()
+        writer = Writer(rng)
+        history = [_item(rng) for _ in range(rng.randrange(4))]
+        names = rng.sample(others, rng.randrange(len(others) + 1))
+        pairs: list[tuple[str, Any]] = [(n, _value(rng, 1)) for n in names]
+        pairs.insert(rng.randrange(len(pairs) + 1), (key, history))
+        for _step in range(rng.randrange(2, 7)):
+            move = rng.random()
+            history = list(history)
+            if move < 0.5:  # the common case: the reply and a new message appended
+                history += [_item(rng) for _ in range(rng.randrange(3))]
+            elif move < 0.58 and history:
+                history[-1] = _item(rng)  # the last item edited
+            elif move < 0.63 and history:
+                del history[rng.randrange(len(history))]
+            elif move < 0.68:
+                rng.shuffle(pairs)
+            elif move < 0.72:
+                writer = Writer(rng)
+            elif move < 0.75:
+                history = []
+            elif move < 0.78:  # the array missing, or not an array
+                pairs = [p for p in pairs if p[0] != key] + ([] if rng.random() < 0.5 else [(key, "text")])
+            elif move < 0.81:  # a key written twice (the history's too)
+                pairs.append(rng.choice(pairs) if pairs else ("model", "m"))
+            elif move < 0.85:
+                names = [n for n in others if n not in dict(pairs)]
+                if names:
+                    pairs.append((rng.choice(names), _value(rng, 1)))
+            if any(p[0] == key for p in pairs):
+                at = max(i for i, p in enumerate(pairs) if p[0] == key)
+                if isinstance(pairs[at][1], list) or rng.random() < 0.5:
+                    pairs[at] = (key, history)
+            raw = writer.body(pairs)
+            roll = rng.random()
+            if roll < 0.08:
+                raw = rng.choice(BREAKS)(raw)
+            elif roll < 0.16:
+                raw = _append_raw(raw, key, rng.choice(ITEM_BREAKS))
+            hits += memo._body.prefix != b"" and raw.startswith(memo._body.prefix)
+            want = _outcome(lambda r: read_json(r, plain_rejected), raw)
+            got = _outcome(lambda r: memo.read_body(r, route, key, memo_rejected), raw)
+            assert got == want, raw
+        assert _counts(memo_rejected) == _counts(plain_rejected)
+    assert hits > 2000  # the incremental path was taken, not only the fallback
+
+
+def test_the_pieces_found_by_the_scanner() -> None:
+    raw = b'{"a" : "]}\\"", "messages" :[ {"x":"\\\\"} , [1,{"y":[]}], "]" ] , "b":[1]}'
+    start, close = _locate(raw, "messages")  # type: ignore[misc]
+    assert raw[start : close + 1] == b'[ {"x":"\\\\"} , [1,{"y":[]}], "]" ]'
+    assert _close(b'"abc', 0) == -1 and _close(b"[1", 1) == -1
+    assert _locate(b'{"messages":[],"messages":[]}', "messages") is None  # repeated: whole parses
+    assert _locate(b'{"m\\u0065ssages":[1]}', "messages") == (17, 19)
+
+
+def test_reused_items_are_the_previous_objects_and_trusted() -> None:
+    """The second body's repeated items are the first body's objects, and the parse memo reuses
+    their messages without writing the history out (it never calls orjson.dumps on them)."""
+    from palaestra.gateway.dialects import openai_request
+
+    memo, rejected = ParseMemo(), _counter()
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    first = memo.read_body(orjson.dumps({"messages": history, "model": "m"}), "chat", "messages", rejected)
+    req1 = openai_request.parse_chat(first, memo)
+    history.append({"role": "user", "content": "more"})
+    second = memo.read_body(orjson.dumps({"messages": history, "model": "m"}), "chat", "messages", rejected)
+    assert all(a is b for a, b in zip(first["messages"], second["messages"]))
+    req2 = openai_request.parse_chat(second, memo)
+    assert req2.messages[:2] == req1.messages and req2.messages[0] is req1.messages[0]
+    assert memo._raw is None and memo._count == 3  # reused by identity: the history never written
+    # a body that does not repeat: parsed whole, and the parse memo compares JSON again
+    history[0] = {"role": "user", "content": "changed"}
+    third = memo.read_body(orjson.dumps({"messages": history, "model": "m"}), "chat", "messages", rejected)
+    req3 = openai_request.parse_chat(third, memo)
+    assert req3.messages == openai_request.parse_chat(orjson.loads(orjson.dumps(third))).messages
+
+
+def test_a_session_that_never_repeats_is_no_longer_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
+    memo, scans = BodyMemo(), []
+    monkeypatch.setattr(body_memo, "_locate", lambda raw, key: scans.append(raw) or _locate(raw, key))
+    for i in range(body_memo.MISSES + 3):
+        raw = orjson.dumps({"messages": [{"role": "user", "content": f"call {i}"}]})
+        assert memo.parse(raw, "chat", "messages") is None
+        memo.remember(raw, "chat", "messages", orjson.loads(raw))
+    assert len(scans) == body_memo.MISSES
+    assert memo.prefix == b""
