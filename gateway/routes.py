@@ -155,9 +155,7 @@ async def _counted(
     svc = service(request)
     try:
         body = await (
-            json_body(request)
-            if session_id is None
-            else turn_body(request, session_id, route, history_field)
+            json_body(request) if session_id is None else turn_body(request, session_id, route, history_field)
         )
         result = await call(svc, body)
     except GatewayError as exc:

@@ -216,9 +216,7 @@ class BodyMemo:
         """Keeps `raw`, just parsed whole into `body`, for the next call of `route`; forgets the
         kept body instead when `raw` cannot be a next call's prefix."""
         value = body.get(key)
-        located = (
-            _locate(raw, key) if self.misses < MISSES and type(value) is list else None
-        )
+        located = _locate(raw, key) if self.misses < MISSES and type(value) is list else None
         if located is None:
             self.route, self.key, self.prefix, self.head, self.items = "", "", b"", b"", []
             return

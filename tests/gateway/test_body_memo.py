@@ -9,6 +9,7 @@ the same 400, counted the same.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from typing import Any
@@ -83,12 +84,14 @@ BREAKS = [
     lambda raw: raw[:-2],  # cut short
     lambda raw: raw + b"x",
     lambda raw: raw.replace(b"]", b",]", 1),  # a trailing comma
-    lambda raw: raw.rstrip()[:-1] + b',}',
+    lambda raw: raw.rstrip()[:-1] + b",}",
     lambda raw: raw.rstrip()[:-1] + b',"z":NaN}',
     lambda raw: raw.rstrip()[:-1] + b',"z":123456789012345678901234567890}',
     lambda raw: raw.rstrip()[:-1] + b',"z":"\\ud800"}',
     lambda raw: raw.rstrip()[:-1] + b',"z":"\xff"}',
-    lambda raw: raw.rstrip()[:-1] + b',"z":' + b"[" * (MAX_JSON_DEPTH + 2) + b"]" * (MAX_JSON_DEPTH + 2) + b"}",
+    lambda raw: (
+        raw.rstrip()[:-1] + b',"z":' + b"[" * (MAX_JSON_DEPTH + 2) + b"]" * (MAX_JSON_DEPTH + 2) + b"}"
+    ),
     lambda raw: raw.rstrip()[:-1] + b',"z":' + b"[" * 1100 + b"]" * 1100 + b"}",
 ]
 
@@ -129,7 +132,9 @@ def _outcome(parse, raw: bytes) -> tuple[str, Any]:
 
 
 def _counts(counter: Counter) -> dict[str, float]:
-    return {s.labels["reason"]: s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")}
+    return {
+        s.labels["reason"]: s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
+    }
 
 
 def _counter() -> Counter:
@@ -182,8 +187,10 @@ def test_incremental_parse_equals_whole_parse(route: str) -> None:
             elif roll < 0.16:
                 raw = _append_raw(raw, key, rng.choice(ITEM_BREAKS))
             hits += memo._body.prefix != b"" and raw.startswith(memo._body.prefix)
-            want = _outcome(lambda r: read_json(r, plain_rejected), raw)
-            got = _outcome(lambda r: memo.read_body(r, route, key, memo_rejected), raw)
+            want = _outcome(functools.partial(read_json, rejected=plain_rejected), raw)
+            got = _outcome(
+                functools.partial(memo.read_body, route=route, key=key, rejected=memo_rejected), raw
+            )
             assert got == want, raw
         assert _counts(memo_rejected) == _counts(plain_rejected)
     assert hits > 2000  # the incremental path was taken, not only the fallback
@@ -209,7 +216,7 @@ def test_reused_items_are_the_previous_objects_and_trusted() -> None:
     req1 = openai_request.parse_chat(first, memo)
     history.append({"role": "user", "content": "more"})
     second = memo.read_body(orjson.dumps({"messages": history, "model": "m"}), "chat", "messages", rejected)
-    assert all(a is b for a, b in zip(first["messages"], second["messages"]))
+    assert all(a is b for a, b in zip(first["messages"], second["messages"], strict=False))
     req2 = openai_request.parse_chat(second, memo)
     assert req2.messages[:2] == req1.messages and req2.messages[0] is req1.messages[0]
     assert memo._raw is None and memo._count == 3  # reused by identity: the history never written
