@@ -11,6 +11,9 @@ that starts with `prefix` (one byte compare) is parsed as three pieces, each by 
 * the new items, `[` + the bytes after the prefix up to the array's closing bracket + `]`;
 * the keys after the array, `{` + the bytes after its `,`.
 
+A body that changed one of the previous body's last `ENDS` items (Anthropic clients move their
+cache marker to the newest message) is parsed the same way from the end of the last item it kept.
+
 The body is the head's object with the previous items plus the new ones under the history key and
 the rest's keys set after: the same key order and the same last-wins duplicates as one parse of
 the whole body (a dict keeps a repeated key where it first came and takes its last value). Pieces
@@ -46,11 +49,15 @@ import orjson
 
 from palaestra.gateway.guards import MAX_JSON_DEPTH, _too_deep
 
-__all__ = ["BodyMemo", "MISSES"]
+__all__ = ["ENDS", "MISSES", "BodyMemo"]
 
 MISSES = 3
 """Bodies in a row that do not repeat the previous one, after which a session's bodies are parsed
 whole without being scanned (an agent that rewrites its history every call)."""
+
+ENDS = 4
+"""The last items whose ends are kept: a body that changed one of them (Anthropic clients move their
+cache marker to the newest message) is parsed from the end of the last one it kept."""
 
 _WS = re.compile(rb"[ \t\n\r]*")  # JSON's whitespace (bytes.strip's also takes \x0b and \x0c)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -60,10 +67,12 @@ _SCALAR = re.compile(rb"[^,}\] \t\n\r]*")
 _OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
 
 
-def _close(raw: bytes, pos: int) -> int:
+def _close(raw: bytes, pos: int, ends: list[int] | None = None) -> int:
     """The position of the bracket that closes the array or object whose contents start at `pos`;
     -1 where there is none (an unterminated string, a missing bracket). Brackets are not matched by
-    kind: on valid JSON the answer is right, and on invalid JSON orjson refuses the pieces."""
+    kind: on valid JSON the answer is right, and on invalid JSON orjson refuses the pieces. `ends`
+    gets the position after each array or object directly inside (the ends of an array's items
+    that are containers)."""
     depth, skip, n = 0, _SKIP.match, len(raw)
     while True:
         pos = skip(raw, pos).end()  # type: ignore[union-attr]  # (it matches the empty string)
@@ -76,6 +85,8 @@ def _close(raw: bytes, pos: int) -> int:
             if not depth:
                 return pos
             depth -= 1
+            if not depth and ends is not None:
+                ends.append(pos + 1)
         else:  # a quote that starts no whole string
             return -1
         pos += 1
@@ -85,11 +96,13 @@ def _ws(raw: bytes, pos: int) -> int:
     return _WS.match(raw, pos).end()  # type: ignore[union-attr]
 
 
-def _locate(raw: bytes, key: str) -> tuple[int, int] | None:
-    """(the position of the `[` of top-level `key`'s array, that of its `]`) in `raw`, a body that
-    orjson parsed into an object; None when `key` is missing, repeated, or not an array."""
+def _locate(raw: bytes, key: str) -> tuple[int, int, list[int]] | None:
+    """(the position of the `[` of top-level `key`'s array, that of its `]`, the ends of its items
+    that are containers: `_close`) in `raw`, a body that orjson parsed into an object; None when
+    `key` is missing, repeated, or not an array."""
     i = _ws(raw, 0) + 1  # past the "{"
-    found: tuple[int, int] | None = None
+    found: tuple[int, int, list[int]] | None = None
+    ends: list[int] = []
     seen = 0
     i = _ws(raw, i)
     if raw[i] == 0x7D:  # "{}"
@@ -103,7 +116,8 @@ def _locate(raw: bytes, key: str) -> tuple[int, int] | None:
         i = _ws(raw, i + 1)  # past the ":"
         c = raw[i]
         if c in _OPEN:
-            end = _close(raw, i + 1)
+            ends = []
+            end = _close(raw, i + 1, ends)
             if end < 0:
                 return None
             end += 1
@@ -116,7 +130,7 @@ def _locate(raw: bytes, key: str) -> tuple[int, int] | None:
             end = _SCALAR.match(raw, i).end()  # type: ignore[union-attr]
         if name == key:
             seen += 1
-            found = (i, end - 1) if c == 0x5B else None
+            found = (i, end - 1, ends) if c == 0x5B else None
         i = _ws(raw, end)
         if raw[i] != 0x2C:  # the closing "}"
             break
@@ -127,7 +141,7 @@ def _locate(raw: bytes, key: str) -> tuple[int, int] | None:
 class BodyMemo:
     """The previous body of a session's turn route, as far as its history's last item (module doc)."""
 
-    __slots__ = ("route", "key", "prefix", "head", "items", "misses")
+    __slots__ = ("route", "key", "prefix", "head", "items", "ends", "misses")
 
     def __init__(self) -> None:
         self.route = ""  # the route whose body is kept ("" : none)
@@ -135,39 +149,51 @@ class BodyMemo:
         self.prefix = b""  # the body's bytes up to the end of its history array's last item
         self.head = b""  # the bytes before the array with `null}` after: the keys before it
         self.items: list[Any] = []  # the history items the body parsed to
+        self.ends: list[tuple[int, int]] = []  # (items, where the last of them ends): `ENDS` at most
         self.misses = 0  # bodies in a row that did not repeat the kept one
 
     def parse(self, raw: bytes, route: str, key: str) -> dict[str, Any] | None:
-        """`raw` parsed as `orjson.loads` would, from the kept body and the bytes after its prefix;
-        None when it cannot be (not the same route, no prefix, anything unexpected): then the body
-        is to be parsed whole and handed to `remember`."""
-        if not self.prefix:
+        """`raw` parsed as `orjson.loads` would, from the kept body and the bytes after its prefix
+        (or after the end of one of its last items, for a body that changed one of those); None
+        when it cannot be (not the same route, no prefix, anything unexpected): then the body is to
+        be parsed whole and handed to `remember`."""
+        prefix = self.prefix
+        if not prefix:
             return None
-        body = self._parse(raw, key) if route == self.route and key == self.key else None
+        body = None
+        if route == self.route and key == self.key:
+            if raw.startswith(prefix):
+                body = self._parse(raw, key, len(prefix), len(self.items))
+            else:  # an edit in the last items (a cache marker moved on): from the last item that stayed
+                view = memoryview(prefix)
+                for count, end in reversed(self.ends):
+                    if count < len(self.items) and raw.startswith(view[:end]):
+                        body = self._parse(raw, key, end, count)
+                        break
         if body is None:
             self.misses += 1
         else:
             self.misses = 0
         return body
 
-    def _parse(self, raw: bytes, key: str) -> dict[str, Any] | None:
-        prefix = self.prefix
-        if not raw.startswith(prefix):
-            return None
+    def _parse(self, raw: bytes, key: str, start: int, count: int) -> dict[str, Any] | None:
+        """`parse` of `raw`, which repeats the kept body up to `start`, the end of its first `count`
+        items."""
         n = len(raw)
-        i = _ws(raw, len(prefix))
+        i = _ws(raw, start)
         if i >= n:
             return None
         new: list[Any] = []
-        end = len(prefix)
+        new_ends: list[int] = []
+        end = start
         if raw[i] == 0x5D:  # no new items
             close = i
         else:
-            if self.items:
+            if count:
                 if raw[i] != 0x2C:
                     return None
                 i += 1
-            close = _close(raw, i)
+            close = _close(raw, i, new_ends)
             if close < 0:
                 return None
             try:
@@ -203,13 +229,16 @@ class BodyMemo:
             body = orjson.loads(self.head)
         except orjson.JSONDecodeError:  # (it parsed as part of the kept body)
             return None
-        items = [*self.items, *new] if new else [*self.items]
+        kept = self.items if count == len(self.items) else self.items[:count]
+        items = [*kept, *new]
         body[key] = items
         if rest:
             body.update(rest)
-        if new:
-            self.prefix = raw[:end]
-            self.items = [*items]
+        if new or kept is not self.items:
+            ends = [e for e in self.ends if e[0] <= count]
+            if len(new_ends) == len(new):  # every new item a container: where each ends is known
+                ends += [(count + k, e) for k, e in enumerate(new_ends, 1)]
+            self.prefix, self.items, self.ends = raw[:end], [*items], ends[-ENDS:]
         return body
 
     def remember(self, raw: bytes, route: str, key: str, body: dict[str, Any]) -> None:
@@ -218,11 +247,13 @@ class BodyMemo:
         value = body.get(key)
         located = _locate(raw, key) if self.misses < MISSES and type(value) is list else None
         if located is None:
-            self.route, self.key, self.prefix, self.head, self.items = "", "", b"", b"", []
+            self.route, self.key, self.prefix, self.head, self.items, self.ends = "", "", b"", b"", [], []
             return
-        start, close = located
+        start, close, ends = located
         end = close
         while raw[end - 1] in b" \t\n\r":
             end -= 1
         self.route, self.key = route, key
         self.prefix, self.head, self.items = raw[:end], raw[:start] + b"null}", [*value]
+        # where the last items end, when every item is a container (else which is which is unknown)
+        self.ends = [(k, e) for k, e in enumerate(ends, 1)][-ENDS:] if len(ends) == len(value) else []

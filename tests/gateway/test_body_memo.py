@@ -101,7 +101,7 @@ def _append_raw(raw: bytes, key: str, text: bytes) -> bytes:
     located = _locate(raw, key)
     if located is None:
         return raw
-    start, close = located
+    start, close, _ = located
     sep = b"," if raw[start + 1 : close].strip() else b""
     return raw[:close] + sep + text + raw[close:]
 
@@ -141,11 +141,23 @@ def _counter() -> Counter:
     return Counter("rejected", "refused bodies", ["reason"], registry=CollectorRegistry())
 
 
+def _check_kept(kept: BodyMemo) -> None:
+    """What a memo keeps is what it says: its prefix's array holds its items, and each kept end
+    closes the items it counts."""
+    if not kept.prefix:
+        return
+    start = len(kept.head) - len(b"null}")
+    assert kept.prefix[start] == ord("[")
+    assert orjson.loads(kept.prefix[start:] + b"]") == kept.items
+    for count, end in kept.ends:
+        assert orjson.dumps(orjson.loads(kept.prefix[start:end] + b"]")) == orjson.dumps(kept.items[:count])
+
+
 @pytest.mark.parametrize("route", sorted(SHAPES))
 def test_incremental_parse_equals_whole_parse(route: str) -> None:
     key, others = SHAPES[route]
     rng = random.Random(f"body-memo-{route}")
-    hits = 0
+    hits = edits = 0
     for _ in range(2000):
         memo, plain_rejected, memo_rejected = ParseMemo(), _counter(), _counter()
         writer = Writer(rng)
@@ -158,8 +170,8 @@ def test_incremental_parse_equals_whole_parse(route: str) -> None:
             history = list(history)
             if move < 0.5:  # the common case: the reply and a new message appended
                 history += [_item(rng) for _ in range(rng.randrange(3))]
-            elif move < 0.58 and history:
-                history[-1] = _item(rng)  # the last item edited
+            elif move < 0.58 and history:  # one of the last items edited (a cache marker moved)
+                history[-rng.randrange(1, min(len(history), body_memo.ENDS + 1) + 1)] = _item(rng)
             elif move < 0.63 and history:
                 del history[rng.randrange(len(history))]
             elif move < 0.68:
@@ -186,23 +198,27 @@ def test_incremental_parse_equals_whole_parse(route: str) -> None:
                 raw = rng.choice(BREAKS)(raw)
             elif roll < 0.16:
                 raw = _append_raw(raw, key, rng.choice(ITEM_BREAKS))
-            hits += memo._body.prefix != b"" and raw.startswith(memo._body.prefix)
+            prefix = memo._body.prefix
+            hits += prefix != b"" and raw.startswith(prefix)
             want = _outcome(functools.partial(read_json, rejected=plain_rejected), raw)
             got = _outcome(
                 functools.partial(memo.read_body, route=route, key=key, rejected=memo_rejected), raw
             )
             assert got == want, raw
+            edits += prefix != b"" and not raw.startswith(prefix) and memo._body.misses == 0
+            _check_kept(memo._body)
         assert _counts(memo_rejected) == _counts(plain_rejected)
-    assert hits > 2000  # the incremental path was taken, not only the fallback
+    assert hits > 2000 and edits > 50  # the incremental path was taken, not only the fallback
 
 
 def test_the_pieces_found_by_the_scanner() -> None:
     raw = b'{"a" : "]}\\"", "messages" :[ {"x":"\\\\"} , [1,{"y":[]}], "]" ] , "b":[1]}'
-    start, close = _locate(raw, "messages")  # type: ignore[misc]
+    start, close, ends = _locate(raw, "messages")  # type: ignore[misc]
     assert raw[start : close + 1] == b'[ {"x":"\\\\"} , [1,{"y":[]}], "]" ]'
+    assert [raw[start + 1 : e].strip() for e in ends] == [b'{"x":"\\\\"}', b'{"x":"\\\\"} , [1,{"y":[]}]']
     assert _close(b'"abc', 0) == -1 and _close(b"[1", 1) == -1
     assert _locate(b'{"messages":[],"messages":[]}', "messages") is None  # repeated: whole parses
-    assert _locate(b'{"m\\u0065ssages":[1]}', "messages") == (17, 19)
+    assert _locate(b'{"m\\u0065ssages":[1]}', "messages") == (17, 19, [])
 
 
 def test_reused_items_are_the_previous_objects_and_trusted() -> None:
