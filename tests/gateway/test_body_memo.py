@@ -252,3 +252,101 @@ def test_a_session_that_never_repeats_is_no_longer_scanned(monkeypatch: pytest.M
         memo.remember(raw, "chat", "messages", orjson.loads(raw))
     assert len(scans) == body_memo.MISSES
     assert memo.prefix == b""
+
+
+TOOL_TURNS = {  # route -> (history key, body around a history, a tool call and its result, the reply)
+    "chat/completions": (
+        "messages",
+        lambda h: {"model": "tiny", "messages": h, "max_tokens": 8, "tools": [_TOOL_CHAT]},
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": "é\\""}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "r\\"}]},
+        ],
+        lambda a: [{"role": "assistant", "content": a["choices"][0]["message"]["content"]}],
+    ),
+    "responses": (
+        "input",
+        lambda h: {"model": "tiny", "instructions": "S", "input": h, "max_output_tokens": 8},
+        [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "r"},
+        ],
+        lambda a: a["output"],
+    ),
+    "messages": (
+        "messages",
+        lambda h: {"model": "tiny", "system": "S", "messages": h, "max_tokens": 8},
+        [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {"x": [1]}}],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "r"}]},
+        ],
+        lambda a: [{"role": "assistant", "content": a["content"]}],
+    ),
+}
+_TOOL_CHAT = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _without_ids(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if k not in ("id", "created", "created_at")}
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    return value
+
+
+def _sessions(gw: Any, hot: bool) -> list[Any]:
+    """Each turn route through a 5-call session (tool calls, their results, replies sent back as
+    SDKs do, Python's `json.dumps` spacing); what came back: the answers and each turn's prompt ids."""
+    import httpx
+
+    from tests.support.servers import ENV_KEY
+
+    key = {"Authorization": f"Bearer {ENV_KEY}", "content-type": "application/json"}
+    out: list[Any] = []
+    kept = 0
+    with httpx.Client(base_url=gw.url, timeout=60) as http:
+        for path, (field, wrap, tool, reply) in TOOL_TURNS.items():
+            sid = http.post("/sessions", json={"env": "e"}, headers=key).json()["session_id"]
+            history: list[Any] = [{"role": "user", "content": "Hi."}]
+            for turn in range(5):
+                raw = json.dumps(wrap(history)).encode()
+                answer = http.post(f"/s/{sid}/v1/{path}", content=raw, headers=key).json()
+                out.append(_without_ids(answer))
+                body = gw.app.state.service.sessions.get(sid).parse_memo._body
+                if hot:
+                    _check_kept(body)  # the call changed none of the items the next call reuses
+                    kept += turn > 0 and body.key == field and len(body.items) == len(history)
+                history += reply(answer) + (
+                    tool if turn % 2 == 0 else [{"role": "user", "content": f"{turn}"}]
+                )
+            trajectory = http.get(f"/sessions/{sid}", headers=key).json()
+            out.append([t["prompt_ids"] for t in trajectory["turns"]])
+    if hot:
+        assert kept == 12, kept  # every call after the first read incrementally
+    return out
+
+
+def test_the_gateway_answers_the_same_with_the_memo(tok, tmp_path, monkeypatch):
+    from palaestra.testing.zero import make_app
+    from tests.support.servers import ThreadServer, gateway_server
+
+    reply = tok.encode("Sure.", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    answers = {}
+    with ThreadServer(make_app(reply_ids=reply)) as engine:
+        for hot in (True, False):
+            if not hot:  # every body parsed whole, as before the memo
+                monkeypatch.setattr(
+                    ParseMemo, "read_body", lambda self, raw, route, key, rejected: read_json(raw, rejected)
+                )
+            with gateway_server(engine.url, tmp_path / str(hot), tok) as gw:
+                answers[hot] = _sessions(gw, hot)
+    assert answers[True] == answers[False]
