@@ -33,7 +33,10 @@ TRICKY = ['a"b', "a\\", "\\", '\\"', "é", "💡", "\u2028", "x\ny", "]", "}", "
 
 
 def _text(rng: random.Random) -> str:
-    return "".join(rng.choice(TRICKY + ["hi", " ", "ok"]) for _ in range(rng.randrange(4)))
+    text = "".join(rng.choice(TRICKY + ["hi", " ", "ok"]) for _ in range(rng.randrange(4)))
+    if rng.random() < 0.1:  # a long one (the scanner skips those with bytes.find)
+        text = text.join(rng.choice(["x" * 70, "é" * 40, "\\" * 50]) for _ in range(rng.randrange(1, 3)))
+    return text
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
@@ -158,7 +161,7 @@ def test_incremental_parse_equals_whole_parse(route: str) -> None:
     key, others = SHAPES[route]
     rng = random.Random(f"body-memo-{route}")
     hits = edits = 0
-    for _ in range(2000):
+    for _ in range(1500):
         memo, plain_rejected, memo_rejected = ParseMemo(), _counter(), _counter()
         writer = Writer(rng)
         history = [_item(rng) for _ in range(rng.randrange(4))]
@@ -208,7 +211,7 @@ def test_incremental_parse_equals_whole_parse(route: str) -> None:
             edits += prefix != b"" and not raw.startswith(prefix) and memo._body.misses == 0
             _check_kept(memo._body)
         assert _counts(memo_rejected) == _counts(plain_rejected)
-    assert hits > 2000 and edits > 50  # the incremental path was taken, not only the fallback
+    assert hits > 1500 and edits > 40  # the incremental path was taken, not only the fallback
 
 
 def test_the_pieces_found_by_the_scanner() -> None:
