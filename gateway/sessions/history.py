@@ -31,7 +31,7 @@ from prometheus_client import Counter
 
 from palaestra.gateway.guards import read_json
 from palaestra.gateway.renderer import normalize_more
-from palaestra.gateway.sessions.body_memo import BodyMemo
+from palaestra.gateway.sessions.body_memo import MIN_BYTES, BodyMemo
 
 Convert = Callable[[list[Any], int], tuple[list[dict[str, Any]], bool]]
 """(items, position of the first) -> (internal messages, whether the last item closed a message:
@@ -77,6 +77,11 @@ class ParseMemo:
         route `route` whose history is the field `key`, parsing only what `raw` adds to the last
         body of the same route (gateway/sessions/body_memo.py). Its history list is trusted by
         `history`: its items are parsed JSON that nothing changes."""
+        if len(raw) < MIN_BYTES:  # parsed whole, cheaper than in pieces; nothing kept
+            self._trusted = None
+            if self._body.prefix:
+                self._body = BodyMemo()
+            return read_json(raw, rejected)
         body = self._body.parse(raw, route, key)
         if body is None:
             self._trusted = None

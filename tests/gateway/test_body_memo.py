@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from palaestra.gateway.errors import GatewayError
 from palaestra.gateway.guards import MAX_JSON_DEPTH, read_json
-from palaestra.gateway.sessions import body_memo
+from palaestra.gateway.sessions import body_memo, history
 from palaestra.gateway.sessions.body_memo import BodyMemo, _close, _locate
 from palaestra.gateway.sessions.history import ParseMemo
 
@@ -144,6 +144,13 @@ def _counter() -> Counter:
     return Counter("rejected", "refused bodies", ["reason"], registry=CollectorRegistry())
 
 
+@pytest.fixture(autouse=True)
+def small_bodies_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo for bodies of any size (the generated ones are small; `MIN_BYTES` keeps the memo
+    to bodies over 8 KB)."""
+    monkeypatch.setattr(history, "MIN_BYTES", 0)
+
+
 def _check_kept(kept: BodyMemo) -> None:
     """What a memo keeps is what it says: its prefix's array holds its items, and each kept end
     closes the items it counts."""
@@ -244,6 +251,19 @@ def test_reused_items_are_the_previous_objects_and_trusted() -> None:
     third = memo.read_body(orjson.dumps({"messages": history, "model": "m"}), "chat", "messages", rejected)
     req3 = openai_request.parse_chat(third, memo)
     assert req3.messages == openai_request.parse_chat(orjson.loads(orjson.dumps(third))).messages
+
+
+def test_a_small_body_is_parsed_whole_and_drops_the_kept_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(history, "MIN_BYTES", 200)
+    memo, rejected = ParseMemo(), _counter()
+    big = orjson.dumps({"messages": [{"role": "user", "content": "x" * 300}]})
+    memo.read_body(big, "chat", "messages", rejected)
+    assert memo._body.prefix
+    small = b'{"messages": [{"role": "user", "content": "hi"}], "model": "m"}'
+    assert orjson.dumps(memo.read_body(small, "chat", "messages", rejected)) == orjson.dumps(
+        orjson.loads(small)
+    )
+    assert not memo._body.prefix and memo._trusted is None
 
 
 def test_a_session_that_never_repeats_is_no_longer_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
