@@ -28,8 +28,8 @@ bytes between brackets and short strings (escapes included) in C, long strings a
 quote to quote by `bytes.find`, and Python takes a step per bracket and per long string. It runs
 over the new items only, and over the whole body once after a full parse (`_locate`), when the body
 is known valid (0.2-0.4 ms for the 508 KB body of bench/body_parse.py's 100k-token session, about
-one orjson parse of it). A session whose bodies stop repeating each other (`MISSES` in a row) stops
-being scanned; bodies under `MIN_BYTES` are parsed whole and not kept.
+one orjson parse of it). A session whose bodies stop repeating each other (`MISSES` in a row) is
+then scanned one body in `RETRY` until they repeat again; bodies under `MIN_BYTES` are parsed whole and not kept.
 
 Reusing the previous call's item objects is sound because nothing edits parsed request items in
 place: the dialects' converters and `renderer.normalize_more` build new messages (or keep an item
@@ -55,11 +55,13 @@ import orjson
 
 from palaestra.gateway.guards import MAX_JSON_DEPTH, _too_deep
 
-__all__ = ["ENDS", "MIN_BYTES", "MISSES", "BodyMemo"]
+__all__ = ["ENDS", "MIN_BYTES", "MISSES", "RETRY", "BodyMemo"]
 
 MISSES = 3
-"""Bodies in a row that do not repeat the previous one, after which a session's bodies are parsed
-whole without being scanned (an agent that rewrites its history every call)."""
+"""Bodies parsed whole in a row (none repeating the one before) that are scanned to be kept; after
+them only every `RETRY`-th is, until one repeats its predecessor again (an agent that rewrites its
+history every call, or two conversations on one session, then cost a scan one call in `RETRY`)."""
+RETRY = 8
 
 MIN_BYTES = 8192
 """Bodies shorter than this are parsed whole and not kept: one orjson parse of a few KB costs less
@@ -179,7 +181,7 @@ class BodyMemo:
         self.head = b""  # the bytes before the array with `null}` after: the keys before it
         self.items: list[Any] = []  # the history items the body parsed to
         self.ends: list[tuple[int, int]] = []  # (items, where the last of them ends): `ENDS` at most
-        self.misses = 0  # bodies in a row that did not repeat the kept one
+        self.misses = 0  # bodies parsed whole since the last that repeated the kept one
 
     def parse(self, raw: bytes, route: str, key: str) -> dict[str, Any] | None:
         """`raw` parsed as `orjson.loads` would, from the kept body and the bytes after its prefix
@@ -199,9 +201,7 @@ class BodyMemo:
                     if count < len(self.items) and raw.startswith(view[:end]):
                         body = self._parse(raw, key, end, count)
                         break
-        if body is None:
-            self.misses += 1
-        else:
+        if body is not None:
             self.misses = 0
         return body
 
@@ -273,8 +273,10 @@ class BodyMemo:
     def remember(self, raw: bytes, route: str, key: str, body: dict[str, Any]) -> None:
         """Keeps `raw`, just parsed whole into `body`, for the next call of `route`; forgets the
         kept body instead when `raw` cannot be a next call's prefix."""
+        self.misses = misses = self.misses + 1
         value = body.get(key)
-        located = _locate(raw, key) if self.misses < MISSES and type(value) is list else None
+        scan = misses <= MISSES or not (misses - MISSES) % RETRY
+        located = _locate(raw, key) if scan and type(value) is list else None
         if located is None:
             self.route, self.key, self.prefix, self.head, self.items, self.ends = "", "", b"", b"", [], []
             return

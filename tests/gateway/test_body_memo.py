@@ -266,15 +266,21 @@ def test_a_small_body_is_parsed_whole_and_drops_the_kept_one(monkeypatch: pytest
     assert not memo._body.prefix and memo._trusted is None
 
 
-def test_a_session_that_never_repeats_is_no_longer_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_session_that_stops_repeating_is_scanned_one_body_in_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     memo, scans = BodyMemo(), []
     monkeypatch.setattr(body_memo, "_locate", lambda raw, key: scans.append(raw) or _locate(raw, key))
-    for i in range(body_memo.MISSES + 3):
-        raw = orjson.dumps({"messages": [{"role": "user", "content": f"call {i}"}]})
+    bodies = [orjson.dumps({"messages": [{"role": "user", "content": f"call {i}"}]}) for i in range(40)]
+    for i, raw in enumerate(bodies[: body_memo.MISSES + body_memo.RETRY]):
         assert memo.parse(raw, "chat", "messages") is None
         memo.remember(raw, "chat", "messages", orjson.loads(raw))
-    assert len(scans) == body_memo.MISSES
-    assert memo.prefix == b""
+        assert len(scans) == min(i + 1, body_memo.MISSES) + (i + 1 == body_memo.MISSES + body_memo.RETRY)
+    # the body just scanned is kept: one that repeats it is read incrementally, and scanning resumes
+    raw = orjson.dumps(
+        {"messages": [*orjson.loads(bodies[body_memo.MISSES + body_memo.RETRY - 1])["messages"], 1]}
+    )
+    assert memo.parse(raw, "chat", "messages") is not None and memo.misses == 0
+    memo.remember(bodies[0], "chat", "messages", orjson.loads(bodies[0]))
+    assert len(scans) == body_memo.MISSES + 2
 
 
 TOOL_TURNS = {  # route -> (history key, body around a history, a tool call and its result, the reply)
