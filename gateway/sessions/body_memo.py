@@ -276,7 +276,10 @@ class BodyMemo:
         self.misses = misses = self.misses + 1
         value = body.get(key)
         scan = misses <= MISSES or not (misses - MISSES) % RETRY
-        located = _locate(raw, key) if scan and type(value) is list else None
+        try:
+            located = _locate(raw, key) if scan and type(value) is list else None
+        except IndexError:  # (not on a body orjson parsed; should one surprise it, nothing is kept)
+            located = None
         if located is None:
             self.route, self.key, self.prefix, self.head, self.items, self.ends = "", "", b"", b"", [], []
             return
