@@ -79,6 +79,17 @@ async def json_body(request: Request) -> dict[str, Any]:
     return read_json(await request.body(), service(request).metrics.rejected)
 
 
+async def turn_body(request: Request, session_id: str, route: str, key: str) -> dict[str, Any]:
+    """`json_body` of a turn route's call (`route`, its history in the field `key`): an open
+    session's bodies are parsed from the bytes the last one did not have (`ParseMemo.read_body`)."""
+    svc = service(request)
+    raw = await request.body()
+    session = svc.sessions.get(session_id) if session_id in svc.sessions else None
+    if session is None or session.finished:  # refused later, as without the memo
+        return read_json(raw, svc.metrics.rejected)
+    return session.parse_memo.read_body(raw, route, key, svc.metrics.rejected)
+
+
 def event_stream(request: Request, events: Any) -> GuardedStream:
     """A streamed answer that a client who stops reading cannot hold open (`guards.GuardedStream`)."""
     svc = service(request)
@@ -135,12 +146,18 @@ def _speaks(dialect: Dialect) -> Callable[[Callable[..., Any]], Callable[..., An
     return bind
 
 
-async def _counted(request: Request, route: str, call, history_field: str = "messages") -> Any:
+async def _counted(
+    request: Request, route: str, call, history_field: str = "messages", session_id: str | None = None
+) -> Any:
     """Reads the JSON body and runs a service call on it, counting it by route and status in /metrics.
-    Errors about the rendered conversation (param 'messages') name the dialect's `history_field`."""
+    Errors about the rendered conversation (param 'messages') name the dialect's `history_field`.
+    With `session_id`, a turn's call: its body read by `turn_body`."""
     svc = service(request)
     try:
-        result = await call(svc, await json_body(request))
+        body = await (
+            json_body(request) if session_id is None else turn_body(request, session_id, route, history_field)
+        )
+        result = await call(svc, body)
     except GatewayError as exc:
         if exc.param == "messages":
             exc.param = history_field
@@ -151,9 +168,11 @@ async def _counted(request: Request, route: str, call, history_field: str = "mes
     return result
 
 
-async def _answer(request: Request, route: str, call, history_field: str = "messages") -> Response:
+async def _answer(
+    request: Request, route: str, call, history_field: str = "messages", session_id: str | None = None
+) -> Response:
     """`_counted`, answered as JSON or, for a stream, as server-sent events."""
-    result = await _counted(request, route, call, history_field)
+    result = await _counted(request, route, call, history_field, session_id)
     if isinstance(result, dict):
         return FastJSON(result)
     return event_stream(request, result)
@@ -162,7 +181,9 @@ async def _answer(request: Request, route: str, call, history_field: str = "mess
 @openai.post("/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
 @_speaks(OPENAI_CHAT)
 async def chat_completions(session_id: str, request: Request) -> Response:
-    return await _answer(request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT))
+    return await _answer(
+        request, "chat", lambda svc, body: svc.chat(session_id, body, OPENAI_CHAT), session_id=session_id
+    )
 
 
 @openai.post("/responses", openapi_extra=schemas.body(schemas.RESPONSES))
@@ -173,6 +194,7 @@ async def responses(session_id: str, request: Request) -> Response:
         "responses",
         lambda svc, body: svc.chat(session_id, body, OPENAI_RESPONSES),
         OPENAI_RESPONSES.history_field,
+        session_id,
     )
 
 
@@ -217,7 +239,10 @@ anthropic = APIRouter(prefix="/s/{session_id}/v1", dependencies=[Depends(require
 async def messages(session_id: str, request: Request) -> Response:
     headers = {name: request.headers.get(name, "") for name in ANTHROPIC_MESSAGES.headers}
     return await _answer(
-        request, "messages", lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES, headers)
+        request,
+        "messages",
+        lambda svc, body: svc.chat(session_id, body, ANTHROPIC_MESSAGES, headers),
+        session_id=session_id,
     )
 
 

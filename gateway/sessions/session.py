@@ -77,6 +77,7 @@ class Session:
         `leaves[i]`'s) are durable: the turns' token lists (the spool has them; `trajectory` reads
         them back), bridging's lookups, the parse memo and kept conversations."""
         self.conversations = {}
+        self.parse_memo = ParseMemo()  # (its kept body: a request's size, not the session's to keep)
         packed = finished_turns.pack_turns(self.turns, leaves, self.parse_errors(), self.ignored_controls())
         if packed is None:  # not from the gateway's own bridging: keep the turns, drop their texts
             for turn in self.turns:
@@ -84,7 +85,7 @@ class Session:
             return
         self.packed_turns = packed
         self.turns, self.by_digest = [], {}
-        self.history, self.parse_memo = HistoryDigests(), ParseMemo()
+        self.history = HistoryDigests()
 
     def add_turn(self, turn: Turn) -> None:
         self.turns.append(turn)
