@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def _serve(args: argparse.Namespace) -> int:
     from palaestra.gateway.http_writes import HeadJoiningProtocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # the gateway tokenizes one text at a time: no thread pool (renderer._without_offsets)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = config_from_args(args)
     app = create_app(config)
     print(

@@ -92,6 +92,37 @@ def test_fast_renderer_matches_apply_chat_template(family):
                 )
 
 
+def test_encoding_without_offsets_gives_the_tokenizers_ids(family, monkeypatch):
+    """With the tokenizers' thread pool off (as `palaestra gateway serve` sets it), the renderer
+    tokenizes through `encode_batch_fast`; the ids are `tokenizer.encode`'s, special tokens, code,
+    whitespace runs and non-ASCII included. Without the setting it encodes as before."""
+    import random
+
+    _, _, tok = family
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    renderer = ChatRenderer(tok)
+    assert renderer._encode_one is not None  # the path under test is taken
+    rng = random.Random(7)
+    pieces = [
+        *tok.all_special_tokens,
+        "def f(x):\n",
+        "    return x",
+        "\t\t",
+        "  ",
+        "\n\n",
+        "é",
+        "中文",
+        "🙂",
+        '{"k": [1, 2]}',
+    ]
+    pieces += open(__file__, encoding="utf-8").read().split()[:200]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) + rng.choice(["", " ", "\n"]) for _ in range(rng.randint(0, 60)))
+        assert renderer.encode(text) == tok.encode(text, add_special_tokens=False), text
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    assert ChatRenderer(tok)._encode_one is None
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("thinking", [True, False])
 def test_real_engine_multi_turn(family, thinking, tmp_path):
