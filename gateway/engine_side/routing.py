@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -75,7 +75,7 @@ class CallRoute:
         env: str,
         group: str | None,
         turn: int,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         route: Route | None,
     ) -> None:
         self._owner = owner
@@ -147,7 +147,7 @@ class EngineRouting:
         # `auto`, not yet decided: the first answer of GET /workers turns placement on or off
         self.undecided = options.placement.enabled == "auto" and not options.direct
         self._calls: dict[str, int] = {}  # session -> engine calls so far (its turn index)
-        self._first_prompt: OrderedDict[str, list[int]] = OrderedDict()  # env / group -> its first prompt
+        self._first_prompt: OrderedDict[str, Sequence[int]] = OrderedDict()  # env / group -> its first prompt
         self._record: TextIO | None = None
         if options.routing_trace:
             path = Path(options.routing_trace)
@@ -192,14 +192,14 @@ class EngineRouting:
 
     # -- the call path ------------------------------------------------------------------------
     async def admit(
-        self, session: str, env: str, group: str | None, prompt_ids: list[int], max_new: int
+        self, session: str, env: str, group: str | None, prompt_ids: Sequence[int], max_new: int
     ) -> None:
         """A new session's first call may wait for room (placement's admit_fill); others return at once."""
         if self.placement is not None and self.placement.config.admit_fill and session not in self._calls:
             await self.placement.admit(Call(session, env, group, 0, len(prompt_ids), max_new))
 
     def route(
-        self, session: str, env: str, group: str | None, prompt_ids: list[int], max_new_tokens: int
+        self, session: str, env: str, group: str | None, prompt_ids: Sequence[int], max_new_tokens: int
     ) -> CallRoute:
         turn = self._calls.get(session, 0)
         self._calls[session] = turn + 1
@@ -241,7 +241,7 @@ class EngineRouting:
             await self._refresh(http)
 
     # -- the routing record ---------------------------------------------------------------------
-    def _shared(self, key: str, ids: list[int]) -> int:
+    def _shared(self, key: str, ids: Sequence[int]) -> int:
         """Length of the common prefix of `ids` with the first prompt seen under `key`."""
         first = self._first_prompt.get(key)
         if first is None:
