@@ -57,14 +57,15 @@ def main() -> None:
         for label, (zeros_and_ones, last_sampled) in (
             ("loops", LOOPS),
             ("checks", CHECKS),
-            ("loops ", LOOPS),
+            ("loops", LOOPS),
         ):
             sample_module._zeros_and_ones, sample_module._last_sampled = zeros_and_ones, last_sampled
             ms.setdefault(label, []).append(best_ms(s.validate, args.repeat))
         sample_module._zeros_and_ones, sample_module._last_sampled = CHECKS
         loops, checks = min(ms["loops"]), ms["checks"][0]
+        ratio = loops / checks
         print(
-            f"{name}, {n} response tokens: validate {loops:.2f} ms (loops) -> {checks:.2f} ms ({loops / checks:.1f}x)"
+            f"{name}, {n} response tokens: validate {loops:.2f} ms (loops) -> {checks:.2f} ms ({ratio:.1f}x)"
         )
 
 
