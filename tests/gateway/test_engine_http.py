@@ -343,7 +343,8 @@ def test_auto_posts_to_an_https_worker_through_aiohttp_and_bare_names_the_option
             with pytest.raises(ValueError) as caught:
                 async with bare.post(url, b"{}", {}) as r:
                     await r.read()
-            assert "gateway.engine_http is bare" in str(caught.value) and "auto or aiohttp" in str(caught.value)
+            message = str(caught.value)
+            assert "gateway.engine_http is bare" in message and "auto or aiohttp" in message
             assert len(first) == 1 and bare.opened == 0 and auto.opened == 0
         finally:
             await auto.close()
