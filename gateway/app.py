@@ -95,7 +95,7 @@ def build_service(
         routing_trace=config.routing_trace,
         direct=config.return_routed_experts,  # the router drops return_routed_experts: post to the worker
     )
-    routing = EngineRouting(routing_options, config.engine_url, metrics.registry)
+    routing = EngineRouting(routing_options, config.engine_url, metrics.registry, engine.http.serves)
     turns = EngineTurns(engine, routing, gate, journal, metrics)
     text = model_text(config, tokenizer, context_length)
     svc = GatewayService(config, text, turns, sessions, journal, limits, spool, metrics)

@@ -40,6 +40,34 @@ def sample_id_for(session_id: str, fork_index: int) -> str:
     return f"{session_id}-{fork_index}-{digest}"
 
 
+def _zeros_and_ones(mask: Any) -> bool:
+    """Whether every entry of `mask` is 0 or 1 (`m in (0, 1)`: ints, bools, 1.0, numpy's scalars).
+    A list of ints is checked at C speed: `bytearray` takes each entry's integer value (refusing
+    anything without one, or outside 0..255) and `translate` deletes the 0s and 1s, so nothing is left
+    exactly when each was 0 or 1 (an int's, a bool's or a numpy integer's value is what it equals);
+    a Python loop over a long session's mask cost ~3-8 ms at its finish.
+    Anything else (floats, numpy bools, None, strings, another container: `bytearray` would read an
+    array's raw buffer) takes the loop."""
+    if type(mask) is list:
+        try:
+            if not bytearray(mask).translate(None, b"\x00\x01"):
+                return True
+        except (TypeError, ValueError):
+            pass
+    return all(m in (0, 1) for m in mask)
+
+
+def _last_sampled(mask: Any) -> int:
+    """The index of the mask's last true entry, -1 if none: `rstrip` of the `bytearray` of a list of
+    ints drops its trailing zeros at C speed (an int's truth is its value's); anything else loops."""
+    if type(mask) is list:
+        try:
+            return len(bytearray(mask).rstrip(b"\x00")) - 1
+        except (TypeError, ValueError):
+            pass
+    return max((i for i, m in enumerate(mask) if m), default=-1)
+
+
 @dataclass
 class Sample:
     sample_id: str
@@ -100,7 +128,7 @@ class Sample:
             raise SampleError(
                 f"constrained has {len(self.constrained)} entries for {n} response tokens (sample {self.sample_id})"
             )
-        if any(m not in (0, 1) for m in self.loss_mask):
+        if not _zeros_and_ones(self.loss_mask):
             raise SampleError("loss_mask entries must be 0 or 1")
         if self.status not in STATUSES:
             raise SampleError(f"status {self.status!r} is not one of {STATUSES}")
@@ -129,7 +157,7 @@ class Sample:
         """Routing covers every position that a trained token's logprob depends on: a token at
         position p is predicted from positions 0..p-1, so the rows must reach the last sampled
         token's position (the engine never runs the last token it sampled through the model)."""
-        need = self.prompt_len + max((i for i, m in enumerate(self.loss_mask) if m), default=-1)
+        need = self.prompt_len + _last_sampled(self.loss_mask)
         if not (
             isinstance(shape, (list, tuple))
             and len(shape) == 3

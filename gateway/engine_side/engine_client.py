@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +164,7 @@ class EngineClient:
     def _body(
         self,
         session_id: str,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         sampling: SamplingParams,
         top_logprobs: int,
         stream: bool,
@@ -214,7 +214,7 @@ class EngineClient:
     async def generate(
         self,
         session_id: str,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,
@@ -264,7 +264,7 @@ class EngineClient:
     async def stream(
         self,
         session_id: str,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         sampling: SamplingParams,
         top_logprobs: int = 0,
         route: CallRoute | None = None,

@@ -1,7 +1,8 @@
 """The engine client's HTTP: a bare keep-alive HTTP/1.1 client (`bare`) or aiohttp's (`aiohttp`).
 
 `gateway.engine_http` picks one (`auto` = bare where httptools imports and the engine URL is
-http://, else aiohttp). Both do one thing, what `EngineClient` asks: POST a body with a few headers,
+http://, else aiohttp; a bare client opened by `auto` hands a call to an https:// URL, a worker's own
+URL that routing replay posts to, to aiohttp's client, made for it on first use). Both do one thing, what `EngineClient` asks: POST a body with a few headers,
 read the status and headers, then the body whole or as it arrives. Both raise the same errors:
 `ConnectionTimeoutError` (no connection within the connect timeout: nothing was sent),
 `EngineConnectionError` (refused, reset, closed before the answer ended, not HTTP) and the builtin
@@ -74,8 +75,14 @@ def open_http(
             f"gateway.engine_http is bare but it speaks plain http:// with httptools installed ({url}): "
             "install httptools, or use auto or aiohttp"
         )
-    cls = BareHttp if choice == "bare" or (choice == "auto" and bare_fits) else AiohttpHttp
-    return cls(max_connections=max_connections, connect_timeout_s=connect_timeout_s, timeout_s=timeout_s)
+    limits = dict(max_connections=max_connections, connect_timeout_s=connect_timeout_s, timeout_s=timeout_s)
+    if choice == "bare":
+        return BareHttp(**limits)
+    if choice == "auto" and bare_fits:
+        # the engine URL is http://, but routing replay posts to the workers' own URLs, which the
+        # router lists and may be https://: those calls go through aiohttp's client
+        return BareHttp(**limits, fallback=AiohttpHttp(**limits))
+    return AiohttpHttp(**limits)
 
 
 class _Connection(asyncio.Protocol):
@@ -320,18 +327,32 @@ class _BarePost:
 class BareHttp:
     """The bare keep-alive HTTP/1.1 client (module doc). Made and used inside one event loop."""
 
-    def __init__(self, *, max_connections: int, connect_timeout_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        connect_timeout_s: float,
+        timeout_s: float,
+        fallback: AiohttpHttp | None = None,
+    ) -> None:
         self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
+        self.fallback = fallback  # `auto`'s: posts to what is not http:// (https://) go through it
         self.opened = 0  # connections made, over the client's life (tests: keep-alive reuse)
         self._open = 0  # connections open now: idle and busy
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
 
-    def post(self, url: str, body: bytes, headers: dict[str, str]) -> _BarePost:
+    def post(self, url: str, body: bytes, headers: dict[str, str]) -> _BarePost | _AiohttpPost:
+        if self.fallback is not None and not url.startswith("http://"):
+            return self.fallback.post(url, body, headers)
         return _BarePost(self, url, body, headers)
+
+    def serves(self, url: str) -> bool:
+        """Whether a post to `url` can go out: http://, or anything with `auto`'s fallback."""
+        return self.fallback is not None or url.startswith("http://")
 
     def _request(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[tuple[str, int], bytes]:
         """The connection key and the request's bytes: head and body."""
@@ -340,7 +361,8 @@ class BareHttp:
             split = urlsplit(url)
             if split.scheme != "http" or not split.hostname:
                 raise ValueError(
-                    f"the bare engine client posts to http://host[:port]/path only (got {url!r})"
+                    f"gateway.engine_http is bare, which posts to http://host[:port]/path only (got {url!r}): "
+                    "set gateway.engine_http to auto or aiohttp"
                 )
             port = split.port or 80
             path = (split.path or "/") + (f"?{split.query}" if split.query else "")
@@ -457,6 +479,8 @@ class BareHttp:
                 conn.close()
                 self._open -= 1
             idle.clear()
+        if self.fallback is not None:
+            await self.fallback.close()
 
 
 class _AiohttpAnswer:
@@ -547,6 +571,10 @@ class AiohttpHttp:
 
     def post(self, url: str, body: bytes, headers: dict[str, str]) -> _AiohttpPost:
         return _AiohttpPost(self, url, body, headers)
+
+    def serves(self, url: str) -> bool:
+        """aiohttp's client posts to http:// and https:// alike."""
+        return True
 
     async def close(self) -> None:
         if self._client is not None:

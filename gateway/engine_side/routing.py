@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -74,7 +75,7 @@ class CallRoute:
         env: str,
         group: str | None,
         turn: int,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         route: Route | None,
     ) -> None:
         self._owner = owner
@@ -126,8 +127,17 @@ class CallRoute:
 class EngineRouting:
     """One per gateway: routes calls (see the module docstring) and keeps per-env statistics."""
 
-    def __init__(self, options: RoutingOptions, engine_url: str, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        options: RoutingOptions,
+        engine_url: str,
+        registry: CollectorRegistry,
+        serves: Callable[[str], bool] | None = None,
+    ) -> None:
         self.options = options
+        # whether the engine client can post to a URL (`BareHttp.serves`): with `direct`, the workers'
+        # URLs from the router are checked against it (an https:// one and gateway.engine_http: bare)
+        self.serves = serves
         self.engine_url = engine_url.rstrip("/")
         self.placement: SessionPlacement | None = (
             SessionPlacement(options.placement)
@@ -137,7 +147,7 @@ class EngineRouting:
         # `auto`, not yet decided: the first answer of GET /workers turns placement on or off
         self.undecided = options.placement.enabled == "auto" and not options.direct
         self._calls: dict[str, int] = {}  # session -> engine calls so far (its turn index)
-        self._first_prompt: OrderedDict[str, list[int]] = OrderedDict()  # env / group -> its first prompt
+        self._first_prompt: OrderedDict[str, Sequence[int]] = OrderedDict()  # env / group -> its first prompt
         self._record: TextIO | None = None
         if options.routing_trace:
             path = Path(options.routing_trace)
@@ -145,6 +155,7 @@ class EngineRouting:
             self._record = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._task: asyncio.Task | None = None
         self.workers_error: str | None = None
+        self._unserved_logged: str | None = None
         p = "palaestra_gateway_routing"
         self.calls = Counter(
             f"{p}_calls", "Engine calls answered, by environment", ["env"], registry=registry
@@ -181,14 +192,14 @@ class EngineRouting:
 
     # -- the call path ------------------------------------------------------------------------
     async def admit(
-        self, session: str, env: str, group: str | None, prompt_ids: list[int], max_new: int
+        self, session: str, env: str, group: str | None, prompt_ids: Sequence[int], max_new: int
     ) -> None:
         """A new session's first call may wait for room (placement's admit_fill); others return at once."""
         if self.placement is not None and self.placement.config.admit_fill and session not in self._calls:
             await self.placement.admit(Call(session, env, group, 0, len(prompt_ids), max_new))
 
     def route(
-        self, session: str, env: str, group: str | None, prompt_ids: list[int], max_new_tokens: int
+        self, session: str, env: str, group: str | None, prompt_ids: Sequence[int], max_new_tokens: int
     ) -> CallRoute:
         turn = self._calls.get(session, 0)
         self._calls[session] = turn + 1
@@ -230,7 +241,7 @@ class EngineRouting:
             await self._refresh(http)
 
     # -- the routing record ---------------------------------------------------------------------
-    def _shared(self, key: str, ids: list[int]) -> int:
+    def _shared(self, key: str, ids: Sequence[int]) -> int:
         """Length of the common prefix of `ids` with the first prompt seen under `key`."""
         first = self._first_prompt.get(key)
         if first is None:
@@ -272,6 +283,8 @@ class EngineRouting:
             return
         async with aiohttp.ClientSession(trust_env=False) as http:
             await self._refresh(http)
+        if self.placement is not None and (unserved := self._unserved()) is not None:
+            raise ValueError(unserved)  # at start, before any call: one line naming the option and the URL
         if self.placement is not None:  # `auto` may have found no router
             self._task = asyncio.create_task(self._refresh_loop())
 
@@ -317,6 +330,24 @@ class EngineRouting:
                     self.placement.set_capacity(w.url, await self._capacity(http, w.url))
         self.worker_count.set(len(urls))
         self.workers_error = None
+        unserved = self._unserved() if self._task is not None else None  # at start: start() raises it
+        if unserved is not None and unserved != self._unserved_logged:
+            self._unserved_logged = unserved  # a worker listed after start: its calls fail naming the option
+            log.error("placement: %s", unserved)
+
+    def _unserved(self) -> str | None:
+        """The error for a worker URL the engine client cannot post to when calls go to the workers
+        directly (routing replay): the bare client and an https:// worker; None when there is none."""
+        if not self.options.direct or self.serves is None or self.placement is None:
+            return None
+        for w in self.placement.workers:
+            if not self.serves(w.url):
+                return (
+                    f"gateway.engine_http is bare, which speaks plain http:// only, but the router lists "
+                    f"the worker {w.url} and routing replay posts to the workers directly: set "
+                    "gateway.engine_http to auto or aiohttp"
+                )
+        return None
 
     @staticmethod
     async def _capacity(http: aiohttp.ClientSession, url: str) -> int | None:

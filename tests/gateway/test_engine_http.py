@@ -318,6 +318,42 @@ def test_the_bare_client_refuses_https_and_auto_falls_back_to_aiohttp():
     )
 
 
+def test_auto_posts_to_an_https_worker_through_aiohttp_and_bare_names_the_option():
+    """A router on http:// whose workers are https:// (routing replay posts to them): `auto`'s bare
+    client hands those calls to aiohttp's, whose first bytes on the socket are a TLS handshake (the
+    127.0.0.1 server here records them and hangs up, so the call fails as a broken connection); the
+    bare client alone refuses the URL in one line naming gateway.engine_http, sending nothing."""
+    first: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first.append(await reader.read(3))
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/generate"
+        auto = open_http("auto", "http://router", max_connections=2, connect_timeout_s=2, timeout_s=5)
+        bare = open_http("bare", "http://router", max_connections=2, connect_timeout_s=2, timeout_s=5)
+        assert auto.serves(url) and not bare.serves(url) and bare.serves("http://w/generate")
+        try:
+            with pytest.raises(EngineConnectionError):
+                async with auto.post(url, b"{}", {"content-type": "application/json"}) as r:
+                    await r.read()
+            assert first and first[0][:1] == b"\x16"  # a TLS record: the handshake
+            with pytest.raises(ValueError) as caught:
+                async with bare.post(url, b"{}", {}) as r:
+                    await r.read()
+            message = str(caught.value)
+            assert "gateway.engine_http is bare" in message and "auto or aiohttp" in message
+            assert len(first) == 1 and bare.opened == 0 and auto.opened == 0
+        finally:
+            await auto.close()
+            await bare.close()
+            server.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("engine_http", ["bare", "aiohttp"])
 def test_engine_client_over_either_http_answers_errors_and_breaks_alike(engine_http):
     """200, a 4xx (400 engine_rejected, not retried), a 5xx (retried, then 503), a stream broken

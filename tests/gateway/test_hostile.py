@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from palaestra.gateway.guards import MAX_ARGUMENTS_DEPTH, MAX_JSON_DEPTH
 from palaestra.gateway.streaming import MAX_STOP_CHARS
@@ -37,12 +38,26 @@ CALM = 4
 STOPS = ["e", "a", "o", "i", " "]  # random weights rarely stop: common letters end turns, so turns bridge
 
 
+class _SmallWriteBuffer(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's HTTP protocol whose transport holds at most `SNDBUF` bytes unsent before a send
+    waits (asyncio's default is 64 KiB)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        transport.set_write_buffer_limits(high=SNDBUF)
+        super().connection_made(transport)
+
+
 class SmallBufferServer(ThreadServer):
     """`ThreadServer` whose listening socket (and so every accepted one, on Linux) has a small send
-    buffer: a client that stops reading blocks the gateway's sends after a few KiB, not megabytes."""
+    buffer, and whose transports hold little unsent: a client that stops reading blocks the
+    gateway's sends after a few KiB (tens of tokens' events), not megabytes. With asyncio's 64 KiB
+    the tiny engine had to sample ~300-440 of a stream's 448 tokens before a send blocked (measured:
+    the stuck stream below), so an answer whose events came in bunches (a loaded machine: fewer,
+    larger events) could end inside the buffers and never be cut."""
 
     def __init__(self, app):
         super().__init__(app)
+        self.server.config.http = _SmallWriteBuffer
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
@@ -504,13 +519,21 @@ def test_client_that_never_reads_a_stream_is_cut_off(gw, proxy, engine):
     try:
         # the stuck stream stays in flight until its send timeout, however long sampling takes
         beside_calm_sessions(gw, proxy, hostile, stuck=1)
-        # ~80 KiB of events must be sampled before a send can block (uvicorn buffers 64 KiB): on a
-        # loaded machine the tiny engine can take minutes to sample that many tokens
-        wait_for(
-            lambda: (
+
+        # a few KiB of events must be sampled before a send can block (`SmallBufferServer`); an
+        # answer that ended inside the buffers instead is recorded as a turn: then fail at once,
+        # saying so, rather than wait for a cut that cannot come
+        def cut() -> bool:
+            return (
                 metric(gw.url, "palaestra_gateway_streams_cut_total", reason="send_timeout") == timeouts + 1
-            ),
-            timeout_s=600,
+            )
+
+        def turns() -> list:
+            return httpx.get(f"{gw.url}/sessions/{s['session_id']}", headers=KEY).json()["turns"]
+
+        wait_for(lambda: cut() or bool(turns()), timeout_s=600)
+        assert cut(), (
+            f"the stream ended inside the socket buffers, never blocking a send: {len(turns())} turn(s)"
         )
         wait_for(lambda: engine_aborts(engine.url) >= aborts + 1)
         wait_for(lambda: metric(gw.url, "palaestra_gateway_in_flight_calls") == 0)

@@ -136,10 +136,10 @@ def test_the_router_worker_list_unknown_keeps_the_routing_key(tmp_path):
     asyncio.run(check())
 
 
-def workers_server(listed: bool) -> tuple[ThreadServer, list[int]]:
-    """A TEST DOUBLE of the engine URL: with `listed`, a router whose GET /workers lists two workers;
-    without, one engine (a 404 there, as the embedded engine and SGLang's server answer). The list
-    counts the GET /workers it answered."""
+def workers_server(listed: bool, scheme: str = "http") -> tuple[ThreadServer, list[int]]:
+    """A TEST DOUBLE of the engine URL: with `listed`, a router whose GET /workers lists two workers
+    (`scheme`://10.0.0.i:30000); without, one engine (a 404 there, as the embedded engine and SGLang's
+    server answer). The list counts the GET /workers it answered."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -150,7 +150,7 @@ def workers_server(listed: bool) -> tuple[ThreadServer, list[int]]:
         asked.append(1)
         if not listed:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
-        return {"workers": [{"url": f"http://10.0.0.{i}:30000", "is_healthy": True} for i in range(2)]}
+        return {"workers": [{"url": f"{scheme}://10.0.0.{i}:30000", "is_healthy": True} for i in range(2)]}
 
     return ThreadServer(app), asked
 
@@ -254,6 +254,44 @@ def test_the_default_waits_for_an_answer_before_deciding(caplog):
 
     with caplog.at_level("INFO", logger="palaestra.gateway.engine_side.routing"):
         routed_by("auto", server.url, check)
+
+
+@pytest.mark.parametrize("engine_http", ["bare", "auto", "aiohttp"])
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_routing_replay_refuses_https_workers_at_start_with_the_bare_client_only(engine_http, scheme):
+    """Routing replay posts to the workers' own URLs: an https:// one in the router's list with
+    gateway.engine_http bare stops the start in one line naming the option and the URL (before, each
+    call failed as a 500); auto (its aiohttp fallback) and aiohttp take it, and http:// is fine with all."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from palaestra.gateway.engine_side.engine_http import open_http
+
+    server, asked = workers_server(listed=True, scheme=scheme)
+
+    async def run() -> None:
+        http = open_http(engine_http, server.url, max_connections=1, connect_timeout_s=1, timeout_s=1)
+        routing = EngineRouting(RoutingOptions(direct=True), server.url, CollectorRegistry(), http.serves)
+        try:
+            if engine_http == "bare" and scheme == "https":
+                with pytest.raises(ValueError) as caught:
+                    await routing.start()
+                message = str(caught.value)
+                assert "\n" not in message and "gateway.engine_http is bare" in message
+                assert "https://10.0.0.0:30000" in message and "auto or aiohttp" in message
+            else:
+                await routing.start()
+                assert [w.url for w in routing.placement.workers] == [
+                    f"{scheme}://10.0.0.{i}:30000" for i in range(2)
+                ]
+        finally:
+            await routing.close()
+            await http.close()
+
+    with server:
+        asyncio.run(run())
+    assert asked == [1]
 
 
 class ListedRouter:

@@ -46,6 +46,66 @@ def test_misaligned_fields_are_refused_with_lengths():
         make(status="great")
 
 
+def test_a_loss_mask_entry_other_than_0_or_1_is_refused_as_python_equality_says():
+    """`Sample.validate`'s C-speed check of the mask (`bytearray` of a list) agrees with the reference,
+    `m in (0, 1)` for every entry, over random masks of ints, bools, floats, numpy scalars, None,
+    strings, in lists, tuples and numpy arrays (an int64 array of 256 reads as bytes 0 and 1)."""
+    import random
+
+    rng = random.Random(39)
+    odd = [2, -1, 255, 256, 2**70, 0.5, 1.0, 0.0, True, False, None, "1", b"", np.int64(1), np.int64(256),
+           np.True_, np.float64(1.0), np.float64(0.5), np.uint8(2)]  # fmt: skip
+    for case in range(400):
+        mask: list = [rng.randint(0, 1) for _ in range(rng.randint(0, 40))]
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            mask.insert(rng.randint(0, len(mask)), rng.choice(odd))
+        n = len(mask)
+        for box in (list, tuple) if case % 4 else (list, tuple, np.array):
+            try:
+                boxed = box(mask)
+            except (TypeError, ValueError):
+                continue
+            fields = dict(tokens=[1] * (3 + n), rollout_logprobs=[0.0] * n, weight_versions=[""] * n)
+            if all(m in (0, 1) for m in boxed):
+                make(loss_mask=boxed, **fields)
+            else:
+                with pytest.raises(SampleError, match="^loss_mask entries must be 0 or 1$"):
+                    make(loss_mask=boxed, **fields)
+    with pytest.raises(SampleError, match="loss_mask entries must be 0 or 1"):
+        make(loss_mask=np.array([256]), tokens=[1, 2, 3, 4], rollout_logprobs=[0.0], weight_versions=[""])
+
+
+def test_the_routing_must_reach_the_last_true_mask_entry_as_the_python_loop_finds_it():
+    """`_check_routing_shape`'s last sampled position (`bytearray(...).rstrip` of a list) against the
+    reference loop, over random masks with trailing zeros, large ints, floats and numpy scalars."""
+    import random
+
+    from palaestra.sample import _last_sampled
+
+    rng = random.Random(39)
+    odd = [0, 1, 2, 256, -3, 0.0, 0.5, True, False, None, np.int64(0), np.int64(7), np.float64(0.0)]
+    for _ in range(300):
+        mask = [rng.choice([0, 0, 1]) for _ in range(rng.randint(0, 30))] + [0] * rng.randint(0, 5)
+        for _ in range(rng.choice([0, 1, 2])):
+            mask.insert(rng.randint(0, len(mask)), rng.choice(odd))
+        assert _last_sampled(mask) == max((i for i, m in enumerate(mask) if m), default=-1), mask
+        assert _last_sampled(tuple(mask)) == _last_sampled(mask)
+    sample = _moe_sample()
+    sample.loss_mask[-1] = 0  # the last sampled token is now the 5th: routing over 4 positions is enough
+    sample.set_routing(np.zeros((4, 1, 1), dtype=np.int64))
+    with pytest.raises(
+        SampleError, match=r"shape \[3, 1, 1\] for 7 tokens; expected \[n, layers, top_k\] with 4"
+    ):
+        sample.set_routing(np.zeros((3, 1, 1), dtype=np.int64))
+
+
+def test_a_prompt_outside_the_tokens_and_misaligned_teacher_logprobs_are_refused():
+    with pytest.raises(SampleError, match="prompt_len 4 outside tokens of length 3"):
+        make(prompt_len=4)
+    with pytest.raises(SampleError, match="teacher_logprobs has 1 entries for 0 response tokens"):
+        make(teacher_logprobs=[0.0])
+
+
 def test_ids_are_deterministic_and_versions_checked():
     assert sample_id_for("abc", 0) == sample_id_for("abc", 0) != sample_id_for("abc", 1)
     data = make().to_dict()
