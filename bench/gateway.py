@@ -253,7 +253,12 @@ def paired_table(
 
 def main() -> None:
     ap = common.parser(__doc__)
-    ap.add_argument("--calls", type=int, default=300, help="calls per gateway path in the overhead test (each after a direct, a router and a floor call)")
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=300,
+        help="calls per gateway path in the overhead test (each after a direct, a router and a floor call)",
+    )
     ap.add_argument("--turns", type=int, default=64, help="turns per session in the CPU-growth test")
     ap.add_argument("--sessions", type=int, default=24, help="sessions in the CPU-growth test")
     ap.add_argument(
