@@ -14,7 +14,6 @@ last turn each way (the functions that cost most).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import pstats
@@ -24,6 +23,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from bench import common
 from bench.gateway import paired_body
 from palaestra.gateway import routes
 from palaestra.gateway.guards import read_json
@@ -55,11 +55,11 @@ def bodies(dialect: str, turns: int, history_tokens: int) -> list[bytes]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--turns", type=int, default=64)
-    ap.add_argument("--history", type=int, default=100000)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--profile", action="store_true")
+    ap = common.parser(__doc__)
+    ap.add_argument("--turns", type=int, default=64, help="turns per session")
+    ap.add_argument("--history", type=int, default=100000, help="tokens of the last turn's history")
+    ap.add_argument("--rounds", type=int, default=5, help="runs of each way per turn (the median)")
+    ap.add_argument("--profile", action="store_true", help="a cProfile of the last turn each way")
     args = ap.parse_args()
     rejected = Counter("rejected", "", ["reason"], registry=CollectorRegistry())
     key = {"chat": "messages", "responses": "input", "messages": "messages"}
