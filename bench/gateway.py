@@ -8,8 +8,9 @@ Everything runs against a zero-work engine (palaestra/testing/zero.py), so only 
 are measured:
 * per-call overhead of each dialect (chat, Responses, Messages: parse, render, bridge, record,
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
-  paths are interleaved call by call, each gateway call after the same three calls as the router's
-  (goal: gateway <= 1.2x the router), and the floor under them: a
+  paths are interleaved, in two schedules: "apart", each gateway call after the same three calls as
+  the router's (each server woken from idle), and "in runs", 10 calls to one path in a row after one
+  left out (a busy server) (goal: gateway <= 1.2x the router), and the floor under them: a
   minimal Python pass-through proxy (bench/_passthrough.py, a test double) on the gateway's server
   and engine client; with --baseline-python, another checkout's gateway (the code that interpreter
   imports) served beside this one and interleaved with it, call by call: a before/after in one run;
@@ -57,6 +58,9 @@ def cpu_seconds(pid: int) -> float:
             continue
     return total / 1e9
 
+
+RUN = 10
+"""Calls to one path in a row in the overhead part's second schedule (after one left out)."""
 
 PAIRED_PATHS = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
 
@@ -373,42 +377,58 @@ def main() -> None:
             for _ in range(20):  # warm-up of every path
                 for call in paths.values():
                     call().raise_for_status()
-            times: dict[str, list[float]] = {name: [] for name in paths}
             servers = [name for name in paths if name in ("direct", "router", "python hop")]
-            # Interleaved, so that the machine's noise hits every path alike, and each gateway call
-            # after the same calls as the router's: a process that sat idle through the other paths'
-            # calls pays for waking up, and when the three dialects followed each other only the
-            # first paid it (0.1-0.2 ms: whichever went first read that much dearer).
+            gateways = [name for name in paths if name not in servers]
+
+            def timed(name: str, into: dict[str, list[float]]) -> None:
+                t0 = time.perf_counter()
+                paths[name]()
+                into.setdefault(name, []).append(time.perf_counter() - t0)
+
+            # Two schedules, both interleaved so that the machine's noise hits every path alike.
+            # Apart: each gateway call after a direct, a router and a floor call, as the router's
+            # follows a direct one: every server has sat idle through the others' calls and pays
+            # for waking up (what a lightly used gateway pays). In runs: `RUN` calls to one path
+            # in a row, the first of each left out (a busy server, its code and data in the caches).
+            # The old schedule (the three dialects in a row after the servers) mixed the two: the
+            # dialect that went first paid the wake-up and read 0.1-0.2 ms dearer than the others.
+            apart: dict[str, list[float]] = {}
             for _ in range(args.calls):
-                for gateway_path in [name for name in paths if name not in servers]:
+                for gateway_path in gateways:
                     for name in (*servers, gateway_path):
-                        t0 = time.perf_counter()
-                        paths[name]()
-                        times[name].append(time.perf_counter() - t0)
-            med = {name: statistics.median(t) for name, t in times.items()}
-            direct, r_over = med["direct"], med["router"] - med["direct"]
-            print(
-                f"per-call overhead over a direct /generate ({direct * 1e3:.2f} ms): router {r_over * 1e3:.2f} ms; "
-                + ", ".join(
-                    f"{name} {(med[name] - direct) * 1e3:.2f} ms -> {(med[name] - direct) / r_over:.2f}x router"
-                    for name in dialects
-                )
-            )
-            if baseline:
+                        timed(name, apart)
+            in_runs: dict[str, list[float]] = {}
+            for _ in range(max(1, args.calls // RUN)):
+                for name in paths:
+                    paths[name]()  # the wake-up, left out
+                    for _ in range(RUN):
+                        timed(name, in_runs)
+            for label, times in (("apart", apart), ("in runs", in_runs)):
+                med = {name: statistics.median(t) for name, t in times.items()}
+                direct, r_over = med["direct"], med["router"] - med["direct"]
                 print(
-                    f"beside it, the gateway of {args.baseline_python}: "
+                    f"{label}: per-call overhead over a direct /generate ({direct * 1e3:.2f} ms): router "
+                    f"{r_over * 1e3:.2f} ms; "
                     + ", ".join(
-                        f"{d} {(med[f'baseline {d}'] - direct) * 1e3:.2f} ms -> "
-                        f"{(med[f'baseline {d}'] - direct) / r_over:.2f}x router; this one / it "
-                        f"{(med[d] - direct) / (med[f'baseline {d}'] - direct):.2f}x"
-                        for d in baseline
+                        f"{name} {(med[name] - direct) * 1e3:.2f} ms -> {(med[name] - direct) / r_over:.2f}x router"
+                        for name in dialects
                     )
                 )
-            hop_over = med["python hop"] - direct
-            print(
-                f"the floor, a minimal Python pass-through proxy (bench/_passthrough.py: uvicorn, the gateway's "
-                f"engine client): {hop_over * 1e3:.2f} ms -> {hop_over / r_over:.2f}x router"
-            )
+                if baseline:
+                    print(
+                        f"{label}: beside it, the gateway of {args.baseline_python}: "
+                        + ", ".join(
+                            f"{d} {(med[f'baseline {d}'] - direct) * 1e3:.2f} ms -> "
+                            f"{(med[f'baseline {d}'] - direct) / r_over:.2f}x router; this one / it "
+                            f"{(med[d] - direct) / (med[f'baseline {d}'] - direct):.2f}x"
+                            for d in baseline
+                        )
+                    )
+                hop_over = med["python hop"] - direct
+                print(
+                    f"{label}: the floor, a minimal Python pass-through proxy (bench/_passthrough.py: uvicorn, "
+                    f"the gateway's engine client): {hop_over * 1e3:.2f} ms -> {hop_over / r_over:.2f}x router"
+                )
 
         # CPU per turn at turn 1 vs turn N (lockstep rounds over many sessions, CPU read from /proc)
         system = "You are a helpful agent. " * 20
