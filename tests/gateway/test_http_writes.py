@@ -4,6 +4,7 @@ one write, and every answer's bytes are those uvicorn's own protocol writes, in 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from fastapi import FastAPI, Response
@@ -178,13 +179,21 @@ def test_the_joiner_ends_a_hold_on_close_abort_and_flush():
 
 
 def test_serve_runs_uvicorn_with_the_joining_protocol(monkeypatch, tmp_path):
+    """...after freezing what start-up made (out of the collector's reach) and with the tokenizers'
+    thread pool off unless set (the test process's own heap and environment are left as they were)."""
+    import gc
+
     from palaestra.cli import build_parser
     from palaestra.gateway import app as gateway_app
     from palaestra.gateway import cli
 
     ran: dict = {}
-    monkeypatch.setattr(gateway_app, "create_app", lambda config: "app")
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: ran.update(kw))
+    steps: list[str] = []
+    monkeypatch.setattr(gateway_app, "create_app", lambda config: steps.append("app") or "app")
+    monkeypatch.setattr(gc, "collect", lambda *a: steps.append("collect") or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: steps.append("freeze"))
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: steps.append("run") or ran.update(kw))
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     argv = [
         "gateway",
         "serve",
@@ -197,6 +206,8 @@ def test_serve_runs_uvicorn_with_the_joining_protocol(monkeypatch, tmp_path):
     ]
     assert cli._serve(build_parser("gateway").parse_args(argv)) == 0
     assert ran["http"] is HeadJoiningProtocol
+    assert steps == ["app", "collect", "freeze", "run"]
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
 
 
 def test_fastapis_own_telemetry_is_not_looked_up_per_request(monkeypatch, tok, tmp_path):
