@@ -2,8 +2,9 @@
 
 `gateway.engine_http` picks one (`auto` = bare where httptools imports and the engine URL is
 http://, else aiohttp; a bare client opened by `auto` hands a call to an https:// URL, a worker's own
-URL that routing replay posts to, to aiohttp's client, made for it on first use). Both do one thing, what `EngineClient` asks: POST a body with a few headers,
-read the status and headers, then the body whole or as it arrives. Both raise the same errors:
+URL that routing replay posts to, to aiohttp's client, made for it on first use). Both do one thing,
+what `EngineClient` asks: POST a body with a few headers, read the status and headers, then the body
+whole or as it arrives. Both raise the same errors:
 `ConnectionTimeoutError` (no connection within the connect timeout: nothing was sent),
 `EngineConnectionError` (refused, reset, closed before the answer ended, not HTTP) and the builtin
 `TimeoutError` (the call's total timeout passed).
