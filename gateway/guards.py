@@ -127,12 +127,12 @@ def json_or_text(text: str) -> Any:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         return text
-    if len(text) > 2 * MAX_ARGUMENTS_DEPTH and _too_deep(value, MAX_ARGUMENTS_DEPTH):
+    if len(text) > 2 * MAX_ARGUMENTS_DEPTH and too_deep(value, MAX_ARGUMENTS_DEPTH):
         return text
     return value
 
 
-def _too_deep(body: Any, depth: int = MAX_JSON_DEPTH) -> bool:
+def too_deep(body: Any, depth: int = MAX_JSON_DEPTH) -> bool:
     """Whether `body` nests deeper than `depth`: orjson cannot write it inside 254 - `depth` more
     levels. Writing it costs a fraction of reading it (a Python walk over the containers costs
     several times the parse; bench/input_guards.py)."""
@@ -166,7 +166,7 @@ def read_json(raw: bytes, rejected: Counter) -> dict[str, Any]:
         raise GatewayError("The request body must be a JSON object.", 400, code="not_an_object")
     # Each level takes two bytes at least, so a shorter body cannot be too deep. (Counting its
     # brackets first would cost about as much as writing it out.)
-    if len(raw) > 2 * MAX_JSON_DEPTH and _too_deep(body):
+    if len(raw) > 2 * MAX_JSON_DEPTH and too_deep(body):
         rejected.labels(reason="nesting_too_deep").inc()
         raise GatewayError(
             f"The JSON body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.",

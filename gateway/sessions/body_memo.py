@@ -53,7 +53,7 @@ from typing import Any
 
 import orjson
 
-from palaestra.gateway.guards import MAX_JSON_DEPTH, _too_deep
+from palaestra.gateway.guards import MAX_JSON_DEPTH, too_deep
 
 __all__ = ["ENDS", "MIN_BYTES", "MISSES", "RETRY", "BodyMemo"]
 
@@ -126,6 +126,14 @@ def _string_end(raw: bytes, pos: int) -> int:
 
 def _ws(raw: bytes, pos: int) -> int:
     return _WS.match(raw, pos).end()  # type: ignore[union-attr]
+
+
+def _ws_back(raw: bytes, pos: int) -> int:
+    """The position after the last byte before `pos` that is not JSON whitespace (`_ws` backwards):
+    where an array's last item ends, given its closing bracket."""
+    while raw[pos - 1] in b" \t\n\r":
+        pos -= 1
+    return pos
 
 
 def _locate(raw: bytes, key: str) -> tuple[int, int, list[int]] | None:
@@ -230,11 +238,9 @@ class BodyMemo:
             except orjson.JSONDecodeError:
                 return None
             # "[a,]": the new part must hold an item; and each sits two levels down in the body
-            if not new or _too_deep(new, MAX_JSON_DEPTH - 1):
+            if not new or too_deep(new, MAX_JSON_DEPTH - 1):
                 return None
-            end = close
-            while raw[end - 1] in b" \t\n\r":
-                end -= 1
+            end = _ws_back(raw, close)
         j = _ws(raw, close + 1)
         if j >= n:
             return None
@@ -250,7 +256,7 @@ class BodyMemo:
                 rest = orjson.loads(b"{" + raw[k:])
             except orjson.JSONDecodeError:
                 return None
-            if key in rest or _too_deep(rest):
+            if key in rest or too_deep(rest):
                 return None
         else:
             return None
@@ -284,9 +290,7 @@ class BodyMemo:
             self.route, self.key, self.prefix, self.head, self.items, self.ends = "", "", b"", b"", [], []
             return
         start, close, ends = located
-        end = close
-        while raw[end - 1] in b" \t\n\r":
-            end -= 1
+        end = _ws_back(raw, close)
         self.route, self.key = route, key
         self.prefix, self.head, self.items = raw[:end], raw[:start] + b"null}", [*value]
         # where the last items end, when every item is a container (else which is which is unknown)
