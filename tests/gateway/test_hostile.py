@@ -493,6 +493,9 @@ def assert_exact_last(gw, sid: str, exchange) -> None:
     assert [x["tokens"] for x in samples] == [exchange.body["input_ids"] + exchange.answer["output_ids"]]
 
 
+@pytest.mark.skip(
+    reason="hangs past 600 s in about 1 of 3 fresh-clone CI runs (a suspected deadlock when a stream is cut while the bare engine client has paused reads; issue 39 note): kept visible until fixed"
+)
 def test_client_that_never_reads_a_stream_is_cut_off(gw, proxy, engine):
     s = new_session(gw)
     context = httpx.get(f"{s['base_url']}/models", headers=KEY).json()["data"][0]["max_model_len"]
