@@ -272,24 +272,17 @@ class GuardedStream(Response):
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
             async for chunk in self.body_iterator:
-                deadline.start()
-                try:
-                    body = chunk.encode() if isinstance(chunk, str) else chunk
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                except asyncio.CancelledError:
-                    if not deadline.timed_out():
-                        raise
-                    # Returning without the last body message makes uvicorn close the connection.
-                    self.cut.labels(reason="send_timeout").inc()
-                    log.warning("a client read nothing for %.0f s: its stream was ended", self.send_timeout_s)
+                body = chunk.encode() if isinstance(chunk, str) else chunk
+                if not await self._send_in_time(send, deadline, body, True):
                     return
-                deadline.deadline = None
             finished = True
             # a shaper may end before the core's events do (`streaming.ShapedStream` closes both)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            # the answer is whole: the server reports a disconnect once the last message goes out
+            # the answer is whole: the server reports a disconnect once the last message goes out.
+            # That message waits for room too (uvicorn drains before each write): a client that
+            # stopped reading just before it would otherwise hold the connection for good.
             left.active = False
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send_in_time(send, deadline, b"", False)
         except (asyncio.CancelledError, OSError):  # the client went away
             left.active = False  # (before any await: no second cancellation from the listener)
             self.cut.labels(reason="client_disconnected").inc()
@@ -301,6 +294,21 @@ class GuardedStream(Response):
             deadline.close()
             if not finished:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+    async def _send_in_time(self, send: Send, deadline: _SendDeadline, body: bytes, more: bool) -> bool:
+        """One body message, within the send deadline: False when it timed out (then counted, and
+        the caller returns: ending without the last body message makes uvicorn close the connection)."""
+        deadline.start()
+        try:
+            await send({"type": "http.response.body", "body": body, "more_body": more})
+        except asyncio.CancelledError:
+            if not deadline.timed_out():
+                raise
+            self.cut.labels(reason="send_timeout").inc()
+            log.warning("a client read nothing for %.0f s: its stream was ended", self.send_timeout_s)
+            return False
+        deadline.deadline = None
+        return True
 
 
 class _ClientLeft:

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from palaestra.gateway.guards import _SendDeadline
+from palaestra.gateway.guards import GuardedStream, _SendDeadline
 from palaestra.gateway.renderer import ChatRenderer, _decode_concatenates
 from palaestra.gateway.streaming import HeldBackText
 from tests.support.servers import ThreadServer
@@ -182,6 +182,37 @@ def test_a_cancellation_from_elsewhere_stays_a_cancellation():
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(main())
+
+
+def test_a_stream_whose_last_message_finds_no_room_is_cut_too():
+    """uvicorn waits for room before each write, the stream's closing message too: a client that
+    stopped reading just before it must not hold the connection for good."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    cut = Counter("cut", "", ["reason"], registry=CollectorRegistry())
+    sent: list[dict] = []
+
+    async def events():
+        yield "data: 1\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def send(message: dict) -> None:  # TEST DOUBLE of uvicorn's send: no room after the events
+        if message["type"] == "http.response.body" and not message["more_body"]:
+            await asyncio.Event().wait()
+        sent.append(message)
+
+    async def receive() -> dict:  # the client never leaves
+        await asyncio.Event().wait()
+
+    async def main() -> None:
+        stream = GuardedStream(events(), send_timeout_s=0.05, cut=cut)
+        # the bound only stops a hang: the cut comes 0.05 s after the last message began
+        await asyncio.wait_for(stream({"type": "http"}, receive, send), 60)
+
+    asyncio.run(main())
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", b"data: [DONE]\n\n"]
+    assert cut.labels(reason="send_timeout")._value.get() == 1
+    assert cut.labels(reason="client_disconnected")._value.get() == 0
 
 
 class HeldEngine:
