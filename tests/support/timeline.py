@@ -31,6 +31,7 @@ def _worker() -> str:
 def _append(record: dict) -> None:
     path = os.environ.get(ENV)
     if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "a") as out:
             out.write(json.dumps(record) + "\n")
 
