@@ -47,8 +47,14 @@ xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup --no-loadscope-reorder)
 XDIST := $(call xdist,$(TEST_WORKERS))
 UNIT_TIER := not slow and not ray and not docker and not browser
 
+# Each worker's tests in time go to TIMELINE, summarized after the run (the worker that ended last,
+# the ray/docker/slow groups' spans: the critical path, which --durations cannot show).
+TIMELINE := .pytest_cache/timeline.jsonl
+
 test: install
-	$(PY) -m pytest -q $(XDIST) --durations=25
+	mkdir -p $(dir $(TIMELINE)) && rm -f $(TIMELINE)
+	PALAESTRA_TEST_TIMELINE=$(TIMELINE) $(PY) -m pytest -q $(XDIST) --durations=25; status=$$?; \
+		$(PY) -m tests.support.timeline $(TIMELINE); exit $$status
 
 # The unit tier: no slow test, no Ray, docker or browser (the embedded `tiny` engine is in).
 test-fast: install

@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 # Markers kept honest (a test that starts an engine, Ray, docker or a browser is marked) and the
-# xdist groups of `make test` (tests/support/markers.py).
-pytest_plugins = ["tests.support.markers"]
+# xdist groups of `make test` (tests/support/markers.py); each worker's tests in time, when
+# PALAESTRA_TEST_TIMELINE names a file (tests/support/timeline.py).
+pytest_plugins = ["tests.support.markers", "tests.support.timeline"]
 
 # Nothing in the test suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
