@@ -10,7 +10,7 @@ are measured:
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
   paths are interleaved, in two schedules: "apart", each gateway call after the same three calls as
   the router's (each server woken from idle), and "in runs", 10 calls to one path in a row after one
-  left out (a busy server) (goal: gateway <= 1.2x the router), and the floor under them: a
+  left out (a busy server; --run-skip 6 leaves out the ~5 calls a server takes to warm up) (goal: gateway <= 1.2x the router), and the floor under them: a
   minimal Python pass-through proxy (bench/_passthrough.py, a test double) on the gateway's server
   and engine client; with --baseline-python, another checkout's gateway (the code that interpreter
   imports) served beside this one and interleaved with it, call by call: a before/after in one run;
@@ -60,7 +60,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 RUN = 10
-"""Calls to one path in a row in the overhead part's second schedule (after one left out)."""
+"""Calls to one path in a row in the overhead part's second schedule (after `--run-skip` left out)."""
 
 PAIRED_PATHS = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
 
@@ -282,6 +282,14 @@ def main() -> None:
         help="overhead part: the interpreter of another checkout (e.g. ../main/.venv/bin/python) whose "
         "gateway is measured beside this one, interleaved call by call",
     )
+    ap.add_argument(
+        "--run-skip",
+        type=int,
+        default=1,
+        help="overhead part, in runs: calls left out at the start of each run (a server woken from idle "
+        "takes ~5 calls to reach its steady cost, so with 1 the first dialect after the other servers "
+        "reads dearer than the rest; 6 measures every dialect warm)",
+    )
     ap.add_argument("--paired-sessions", type=int, default=4, help="sessions side by side in the paired test")
     ap.add_argument("--paired-cycles", type=int, default=1, help="turns of each bucket per session slot")
     ap.add_argument(
@@ -296,6 +304,8 @@ def main() -> None:
         help="answers in the paired test: stop (end on the end-of-turn), cut (stopped at the length limit)",
     )
     args = ap.parse_args()
+    if args.run_skip < 0:
+        ap.error(f"--run-skip must be 0 or more; got {args.run_skip}")
     dialects = args.dialects.split(",")
     parts = set(args.parts.split(","))
     unknown = parts - {"overhead", "growth", "paired", "load"}
@@ -389,7 +399,10 @@ def main() -> None:
             # Apart: each gateway call after a direct, a router and a floor call, as the router's
             # follows a direct one: every server has sat idle through the others' calls and pays
             # for waking up (what a lightly used gateway pays). In runs: `RUN` calls to one path
-            # in a row, the first of each left out (a busy server, its code and data in the caches).
+            # in a row, the first `--run-skip` of each left out (a busy server). A server woken from
+            # idle reaches its steady cost only after ~5 calls (the gateway's first calls of a run
+            # read 1.1, 0.9, 0.8 ms, then 0.6), so with one left out the first dialect after the
+            # other servers (chat) read 0.1 ms dearer than the two that follow a gateway's run.
             # The old schedule (the three dialects in a row after the servers) mixed the two: the
             # dialect that went first paid the wake-up and read 0.1-0.2 ms dearer than the others.
             apart: dict[str, list[float]] = {}
@@ -400,10 +413,12 @@ def main() -> None:
             in_runs: dict[str, list[float]] = {}
             for _ in range(max(1, args.calls // RUN)):
                 for name in paths:
-                    paths[name]()  # the wake-up, left out
+                    for _ in range(args.run_skip):
+                        paths[name]()  # the wake-up, left out
                     for _ in range(RUN):
                         timed(name, in_runs)
-            for label, times in (("apart", apart), ("in runs", in_runs)):
+            runs_label = "in runs" if args.run_skip == 1 else f"in runs ({args.run_skip} left out)"
+            for label, times in (("apart", apart), (runs_label, in_runs)):
                 med = {name: statistics.median(t) for name, t in times.items()}
                 direct, r_over = med["direct"], med["router"] - med["direct"]
                 print(
