@@ -24,7 +24,9 @@ are measured:
   (the client sends either back as its SDK hands it over), at several history sizes (user turns
   padded so the last turn's history has that many tokens), with what one session of each left:
   forks, samples, the tokens they store, the tokens an engine's prefix cache would prefill per turn;
-* turns/s through the gateway at 1, 16 and 128 concurrent sessions.
+* turns/s through the gateway at 1, 16 and 128 concurrent sessions;
+* with --parts idle (not in the default): what a call of the gateway and of the floor costs after
+  the server sat idle (in latency and in the server's CPU), and by position in a run.
 """
 
 from __future__ import annotations
@@ -255,6 +257,84 @@ def paired_table(
         )
 
 
+IDLE_GAPS = {
+    "in a run": None,
+    "after 2 direct calls": "direct",
+    "after 2 ms asleep": 0.002,
+    "after 20 ms asleep": 0.02,
+}
+"""What comes before each measured call in the idle part: nothing (the call before was to the same
+server), other servers' calls (what `apart` puts there), or the client asleep."""
+
+
+def idle_part(c: httpx.Client, *, paths: dict, gateway_pid: int, hop_pid: int, calls: int) -> None:
+    """What a call costs after its server sat idle, and whether it is the server's own work.
+
+    For the gateway (chat) and the floor (the Python hop): each call's latency and the server's CPU
+    per call (schedstat, all its threads) after each of `IDLE_GAPS`, in rounds of `calls // 4` so
+    the machine's drift hits every gap alike; then, for each dialect, the cost of each position in
+    a run of 10 after the other servers' calls. A server that does the same work per call but
+    reads more CPU after a gap pays for what the gap did to the machine (its caches, the CPU's
+    state), not for a thread or timer of its own; the positions show how many calls it takes to
+    get back to its steady cost."""
+    per_round = max(1, calls // 4)
+    results: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for _ in range(3):
+        for who, pid, call in (
+            ("gateway chat", gateway_pid, paths["chat"]),
+            ("floor", hop_pid, paths["python hop"]),
+        ):
+            for gap_name, gap in IDLE_GAPS.items():
+                lat, cpu = results.setdefault((who, gap_name), ([], []))
+                before = cpu_seconds(pid)
+                for _ in range(per_round):
+                    if gap == "direct":
+                        paths["direct"]()
+                        paths["direct"]()
+                    elif gap is not None:
+                        time.sleep(gap)
+                    t0 = time.perf_counter()
+                    call()
+                    lat.append(time.perf_counter() - t0)
+                cpu.append((cpu_seconds(pid) - before) / per_round)
+    for who in ("gateway chat", "floor"):
+        steady = statistics.median(results[(who, "in a run")][1])
+        print(
+            f"idle: {who}, latency median and server CPU per call (median of 3 rounds; x in a run): "
+            + "; ".join(
+                f"{gap_name} {statistics.median(lat) * 1e3:.2f} ms, CPU {statistics.median(cpu) * 1e3:.2f} ms "
+                f"({statistics.median(cpu) / steady:.2f}x)"
+                for (w, gap_name), (lat, cpu) in results.items()
+                if w == who
+            )
+        )
+    dialects = [d for d in ("chat", "responses", "messages") if d in paths]
+    for first in dialects:
+        order = [first, *(d for d in dialects if d != first)]
+        by_pos: dict[tuple[str, int], list[float]] = {}
+        direct: list[float] = []
+        for _ in range(max(1, calls // RUN // 2)):
+            for name in ("direct", "python hop", *order):
+                for i in range(RUN):
+                    t0 = time.perf_counter()
+                    paths[name]()
+                    took = time.perf_counter() - t0
+                    if name == "direct":
+                        direct.append(took)
+                    else:
+                        by_pos.setdefault((name, i), []).append(took)
+        base = statistics.median(direct)
+        print(
+            f"idle: runs of {RUN} after the other servers', {' then '.join(order)}: ms over a direct "
+            "call by position in the run: "
+            + "; ".join(
+                f"{d} "
+                + " ".join(f"{(statistics.median(by_pos[(d, i)]) - base) * 1e3:.2f}" for i in range(RUN))
+                for d in order
+            )
+        )
+
+
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument(
@@ -274,7 +354,8 @@ def main() -> None:
         "--parts",
         default="overhead,growth,paired,load",
         help="what to measure (comma-separated): overhead, growth (CPU per turn), paired (cost per turn "
-        "minus a direct call of the same size), load",
+        "minus a direct call of the same size), load, idle (what a call costs after the server sat idle; "
+        "not in the default)",
     )
     ap.add_argument(
         "--baseline-python",
@@ -308,9 +389,9 @@ def main() -> None:
         ap.error(f"--run-skip must be 0 or more; got {args.run_skip}")
     dialects = args.dialects.split(",")
     parts = set(args.parts.split(","))
-    unknown = parts - {"overhead", "growth", "paired", "load"}
+    unknown = parts - {"overhead", "growth", "paired", "load", "idle"}
     if unknown:
-        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (overhead, growth, paired, load)")
+        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (overhead, growth, paired, load, idle)")
 
     from transformers import AutoTokenizer
 
@@ -444,6 +525,9 @@ def main() -> None:
                     f"{label}: the floor, a minimal Python pass-through proxy (bench/_passthrough.py: uvicorn, "
                     f"the gateway's engine client): {hop_over * 1e3:.2f} ms -> {hop_over / r_over:.2f}x router"
                 )
+
+        if "idle" in parts:
+            idle_part(c, paths=all_paths, gateway_pid=gw.pid, hop_pid=hop.pid, calls=args.calls)
 
         # CPU per turn at turn 1 vs turn N (lockstep rounds over many sessions, CPU read from /proc)
         system = "You are a helpful agent. " * 20
