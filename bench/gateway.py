@@ -267,10 +267,11 @@ IDLE_GAPS = {
 server), other servers' calls (what `apart` puts there), or the client asleep."""
 
 
-def idle_part(c: httpx.Client, *, paths: dict, gateway_pid: int, hop_pid: int, calls: int) -> None:
+def idle_part(c: httpx.Client, *, paths: dict, targets: dict, calls: int) -> None:
     """What a call costs after its server sat idle, and whether it is the server's own work.
 
-    For the gateway (chat) and the floor (the Python hop): each call's latency and the server's CPU
+    For each of `targets` (name -> (pid, call): the gateway's chat, the same gateway with its
+    journal's fsync thread off, the floor): each call's latency and the server's CPU
     per call (schedstat, all its threads) after each of `IDLE_GAPS`, in rounds of `calls // 4` so
     the machine's drift hits every gap alike; then, for each dialect, the cost of each position in
     a run of 10 after the other servers' calls. A server that does the same work per call but
@@ -280,10 +281,7 @@ def idle_part(c: httpx.Client, *, paths: dict, gateway_pid: int, hop_pid: int, c
     per_round = max(1, calls // 4)
     results: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     for _ in range(3):
-        for who, pid, call in (
-            ("gateway chat", gateway_pid, paths["chat"]),
-            ("floor", hop_pid, paths["python hop"]),
-        ):
+        for who, (pid, call) in targets.items():
             for gap_name, gap in IDLE_GAPS.items():
                 lat, cpu = results.setdefault((who, gap_name), ([], []))
                 before = cpu_seconds(pid)
@@ -297,7 +295,7 @@ def idle_part(c: httpx.Client, *, paths: dict, gateway_pid: int, hop_pid: int, c
                     call()
                     lat.append(time.perf_counter() - t0)
                 cpu.append((cpu_seconds(pid) - before) / per_round)
-    for who in ("gateway chat", "floor"):
+    for who in targets:
         steady = statistics.median(results[(who, "in a run")][1])
         print(
             f"idle: {who}, latency median and server CPU per call (median of 3 rounds; x in a run): "
@@ -527,7 +525,28 @@ def main() -> None:
                 )
 
         if "idle" in parts:
-            idle_part(c, paths=all_paths, gateway_pid=gw.pid, hop_pid=hop.pid, calls=args.calls)
+            # the same gateway with its journal's fsync thread off (`--journal-fsync off`: no thread)
+            quiet = extra.enter_context(
+                gateway_process(
+                    "tiny",
+                    zero.url,
+                    str(spool / f"journal-off-{time.time()}"),
+                    env=ENV,
+                    extra_args=["--journal-fsync", "off"],
+                )
+            )
+            quiet_base = c.post(f"{quiet.url}/sessions", json={"env": "bench"}, headers=KEY).json()[
+                "base_url"
+            ]
+            targets = {
+                "gateway chat": (gw.pid, all_paths["chat"]),
+                "gateway chat, journal fsync off": (
+                    quiet.pid,
+                    lambda: c.post(f"{quiet_base}/chat/completions", json=chat_body, headers=KEY),
+                ),
+                "floor": (hop.pid, all_paths["python hop"]),
+            }
+            idle_part(c, paths=all_paths, targets=targets, calls=args.calls)
 
         # CPU per turn at turn 1 vs turn N (lockstep rounds over many sessions, CPU read from /proc)
         system = "You are a helpful agent. " * 20
