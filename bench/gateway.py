@@ -10,7 +10,7 @@ are measured:
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
   paths are interleaved, in two schedules: "apart", each gateway call after the same three calls as
   the router's (each server woken from idle), and "in runs", 10 calls to one path in a row after one
-  left out (a busy server) (goal: gateway <= 1.2x the router), and the floor under them: a
+  left out (a busy server; --run-skip 6 leaves out the ~5 calls a server takes to warm up) (goal: gateway <= 1.2x the router), and the floor under them: a
   minimal Python pass-through proxy (bench/_passthrough.py, a test double) on the gateway's server
   and engine client; with --baseline-python, another checkout's gateway (the code that interpreter
   imports) served beside this one and interleaved with it, call by call: a before/after in one run;
@@ -24,7 +24,9 @@ are measured:
   (the client sends either back as its SDK hands it over), at several history sizes (user turns
   padded so the last turn's history has that many tokens), with what one session of each left:
   forks, samples, the tokens they store, the tokens an engine's prefix cache would prefill per turn;
-* turns/s through the gateway at 1, 16 and 128 concurrent sessions.
+* turns/s through the gateway at 1, 16 and 128 concurrent sessions;
+* with --parts idle (not in the default): what a call of the gateway and of the floor costs after
+  the server sat idle (in latency and in the server's CPU), and by position in a run.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 RUN = 10
-"""Calls to one path in a row in the overhead part's second schedule (after one left out)."""
+"""Calls to one path in a row in the overhead part's second schedule (after `--run-skip` left out)."""
 
 PAIRED_PATHS = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
 
@@ -255,6 +257,82 @@ def paired_table(
         )
 
 
+IDLE_GAPS = {
+    "in a run": None,
+    "after 2 direct calls": "direct",
+    "after 2 ms asleep": 0.002,
+    "after 20 ms asleep": 0.02,
+}
+"""What comes before each measured call in the idle part: nothing (the call before was to the same
+server), other servers' calls (what `apart` puts there), or the client asleep."""
+
+
+def idle_part(c: httpx.Client, *, paths: dict, targets: dict, calls: int) -> None:
+    """What a call costs after its server sat idle, and whether it is the server's own work.
+
+    For each of `targets` (name -> (pid, call): the gateway's chat, the same gateway with its
+    journal's fsync thread off, the floor): each call's latency and the server's CPU
+    per call (schedstat, all its threads) after each of `IDLE_GAPS`, in rounds of `calls // 4` so
+    the machine's drift hits every gap alike; then, for each dialect, the cost of each position in
+    a run of 10 after the other servers' calls. A server that does the same work per call but
+    reads more CPU after a gap pays for what the gap did to the machine (its caches, the CPU's
+    state), not for a thread or timer of its own; the positions show how many calls it takes to
+    get back to its steady cost."""
+    per_round = max(1, calls // 4)
+    results: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for _ in range(3):
+        for who, (pid, call) in targets.items():
+            for gap_name, gap in IDLE_GAPS.items():
+                lat, cpu = results.setdefault((who, gap_name), ([], []))
+                before = cpu_seconds(pid)
+                for _ in range(per_round):
+                    if gap == "direct":
+                        paths["direct"]()
+                        paths["direct"]()
+                    elif gap is not None:
+                        time.sleep(gap)
+                    t0 = time.perf_counter()
+                    call()
+                    lat.append(time.perf_counter() - t0)
+                cpu.append((cpu_seconds(pid) - before) / per_round)
+    for who in targets:
+        steady = statistics.median(results[(who, "in a run")][1])
+        print(
+            f"idle: {who}, latency median and server CPU per call (median of 3 rounds; x in a run): "
+            + "; ".join(
+                f"{gap_name} {statistics.median(lat) * 1e3:.2f} ms, CPU {statistics.median(cpu) * 1e3:.2f} ms "
+                f"({statistics.median(cpu) / steady:.2f}x)"
+                for (w, gap_name), (lat, cpu) in results.items()
+                if w == who
+            )
+        )
+    dialects = [d for d in ("chat", "responses", "messages") if d in paths]
+    for first in dialects:
+        order = [first, *(d for d in dialects if d != first)]
+        by_pos: dict[tuple[str, int], list[float]] = {}
+        direct: list[float] = []
+        for _ in range(max(1, calls // RUN // 2)):
+            for name in ("direct", "python hop", *order):
+                for i in range(RUN):
+                    t0 = time.perf_counter()
+                    paths[name]()
+                    took = time.perf_counter() - t0
+                    if name == "direct":
+                        direct.append(took)
+                    else:
+                        by_pos.setdefault((name, i), []).append(took)
+        base = statistics.median(direct)
+        print(
+            f"idle: runs of {RUN} after the other servers', {' then '.join(order)}: ms over a direct "
+            "call by position in the run: "
+            + "; ".join(
+                f"{d} "
+                + " ".join(f"{(statistics.median(by_pos[(d, i)]) - base) * 1e3:.2f}" for i in range(RUN))
+                for d in order
+            )
+        )
+
+
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument(
@@ -274,13 +352,22 @@ def main() -> None:
         "--parts",
         default="overhead,growth,paired,load",
         help="what to measure (comma-separated): overhead, growth (CPU per turn), paired (cost per turn "
-        "minus a direct call of the same size), load",
+        "minus a direct call of the same size), load, idle (what a call costs after the server sat idle; "
+        "not in the default)",
     )
     ap.add_argument(
         "--baseline-python",
         default=None,
         help="overhead part: the interpreter of another checkout (e.g. ../main/.venv/bin/python) whose "
         "gateway is measured beside this one, interleaved call by call",
+    )
+    ap.add_argument(
+        "--run-skip",
+        type=int,
+        default=1,
+        help="overhead part, in runs: calls left out at the start of each run (a server woken from idle "
+        "takes ~5 calls to reach its steady cost, so with 1 the first dialect after the other servers "
+        "reads dearer than the rest; 6 measures every dialect warm)",
     )
     ap.add_argument("--paired-sessions", type=int, default=4, help="sessions side by side in the paired test")
     ap.add_argument("--paired-cycles", type=int, default=1, help="turns of each bucket per session slot")
@@ -296,11 +383,13 @@ def main() -> None:
         help="answers in the paired test: stop (end on the end-of-turn), cut (stopped at the length limit)",
     )
     args = ap.parse_args()
+    if args.run_skip < 0:
+        ap.error(f"--run-skip must be 0 or more; got {args.run_skip}")
     dialects = args.dialects.split(",")
     parts = set(args.parts.split(","))
-    unknown = parts - {"overhead", "growth", "paired", "load"}
+    unknown = parts - {"overhead", "growth", "paired", "load", "idle"}
     if unknown:
-        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (overhead, growth, paired, load)")
+        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (overhead, growth, paired, load, idle)")
 
     from transformers import AutoTokenizer
 
@@ -389,7 +478,10 @@ def main() -> None:
             # Apart: each gateway call after a direct, a router and a floor call, as the router's
             # follows a direct one: every server has sat idle through the others' calls and pays
             # for waking up (what a lightly used gateway pays). In runs: `RUN` calls to one path
-            # in a row, the first of each left out (a busy server, its code and data in the caches).
+            # in a row, the first `--run-skip` of each left out (a busy server). A server woken from
+            # idle reaches its steady cost only after ~5 calls (the gateway's first calls of a run
+            # read 1.1, 0.9, 0.8 ms, then 0.6), so with one left out the first dialect after the
+            # other servers (chat) read 0.1 ms dearer than the two that follow a gateway's run.
             # The old schedule (the three dialects in a row after the servers) mixed the two: the
             # dialect that went first paid the wake-up and read 0.1-0.2 ms dearer than the others.
             apart: dict[str, list[float]] = {}
@@ -400,10 +492,12 @@ def main() -> None:
             in_runs: dict[str, list[float]] = {}
             for _ in range(max(1, args.calls // RUN)):
                 for name in paths:
-                    paths[name]()  # the wake-up, left out
+                    for _ in range(args.run_skip):
+                        paths[name]()  # the wake-up, left out
                     for _ in range(RUN):
                         timed(name, in_runs)
-            for label, times in (("apart", apart), ("in runs", in_runs)):
+            runs_label = "in runs" if args.run_skip == 1 else f"in runs ({args.run_skip} left out)"
+            for label, times in (("apart", apart), (runs_label, in_runs)):
                 med = {name: statistics.median(t) for name, t in times.items()}
                 direct, r_over = med["direct"], med["router"] - med["direct"]
                 print(
@@ -429,6 +523,30 @@ def main() -> None:
                     f"{label}: the floor, a minimal Python pass-through proxy (bench/_passthrough.py: uvicorn, "
                     f"the gateway's engine client): {hop_over * 1e3:.2f} ms -> {hop_over / r_over:.2f}x router"
                 )
+
+        if "idle" in parts:
+            # the same gateway with its journal's fsync thread off (`--journal-fsync off`: no thread)
+            quiet = extra.enter_context(
+                gateway_process(
+                    "tiny",
+                    zero.url,
+                    str(spool / f"journal-off-{time.time()}"),
+                    env=ENV,
+                    extra_args=["--journal-fsync", "off"],
+                )
+            )
+            quiet_base = c.post(f"{quiet.url}/sessions", json={"env": "bench"}, headers=KEY).json()[
+                "base_url"
+            ]
+            targets = {
+                "gateway chat": (gw.pid, all_paths["chat"]),
+                "gateway chat, journal fsync off": (
+                    quiet.pid,
+                    lambda: c.post(f"{quiet_base}/chat/completions", json=chat_body, headers=KEY),
+                ),
+                "floor": (hop.pid, all_paths["python hop"]),
+            }
+            idle_part(c, paths=all_paths, targets=targets, calls=args.calls)
 
         # CPU per turn at turn 1 vs turn N (lockstep rounds over many sessions, CPU read from /proc)
         system = "You are a helpful agent. " * 20

@@ -95,6 +95,23 @@ def test_moe_benches_print_their_docstring_as_help(capsys):
         assert module.__doc__.splitlines()[0] in capsys.readouterr().out
 
 
+def test_the_gateway_bench_refuses_a_negative_run_skip_and_knows_the_idle_part(monkeypatch, capsys):
+    """bench.gateway's options are checked before anything starts (engines, routers, gateways)."""
+    import sys
+
+    from bench import gateway
+
+    for argv, says in (
+        (["--parts", "overhead", "--run-skip", "-1"], "--run-skip must be 0 or more; got -1"),
+        (["--parts", "idle,bogus"], "--parts: unknown bogus (overhead, growth, paired, load, idle)"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["bench.gateway", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            gateway.main()
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err
+
+
 def test_gpu_check_starts_its_trainer_ranks_as_the_module_from_the_repository_root(tmp_path):
     """Its ranks once ran as a script (`python bench/gpu_check.py`), where `from bench import
     common` fails: every trainer check of `make gpu-check` failed before doing anything."""
