@@ -2,6 +2,7 @@
 cost per turn as the episode grows, and the engine's prefix-cache hit rate over it. One run, ratios.
 
     .venv/bin/python -m bench.harness_episode [--harness claude-code] [--turns 20] [--output-chars 1500]
+        [--reasoning-chars 0]
 
 The harness binary runs unchanged in the local sandbox on a swe instance (environments/harness),
 through its session's tunnel, against a gateway subprocess. A random model would not call tools,
@@ -10,7 +11,11 @@ embedded engine: each call's output is scripted (a shell-tool call whose command
 `--output-chars` characters of the repository's code, `--turns` times, then a final text), and the
 real engine is made to prefill that call's prompt + output (`/generate`, `max_new_tokens: 0`), so
 its prefix cache holds what it would hold had it sampled those tokens; the hit rate printed is the
-real engine's `cached_tokens` over the prompt. Printed:
+real engine's `cached_tokens` over the prompt. With `--reasoning-chars N` each tool call opens with
+N characters of reasoning (`<think>...</think>`, parsed by the preset's reasoning parser), which the
+harness sends back (Codex as `reasoning` items): the turns then have reasoning in their history and
+are bridged by the whole-history checks (`bridge._bridge_full`), where without it they take the
+short rendering. Printed:
 
 * prompt tokens first -> last turn; the gateway's CPU per turn (from the start of one engine call
   to the next: the answer streamed back through the gateway, the harness's tool, the next request
@@ -57,8 +62,11 @@ class PrefillingScript:
     """TEST DOUBLE of the model's choices over the real engine's prefill and prefix cache (module
     docstring): scripted output ids, the real engine prefilling prompt + output."""
 
-    def __init__(self, tok, harness: str, engine_url: str, turns: int, output_chars: int):
+    def __init__(
+        self, tok, harness: str, engine_url: str, turns: int, output_chars: int, reasoning_chars: int = 0
+    ):
         self.tok, self.end = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        self.reasoning_chars = reasoning_chars
         self.tool, self.argument = SHELL[harness]
         self.engine = httpx.Client(base_url=engine_url, timeout=600, trust_env=False)
         self.turns, self.output_chars = turns, output_chars
@@ -73,6 +81,14 @@ class PrefillingScript:
             f"echo; echo 'turn {k} done'"
         )
 
+    def reasoning(self, k: int) -> str:
+        """Tool call `k`'s reasoning, as Qwen3 writes it ahead of its answer ('' without the option)."""
+        if not self.reasoning_chars:
+            return ""
+        line = f"Step {k}: the next part of the code is read with the shell tool, then summarised. "
+        body = (line * (self.reasoning_chars // len(line) + 1))[: self.reasoning_chars].strip()
+        return f"<think>\n{body}\n</think>\n\n"
+
     def __call__(self, input_ids: list[int], index: int) -> list[int]:
         cpu = cpu_seconds(self.gateway_pid) if self.gateway_pid else 0.0
         if f'"name": "{self.tool}"' not in self.tok.decode(input_ids[:20000]):
@@ -80,7 +96,7 @@ class PrefillingScript:
         elif self.tool_calls < self.turns:
             kind = "tool"
             args = json.dumps({self.argument: self.command(self.tool_calls)})
-            text = render_tool_call_text("hermes", self.tool, args)
+            text = self.reasoning(self.tool_calls) + render_tool_call_text("hermes", self.tool, args)
             self.tool_calls += 1
         else:
             kind, text = "final", "The repository has been read."
@@ -107,6 +123,12 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-qwen3", help="a preset with a real vocabulary (prompt lengths)")
     ap.add_argument("--turns", type=int, default=20, help="tool calls before the final answer")
     ap.add_argument("--output-chars", type=int, default=1500, help="characters each tool call prints")
+    ap.add_argument(
+        "--reasoning-chars",
+        type=int,
+        default=0,
+        help="characters of reasoning ahead of each tool call (0: none; the module docstring)",
+    )
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -115,7 +137,9 @@ def main() -> None:
     data = work / "swe.jsonl"
     asyncio.run(generate(data, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4))
     with engine_process(args.model, extra_args=["--num-threads", "1"]) as engine:
-        script = PrefillingScript(tok, args.harness, engine.url, args.turns, args.output_chars)
+        script = PrefillingScript(
+            tok, args.harness, engine.url, args.turns, args.output_chars, args.reasoning_chars
+        )
         fake = ScriptedEngine(script, stop_ids={script.end})
         with (
             ThreadServer(fake.app()) as front,
@@ -144,7 +168,9 @@ def main() -> None:
     over_n = metric(metrics, "palaestra_gateway_call_overhead_seconds_count")
     prompt, cached = sum(r["prompt"] for r in rows), sum(r["cached"] for r in rows)
     print(
-        f"{args.harness} on {args.model}: {result.status}, {len(rows)} engine calls "
+        f"{args.harness} on {args.model}"
+        + (f" (reasoning {args.reasoning_chars} chars a tool call)" if args.reasoning_chars else "")
+        + f": {result.status}, {len(rows)} engine calls "
         f"({sum(r['kind'] == 'tool' for r in rows)} tool calls), {wall:.0f} s, "
         f"metrics harness/exit_code={result.metrics.get('harness/exit_code')} "
         f"failure/harness_exit={result.metrics.get('failure/harness_exit')} "

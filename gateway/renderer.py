@@ -15,6 +15,7 @@ message list is a prefix of the new one.
 
 from __future__ import annotations
 
+import builtins
 import os
 from typing import Any
 
@@ -237,7 +238,99 @@ def _attribute_checks_memoised(compiled: Any, template: str) -> Any:
 
     overlay = env.overlay()  # the same filters, globals and extensions; its own checks
     overlay.is_safe_attribute = is_safe_attribute
+    overlay.getattr = _dict_keys_first(overlay)
+    overlay.call = _str_methods_called(overlay)
     return overlay.from_string(template)
+
+
+_DICT_NAMES = frozenset(dir(dict))
+"""Every name a plain dict answers as an attribute (its methods, object's): a dict has no instance
+attributes, so any other name raises AttributeError."""
+
+
+def _str_methods_called(env: Any) -> Any:
+    """`env.call` (every call a template makes, `content.startswith('<think>')`) that calls a plain
+    str's method at once. The sandbox asks whether the callable is safe (a str method is: it carries
+    no `unsafe_callable` or `alters_data` mark) and then `Context.call`, which looks for a
+    `pass_context`-style mark (a builtin method has none), drops the loop's and block's variables
+    from the keywords and calls it; a str method never raises the StopIteration it catches. So the
+    answer and any error are the same. Anything else (a filter's callable, a macro, `loop.cycle`,
+    a wrapped `str.format`) goes through the sandbox."""
+    sandboxed = env.call
+    method = type("".strip)
+
+    def call(context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if type(obj) is method and type(obj.__self__) is str:
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            return obj(*args, **kwargs)
+        return sandboxed(context, obj, *args, **kwargs)
+
+    return call
+
+
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+"""Values that are never a bound `str.format` (the one kind of value the sandbox wraps)."""
+
+_STR_NAMES = frozenset(dir(str)) - {"format", "format_map"}
+"""The names a plain str answers as an attribute, less the two the sandbox wraps (`wrap_str_format`)."""
+
+
+def _dict_keys_first(env: Any) -> Any:
+    """`env.getattr` (what a template's `message.content` calls) without the sandbox's detours for
+    the two kinds a chat template reads most, exactly as the sandbox answers them:
+
+    * a plain dict's key where no attribute of that name exists: the sandbox tries the Python
+      attribute first, and for a message's field that raises and catches an AttributeError before
+      it reads the key (a `dict`, not a subclass, has no attribute outside `_DICT_NAMES`, so the
+      sandbox also ends at `obj[name]`, else `undefined`);
+    * a plain str's method (`content.startswith`): the sandbox's format check and safety check,
+      whose answer depends on the name only (`env.is_safe_attribute` for a str, asked once per name).
+
+    * a field of jinja's own `loop` and `namespace` objects (`loop.last`, `ns.last_query_index`)
+      whose value is a plain scalar: the same safety check, answered once per (type, name); a
+      scalar is never a str's `format` method, which the sandbox wraps.
+
+    Half of a whole history's rendering went to those detours. Any other object, name or value
+    (`message.items`, a dict subclass, `text.format`, `loop.cycle`) goes through the sandbox's path."""
+    from jinja2.runtime import LoopContext
+    from jinja2.utils import Namespace
+
+    sandboxed, check = env.getattr, env.is_safe_attribute
+    str_safe: dict[str, bool] = {}
+    jinja_safe: dict[tuple[type, str], bool] = {}
+    jinja_kinds = (LoopContext, Namespace)
+
+    def getattr(obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and type(attribute) is str and attribute not in _DICT_NAMES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return env.undefined(obj=obj, name=attribute)
+        if kind is str and type(attribute) is str and attribute in _STR_NAMES:
+            safe = str_safe.get(attribute)
+            if safe is None:
+                safe = str_safe[attribute] = check(obj, attribute, builtins.getattr(obj, attribute))
+            if safe:
+                return builtins.getattr(obj, attribute)
+        elif kind in jinja_kinds and type(attribute) is str:
+            try:
+                value = builtins.getattr(obj, attribute)
+            except AttributeError:
+                return sandboxed(obj, attribute)
+            if type(value) in _SCALARS:
+                key = (kind, attribute)
+                safe = jinja_safe.get(key)
+                if safe is None:
+                    safe = check(obj, attribute, value)
+                    if len(jinja_safe) < _MEMO_ATTRIBUTE_CHECKS:
+                        jinja_safe[key] = safe
+                if safe:
+                    return value
+        return sandboxed(obj, attribute)
+
+    return getattr
 
 
 _MEMO_RENDERS = 8

@@ -372,3 +372,78 @@ def test_tools_up_front_probe(tiny_model_dir):
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
     assert not tools_up_front(ChatRenderer(tok))
+
+
+def test_renderer_attribute_shortcuts_answer_as_the_sandbox():
+    """The renderer's `getattr` (a plain dict's key at once, a plain str's method without the
+    sandbox's checks) gives what jinja's sandbox gives for every object and name a template may
+    read: keys that shadow dict methods, missing keys, private and format names, a dict subclass,
+    jinja's loop and namespace objects (scalar fields, methods, a stored `str.format`), a list; and
+    a template using them renders the same in both."""
+    from jinja2.runtime import LoopContext, Undefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
+
+    from palaestra.gateway.renderer import _attribute_checks_memoised
+
+    template = (
+        "{% set ns = namespace(n=0, last=-1) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{{ m.role }}:{{ m.content.strip() if m.content is string else m.items() | list }}"
+        "|{{ m.missing is defined }}|{{ m.get('role') }}|{{ m.content.format is defined }}"
+        "|{{ loop.index0 }}{{ loop.last }}{{ loop.cycle('a', 'b') }}{{ ns.missing is defined }}{% endfor %}{{ ns.n }}"
+    )
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    compiled = _attribute_checks_memoised(reference.from_string(template), template)
+    fast, slow = compiled.environment.getattr, reference.getattr
+
+    class Sub(dict):
+        role = "attribute"
+
+    loop = LoopContext(iter([1, 2, 3]), Undefined)
+    next(iter(loop))
+    objects = [
+        Namespace(n=1, s="x", f=1.5, none=None, fmt="{}".format, items=[1]),
+        loop,
+        {"role": "user", "content": " x ", "items": 1, "get": 2, "keys": 3, "__class__": 4, "_p": 5},
+        {},
+        Sub(role="key", content="c"),
+        " text ",
+        "",
+        [1, 2],
+        3,
+    ]
+    names = sorted(
+        set(dir(dict))
+        | set(dir(str))
+        | {"role", "content", "missing", "_p", "__class__", "mro"}
+        | {"n", "s", "f", "none", "fmt", "_Namespace__attrs", "index0", "last", "first", "length", "cycle"}
+        | {"revindex", "previtem", "nextitem", "depth"}
+    )
+    for obj in objects:
+        for name in names:
+            got, want = fast(obj, name), slow(obj, name)
+            if isinstance(want, Undefined):
+                assert type(got) is type(want), (obj, name)
+                assert (
+                    got._undefined_name,
+                    got._undefined_obj,
+                    got._undefined_hint,
+                    got._undefined_exception,
+                ) == (
+                    want._undefined_name,
+                    want._undefined_obj,
+                    want._undefined_hint,
+                    want._undefined_exception,
+                ), (obj, name)
+            elif callable(want) and not isinstance(want, type):
+                assert type(got) is type(want) and getattr(got, "__name__", None) == getattr(
+                    want, "__name__", None
+                ), (
+                    obj,
+                    name,
+                )
+                assert getattr(got, "__self__", None) is getattr(want, "__self__", None), (obj, name)
+            else:
+                assert got is want or got == want, (obj, name)
+    messages = [objects[2], {"role": "tool", "content": ["a"]}, Sub(role="k", content=" s ")]
+    assert compiled.render(messages=messages) == reference.from_string(template).render(messages=messages)
