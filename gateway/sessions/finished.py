@@ -19,8 +19,6 @@ from typing import Any
 
 from palaestra.gateway.sessions.trajectory import Turn
 
-_LISTS = ("prompt_ids", "output_ids", "output_logprobs")
-
 
 def pack_turns(
     turns: list[Turn], leaves: list[Turn], parse_errors: dict[str, int], ignored: dict[str, int]
@@ -47,10 +45,8 @@ def pack_turns(
             and (turn.end > leaf.prompt_len or leaf.tokens[: turn.end] != turn.tokens[: turn.end])
         ):
             return None
-        summary = turn.summary()
-        for key in _LISTS:  # keys stay, in their order, for unpack_turns to fill
-            summary[key] = None
-        packed.append((summary, i, m))
+        # the list keys stay, in their order, as None for unpack_turns to fill
+        packed.append((turn.summary(lists=False), i, m))
     # json, not orjson: orjson's output keeps its growth buffer (>= 4 KiB however short the text,
     # measured with tracemalloc), which would cost more than the summaries themselves
     return json.dumps(

@@ -77,3 +77,86 @@ def test_finished_session_answers_the_same_trajectory_from_the_spool(stack) -> N
     assert [{k: v for k, v in t.items() if k not in drop} for t in lost] == [
         {k: v for k, v in t.items() if k not in drop} for t in before["turns"]
     ]
+
+
+def _reference_pack(turns, leaves, parse_errors, ignored):
+    """`pack_turns` as it was written before `summary(lists=False)`: each turn's whole summary (its
+    prompt copied), then its three token lists set to None."""
+    import json
+
+    holder: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        t = leaf
+        while t is not None and t.turn_id not in holder:
+            holder[t.turn_id] = i
+            t = t.parent
+    packed = []
+    for turn in turns:
+        i = holder[turn.turn_id]
+        leaf = leaves[i]
+        if (
+            turn is not leaf
+            and turn.tokens is not leaf.tokens
+            and (turn.end > leaf.prompt_len or leaf.tokens[: turn.end] != turn.tokens[: turn.end])
+        ):
+            return None
+        summary = turn.summary()
+        for key in ("prompt_ids", "output_ids", "output_logprobs"):
+            summary[key] = None
+        packed.append((summary, i, len(turn.output_ids)))
+    return json.dumps(
+        {"turns": packed, "parse_errors": parse_errors, "ignored_controls": ignored}, separators=(",", ":")
+    )
+
+
+def test_packed_turns_are_the_summaries_without_lists_over_random_sessions() -> None:
+    """`pack_turns` writes each turn's summary with `lists=False` (no copy of its prompt out of the
+    session's token list): over seeded random trees of real turns (bridged chains on one token list,
+    branches, `n` > 1 choices, new roots) its JSON is the one made from the whole summaries with the
+    three lists set to None, byte for byte, and `summary()` still copies the prompt."""
+    import random
+
+    from palaestra.gateway.engine_side.generation import FinishReason
+    from palaestra.gateway.sessions import finished
+    from palaestra.gateway.sessions.trajectory import Turn
+
+    rng = random.Random(39)
+    nulled = 0
+    for _ in range(60):
+        turns: list[Turn] = []
+        for k in range(rng.randint(1, 12)):
+            out = [rng.randrange(151_000) for _ in range(rng.randint(0, 6))]
+            parent = rng.choice(turns) if turns and rng.random() < 0.8 else None
+            if parent is None:
+                prompt = [rng.randrange(151_000) for _ in range(rng.randint(1, 9))]
+            else:  # bridged (a view of the parent's list), a plain list that extends it, or one that does not
+                tail = [rng.randrange(151_000) for _ in range(rng.randint(0, 4))]
+                way = rng.random()
+                prompt = (
+                    parent.extended(tail)
+                    if way < 0.6
+                    else parent.tokens[: parent.end] + tail
+                    if way < 0.97
+                    else [7, *tail]
+                )
+            turns.append(
+                Turn(
+                    turn_id=k, call_id=f"c{k}", choice=rng.randint(0, 2), parent=parent, prompt_ids=prompt,
+                    output_ids=out, output_logprobs=[rng.random() for _ in out], weight_version="v1",
+                    weight_spans=[], finish_reason=FinishReason({"type": rng.choice(["stop", "length"])}),
+                    latency_s=rng.random(), cached_tokens=rng.randint(0, 9), kind="chat",
+                    fork_reason=None if parent else rng.choice([None, "prefix_changed"]),
+                )
+            )  # fmt: skip
+            if parent is not None:
+                parent.children += 1
+        leaves = [t for t in turns if t.children == 0]
+        rng.shuffle(leaves)
+        packed = finished.pack_turns(turns, leaves, {"x": 1}, {})
+        assert packed == _reference_pack(turns, leaves, {"x": 1}, {})
+        nulled += packed is None
+        for turn in turns:
+            whole = turn.summary()
+            assert whole["prompt_ids"] == turn.prompt() and whole["prompt_ids"] is not turn.tokens
+            assert whole["output_ids"] == turn.output_ids and turn.summary(lists=False)["output_ids"] is None
+    assert 0 < nulled < 60, nulled  # both answers seen: packed, and a turn whose ids are not its sample's
