@@ -28,6 +28,7 @@ import sys
 import time
 import tracemalloc
 
+from bench import common
 from palaestra.gateway.engine_side.generation import FinishReason
 from palaestra.gateway.sessions.finished import pack_turns
 from palaestra.gateway.sessions.trajectory import Turn
@@ -88,7 +89,7 @@ def release(rng: random.Random, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--history", type=int, default=100_000, help="ids in a session's last prompt")
     ap.add_argument("--turns", type=int, default=64, help="turns per session")
     ap.add_argument(
