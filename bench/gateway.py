@@ -10,10 +10,11 @@ are measured:
   answer) and of the real sglang-router, each minus a direct /generate to the same engine; the
   paths are interleaved, in two schedules: "apart", each gateway call after the same three calls as
   the router's (each server woken from idle), and "in runs", 10 calls to one path in a row after one
-  left out (a busy server; --run-skip 6 leaves out the ~5 calls a server takes to warm up) (goal: gateway <= 1.2x the router), and the floor under them: a
-  minimal Python pass-through proxy (bench/_passthrough.py, a test double) on the gateway's server
-  and engine client; with --baseline-python, another checkout's gateway (the code that interpreter
-  imports) served beside this one and interleaved with it, call by call: a before/after in one run;
+  left out (a busy server; --run-skip 6 leaves out the ~5 calls a server takes to warm up) (goal:
+  gateway <= 1.2x the router), and the floor under them: a minimal Python pass-through proxy
+  (bench/_passthrough.py, a test double) on the gateway's server and engine client; with
+  --baseline-python, another checkout's gateway (the code that interpreter imports) served beside
+  this one and interleaved with it, call by call: a before/after in one run;
 * gateway CPU per turn at turns 61-64 vs turns 1-4 of sessions in each dialect, read from /proc,
   the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
 * the gateway's own cost per turn along a session, paired: each turn's latency minus that of a

@@ -8,7 +8,7 @@ the variable set, every worker (and a run without xdist, as `main`) appends one 
 to FILE: its worker, node id, xdist group, and the wall-clock start and end of its setup, call and
 teardown together; plus one line per worker when its session starts (before collection) and
 ends. Lines are appended whole by one `write` each, so the workers share the file. Nothing is
-recorded without the variable (tests/support/markers.py loads this module as a plugin).
+recorded without the variable (tests/conftest.py loads this module as a plugin).
 """
 
 from __future__ import annotations
