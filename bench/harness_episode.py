@@ -130,6 +130,8 @@ def main() -> None:
         help="characters of reasoning ahead of each tool call (0: none; the module docstring)",
     )
     args = ap.parse_args()
+    if args.reasoning_chars < 0:
+        ap.error(f"--reasoning-chars must be 0 or more; got {args.reasoning_chars}")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model(args.model))

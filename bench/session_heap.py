@@ -97,6 +97,17 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    for name in ("history", "turns", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be 1 or more; got {getattr(args, name)}")
+    try:
+        counts = sorted(int(x) for x in args.sessions.split(","))
+    except ValueError:
+        counts = [0]
+    if min(counts) < 1:
+        ap.error(
+            f"--sessions takes counts of 1 or more, comma-separated (e.g. 1,8,32); got {args.sessions!r}"
+        )
     rng = random.Random(39)
 
     release(rng, args)
@@ -116,7 +127,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     alive: list[list[Turn]] = []
-    for k in sorted(int(x) for x in args.sessions.split(",")):
+    for k in counts:
         while len(alive) < k:
             alive.append(session(rng, args.history, args.turns))
         gc.collect()

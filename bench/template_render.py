@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20, help="tool turns in the history")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    for name in ("turns", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be 1 or more; got {getattr(args, name)}")
     from transformers import AutoTokenizer
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(resolve_model(args.model)))

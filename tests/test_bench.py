@@ -112,6 +112,28 @@ def test_the_gateway_bench_refuses_a_negative_run_skip_and_knows_the_idle_part(m
         assert says in capsys.readouterr().err
 
 
+def test_this_waves_benches_refuse_bad_options_in_one_line(monkeypatch, capsys):
+    """bench.harness_episode's --reasoning-chars, bench.session_heap's and bench.template_render's
+    counts: a usage error naming the option, before anything is built or started."""
+    import importlib
+    import sys
+
+    for module, argv, says in (
+        ("harness_episode", ["--reasoning-chars", "-5"], "--reasoning-chars must be 0 or more; got -5"),
+        ("session_heap", ["--sessions", "x"], "--sessions takes counts of 1 or more"),
+        ("session_heap", ["--sessions", "0,2"], "--sessions takes counts of 1 or more"),
+        ("session_heap", ["--turns", "0"], "--turns must be 1 or more; got 0"),
+        ("template_render", ["--turns", "-1"], "--turns must be 1 or more; got -1"),
+        ("template_render", ["--rounds", "0"], "--rounds must be 1 or more; got 0"),
+    ):
+        bench = importlib.import_module(f"bench.{module}")
+        monkeypatch.setattr(sys, "argv", [f"bench.{module}", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            bench.main()
+        assert exit_.value.code == 2, module
+        assert says in capsys.readouterr().err, (module, argv)
+
+
 def test_gpu_check_starts_its_trainer_ranks_as_the_module_from_the_repository_root(tmp_path):
     """Its ranks once ran as a script (`python bench/gpu_check.py`), where `from bench import
     common` fails: every trainer check of `make gpu-check` failed before doing anything."""
