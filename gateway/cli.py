@@ -14,7 +14,9 @@ import gc
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.engine_side.placement import PlacementConfig
@@ -38,6 +40,47 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+TORCH_ENV = "PALAESTRA_GATEWAY_TORCH"
+
+
+def build_app(config: GatewayConfig, create_app: Callable[[GatewayConfig], Any]) -> Any:
+    """`create_app(config)` in a process that never imports torch, unless it already has.
+
+    The gateway needs the model's tokenizer, chat template and config, never its weights, but
+    `AutoTokenizer` reaches torch through transformers' configuration module: ~3 s of CPU and
+    ~150 MB resident at every gateway start for nothing (docs/gateway.md, "Starting without
+    torch"). With `torch` marked absent in `sys.modules`, transformers finds no torch and loads the
+    same tokenizer classes from the same files. A preset is resolved first, since building it on
+    first use does need torch. `PALAESTRA_GATEWAY_TORCH=1` keeps torch for a tokenizer that imports
+    it; without it such a tokenizer stops the start with a one-line error saying so."""
+    from palaestra.models import resolve_model
+
+    if os.environ.get(TORCH_ENV) == "1" or "torch" in sys.modules:
+        return create_app(config)
+    resolve_model(config.model)
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` fails; find_spec: absent
+    # transformers warns at import that it found no torch and serves tokenizers only: that is the point
+    advisory = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    was = os.environ.get(advisory)
+    os.environ[advisory] = "1"
+    try:
+        import transformers  # noqa: F401  (imported with that warning off)
+    finally:
+        if was is None:
+            del os.environ[advisory]
+        else:
+            os.environ[advisory] = was
+    try:
+        return create_app(config)
+    except ImportError as exc:
+        if "torch" not in str(exc):
+            raise
+        raise SystemExit(
+            f"palaestra gateway: loading {config.model!r} needs torch ({exc}); start the gateway with "
+            f"{TORCH_ENV}=1"
+        ) from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -50,12 +93,12 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = config_from_args(args)
     # Start-up's objects live as long as the process, so the collector runs once they are all made
-    # (below), not on the way: building the app (the tokenizer's libraries, torch among them) made
+    # (below), not on the way: building the app (the tokenizer's libraries, torch among them then) made
     # three full collections and ~450 young ones, each full one walking all that was imported before
     # it (start-up's collections: 0.50-0.53 s of CPU, now 0.27-0.35 s; docs/gateway.md).
     gc.disable()
     try:
-        app = create_app(config)
+        app = build_app(config, create_app)
     finally:
         gc.enable()
     # What start-up made (~280k objects: the modules, the tokenizer, the app) lives as long as the
