@@ -456,8 +456,11 @@ class GatewayService:
         return gens[0]
 
     def _held_back(self, call: _ChatCall) -> HeldBackText:
-        """What of the streamed text may go out: not tool-call markup, `<think>` or a stop string."""
-        markers = [self.tool_parser.start_marker if call.request.tools_on else "", "<think>"]
+        """What of the streamed text may go out: not tool-call markup or a stop string. (`<think>` is
+        held by no one: with a reasoning parser a stream is answered whole (`_stream_chat`), and
+        without one the answer's `<think>` is content like the rest, so holding it stalled a stream
+        at the tag until the answer ended.)"""
+        markers = [self.tool_parser.start_marker] if call.request.tools_on else []
         return HeldBackText(
             self._decode,
             markers,

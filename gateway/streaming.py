@@ -4,7 +4,7 @@ The core (`service.GatewayService`) streams a turn as `dialect.StreamEvent`s; a 
 turns them into its server-sent events. This module holds what neither side is about:
 
 * `HeldBackText`: the decoded text of a growing list of token ids, minus what cannot be sent yet
-  (a partial UTF-8 character, the start of tool-call markup or `<think>`, a possible stop string),
+  (a partial UTF-8 character, the start of tool-call markup, a possible stop string),
   so an agent never receives text that the final parse would have to take back;
 * `sse` / `SSE_DONE`: one event's wire text;
 * `ShapedStream`: runs a shaper over the core's events so that closing the response closes both

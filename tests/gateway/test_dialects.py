@@ -465,3 +465,29 @@ def test_with_a_reasoning_parser_a_streamed_call_is_answered_whole_by_the_engine
             timeout=60,
         )
         assert r.status_code == 200 and r.text.rstrip().splitlines()[-2] == "event: error", r.text
+
+
+def test_without_a_reasoning_parser_a_think_tag_streams_as_content(stack):
+    """The tiny preset's template has no reasoning parser, so a `<think>` the model writes is content:
+    it and the text after it go out token by token, not held until the answer ends (they were: the
+    stream stalled at the tag), and each SDK's stream adds up to the unstreamed answer's text."""
+    gw, engine, script = stack
+    s = new_session(gw)
+    msgs = [{"role": "user", "content": "hi"}]
+    answer = "Sure. <think> one two three four five six seven eight"
+    script.queue += [answer] * 3
+    oa = openai.OpenAI(base_url=s["base_url"], api_key="k-test")
+    whole = oa.chat.completions.create(model="tiny", messages=msgs, max_tokens=64).choices[0].message
+    assert whole.content == answer
+    chunks = list(oa.chat.completions.create(model="tiny", messages=msgs, max_tokens=64, stream=True))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(deltas) == whole.content
+    tag = next(i for i, d in enumerate(deltas) if "<think>" in d)
+    assert len(deltas) - tag > 8, deltas  # the eight words after the tag came in pieces of their own
+    an = anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="k-test")
+    with an.messages.stream(model="tiny", messages=msgs, max_tokens=64) as stream:
+        texts = [
+            e.delta.text for e in stream if e.type == "content_block_delta" and e.delta.type == "text_delta"
+        ]
+    assert "".join(texts) == answer
+    assert len(texts) - next(i for i, t in enumerate(texts) if "<think>" in t) > 8, texts

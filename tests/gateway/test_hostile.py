@@ -430,10 +430,11 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 60) -> None:
 
 def flowing_text(tok) -> dict[str, float]:
     """A `logit_bias` that keeps a stream's text flowing: the tiny model's random weights sample
-    `<think>` (and `<tool_call>`) like any other of its 4,096 tokens, and a stream holds back all
-    text after one (`streaming.HeldBackText`: the answer's reasoning or call is not known before its
-    end). A stuck stream that samples one early sends nothing more, so no send can block and no cut
-    come; with `max_tokens` near the context it generated for hours (a hang seen in CI)."""
+    `<think>` and `<tool_call>` like any other of its 4,096 tokens, and a stream held back all text
+    after a `<think>` (and, with tools on, still does after a `<tool_call>`: a call is known only at
+    the end). A stuck stream that sampled one early sent nothing more, so no send could block and no
+    cut come; with `max_tokens` near the context it generated for hours (a hang seen in CI). The
+    bias keeps these tests independent of what a stream may hold."""
     return {str(tok.convert_tokens_to_ids(t)): -100.0 for t in ("<think>", "<tool_call>")}
 
 
