@@ -529,7 +529,7 @@ def _append_probes() -> list[tuple[list[dict[str, Any]], int]]:
     """Probe requests for `append_ok`: (messages, index of the reply) of histories with reasoning
     (as a field and in the content), tool calls, earlier user turns, a system message in the middle
     and a user message that is a tool response (Qwen3 does not count it as a query), each followed
-    by a reply of each kind and one or two tool results, with and without a leading system message."""
+    by a reply of each kind with one or two tool results, with and without a leading system message."""
     call = {"id": "c1", "type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
 
     def assistant(kind: str, i: int) -> dict[str, Any]:
@@ -563,17 +563,16 @@ def _append_probes() -> list[tuple[list[dict[str, Any]], int]]:
     out = []
     for lead in ([{"role": "system", "content": "S."}], []):
         for history in histories:
-            for kind in ("field", "think", "call", "text"):
-                for new in ([tool(8)], [tool(8), tool(9)]):
-                    head = [*lead, *history]
-                    out.append(([*head, assistant(kind, 7), *new], len(head)))
+            for kind, new in (("field", 1), ("think", 2), ("call", 2), ("text", 1), ("field", 2)):
+                head = [*lead, *history]
+                out.append(([*head, assistant(kind, 7), *(tool(8 + j) for j in range(new))], len(head)))
     return out
 
 
 def append_ok(renderer: ChatRenderer, extra: dict[str, Any] | None = None) -> AppendRender | None:
     """Whether the template renders a request that appends tool results to a reply as the parent's
     whole rendering plus what the short conversation renders after its history (`_short_tail`),
-    checked once on probe requests (`_append_probes`) with and without a tool: on every probe whose
+    checked once on 100 probe requests (`_append_probes`) with and without a tool: on every probe whose
     short conversation passes, both texts (the request, the request with the sentinel) must be the
     whole renderings, and the whole renderings must not fail. None when any is not; `tools_free`:
     the same holds with the short conversation rendered without the tool schemas."""
