@@ -554,7 +554,6 @@ def _append_probes() -> list[tuple[list[dict[str, Any]], int]]:
     wrapped = {"role": "user", "content": "<tool_response>\nw\n</tool_response>"}
     histories = [
         [user(0)],
-        [user(0), assistant("field", 1), tool(1)],
         [user(0), assistant("text", 1), user(2), assistant("field", 3), tool(3), assistant("call", 4), tool(4)],
         [user(0), assistant("think", 1), tool(1), {"role": "system", "content": "mid"}, wrapped,
          assistant("field", 5), tool(5), tool(6)],
@@ -563,7 +562,7 @@ def _append_probes() -> list[tuple[list[dict[str, Any]], int]]:
     out = []
     for lead in ([{"role": "system", "content": "S."}], []):
         for history in histories:
-            for kind, new in (("field", 1), ("think", 2), ("call", 2), ("text", 1), ("field", 2)):
+            for kind, new in (("field", 1), ("think", 2), ("call", 1), ("text", 2)):
                 head = [*lead, *history]
                 out.append(([*head, assistant(kind, 7), *(tool(8 + j) for j in range(new))], len(head)))
     return out
@@ -572,7 +571,7 @@ def _append_probes() -> list[tuple[list[dict[str, Any]], int]]:
 def append_ok(renderer: ChatRenderer, extra: dict[str, Any] | None = None) -> AppendRender | None:
     """Whether the template renders a request that appends tool results to a reply as the parent's
     whole rendering plus what the short conversation renders after its history (`_short_tail`),
-    checked once on 100 probe requests (`_append_probes`) with and without a tool: on every probe whose
+    checked once on 64 probe requests (`_append_probes`) with and without a tool: on every probe whose
     short conversation passes, both texts (the request, the request with the sentinel) must be the
     whole renderings, and the whole renderings must not fail. None when any is not; `tools_free`:
     the same holds with the short conversation rendered without the tool schemas."""
