@@ -28,6 +28,11 @@ rendering of M, and the fork's reason is recorded (see `trajectory.FORK_REASONS`
   or `reasoning_stripped` when what disappears is reasoning the model produced (Qwen3, GLM drop
   `<think>` of earlier turns). With `reasoning_policy="keep"` such turns are bridged anyway: the
   policy keeps seeing its own reasoning, which is what it was trained on.
+
+Those checks read whole renderings. A turn that appends only tool results to a history with
+reasoning builds them from the parent's whole rendering and a short one (`_bridge_appended`, for
+templates that pass `append_ok`), so its cost does not grow with the history; any other turn that
+is not bridged from a short rendering (`_bridge_short`) renders the whole history.
 """
 
 from __future__ import annotations
