@@ -116,8 +116,8 @@ class _Session:
 
 def _episode(renderer: ChatRenderer, written: str, seed: int) -> list[tuple]:
     """A random session of up to 7 calls: each answer reasons or not and calls a tool or not, the
-    client sends back its reasoning or not and appends one or two tool results, a user message, or
-    both; what every call planned, and the recorded token lists."""
+    client sends back its reasoning or not and appends one or two tool results, a user message (at
+    times a wrapped tool response), or both; what every call planned, and the recorded token lists."""
     rng = random.Random(seed)
     tools = [CALC] if rng.random() < 0.7 else None
     extra = rng.choice([None, {"enable_thinking": True}, {"enable_thinking": False}])
@@ -149,8 +149,10 @@ def _episode(renderer: ChatRenderer, written: str, seed: int) -> list[tuple]:
             messages.append({"role": "system", "content": _text(rng)})
         for _ in range(2 if appended == "tools" else 1 if "tool" in appended else 0):
             messages.append({"role": "tool", "tool_call_id": f"t{i}", "content": _text(rng)})
-        if "user" in appended:
-            messages.append({"role": "user", "content": _text(rng)})
+        if "user" in appended:  # at times a tool response sent as user text (Qwen3: not a query)
+            wrapped = rng.random() < 0.3
+            text = f"<tool_response>\n{_text(rng)}\n</tool_response>" if wrapped else _text(rng)
+            messages.append({"role": "user", "content": text})
         messages = normalize_messages(messages)
     planned.append([list(t.tokens) for t in session.turns])
     return planned
