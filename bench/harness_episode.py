@@ -2,7 +2,7 @@
 cost per turn as the episode grows, and the engine's prefix-cache hit rate over it. One run, ratios.
 
     .venv/bin/python -m bench.harness_episode [--harness claude-code] [--turns 20] [--output-chars 1500]
-        [--reasoning-chars 0]
+        [--reasoning-chars 0] [--per-turn]
 
 The harness binary runs unchanged in the local sandbox on a swe instance (environments/harness),
 through its session's tunnel, against a gateway subprocess. A random model would not call tools,
@@ -14,8 +14,8 @@ its prefix cache holds what it would hold had it sampled those tokens; the hit r
 real engine's `cached_tokens` over the prompt. With `--reasoning-chars N` each tool call opens with
 N characters of reasoning (`<think>...</think>`, parsed by the preset's reasoning parser), which the
 harness sends back (Codex as `reasoning` items): the turns then have reasoning in their history and
-are bridged by the whole-history checks (`bridge._bridge_full`), where without it they take the
-short rendering. Printed:
+are bridged by the whole-history checks on the parent's rendering plus a short one
+(`bridge._bridge_appended`), where without it they take the short rendering. Printed:
 
 * prompt tokens first -> last turn; the gateway's CPU per turn (from the start of one engine call
   to the next: the answer streamed back through the gateway, the harness's tool, the next request
@@ -25,7 +25,9 @@ short rendering. Printed:
 * the engine's prefix-cache hit rate over the episode and on the last turn;
 * per call, the share of the previous call's prompt the engine found in its prefix cache (goal:
   >= 0.95 on every bridged turn), and the lowest;
-* that the episode bridged (forks) and what the harness sent that was recorded (ignored controls).
+* that the episode bridged (forks) and what the harness sent that was recorded (ignored controls);
+* with `--per-turn`, each tool turn's gateway CPU in order (a one-off such as a template probe on the
+  first turn that needs it shows apart from the growth along the episode).
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ def main() -> None:
         default=0,
         help="characters of reasoning ahead of each tool call (0: none; the module docstring)",
     )
+    ap.add_argument(
+        "--per-turn", action="store_true", help="also print each tool turn's gateway CPU (ms), in order"
+    )
     args = ap.parse_args()
     if args.reasoning_chars < 0:
         ap.error(f"--reasoning-chars must be 0 or more; got {args.reasoning_chars}")
@@ -187,6 +192,8 @@ def main() -> None:
             else "call_overhead_seconds observed no call"
         )
     )
+    if args.per_turn:
+        print("gateway CPU per tool turn (ms): " + " ".join(f"{cost * 1e3:.1f}" for cost in tools))
     print(
         f"engine prefix-cache hit rate: {cached / max(prompt, 1):.3f} over the episode, "
         f"{rows[-1]['cached'] / max(rows[-1]['prompt'], 1):.3f} on the last call"

@@ -28,11 +28,17 @@ rendering of M, and the fork's reason is recorded (see `trajectory.FORK_REASONS`
   or `reasoning_stripped` when what disappears is reasoning the model produced (Qwen3, GLM drop
   `<think>` of earlier turns). With `reasoning_policy="keep"` such turns are bridged anyway: the
   policy keeps seeing its own reasoning, which is what it was trained on.
+
+Those checks read whole renderings. A turn that appends only tool results to a history with
+reasoning builds them from the parent's whole rendering and a short one (`_bridge_appended`, for
+templates that pass `append_ok`), so its cost does not grow with the history; any other turn that
+is not bridged from a short rendering (`_bridge_short`) renders the whole history.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +114,10 @@ def plan_chat(
         # the gap was measured with these template arguments, the parent's were the same
         if short is not None and same_context and not parent.reasoning_on_path:
             plan = _bridge_short(append, short)
+            if plan is not None:
+                return plan
+        if same_context:  # the parent's rendering had this request's tools and template arguments
+            plan = _bridge_appended(append, reasoning_policy)
             if plan is not None:
                 return plan
         return _bridge_full(append, reasoning_policy, same_context)
@@ -207,11 +217,31 @@ def _bridge_full(append: _Append, reasoning_policy: str, same_context: bool) -> 
             raise _Fork("template_nonmonotonic", "the tools or template arguments changed")
         parent_rendered = renderer.render(messages[:prefix_k], tools, True, template_extra)
     rendered = renderer.render(messages, tools, True, template_extra)
+    with_sentinel = renderer.render(_sentinel_messages(messages, prefix_k), tools, True, template_extra)
+    return _bridge_rendered(append, parent_rendered, rendered, with_sentinel, reasoning_policy)
+
+
+def _sentinel_messages(messages: list[dict[str, Any]], prefix_k: int) -> list[dict[str, Any]]:
+    """`messages` with the sentinel in place of the reply `messages[prefix_k]` (its reasoning kept:
+    templates render reasoning before the content)."""
+    return [*messages[:prefix_k], _sentinel(messages[prefix_k]), *messages[prefix_k + 1 :]]
+
+
+def _sentinel(reply: dict[str, Any]) -> dict[str, Any]:
+    """The sentinel assistant message standing for `reply` (its reasoning kept)."""
     sentinel = {"role": "assistant", "content": SENTINEL}
-    if messages[prefix_k].get("reasoning_content"):  # templates render reasoning before the content
-        sentinel["reasoning_content"] = messages[prefix_k]["reasoning_content"]
-    sentinel_msgs = [*messages[:prefix_k], sentinel, *messages[prefix_k + 1 :]]
-    with_sentinel = renderer.render(sentinel_msgs, tools, True, template_extra)
+    if reply.get("reasoning_content"):
+        sentinel["reasoning_content"] = reply["reasoning_content"]
+    return sentinel
+
+
+def _bridge_rendered(
+    append: _Append, parent_rendered: str, rendered: str, with_sentinel: str, reasoning_policy: str
+) -> Plan:
+    """The full path's checks on the whole renderings of the parent's request, this request and
+    this request with the sentinel in the reply (`_bridge_full`; `_bridge_appended` builds the two
+    latter from the parent's and a short rendering)."""
+    renderer, _, _, parent, _, stop_text, _ = append.parts()
     pos = with_sentinel.find(SENTINEL)
     if pos < 0:
         raise _Fork("template_nonmonotonic", "the template does not render assistant content", rendered)
@@ -236,6 +266,63 @@ def _bridge_full(append: _Append, reasoning_policy: str, same_context: bool) -> 
         )
     _check_reasoning(parent, before_content, rendered, reasoning_policy)
     return _bridged(renderer, parent, tail, rendered, stop_text)
+
+
+def _bridge_appended(append: _Append, reasoning_policy: str) -> Plan | None:
+    """The full path's bridge where the request appends tool results only: the two whole renderings
+    built as the parent's rendering (its `rendered`, the template's whole text of its request) plus
+    what a short conversation renders after its own history (`_short_tail`), then the full path's
+    checks on them. Such an append moves none of what a template decides the history's rendering by
+    (no new user message: Qwen3's `last_query_index` and GLM's `last_user_index` stay), and
+    `append_ok` has checked this template on probe conversations. None (the full path decides) when
+    the parent has no whole rendering, the append holds anything but tool messages, the short
+    conversation renders no extension of its history or fails, or the checks would fork."""
+    renderer, messages, prefix_k, parent, tools, _, extra = append.parts()
+    whole = parent.rendered
+    new = messages[prefix_k + 1 :]
+    if not whole or not new or any(m["role"] != "tool" for m in new):
+        return None
+    appends = append_renders(renderer).get(extra)
+    if appends is None:
+        return None
+    tails = _short_tail(renderer, messages, prefix_k, None if appends.tools_free else tools, extra)
+    if tails is None:
+        return None
+    try:
+        return _bridge_rendered(append, whole, whole + tails[0], whole + tails[1], reasoning_policy)
+    except _Fork:  # decided (and recorded) by the full path, on its whole renderings
+        return None
+
+
+_KEPT_ROLES = ("system", "user")
+
+
+def _short_tail(
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    prefix_k: int,
+    tools: list[dict[str, Any]] | None,
+    extra: dict[str, Any] | None,
+) -> tuple[str, str] | None:
+    """What the template renders after the history `messages[:prefix_k]` for the reply and the new
+    messages, and for the sentinel in the reply's place, from a short conversation: the history's
+    system and user messages (what a template's choice of which reasoning to keep reads), the
+    message before the reply, the reply (or the sentinel) and the new messages. None when the short
+    conversation's history is not a prefix of either rendering, or the template refuses it."""
+    context = [m for m in messages[: prefix_k - 1] if m["role"] in _KEPT_ROLES]
+    context.append(messages[prefix_k - 1])
+    new = messages[prefix_k + 1 :]
+    try:
+        head = renderer.render(context, tools, True, extra)
+        shown = renderer.render([*context, messages[prefix_k], *new], tools, True, extra)
+        if not shown.startswith(head):
+            return None
+        with_sentinel = renderer.render([*context, _sentinel(messages[prefix_k]), *new], tools, True, extra)
+    except GatewayError:
+        return None
+    if not with_sentinel.startswith(head):
+        return None
+    return shown[len(head) :], with_sentinel[len(head) :]
 
 
 def _check_reasoning(parent: Turn, before_content: str, rendered: str, reasoning_policy: str) -> None:
@@ -434,6 +521,120 @@ class RenderGaps:
                 return None
             self._found[key] = self._probe(extra)
         return self._found[key]
+
+
+@dataclass(frozen=True)
+class AppendRender:
+    """What `append_ok` allows a template's appended tool results (`_bridge_appended`)."""
+
+    tools_free: bool  # the short conversation rendered without the tool schemas gives the same text
+
+
+def _append_probes() -> list[tuple[list[dict[str, Any]], int]]:
+    """Probe requests for `append_ok`: (messages, index of the reply) of histories with reasoning
+    (as a field and in the content), tool calls, earlier user turns, a system message in the middle
+    and a user message that is a tool response (Qwen3 does not count it as a query), each followed
+    by a reply of each kind with one or two tool results, with and without a leading system message."""
+    call = {"id": "c1", "type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}
+
+    def assistant(kind: str, i: int) -> dict[str, Any]:
+        if kind == "field":  # reasoning as a field, then a tool call
+            return {"role": "assistant", "content": "", "reasoning_content": f"why{i}", "tool_calls": [call]}
+        if kind == "think":  # reasoning written in the content
+            return {
+                "role": "assistant",
+                "content": f"<think>\nwhy{i}\n</think>\n\nso{i}",
+                "tool_calls": [call],
+            }
+        if kind == "call":
+            return {"role": "assistant", "content": "", "tool_calls": [call]}
+        return {"role": "assistant", "content": f"said{i}", "reasoning_content": f"why{i}"}  # "text"
+
+    def tool(i: int) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": "c1", "content": f"out{i}"}
+
+    def user(i: int) -> dict[str, Any]:
+        return {"role": "user", "content": f"ask{i}"}
+
+    wrapped = {"role": "user", "content": "<tool_response>\nw\n</tool_response>"}
+    histories = [
+        [user(0)],
+        [user(0), assistant("text", 1), user(2), assistant("field", 3), tool(3), assistant("call", 4), tool(4)],
+        [user(0), assistant("think", 1), tool(1), {"role": "system", "content": "mid"}, wrapped,
+         assistant("field", 5), tool(5), tool(6)],
+        [wrapped, assistant("field", 1), tool(1)],
+    ]  # fmt: skip
+    out = []
+    for lead in ([{"role": "system", "content": "S."}], []):
+        for history in histories:
+            for kind, new in (("field", 1), ("think", 2), ("call", 1), ("text", 2)):
+                head = [*lead, *history]
+                out.append(([*head, assistant(kind, 7), *(tool(8 + j) for j in range(new))], len(head)))
+    return out
+
+
+def append_ok(renderer: ChatRenderer, extra: dict[str, Any] | None = None) -> AppendRender | None:
+    """Whether the template renders a request that appends tool results to a reply as the parent's
+    whole rendering plus what the short conversation renders after its history (`_short_tail`),
+    checked once on 64 probe requests (`_append_probes`) with and without a tool: on every probe whose
+    short conversation passes, both texts (the request, the request with the sentinel) must be the
+    whole renderings, and the whole renderings must not fail. None when any is not; `tools_free`:
+    the same holds with the short conversation rendered without the tool schemas."""
+    tool = {
+        "type": "function",
+        "function": {"name": "probe", "description": "p", "parameters": {"type": "object"}},
+    }
+    tools_free = True
+    for tools in (None, [tool]):
+        for messages, k in _append_probes():
+            try:
+                head = renderer.render(messages[:k], tools, True, extra)
+                whole = renderer.render(messages, tools, True, extra)
+                whole_sentinel = renderer.render(_sentinel_messages(messages, k), tools, True, extra)
+            except Exception:
+                return None
+            for short_tools in (tools, None) if tools else (tools,):
+                tails = _short_tail(renderer, messages, k, short_tools, extra)
+                if tails is None:
+                    continue
+                if head + tails[0] != whole or head + tails[1] != whole_sentinel:
+                    if short_tools is tools:
+                        return None
+                    tools_free = False
+    return AppendRender(tools_free)
+
+
+class AppendRenders:
+    """`append_ok` per set of template arguments, each probed once (on the first request that
+    needs it), as `RenderGaps`; past `limit` sets, a new one renders in full."""
+
+    def __init__(self, renderer: ChatRenderer, limit: int = 32) -> None:
+        self.renderer, self.limit = renderer, limit
+        self._found: dict[bytes, AppendRender | None] = {}
+
+    def get(self, extra: dict[str, Any] | None) -> AppendRender | None:
+        """What `_bridge_appended` may use with template arguments `extra` (None: render in full)."""
+        try:
+            key = orjson.dumps(extra or {}, option=orjson.OPT_SORT_KEYS)
+        except (TypeError, orjson.JSONEncodeError):
+            return None
+        if key not in self._found:
+            if len(self._found) >= self.limit:
+                return None
+            self._found[key] = append_ok(self.renderer, extra)
+        return self._found[key]
+
+
+_APPENDS: weakref.WeakKeyDictionary[ChatRenderer, AppendRenders] = weakref.WeakKeyDictionary()
+"""Each renderer's `AppendRenders` (kept beside it: the gateway's renderer lives as long as it does)."""
+
+
+def append_renders(renderer: ChatRenderer) -> AppendRenders:
+    """The renderer's `AppendRenders`, made on first use."""
+    found = _APPENDS.get(renderer)
+    if found is None:
+        found = _APPENDS[renderer] = AppendRenders(renderer)
+    return found
 
 
 def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:
