@@ -6,7 +6,7 @@ turns them into its server-sent events. This module holds what neither side is a
 * `HeldBackText`: the decoded text of a growing list of token ids, minus what cannot be sent yet
   (a partial UTF-8 character, the start of tool-call markup, a possible stop string),
   so an agent never receives text that the final parse would have to take back;
-* `sse` / `SSE_DONE`: one event's wire text;
+* `sse` / `sse_json` / `SSE_DONE`: one event's wire text (from an object, or from its JSON);
 * `ShapedStream`: runs a shaper over the core's events so that closing the response closes both
   (a client that goes away releases the pause gate at once, not when the generator is collected).
 """
@@ -24,8 +24,13 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse(data: dict[str, Any], event: str | None = None) -> str:
     """One server-sent event; `event` names it (Anthropic and the Responses API name theirs)."""
+    return sse_json(json.dumps(data, ensure_ascii=False), event)
+
+
+def sse_json(data: str, event: str | None = None) -> str:
+    """`sse` of data already in JSON."""
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"{head}data: {data}\n\n"
 
 
 MAX_STOP_CHARS = 256

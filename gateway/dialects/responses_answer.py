@@ -34,7 +34,7 @@ from palaestra.gateway.dialect import (
     TurnResult,
 )
 from palaestra.gateway.dialects.sealed import seal
-from palaestra.gateway.streaming import sse
+from palaestra.gateway.streaming import sse, sse_json
 
 
 def _logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
@@ -131,8 +131,7 @@ def _usage(result: TurnResult, out: TurnOutput) -> dict[str, Any]:
     }
 
 
-def _response(
-    request: TurnRequest,
+def _head(
     call_id: str,
     created: int,
     model: str,
@@ -140,7 +139,7 @@ def _response(
     output: list[dict[str, Any]],
     usage: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    echo = request.echo
+    """A `response` object's own fields, before the request's echoed ones (`answer`)."""
     return {
         "id": call_id,
         "object": "response",
@@ -154,17 +153,42 @@ def _response(
         "text": {"format": {"type": "text"}},  # a request's own `text` (echoed) replaces it
         "truncation": "disabled",
         "reasoning": {"effort": None, "summary": None},
-        **echo,
     }
 
 
+_HEAD_KEYS = frozenset(_head("", 0, "", "completed", [], None))
+
+
+class _EchoJson:
+    """The request's echoed fields of a stream's `response` events, as JSON dumped once.
+
+    Three events carry the whole response (created, in_progress, then completed, incomplete or
+    failed), each with the request's `instructions` and `tools` echoed: ~30 KB of a Codex request,
+    ~0.1 ms of `json.dumps` each time. The fields a response has of its own (`text`) take the
+    echo's value in their place; the rest follow them in the echo's order, as `answer` merges
+    them, so an event's text is `json.dumps` of that merged object byte for byte."""
+
+    def __init__(self, echo: dict[str, Any]) -> None:
+        self.inline = {k: v for k, v in echo.items() if k in _HEAD_KEYS}
+        rest = {k: v for k, v in echo.items() if k not in _HEAD_KEYS}
+        self.tail = json.dumps(rest, ensure_ascii=False)[1:-1] if rest else ""  # '"k": v, ...'
+
+    def dumps(self, head: dict[str, Any]) -> str:
+        """`json.dumps` of `{**head, **echo}` (`head` holds every key of `_head`)."""
+        text = json.dumps({**head, **self.inline}, ensure_ascii=False)
+        return f"{text[:-1]}, {self.tail}}}" if self.tail else text
+
+
 def answer(request: TurnRequest, result: TurnResult, force_message: bool = False) -> dict[str, Any]:
+    return {**_answer_head(request, result, force_message), **request.echo}
+
+
+def _answer_head(request: TurnRequest, result: TurnResult, force_message: bool) -> dict[str, Any]:
+    """`answer` without the request's echoed fields."""
     out = result.outputs[0]
     status = "incomplete" if out.finish == "length" else "completed"
     items = output_items(request, result.call_id, out, force_message)
-    return _response(
-        request, result.call_id, result.created, result.model, status, items, _usage(result, out)
-    )
+    return _head(result.call_id, result.created, result.model, status, items, _usage(result, out))
 
 
 class _Events:
@@ -176,6 +200,14 @@ class _Events:
     def __call__(self, kind: str, **data: Any) -> str:
         self.n += 1
         return sse({"type": kind, "sequence_number": self.n - 1, **data}, event=kind)
+
+    def response(self, kind: str, head: dict[str, Any], echo: _EchoJson) -> str:
+        """`self(kind, response={**head, **echo})`, the echo's JSON not dumped again."""
+        self.n += 1
+        return sse_json(
+            f'{{"type": {json.dumps(kind, ensure_ascii=False)}, "sequence_number": {self.n - 1}, "response": {echo.dumps(head)}}}',
+            event=kind,
+        )
 
 
 def _item_events(ev: _Events, index: int, item: dict[str, Any]) -> list[str]:
@@ -257,13 +289,16 @@ async def stream(
     request: TurnRequest, events: AsyncGenerator[StreamEvent, None]
 ) -> AsyncGenerator[str, None]:
     ev = _Events()
+    echo = _EchoJson(request.echo)
     call_id, created, model = "", 0, ""
     opened = False  # the message item went out while sampling (content streams first)
     async for event in events:
         if isinstance(event, StreamStarted):
             call_id, created, model = event.call_id, event.created, event.model
-            head = _response(request, call_id, created, model, "in_progress", [], None)
-            yield ev("response.created", response=head) + ev("response.in_progress", response=head)
+            head = _head(call_id, created, model, "in_progress", [], None)
+            yield ev.response("response.created", head, echo) + ev.response(
+                "response.in_progress", head, echo
+            )
         elif isinstance(event, TextDelta):
             item_id = f"msg_{_ids(call_id)}"
             if not opened:
@@ -287,13 +322,13 @@ async def stream(
                 logprobs=lps,
             )
         elif isinstance(event, StreamFailed):
-            failed = _response(request, call_id, created, model, "failed", [], None)
+            failed = _head(call_id, created, model, "failed", [], None)
             failed["error"] = {"code": event.error.code or "server_error", "message": event.error.message}
-            yield ev("response.failed", response=failed)
+            yield ev.response("response.failed", failed, echo)
             return
         elif isinstance(event, StreamFinished):
             # the last piece's events in one write (one send through the ASGI layers, one packet)
-            final = answer(request, event.result, force_message=opened)
+            final = _answer_head(request, event.result, force_message=opened)
             parts: list[str] = []
             for index, item in enumerate(final["output"]):
                 if opened and item["type"] == "message":
@@ -301,5 +336,5 @@ async def stream(
                 else:
                     parts += _item_events(ev, index, item)
             done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-            parts.append(ev(done, response=final))
+            parts.append(ev.response(done, final, echo))
             yield "".join(parts)

@@ -354,3 +354,55 @@ def test_a_second_dialect_runs_on_the_same_core(tok, tmp_path):
     t1, t2 = session.turns
     assert t2.parent is t1 and t2.fork_reason is None and t2.call_id.startswith("toy-")
     assert t2.prompt()[: t1.end] == t1.prompt() + t1.output_ids
+
+
+@pytest.mark.parametrize("ending", ["completed", "incomplete", "failed"])
+def test_responses_stream_events_are_json_dumps_of_the_merged_response_byte_for_byte(monkeypatch, ending):
+    """The Responses stream dumps the request's echoed fields once (`_EchoJson`) where each of its
+    response events dumped them again: the stream's text is the one the plain merge gives, for a
+    request whose echo has non-ASCII text, tools and its own `text` format (a field the response
+    has too, echoed in its place)."""
+    from palaestra.gateway.dialects import responses_answer, responses_api
+
+    request = responses_api.parse(
+        {
+            "instructions": 'Réponds "vite".\n\t🙂 ' + "x" * 300,
+            "input": "q",
+            "tools": [
+                {"type": "function", "name": "calc", "description": "é", "parameters": {"type": "object"}}
+            ],
+            "text": {"format": {"type": "json_object"}},
+            "metadata": {"k": "ü"},
+            "max_output_tokens": 9,
+        }
+    )
+    out = output(text="Bonjour ü", content="Bonjour ü", finish="length" if ending == "incomplete" else "stop")
+    done = StreamFailed(GatewayError("engine down", 503, code="engine_unavailable"))
+    if ending != "failed":
+        done = StreamFinished(TurnResult("resp_x", 1700000000, "tiny", 10, [out]), " ü")
+
+    async def events() -> AsyncGenerator[StreamEvent, None]:
+        yield StreamStarted("resp_x", 1700000000, "tiny", 10)
+        yield TextDelta("Bonjour", None)
+        yield done
+
+    async def text() -> str:
+        return "".join([e async for e in responses_answer.stream(request, events())])
+
+    fast = asyncio.run(text())
+
+    def merged(self, kind: str, head: dict[str, Any], echo: Any) -> str:  # the plain merge, dumped whole
+        return self(kind, response={**head, **request.echo})
+
+    monkeypatch.setattr(responses_answer._Events, "response", merged)
+    assert fast == asyncio.run(text())
+    data = [json.loads(line[len("data: ") :]) for line in fast.splitlines() if line.startswith("data: ")]
+    kinds = [d["type"] for d in data]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{ending}"
+    last = data[-1]["response"]
+    assert last["instructions"] == request.echo["instructions"] and last["text"] == {
+        "format": {"type": "json_object"}
+    }
+    assert list(last).index("text") < list(last).index(
+        "instructions"
+    )  # the response's own field, in its place
