@@ -41,7 +41,7 @@ import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 
@@ -496,22 +496,24 @@ class ShortRender:
     tools_up_front: bool  # render it without the tool schemas (`tools_up_front`)
 
 
-class RenderGaps:
-    """`incremental_ok` and `tools_up_front` per set of template arguments, each probed once: a
-    call's `chat_template_kwargs`, or the thinking switch its reasoning ask maps to, change what the
+_Probed = TypeVar("_Probed")
+
+
+class _PerArgs(Generic[_Probed]):
+    """A template probe's answer per set of template arguments, each probed once: a call's
+    `chat_template_kwargs`, or the thinking switch its reasoning ask maps to, change what the
     template renders, so Claude Code's and Codex's calls (which ask for thinking) need their own
     probe. The arguments come from clients: past `limit` different sets, a new one renders in full."""
 
     def __init__(self, renderer: ChatRenderer, limit: int = 32) -> None:
         self.renderer, self.limit = renderer, limit
-        self._found: dict[bytes, ShortRender | None] = {b"{}": self._probe(None)}
+        self._found: dict[bytes, _Probed | None] = {}
 
-    def _probe(self, extra: dict[str, Any] | None) -> ShortRender | None:
-        gap = incremental_ok(self.renderer, extra)
-        return None if gap is None else ShortRender(gap, tools_up_front(self.renderer, extra))
+    def _probe(self, extra: dict[str, Any] | None) -> _Probed | None:
+        raise NotImplementedError
 
-    def get(self, extra: dict[str, Any] | None) -> ShortRender | None:
-        """What the short rendering may use with template arguments `extra` (None: render in full)."""
+    def get(self, extra: dict[str, Any] | None) -> _Probed | None:
+        """What the probe allows with template arguments `extra` (None: render in full)."""
         try:
             key = orjson.dumps(extra or {}, option=orjson.OPT_SORT_KEYS)
         except (TypeError, orjson.JSONEncodeError):
@@ -521,6 +523,19 @@ class RenderGaps:
                 return None
             self._found[key] = self._probe(extra)
         return self._found[key]
+
+
+class RenderGaps(_PerArgs[ShortRender]):
+    """`incremental_ok` and `tools_up_front` per set of template arguments (`_PerArgs`), the
+    template's own (no arguments) probed at start-up; what the short rendering may use."""
+
+    def __init__(self, renderer: ChatRenderer, limit: int = 32) -> None:
+        super().__init__(renderer, limit)
+        self._found[b"{}"] = self._probe(None)
+
+    def _probe(self, extra: dict[str, Any] | None) -> ShortRender | None:
+        gap = incremental_ok(self.renderer, extra)
+        return None if gap is None else ShortRender(gap, tools_up_front(self.renderer, extra))
 
 
 @dataclass(frozen=True)
@@ -604,25 +619,12 @@ def append_ok(renderer: ChatRenderer, extra: dict[str, Any] | None = None) -> Ap
     return AppendRender(tools_free)
 
 
-class AppendRenders:
-    """`append_ok` per set of template arguments, each probed once (on the first request that
-    needs it), as `RenderGaps`; past `limit` sets, a new one renders in full."""
+class AppendRenders(_PerArgs[AppendRender]):
+    """`append_ok` per set of template arguments (`_PerArgs`), each probed on the first request
+    that needs it; what `_bridge_appended` may use."""
 
-    def __init__(self, renderer: ChatRenderer, limit: int = 32) -> None:
-        self.renderer, self.limit = renderer, limit
-        self._found: dict[bytes, AppendRender | None] = {}
-
-    def get(self, extra: dict[str, Any] | None) -> AppendRender | None:
-        """What `_bridge_appended` may use with template arguments `extra` (None: render in full)."""
-        try:
-            key = orjson.dumps(extra or {}, option=orjson.OPT_SORT_KEYS)
-        except (TypeError, orjson.JSONEncodeError):
-            return None
-        if key not in self._found:
-            if len(self._found) >= self.limit:
-                return None
-            self._found[key] = append_ok(self.renderer, extra)
-        return self._found[key]
+    def _probe(self, extra: dict[str, Any] | None) -> AppendRender | None:
+        return append_ok(self.renderer, extra)
 
 
 _APPENDS: weakref.WeakKeyDictionary[ChatRenderer, AppendRenders] = weakref.WeakKeyDictionary()
