@@ -68,6 +68,7 @@ def model_text(config: GatewayConfig, tokenizer: Any, context_length: int) -> Mo
         ),
         stop_text=stop_text,
         render_gaps=bridge.RenderGaps(renderer),
+        append_renders=bridge.AppendRenders(renderer),
         caps=template_caps.probe(renderer),
     )
 

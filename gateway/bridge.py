@@ -38,7 +38,6 @@ is not bridged from a short rendering (`_bridge_short`) renders the whole histor
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -98,13 +97,16 @@ def plan_chat(
     template_extra: dict[str, Any] | None = None,
     context_key: int | None = None,
     short: ShortRender | None = None,
+    appends: AppendRenders | None = None,
 ) -> Plan:
     """Decides how the prompt for `messages` is built (bridged from a parent turn, or a fork).
 
     `context_key` identifies what besides the messages the template reads (tools, template
     arguments); `short` (not None: the template passed `incremental_ok` with these template
     arguments: `RenderGaps`) lets an append to a turn without reasoning be rendered from its last
-    messages only (`_bridge_short`)."""
+    messages only (`_bridge_short`); `appends` (the template's `AppendRenders`) lets an append of
+    tool results to a turn with reasoning be checked from the parent's rendering and a short one
+    (`_bridge_appended`)."""
     if not has_turns:
         return _fork_rendering(renderer, messages, tools, template_extra, _Fork("", ""), None)
     try:
@@ -116,8 +118,8 @@ def plan_chat(
             plan = _bridge_short(append, short)
             if plan is not None:
                 return plan
-        if same_context:  # the parent's rendering had this request's tools and template arguments
-            plan = _bridge_appended(append, reasoning_policy)
+        if appends is not None and same_context:  # the parent's rendering had these tools and arguments
+            plan = _bridge_appended(append, appends, reasoning_policy)
             if plan is not None:
                 return plan
         return _bridge_full(append, reasoning_policy, same_context)
@@ -268,7 +270,7 @@ def _bridge_rendered(
     return _bridged(renderer, parent, tail, rendered, stop_text)
 
 
-def _bridge_appended(append: _Append, reasoning_policy: str) -> Plan | None:
+def _bridge_appended(append: _Append, appends: AppendRenders, reasoning_policy: str) -> Plan | None:
     """The full path's bridge where the request appends tool results only: the two whole renderings
     built as the parent's rendering (its `rendered`, the template's whole text of its request) plus
     what a short conversation renders after its own history (`_short_tail`), then the full path's
@@ -282,10 +284,10 @@ def _bridge_appended(append: _Append, reasoning_policy: str) -> Plan | None:
     new = messages[prefix_k + 1 :]
     if not whole or not new or any(m["role"] != "tool" for m in new):
         return None
-    appends = append_renders(renderer).get(extra)
-    if appends is None:
+    allowed = appends.get(extra)
+    if allowed is None:
         return None
-    tails = _short_tail(renderer, messages, prefix_k, None if appends.tools_free else tools, extra)
+    tails = _short_tail(renderer, messages, prefix_k, None if allowed.tools_free else tools, extra)
     if tails is None:
         return None
     try:
@@ -625,18 +627,6 @@ class AppendRenders(_PerArgs[AppendRender]):
 
     def _probe(self, extra: dict[str, Any] | None) -> AppendRender | None:
         return append_ok(self.renderer, extra)
-
-
-_APPENDS: weakref.WeakKeyDictionary[ChatRenderer, AppendRenders] = weakref.WeakKeyDictionary()
-"""Each renderer's `AppendRenders` (kept beside it: the gateway's renderer lives as long as it does)."""
-
-
-def append_renders(renderer: ChatRenderer) -> AppendRenders:
-    """The renderer's `AppendRenders`, made on first use."""
-    found = _APPENDS.get(renderer)
-    if found is None:
-        found = _APPENDS[renderer] = AppendRenders(renderer)
-    return found
 
 
 def _lost_reasoning(parent: Turn, before: str, rendered: str) -> bool:

@@ -47,8 +47,8 @@ def build_app(config: GatewayConfig, create_app: Callable[[GatewayConfig], Any])
     """`create_app(config)` in a process that never imports torch, unless it already has.
 
     The gateway needs the model's tokenizer, chat template and config, never its weights, but
-    `AutoTokenizer` reaches torch through transformers' configuration module: ~3 s of CPU and
-    ~150 MB resident at every gateway start for nothing (docs/gateway.md, "Starting without
+    `AutoTokenizer` reaches torch through transformers' configuration module: ~2 s of CPU and
+    ~170 MB resident at every gateway start for nothing (docs/gateway.md, "Starting without
     torch"). With `torch` marked absent in `sys.modules`, transformers finds no torch and loads the
     same tokenizer classes from the same files. A preset is resolved first, since building it on
     first use does need torch. `PALAESTRA_GATEWAY_TORCH=1` keeps torch for a tokenizer that imports
@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = config_from_args(args)
     # Start-up's objects live as long as the process, so the collector runs once they are all made
-    # (below), not on the way: building the app (the tokenizer's libraries, torch among them then) made
+    # (below), not on the way: building the app (the tokenizer's libraries, torch too before `build_app`) made
     # three full collections and ~450 young ones, each full one walking all that was imported before
     # it (start-up's collections: 0.50-0.53 s of CPU, now 0.27-0.35 s; docs/gateway.md).
     gc.disable()

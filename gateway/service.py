@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from palaestra.gateway import parse_status, parsers
-from palaestra.gateway.bridge import Plan, RenderGaps, plan_chat
+from palaestra.gateway.bridge import AppendRenders, Plan, RenderGaps, plan_chat
 from palaestra.gateway.config import GatewayConfig
 from palaestra.gateway.dialect import (
     Dialect,
@@ -94,6 +94,7 @@ class ModelText:
     reasoning_parser: parsers.ReasoningParser | None
     stop_text: dict[int, str]  # text of every special token: what a final stop token looks like
     render_gaps: RenderGaps  # the short rendering's probes per template arguments (None: render in full)
+    append_renders: AppendRenders  # the appended path's probes per template arguments (on first need)
     caps: template_caps.TemplateCaps  # its thinking switch, where system messages go
 
 
@@ -120,6 +121,7 @@ class GatewayService:
         self.reasoning_parser = text.reasoning_parser
         self.stop_text = text.stop_text
         self.render_gaps = text.render_gaps
+        self.append_renders = text.append_renders
         self.caps = text.caps
         self.turns = turns
         self.gate = turns.gate
@@ -274,6 +276,7 @@ class GatewayService:
             request.template_kwargs,
             context_key,
             self.render_gaps.get(request.template_kwargs),
+            self.append_renders,
         )
         max_tokens, clamped = self._max_tokens(request.params, len(plan.prompt_ids))
         self.metrics.prompt_tokens.inc(len(plan.prompt_ids))

@@ -78,6 +78,7 @@ class _Session:
         self.by_digest: dict[int, list[Turn]] = {}
         self.turns: list[Turn] = []
         self.gaps = bridge.RenderGaps(renderer)
+        self.appends = bridge.AppendRenders(renderer)
         self.end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def call(self, messages: list[dict], output_text: str, reply: dict, had_reasoning: bool) -> tuple:
@@ -86,7 +87,7 @@ class _Session:
         try:
             plan = bridge.plan_chat(
                 self.renderer, self.by_digest, bool(self.turns), messages, digests, self.tools,
-                {self.end: "<|im_end|>"}, self.policy, self.extra, 7, self.gaps.get(self.extra),
+                {self.end: "<|im_end|>"}, self.policy, self.extra, 7, self.gaps.get(self.extra), self.appends,
             )  # fmt: skip
         except GatewayError as exc:
             return ("error", str(exc))
