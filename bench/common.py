@@ -201,6 +201,53 @@ def median(rows: Iterable[dict], value: Callable[[dict], float]) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+# -- starting a server, one kind against another -----------------------------------------------
+START_COLUMNS = ("wall s", "cpu s", "rss MB")
+
+
+def process_start_figures(pid: int) -> dict[str, float]:
+    """A started server process's CPU time (every thread) and resident memory, read now."""
+    from bench.gateway import cpu_seconds
+
+    with open(f"/proc/{pid}/status") as status:
+        rss = int(status.read().split("VmRSS:")[1].split()[0]) / 1024
+    return {"cpu s": cpu_seconds(pid), "rss MB": rss}
+
+
+def alternating_starts(
+    kinds: Sequence[str], rounds: int, start: Callable[[str, int], dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """`start(kind, round)` for each kind, `rounds` times, the order reversed every other round
+    (a machine drifts over a run); each start printed as it ends. Every start's dict carries
+    START_COLUMNS, and may carry more (printed too)."""
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    for r in range(rounds):
+        for kind in kinds if r % 2 == 0 else list(reversed(kinds)):
+            run = start(kind, r)
+            runs[kind].append(run)
+            extra = ", ".join(f"{k}: {v}" for k, v in run.items() if k not in START_COLUMNS)
+            print(
+                f"round {r + 1} {kind:13s}: ready in {run['wall s']:.2f} s, CPU {run['cpu s']:.2f} s, "
+                f"RSS {run['rss MB']:.0f} MB" + (f", {extra}" if extra else ""),
+                flush=True,
+            )
+    return runs
+
+
+def start_summary(title: str, runs: dict[str, list[dict[str, Any]]]) -> str:
+    """The medians per kind, and the first kind over the second (ready, CPU, RSS)."""
+    med = {kind: {k: statistics.median(float(r[k]) for r in rs) for k in START_COLUMNS} for kind, rs in runs.items()}  # fmt: skip
+    lines = [title, f"{'':15s}{'ready s':>9s}{'CPU s':>8s}{'RSS MB':>8s}"]
+    for kind, m in med.items():
+        lines.append(f"{kind:15s}{m['wall s']:9.2f}{m['cpu s']:8.2f}{m['rss MB']:8.0f}")
+    (ka, a), (kb, b) = list(med.items())[:2]
+    lines.append(
+        f"{ka} / {kb}: ready {a['wall s'] / b['wall s']:.2f}x, CPU {a['cpu s'] / b['cpu s']:.2f}x, "
+        f"RSS {a['rss MB'] / b['rss MB']:.2f}x ({b['rss MB'] - a['rss MB']:.0f} MB less)"
+    )
+    return "\n".join(lines)
+
+
 # -- the table ----------------------------------------------------------------------------------
 def table(
     title: str, columns: Sequence[tuple[str, str]], rows: dict[str, dict[str, object]], key: str = "run"

@@ -14,12 +14,10 @@ Printed: each start, the medians per kind, and without / with.
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import time
 
 from bench import common
-from bench.gateway import cpu_seconds
 from palaestra.gateway.cli import TORCH_ENV, gateway_process
 from palaestra.models import resolve_model
 
@@ -34,12 +32,10 @@ def start_once(model: str, spool: str, extra_env: dict[str, str]) -> dict[str, f
         wall = time.perf_counter() - t0
         pid = gw.pid
         assert pid is not None
-        cpu = cpu_seconds(pid)
-        with open(f"/proc/{pid}/status") as status:
-            rss = int(status.read().split("VmRSS:")[1].split()[0]) / 1024
+        figures = common.process_start_figures(pid)
         with open(f"/proc/{pid}/maps") as maps:
             torch = "libtorch" in maps.read()
-    return {"wall s": wall, "cpu s": cpu, "rss MB": rss, "torch": torch}
+    return {"wall s": wall, **figures, "torch mapped": torch}
 
 
 def main() -> None:
@@ -50,27 +46,17 @@ def main() -> None:
     if args.rounds < 1:
         ap.error(f"--rounds must be 1 or more; got {args.rounds}")
     resolve_model(args.model)  # a preset built once, before anything is timed
-    runs: dict[str, list[dict[str, float | bool]]] = {kind: [] for kind in KINDS}
     with tempfile.TemporaryDirectory(prefix="bench-gateway-start-") as work:
-        for r in range(args.rounds):
-            order = list(KINDS) if r % 2 == 0 else list(reversed(KINDS))
-            for kind in order:
-                run = start_once(args.model, os.path.join(work, f"{kind}-{r}"), KINDS[kind])
-                runs[kind].append(run)
-                print(
-                    f"round {r + 1} {kind:13s}: ready in {run['wall s']:.2f} s, CPU {run['cpu s']:.2f} s, "
-                    f"RSS {run['rss MB']:.0f} MB, torch mapped: {run['torch']}",
-                    flush=True,
-                )
-    med = {kind: {k: statistics.median(float(r[k]) for r in rs) for k in ("wall s", "cpu s", "rss MB")} for kind, rs in runs.items()}  # fmt: skip
-    print(f"\n== starting `palaestra gateway serve --model {args.model}`, medians of {args.rounds}")
-    print(f"{'':15s}{'ready s':>9s}{'CPU s':>8s}{'RSS MB':>8s}")
-    for kind, m in med.items():
-        print(f"{kind:15s}{m['wall s']:9.2f}{m['cpu s']:8.2f}{m['rss MB']:8.0f}")
-    a, b = med["without torch"], med["with torch"]
+        runs = common.alternating_starts(
+            list(KINDS),
+            args.rounds,
+            lambda kind, r: start_once(args.model, os.path.join(work, f"{kind}-{r}"), KINDS[kind]),
+        )
+    print()
     print(
-        f"without / with: ready {a['wall s'] / b['wall s']:.2f}x, CPU {a['cpu s'] / b['cpu s']:.2f}x, "
-        f"RSS {a['rss MB'] / b['rss MB']:.2f}x ({b['rss MB'] - a['rss MB']:.0f} MB less)"
+        common.start_summary(
+            f"== starting `palaestra gateway serve --model {args.model}`, medians of {args.rounds}", runs
+        )
     )
 
 

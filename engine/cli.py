@@ -71,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=args.lora_target_modules,
         enable_return_routed_experts=args.enable_return_routed_experts,
+        model_impl=args.model_impl,
     )
     server = EngineServer(config)
     print(
@@ -129,6 +130,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
+    p.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=["auto", "native", "transformers"],
+        help="the modules that run the model: the engine's own for dense Llama-family models "
+        "(native: starts without transformers' modeling code), transformers', or auto: native "
+        "where it serves the model (default: %(default)s; SGLang's flag of the same name)",
     )
     p.add_argument(
         "--enable-return-routed-experts",

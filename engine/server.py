@@ -21,7 +21,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from palaestra.engine import lora_api
+from palaestra.engine import lora_api, native_model
 from palaestra.engine.core import Engine, EngineRequest
 from palaestra.engine.lora import LoraManager, parse_lora_paths
 from palaestra.engine.protocol import MODEL_DEFAULT_KEYS, RequestError, error_body, parse_generate
@@ -54,6 +54,7 @@ class EngineConfig:
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
     enable_return_routed_experts: bool = False  # MoE models: answer return_routed_experts requests
+    model_impl: str = "auto"  # engine/native_model.py: auto, native or transformers
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -74,22 +75,35 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def load_model(model_path: str):
-    """Loads a HF-format causal LM + tokenizer on CPU in float32; returns (model, tok, eos ids, defaults)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(model_path: str, model_impl: str = "auto"):
+    """Loads a HF-format causal LM + tokenizer on CPU in float32; returns (model, tok, eos ids, defaults).
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    `model_impl`: "native" builds the engine's own modules (engine/native_model.py: no
+    transformers modeling import, ~5 s less CPU per start), "transformers" transformers' model
+    class, "auto" the native modules where they serve the model and transformers' otherwise."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if model_impl not in native_model.MODEL_IMPLS:
+        raise ValueError(
+            f"model_impl must be one of {', '.join(native_model.MODEL_IMPLS)}, not {model_impl!r}"
+        )
+    model = None
+    if model_impl != "transformers":
+        cfg = AutoConfig.from_pretrained(model_path)
+        try:
+            model = native_model.load(model_path, cfg)
+        except native_model.Unsupported as exc:
+            if model_impl == "native":
+                raise ValueError(f"--model-impl native cannot serve {model_path}: {exc}") from None
+            log.info("transformers' modules serve %s (not native: %s)", model_path, exc)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    eos: set[int] = set()
-    for source in (
-        model.config.eos_token_id,
-        getattr(model.generation_config, "eos_token_id", None),
-        tokenizer.eos_token_id,
-    ):
-        if isinstance(source, int):
-            eos.add(source)
-        elif isinstance(source, (list, tuple)):
-            eos.update(int(x) for x in source)
+    eos = native_model.eos_ids(model_path, model.config)
+    if isinstance(tokenizer.eos_token_id, int):
+        eos.add(tokenizer.eos_token_id)
     defaults: dict[str, Any] = {}
     gen_file = Path(model_path) / "generation_config.json"
     if gen_file.exists():  # only keys the model explicitly sets (SGLang's --sampling-defaults model)
@@ -105,8 +119,9 @@ class EngineServer:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model, self.tokenizer, eos, self.defaults = load_model(config.model_path)
+        model, self.tokenizer, eos, self.defaults = load_model(config.model_path, config.model_impl)
         self.model_config = model.config
+        self.model_impl_used = "native" if isinstance(model, native_model.CausalLM) else "transformers"
         self.engine = Engine(
             model,
             self.tokenizer,
@@ -348,6 +363,7 @@ class EngineServer:
         ctx = self.engine.runner.context_length
         return {
             **asdict(self.config),
+            "model_impl_used": self.model_impl_used,
             "served_model_name": self.served_name,
             "tp_size": 1,
             "dp_size": 1,
