@@ -194,12 +194,11 @@ def load(model_path: str | Path, cfg: Any) -> CausalLM:
         raise Unsupported(f"the weights: {exc}") from None
     model = CausalLM(cfg, arch, head_dim, theta)
     model.tie()
+    # A tied model lists its head once, as the embedding (named_parameters drops the repeat): a
+    # checkpoint of it that carries lm_head.weight anyway is left to transformers' rules.
     params = dict(model.named_parameters())
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    if tied:  # a checkpoint of a tied model may still carry the head (it is the embedding)
-        params["lm_head.weight"] = model.lm_head.weight
     unknown = sorted(names - params.keys())
-    missing = sorted(set(dict(model.named_parameters())) - names)
+    missing = sorted(params.keys() - names)
     if unknown or missing:
         raise Unsupported(
             f"checkpoint names: {len(unknown)} unknown (e.g. {unknown[:2]}), {len(missing)} missing (e.g. {missing[:2]})"
