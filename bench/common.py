@@ -220,6 +220,12 @@ def alternating_starts(
     """`start(kind, round)` for each kind, `rounds` times, the order reversed every other round
     (a machine drifts over a run); each start printed as it ends. Every start's dict carries
     START_COLUMNS, and may carry more (printed too)."""
+    if sys.flags.dont_write_bytecode:  # the Makefile unexports it for `make test`; a shell may set it
+        print(
+            "note: PYTHONDONTWRITEBYTECODE is set, so every start compiles what it imports from source "
+            "(about 1.7x an engine's start): unset it to measure what `make` and CI run",
+            flush=True,
+        )
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for r in range(rounds):
         for kind in kinds if r % 2 == 0 else list(reversed(kinds)):

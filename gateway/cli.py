@@ -47,8 +47,8 @@ def build_app(config: GatewayConfig, create_app: Callable[[GatewayConfig], Any])
     """`create_app(config)` in a process that never imports torch, unless it already has.
 
     The gateway needs the model's tokenizer, chat template and config, never its weights, but
-    `AutoTokenizer` reaches torch through transformers' configuration module: ~2 s of CPU and
-    ~170 MB resident at every gateway start for nothing (docs/gateway.md, "Starting without
+    `AutoTokenizer` reaches torch through transformers' configuration module: ~1 s of CPU (~2 s
+    without bytecode caches) and ~180 MB resident at every gateway start for nothing (docs/gateway.md, "Starting without
     torch"). With `torch` marked absent in `sys.modules`, transformers finds no torch and loads the
     same tokenizer classes from the same files. A preset is resolved first, since building it on
     first use does need torch. `PALAESTRA_GATEWAY_TORCH=1` keeps torch for a tokenizer that imports
