@@ -4,6 +4,7 @@ laid out by hand in a temporary cache, and `palaestra harness install` going on 
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -81,6 +82,55 @@ def test_our_harness_is_its_package_folder_at_its_one_version(cache, tmp_path, m
     (source / "agent.py").write_text("print(2)\n")  # edited (a new file, as editors save)
     second = inst.shared_root("terminus")
     assert second != first and (second / "agent.py").read_text() == "print(2)\n"
+
+
+def test_a_shared_copy_of_a_python_harness_carries_its_bytecode(monkeypatch, tmp_path):
+    """The shared copy is mounted read-only in the sandbox, where Python cannot write bytecode: it
+    carries the install's own (hard-linked, so still valid), whether the copy is made now or was
+    made before without it. An install tree made here (a test double of `make install`'s) whose
+    module was compiled as pip compiles; then Python, not allowed to write bytecode, loads the
+    module from the copy's."""
+    import compileall
+    import subprocess
+    import sys
+
+    h = inst.HARNESSES["mini-swe-agent"]
+    cache = tmp_path / "cache"
+    site = cache / f"mini-swe-agent@{h.version}" / "venv" / "lib" / "pkg"
+    site.mkdir(parents=True)
+    (site / "mod.py").write_text("VALUE = 41 + 1\n")
+    assert compileall.compile_dir(site, quiet=1)
+    launcher = cache / f"mini-swe-agent@{h.version}" / h.launcher
+    launcher.parent.mkdir(parents=True)
+    launcher.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("PALAESTRA_HARNESS_CACHE", str(cache))
+    monkeypatch.setattr(inst, "_open_to_all", lambda path: False)
+    monkeypatch.setattr(inst.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    pyc = next((site / "__pycache__").iterdir())
+
+    copy = inst.shared_root("mini-swe-agent")
+    copied = copy / "venv" / "lib" / "pkg" / "__pycache__" / pyc.name
+    assert copied.stat().st_ino == pyc.stat().st_ino and (copy / inst.BYTECODE_MARK).exists()
+
+    # a copy made before (without bytecode) gets it on its next use
+    import shutil
+
+    shutil.rmtree(copied.parent)
+    (copy / inst.BYTECODE_MARK).unlink()
+    assert inst.shared_root("mini-swe-agent") == copy and copied.stat().st_ino == pyc.stat().st_ino
+
+    # Python that cannot write bytecode (as in the read-only mount) loads the module from it
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-v", "-c", "import mod; print(mod.VALUE)"],
+        cwd=copied.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "42" and f"code object from '{copied}'" in out.stderr, out.stderr[-2000:]
 
 
 def test_install_goes_on_past_a_harness_that_fails(monkeypatch, capsys):
