@@ -214,6 +214,21 @@ def process_start_figures(pid: int) -> dict[str, float]:
     return {"cpu s": cpu_seconds(pid), "rss MB": rss}
 
 
+def start_bench_args(doc: str | None) -> argparse.Namespace:
+    """The start benches' command line (--model, --rounds), checked, with the preset built once
+    before anything is timed."""
+    from palaestra.models import resolve_model
+
+    ap = parser(doc)
+    ap.add_argument("--model", default="tiny", help="preset name or model directory (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="starts of each kind (default: %(default)s)")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be 1 or more; got {args.rounds}")
+    resolve_model(args.model)
+    return args
+
+
 def alternating_starts(
     kinds: Sequence[str], rounds: int, start: Callable[[str, int], dict[str, Any]]
 ) -> dict[str, list[dict[str, Any]]]:

@@ -18,7 +18,6 @@ import time
 
 from bench import common
 from palaestra.engine.cli import engine_process
-from palaestra.models import resolve_model
 
 KINDS = {"native": "auto", "transformers": "transformers"}
 
@@ -37,13 +36,7 @@ def start_once(model: str, impl: str) -> dict[str, float | str]:
 
 
 def main() -> None:
-    ap = common.parser(__doc__)
-    ap.add_argument("--model", default="tiny", help="preset name or model directory (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="starts of each kind (default: %(default)s)")
-    args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be 1 or more; got {args.rounds}")
-    resolve_model(args.model)  # a preset built once, before anything is timed
+    args = common.start_bench_args(__doc__)
     runs = common.alternating_starts(
         list(KINDS), args.rounds, lambda kind, _r: start_once(args.model, KINDS[kind])
     )

@@ -19,7 +19,6 @@ import time
 
 from bench import common
 from palaestra.gateway.cli import TORCH_ENV, gateway_process
-from palaestra.models import resolve_model
 
 KINDS = {"without torch": {}, "with torch": {TORCH_ENV: "1"}}
 
@@ -39,13 +38,7 @@ def start_once(model: str, spool: str, extra_env: dict[str, str]) -> dict[str, f
 
 
 def main() -> None:
-    ap = common.parser(__doc__)
-    ap.add_argument("--model", default="tiny", help="preset name or model directory (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="starts of each kind (default: %(default)s)")
-    args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be 1 or more; got {args.rounds}")
-    resolve_model(args.model)  # a preset built once, before anything is timed
+    args = common.start_bench_args(__doc__)
     with tempfile.TemporaryDirectory(prefix="bench-gateway-start-") as work:
         runs = common.alternating_starts(
             list(KINDS),
