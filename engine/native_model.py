@@ -3,16 +3,17 @@ Mistral), so that an engine starts without importing transformers' modeling code
 
 Why: `AutoModelForCausalLM.from_pretrained` imports transformers' model-loading machinery, and with
 it torch.distributed's tensor package (sympy) and torch._dynamo. For the `tiny` preset that is
-~5 s of the ~11 s of CPU an engine took to be ready, paid at every engine start and restart (every
-training test starts at least one). The engine needs none of it: `model_runner.ModelRunner` drives
+~1.7 s of the ~3.9 s of CPU an engine took to be ready (`bench.engine_start`, with bytecode
+caches), paid at every engine start and restart (every training test starts at least one). The engine needs none of it: `model_runner.ModelRunner` drives
 the layers itself and only calls their submodules (`q_proj`, `input_layernorm`, `mlp`,
 `rotary_emb`, ...).
 
 What: a module tree with transformers' names and shapes (`model.layers.0.self_attn.q_proj`, ...),
 so weight updates, LoRA adapters and checkpoints name the same tensors, and with the same
 operations in the same order, so the numerics are bit-identical (tests/engine/test_native_model.py
-compares every served preset's logits, prefill and decode, with the transformers model's: equal,
-not close). The weights are read from the safetensors files by `weights.load_safetensors_into`,
+compares each dense architecture's logits and KV, and the `tiny` preset's, through prefill and
+decode with the transformers model's: equal, not close, once both models' weights sit in freshly
+allocated memory). The weights are read from the safetensors files by `weights.load_safetensors_into`,
 the reader `/update_weights_from_disk` uses.
 
 What it does not cover falls back to transformers, with the reason in the log: mixture-of-experts
@@ -24,7 +25,6 @@ refuses a model it cannot serve natively instead of falling back.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -208,18 +208,3 @@ def load(model_path: str | Path, cfg: Any) -> CausalLM:
     except RequestError as exc:
         raise Unsupported(f"the weights: {exc}") from None
     return model.eval()
-
-
-def eos_ids(model_path: str | Path, cfg: Any) -> set[int]:
-    """The end-of-sequence ids the config and generation_config.json name."""
-    sources = [getattr(cfg, "eos_token_id", None)]
-    gen = Path(model_path) / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    out: set[int] = set()
-    for source in sources:
-        if isinstance(source, int):
-            out.add(source)
-        elif isinstance(source, (list, tuple)):
-            out.update(int(x) for x in source)
-    return out

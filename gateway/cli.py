@@ -48,8 +48,8 @@ def build_app(config: GatewayConfig, create_app: Callable[[GatewayConfig], Any])
 
     The gateway needs the model's tokenizer, chat template and config, never its weights, but
     `AutoTokenizer` reaches torch through transformers' configuration module: ~1 s of CPU (~2 s
-    without bytecode caches) and ~180 MB resident at every gateway start for nothing (docs/gateway.md, "Starting without
-    torch"). With `torch` marked absent in `sys.modules`, transformers finds no torch and loads the
+    without bytecode caches) and ~180 MB resident at every gateway start for nothing
+    (docs/gateway.md, "Starting without torch"). With `torch` marked absent in `sys.modules`, transformers finds no torch and loads the
     same tokenizer classes from the same files. A preset is resolved first, since building it on
     first use does need torch. `PALAESTRA_GATEWAY_TORCH=1` keeps torch for a tokenizer that imports
     it; without it such a tokenizer stops the start with a one-line error saying so."""
