@@ -41,8 +41,7 @@ def http1_protocol() -> type:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from palaestra import quiet_server
     from palaestra.engine.server import EngineConfig, EngineServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -77,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"palaestra engine: serving {args.model} ({model_path}) on http://{args.host}:{args.port}", flush=True
     )
-    uvicorn.run(
+    quiet_server.run(
         server.app,
         host=args.host,
         port=args.port,

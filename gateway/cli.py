@@ -82,8 +82,7 @@ def build_app(config: GatewayConfig, create_app: Callable[[GatewayConfig], Any])
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from palaestra import quiet_server
     from palaestra.gateway.app import create_app
     from palaestra.gateway.event_loop import loop_name
     from palaestra.gateway.http_writes import HeadJoiningProtocol
@@ -113,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     loop = loop_name(config.event_loop, "palaestra gateway serve")
-    uvicorn.run(
+    quiet_server.run(
         app,
         host=config.host,
         port=config.port,

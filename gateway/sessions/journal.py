@@ -148,6 +148,7 @@ class SessionJournal:
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._dirty = False
+        self._wake = threading.Event()  # set when a write makes the file dirty (batch's thread waits on it)
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self.records: dict[str, int] = {"open": 0, "turn": 0, "fail": 0, "fin": 0}
@@ -235,8 +236,9 @@ class SessionJournal:
             if self.fsync == "always":
                 os.fsync(self._fd)
                 self.fsyncs += 1
-            else:
+            elif not self._dirty:
                 self._dirty = True
+                self._wake.set()
         self.records[kind] += 1
 
     def sync(self) -> None:
@@ -255,11 +257,21 @@ class SessionJournal:
             os.close(fd)
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        """fsyncs `interval_s` after a write makes the file dirty, with what was written meanwhile.
+        It sleeps while nothing is written: polling every `interval_s` woke an idle gateway 20 times
+        a second (~2.3 ms of CPU a second here; docs/gateway.md, "Idle wake-ups")."""
+        while True:
+            self._wake.wait()
+            if self._stop.wait(self.interval_s):
+                return  # close() syncs what is left
+            # cleared before the sync: a write after the sync's check sets it again; one before it
+            # is in the file when the sync's fsync runs
+            self._wake.clear()
             self.sync()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._flusher is not None:
             self._flusher.join(timeout=5)
         self.sync()

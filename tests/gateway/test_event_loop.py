@@ -53,7 +53,7 @@ def test_the_run_passes_the_loop_to_its_gateways():
 def test_serve_runs_uvicorn_on_the_loop_asked(monkeypatch, caplog, tmp_path, flag, expected):
     ran: dict = {}
     monkeypatch.setattr(gateway_app, "create_app", lambda config: "app")
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: ran.update(kw))
+    monkeypatch.setattr("palaestra.quiet_server.run", lambda app, **kw: ran.update(kw))
     argv = [*SERVE, "--spool-dir", str(tmp_path), "--log-level", "info", *flag]
     args = build_parser("gateway").parse_args(argv)
     with caplog.at_level(logging.INFO, logger="palaestra.gateway.event_loop"):

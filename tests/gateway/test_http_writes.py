@@ -192,7 +192,7 @@ def test_serve_runs_uvicorn_with_the_joining_protocol(monkeypatch, tmp_path):
     monkeypatch.setattr(gateway_app, "create_app", lambda config: steps.append("app") or "app")
     monkeypatch.setattr(gc, "collect", lambda *a: steps.append("collect") or 0)
     monkeypatch.setattr(gc, "freeze", lambda: steps.append("freeze"))
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: steps.append("run") or ran.update(kw))
+    monkeypatch.setattr("palaestra.quiet_server.run", lambda app, **kw: steps.append("run") or ran.update(kw))
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     argv = [
         "gateway",

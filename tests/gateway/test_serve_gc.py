@@ -11,9 +11,8 @@ from palaestra.gateway import cli
 
 
 def test_serve_builds_the_app_with_the_collector_off_then_collects_and_freezes(monkeypatch, tmp_path) -> None:
-    import uvicorn
-
     import palaestra.gateway.app as app_module
+    from palaestra import quiet_server
 
     seen: dict[str, object] = {}
 
@@ -26,7 +25,7 @@ def test_serve_builds_the_app_with_the_collector_off_then_collects_and_freezes(m
         seen["frozen while serving"] = gc.get_freeze_count()
 
     monkeypatch.setattr(app_module, "create_app", create_app)
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(quiet_server, "run", run)
     parser = cli.argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
     monkeypatch.setenv("PALAESTRA_API_KEY", "k")

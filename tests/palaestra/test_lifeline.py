@@ -92,3 +92,44 @@ def test_the_watch_is_not_passed_on_to_the_servers_own_children(monkeypatch):
 def test_no_watch_without_a_usable_parent_pid(monkeypatch, value):
     monkeypatch.setenv(lifeline.ENV, value)
     assert not lifeline.watch_parent_from_env()
+
+
+def test_the_watch_sleeps_on_a_pidfd_until_the_process_exits():
+    """No wake-up while the watched process lives (polling woke twice a second), and a wake-up once
+    it is killed, before anyone reaps it (a zombie has exited)."""
+    import threading
+
+    watched = subprocess.Popen(["sleep", "3600"])
+    try:
+        thread = threading.Thread(
+            target=lifeline._sleep_until_it_exits, args=(watched.pid, lifeline._not_running)
+        )
+        thread.start()
+        stat = Path(f"/proc/self/task/{thread.native_id}/schedstat")
+
+        def runs() -> int:  # times the kernel ran the thread
+            return int(stat.read_text().split()[2])
+
+        deadline, last = time.monotonic() + 60, -1
+        while runs() != last and time.monotonic() < deadline:  # until it has gone to sleep
+            last = runs()
+            time.sleep(0.2)
+        before = runs()
+        time.sleep(1.5)  # polling: 3 wake-ups
+        assert thread.is_alive() and runs() - before <= 1
+        watched.kill()  # not reaped yet: the thread must wake on the exit itself
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the watch did not wake when the process exited"
+    finally:
+        watched.kill()
+        watched.wait()
+
+
+def test_without_a_pidfd_the_watch_falls_back_to_polling(monkeypatch):
+    def refused(pid: int) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    started = time.monotonic()
+    lifeline._sleep_until_it_exits(os.getpid(), lifeline._not_running)  # returns: the poll takes over
+    assert time.monotonic() - started < 60

@@ -25,6 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from palaestra.quiet_server import QuietServer
+
 ENV_KEY = "k-test"
 ADMIN_KEY = "k-admin"
 INSECURE = {"api_key": None, "admin_key": None, "insecure_local": True}  # no keys: --insecure-local
@@ -59,7 +61,7 @@ class ThreadServer:
         self.port = sock.getsockname()[1]
         sock.close()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
+        self.server = QuietServer(  # stops as soon as should_exit is set
             uvicorn.Config(
                 app,
                 host="127.0.0.1",
