@@ -94,9 +94,11 @@ def test_fast_renderer_matches_apply_chat_template(family):
 
 def test_encoding_without_offsets_gives_the_tokenizers_ids(family, monkeypatch):
     """With the tokenizers' thread pool off (as `palaestra gateway serve` sets it), the renderer
-    tokenizes through `encode_batch_fast`; the ids are `tokenizer.encode`'s, special tokens, code,
-    whitespace runs and non-ASCII included. Without the setting it encodes as before."""
+    tokenizes through `encode_batch_fast` (without an NFC normaliser for a text in NFC); the ids are
+    `tokenizer.encode`'s, special tokens, code, whitespace runs, non-ASCII and texts not in NFC
+    included. Without the setting it encodes as before."""
     import random
+    import unicodedata
 
     _, _, tok = family
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
@@ -114,11 +116,19 @@ def test_encoding_without_offsets_gives_the_tokenizers_ids(family, monkeypatch):
         "中文",
         "🙂",
         '{"k": [1, 2]}',
+        "e\u0301",  # not NFC: "é" decomposed, composed by Qwen's normaliser
+        "\u212b",  # the angstrom sign, NFC's "Å"
+        "\u1100\u1161",  # Hangul jamo, NFC's one syllable
     ]
     pieces += open(__file__, encoding="utf-8").read().split()[:200]
+    # a Qwen tokenizer (normaliser NFC) skips it for a text already in NFC; GLM's has none
+    assert (renderer._encode_nfc is not None) == (type(tok.backend_tokenizer.normalizer).__name__ == "NFC")
+    nfc = 0
     for _ in range(200):
         text = "".join(rng.choice(pieces) + rng.choice(["", " ", "\n"]) for _ in range(rng.randint(0, 60)))
+        nfc += unicodedata.is_normalized("NFC", text)
         assert renderer.encode(text) == tok.encode(text, add_special_tokens=False), text
+    assert 20 < nfc < 180  # both kinds of text were compared
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     assert ChatRenderer(tok)._encode_one is None
 
