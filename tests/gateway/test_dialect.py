@@ -406,3 +406,25 @@ def test_responses_stream_events_are_json_dumps_of_the_merged_response_byte_for_
     assert list(last).index("text") < list(last).index(
         "instructions"
     )  # the response's own field, in its place
+
+
+def test_responses_echo_tail_is_kept_by_its_json_and_tells_equal_values_apart(monkeypatch):
+    """The echoed fields' JSON text is kept by their orjson text across calls (a harness sends the
+    same tools every call): the same fields give the very text kept, and values Python calls equal
+    but JSON writes differently (1, 1.0, true; key order) each get their own `json.dumps` text."""
+    from palaestra.gateway.dialects import responses_answer
+
+    monkeypatch.setattr(responses_answer, "_TAILS", {})
+    monkeypatch.setattr(responses_answer, "_TAILS_KEPT", 3)
+    tools = [{"type": "function", "name": "é", "parameters": {"type": "object", "x": [1, 2.5]}}]
+    first = responses_answer._echo_tail({"tools": tools, "instructions": "ü"})
+    again = responses_answer._echo_tail({"tools": json.loads(json.dumps(tools)), "instructions": "ü"})
+    assert (
+        again is first
+        and first == json.dumps({"tools": tools, "instructions": "ü"}, ensure_ascii=False)[1:-1]
+    )
+    for rest in ({"k": 1}, {"k": 1.0}, {"k": True}, {"a": 1, "b": 2}, {"b": 2, "a": 1}):
+        assert responses_answer._echo_tail(rest) == json.dumps(rest, ensure_ascii=False)[1:-1]
+    assert len(responses_answer._TAILS) == 3  # the oldest went
+    big = {"k": 1 << 70}  # past orjson's integers: written by json.dumps, not kept
+    assert responses_answer._echo_tail(big) == f'"k": {1 << 70}' and len(responses_answer._TAILS) == 3
