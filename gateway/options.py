@@ -87,8 +87,8 @@ class GatewayOptions:
 
     journal_fsync: Literal["always", "batch", "off"] = "batch"
     """Session journal durability (docs/reliability-journal.md): always = fsync every record before
-    the call answers (survives power loss); batch = fsync every journal_fsync_interval_ms (survives a
-    killed process; a power loss drops at most that window); off = never fsync (a killed process)."""
+    the call answers (survives power loss); batch = fsync journal_fsync_interval_ms after a write (survives
+    a killed process; a power loss drops at most that window); off = never fsync (a killed process)."""
 
     journal_fsync_interval_ms: float = 50.0
     """With journal_fsync=batch: the longest time a journal record waits for its fsync, ms."""
