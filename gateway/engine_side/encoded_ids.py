@@ -13,10 +13,12 @@ prompt (a plain list: a fork, a continuation after a weight update) is written w
 of at most `max_ids` ids over all sessions (the least recently used dropped first), only prompts of
 `min_ids` ids or more; a session's dropped when it ends (`forget`: the JSON also holds its `base`).
 
-The JSON is kept and handed out in pieces (`pieces`: the caller joins them once, into the request
-body): each `bytes + bytes` of a 600 KB list is a fresh allocation of its size, and three of them per
-call (drop the "]", add the new ids, join into the body) cost more than the new ids' JSON. A
-session's pieces are joined into one after `MAX_PIECES`.
+The JSON is kept and handed out in pieces (`pieces`: the engine client passes them on as the body's
+pieces, which the bare HTTP client writes as they are, one `writev`, and aiohttp's joins): each
+`bytes + bytes` of a 600 KB list is a fresh allocation of its size, and three of them per call (drop
+the "]", add the new ids, join into the body) cost more than the new ids' JSON. A session's pieces
+are joined into one after `MAX_PIECES`. Every piece is immutable (bytes, or a view of bytes), so a
+write the socket takes later still sends what was written.
 """
 
 from __future__ import annotations

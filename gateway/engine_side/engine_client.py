@@ -169,9 +169,10 @@ class EngineClient:
         top_logprobs: int,
         stream: bool,
         routing: RoutingAsk | None = None,
-    ) -> bytes:
-        """The /generate body: `orjson.dumps` of {"input_ids": ..., the rest} byte for byte, the ids'
-        JSON reusing the session's previous prompt's (`EncodedIds`)."""
+    ) -> list[bytes | memoryview]:
+        """The /generate body in pieces, whose join is `orjson.dumps` of {"input_ids": ..., the rest}
+        byte for byte, the ids' JSON reusing the session's previous prompt's (`EncodedIds`). Not
+        joined here: the bare client writes the pieces as they are (one `writev`), aiohttp's joins."""
         body: dict[str, Any] = {
             "sampling_params": sampling.to_wire(),
             "return_logprob": True,
@@ -185,8 +186,8 @@ class EngineClient:
         if routing is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routing.start
-        ids = self.encoded_ids.pieces(session_id, input_ids)  # joined once, here
-        return b"".join((b'{"input_ids":', *ids, b",", memoryview(orjson.dumps(body))[1:]))
+        ids = self.encoded_ids.pieces(session_id, input_ids)
+        return [b'{"input_ids":', *ids, b",", memoryview(orjson.dumps(body))[1:]]
 
     def _raise_for(self, status: int, raw: bytes) -> None:
         text = raw.decode(errors="replace")
@@ -315,7 +316,7 @@ class EngineClient:
     async def _stream_attempt(
         self,
         session_id: str,
-        body: bytes,
+        body: list[bytes | memoryview],
         route: CallRoute | None,
         progress: _Progress,
         routing: RoutingAsk | None = None,

@@ -164,7 +164,7 @@ def test_the_generate_body_is_the_dicts_json_byte_for_byte():
         }
         if call:
             want["top_logprobs_num"] = call
-        assert client._body("s", ids, sampling, call, False) == orjson.dumps(want)
+        assert b"".join(client._body("s", ids, sampling, call, False)) == orjson.dumps(want)
     assert client.encoded_ids.reused == 5003 + 5006  # the second and third calls: the JSON before
 
 

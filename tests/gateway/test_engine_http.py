@@ -117,6 +117,38 @@ def test_content_length_chunked_and_close_delimited_bodies_are_read_whole_and_as
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_body_in_pieces_goes_out_as_their_join_from_either_client(loop):
+    """`EngineClient` hands the /generate body over in pieces (bytes and a memoryview, as
+    `EncodedIds` makes them); the bare client writes them as they are (`writelines`: one writev under
+    uvloop, the gateway's loop), aiohttp's joins them: the server reads their join, with its length."""
+    pieces = [b'{"input_ids":', b"[" + b"1," * 300_000, b"2]", b",", memoryview(b'{"k":1}')[1:]]
+    joined = b"".join(pieces)
+
+    async def answer(reader, writer, i):
+        writer.write(_ok())
+        await writer.drain()
+
+    async def main():
+        async with RawServer(answer) as srv:
+            aio = open_http("aiohttp", srv.url, max_connections=8, connect_timeout_s=2.0, timeout_s=10.0)
+            for http in (_http(), aio):
+                async with http.post(srv.url, pieces, {"a": "1"}) as r:
+                    assert await r.read() == b'{"ok":1}'
+                await http.close()
+            for request in srv.requests:
+                head, body = request.split(b"\r\n\r\n", 1)
+                assert body == joined and f"content-length: {len(joined)}".encode() in head.lower()
+            assert len(srv.requests) == 2
+
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
 def test_a_reused_connection_the_server_closed_is_retried_once_on_a_fresh_one():
     """The server takes the second request on the first connection and closes it unanswered (as a
     keep-alive close crossing our write does): the call goes again on a new connection and is
