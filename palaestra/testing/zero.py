@@ -24,7 +24,8 @@ many ids measured the engine's work on two different id lists and on the call be
 can send the engine exactly what the gateway sent.
 
 It serves the probes the router and the gateway need (/health, /server_info, /model_info,
-/v1/models with owned_by "sglang"). It is not a model of the engine's behaviour (no sampling, no
+/v1/models with owned_by "sglang"), and `POST /sink`, which reads a body and drops it (a bench times
+what carrying a client's body costs alone). It is not a model of the engine's behaviour (no sampling, no
 streaming, no pause or weight sync): only for measuring and loading what stands in front of it.
 """
 
@@ -139,6 +140,12 @@ def make_app(
         if key not in last_bodies:
             return Response(status_code=404)
         return Response(last_bodies[key], media_type="application/json")
+
+    @app.post("/sink")
+    async def sink(request: Request) -> Response:
+        """Reads a body and drops it: what carrying a body to a Python server costs, alone."""
+        await request.body()
+        return Response(b"{}", media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

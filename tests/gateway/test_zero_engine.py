@@ -57,3 +57,13 @@ def test_the_engine_keeps_each_keys_last_body_only_when_asked():
     plain = TestClient(make_app([9, 2]))
     plain.post("/generate", content=raw, headers={"X-SMG-Routing-Key": "s1"})
     assert plain.get("/last_body", params={"key": "s1"}).status_code == 404
+
+
+def test_the_sink_reads_any_body_and_keeps_nothing():
+    """`POST /sink` (bench.gateway's paired part: a client's body carried alone) answers {} to any
+    body, JSON or not, and keeps none of it as a /generate body."""
+    zero = TestClient(make_app([9, 2], keep_bodies=True))
+    for body in (b"{}", b"x" * 500_000, orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})):
+        answer = zero.post("/sink", content=body, headers={"X-SMG-Routing-Key": "s1"})
+        assert answer.status_code == 200 and answer.json() == {}
+    assert zero.get("/last_body", params={"key": "s1"}).status_code == 404
