@@ -21,7 +21,8 @@ are measured:
   direct /generate of the very body the gateway sent the engine for it (the zero engine keeps it),
   sent right after it, in buckets of 8 turns, beside what carrying the turn's request body costs alone
   (posted to the zero engine's `/sink`, which reads and drops it, less a 2-byte body: the client's
-  share of a turn that the direct call does not carry, 0.4-0.5 MB at a 100k-token history)
+  share of a turn that the direct call does not carry, 0.4-0.5 MB at a 100k-token history) and the
+  gateway's CPU for the turn (schedstat, every thread)
   (goal: the last bucket <= 1.2x the first; CPU time alone misses what grows in wall time), per
   dialect, for answers that end on the end-of-turn token and answers cut at the length limit
   (the client sends either back as its SDK hands it over), at several history sizes (user turns
@@ -126,6 +127,7 @@ def session_record(c: httpx.Client, gw_url: str, session_id: str) -> dict:
 def paired_cost(
     c: httpx.Client,
     gw_url: str,
+    gw_pid: int,
     engine_url: str,
     system: str,
     dialect: str,
@@ -157,9 +159,11 @@ def paired_cost(
         text = f"Turn {slot['turn']}: please continue the task with more detail.{filler}"
         slot["history"].append({"role": "user", "content": text})
         body = orjson.dumps(paired_body(dialect, system, slot["history"], max_tokens))
+        cpu0 = cpu_seconds(gw_pid)
         t0 = time.perf_counter()
         r = c.post(f"{slot['url']}{path}", content=body, headers=headers)
         gw_s = time.perf_counter() - t0
+        cpu_s = cpu_seconds(gw_pid) - cpu0
         r.raise_for_status()
         n, items, _ = paired_reply(dialect, r.json())
         kept = c.get(f"{engine_url}/last_body", params={"key": slot["id"]})  # what the gateway sent
@@ -182,7 +186,7 @@ def paired_cost(
         carry_s = whole_s - (time.perf_counter() - t0)
         slot["history"] += items
         index, slot["turn"] = slot["turn"], slot["turn"] + 1
-        return index, gw_s - direct_s, carry_s
+        return index, gw_s - direct_s, carry_s, cpu_s
 
     step = turns // slots
     live = [new_slot() for _ in range(slots)]
@@ -191,11 +195,13 @@ def paired_cost(
             turn(slot)
     diffs: dict[int, list[float]] = {b: [] for b in range(turns // 8)}
     carries: dict[int, list[float]] = {b: [] for b in range(turns // 8)}
+    cpus: dict[int, list[float]] = {b: [] for b in range(turns // 8)}
     for _ in range(cycles * turns):
         for k, slot in enumerate(live):
-            index, diff, carry = turn(slot)
+            index, diff, carry, cpu = turn(slot)
             diffs[index // 8].append(diff)
             carries[index // 8].append(carry)
+            cpus[index // 8].append(cpu)
             if slot["turn"] == turns:
                 if not record:
                     record = session_record(c, gw_url, slot["id"])
@@ -203,6 +209,7 @@ def paired_cost(
     return {
         "buckets": {b: statistics.median(d) for b, d in diffs.items()},
         "carry": {b: statistics.median(d) for b, d in carries.items()},
+        "cpu": {b: statistics.median(d) for b, d in cpus.items()},
         **record,
     }
 
@@ -210,6 +217,7 @@ def paired_cost(
 def paired_table(
     c: httpx.Client,
     gw_url: str,
+    gw_pid: int,
     engine_url: str,
     reply: list[int],
     system: str,
@@ -226,7 +234,7 @@ def paired_table(
     per_word = len(tok.encode(word * 100, add_special_tokens=False)) / 100
     for dialect in dialects:  # warm-up, unmeasured: the first turns of a fresh gateway cost more
         for kind in answers:
-            paired_cost(c, gw_url, engine_url, system, dialect, budgets[kind], "", 16, 2, 1)
+            paired_cost(c, gw_url, gw_pid, engine_url, system, dialect, budgets[kind], "", 16, 2, 1)
     rows = []
     for size in histories:
         # each turn adds about 30 tokens of template, question and answer beside its filler
@@ -236,6 +244,7 @@ def paired_table(
                 got = paired_cost(
                     c,
                     gw_url,
+                    gw_pid,
                     engine_url,
                     system,
                     dialect,
@@ -252,6 +261,8 @@ def paired_table(
                     + " ".join(f"{m * 1e3:.2f}" for m in b.values())
                     + f" ms -> last/first {b[len(b) - 1] / b[0]:.2f}x; the client's body alone "
                     + " ".join(f"{m * 1e3:.2f}" for m in carry.values())
+                    + " ms; gateway CPU "
+                    + " ".join(f"{m * 1e3:.2f}" for m in got["cpu"].values())
                     + f" ms; forks {got['forks']}, samples "
                     f"{got['samples']}, stored {got['stored']} tokens, prefill {got['prefill']:.0f} tokens/turn",
                     flush=True,
@@ -264,15 +275,17 @@ def paired_table(
     print(
         "| dialect | answers | history at the last turn (tokens) | turns 1-8 | "
         + f"turns {8 * n - 7}-{8 * n} | last/first | the client's body alone, first -> last | "
-        "last/first, less the body | forks | samples | stored tokens | prefill tokens/turn |"
+        "last/first, less the body | gateway CPU, first -> last | forks | samples | stored tokens | "
+        "prefill tokens/turn |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dialect, kind, got in rows:
-        b, carry = got["buckets"], got["carry"]
+        b, carry, cpu = got["buckets"], got["carry"], got["cpu"]
         less = (b[n - 1] - carry[n - 1]) / (b[0] - carry[0])
         print(
             f"| {dialect} | {kind} | {got['history']} | {b[0] * 1e3:.2f} | {b[n - 1] * 1e3:.2f} | "
             f"{b[n - 1] / b[0]:.2f}x | {carry[0] * 1e3:.2f} -> {carry[n - 1] * 1e3:.2f} | {less:.2f}x | "
+            f"{cpu[0] * 1e3:.2f} -> {cpu[n - 1] * 1e3:.2f} ({cpu[n - 1] / cpu[0]:.2f}x) | "
             f"{got['forks']} | {got['samples']} | {got['stored']} | {got['prefill']:.0f} |"
         )
 
@@ -626,6 +639,7 @@ def main() -> None:
             paired_table(
                 c,
                 gw.url,
+                gw.pid,
                 zero.url,
                 reply,
                 system,
