@@ -1,7 +1,7 @@
 """Gateway benchmark, one run, ratios: per-call overhead, per-turn CPU growth, turns/s under concurrency.
 
     .venv/bin/python -m bench.gateway [--calls 300] [--turns 64] [--sessions 24] [--parts overhead,growth,paired,load]
-    .venv/bin/python -m bench.gateway --parts paired [--paired-history 8000,32000,100000] [--paired-answers stop,cut]
+    .venv/bin/python -m bench.gateway --parts paired [--paired-history 8000,32000,100000] [--paired-answers stop,cut] [--paired-detail]
     .venv/bin/python -m bench.gateway --parts overhead --baseline-python ../main/.venv/bin/python
 
 Everything runs against a zero-work engine (palaestra/testing/zero.py), so only the layers in front of it
@@ -19,10 +19,10 @@ are measured:
   the two measured in alternating rounds (goal <= 1.2x: an append renders only what is new);
 * the gateway's own cost per turn along a session, paired: each turn's latency minus that of a
   direct /generate of the very body the gateway sent the engine for it (the zero engine keeps it),
-  sent right after it, in buckets of 8 turns, beside what carrying the turn's request body costs alone
-  (posted to the zero engine's `/sink`, which reads and drops it, less a 2-byte body: the client's
-  share of a turn that the direct call does not carry, 0.4-0.5 MB at a 100k-token history) and the
-  gateway's CPU for the turn (schedstat, every thread)
+  sent right after it, in buckets of 8 turns; with --paired-detail also what carrying the turn's
+  request body costs alone (posted to the zero engine's `/sink`, which reads and drops it, less a
+  2-byte body: the client's share of a turn that the direct call does not carry, 0.4-0.5 MB at a
+  100k-token history) and the gateway's CPU for the turn (schedstat, every thread)
   (goal: the last bucket <= 1.2x the first; CPU time alone misses what grows in wall time), per
   dialect, for answers that end on the end-of-turn token and answers cut at the length limit
   (the client sends either back as its SDK hands it over), at several history sizes (user turns
@@ -136,6 +136,7 @@ def paired_cost(
     turns: int,
     slots: int,
     cycles: int,
+    detail: bool = False,
 ) -> dict:
     """The gateway's own cost per turn along a session in `dialect`: each turn's latency minus that of a
     direct /generate of the very body the gateway sent the engine for it (the zero engine keeps it:
@@ -159,11 +160,11 @@ def paired_cost(
         text = f"Turn {slot['turn']}: please continue the task with more detail.{filler}"
         slot["history"].append({"role": "user", "content": text})
         body = orjson.dumps(paired_body(dialect, system, slot["history"], max_tokens))
-        cpu0 = cpu_seconds(gw_pid)
+        cpu0 = cpu_seconds(gw_pid) if detail else 0.0
         t0 = time.perf_counter()
         r = c.post(f"{slot['url']}{path}", content=body, headers=headers)
         gw_s = time.perf_counter() - t0
-        cpu_s = cpu_seconds(gw_pid) - cpu0
+        cpu_s = cpu_seconds(gw_pid) - cpu0 if detail else 0.0
         r.raise_for_status()
         n, items, _ = paired_reply(dialect, r.json())
         kept = c.get(f"{engine_url}/last_body", params={"key": slot["id"]})  # what the gateway sent
@@ -177,13 +178,14 @@ def paired_cost(
         d.raise_for_status()
         if d.json()["meta_info"]["prompt_tokens"] != n:
             raise SystemExit("the direct call did not carry the turn's number of input ids")
-        # the client's body carried alone: posted to a server that reads and drops it, less a small one
-        t0 = time.perf_counter()
-        c.post(f"{engine_url}/sink", content=body, headers=headers).raise_for_status()
-        whole_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        c.post(f"{engine_url}/sink", content=b"{}", headers=headers).raise_for_status()
-        carry_s = whole_s - (time.perf_counter() - t0)
+        carry_s = 0.0
+        if detail:  # the client's body carried alone: to a server that reads and drops it, less a small one
+            t0 = time.perf_counter()
+            c.post(f"{engine_url}/sink", content=body, headers=headers).raise_for_status()
+            whole_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            c.post(f"{engine_url}/sink", content=b"{}", headers=headers).raise_for_status()
+            carry_s = whole_s - (time.perf_counter() - t0)
         slot["history"] += items
         index, slot["turn"] = slot["turn"], slot["turn"] + 1
         return index, gw_s - direct_s, carry_s, cpu_s
@@ -253,17 +255,24 @@ def paired_table(
                     args.turns,
                     args.paired_sessions,
                     args.paired_cycles,
+                    args.paired_detail,
                 )
                 rows.append((dialect, kind, got))
                 b, carry = got["buckets"], got["carry"]
                 print(
                     f"  {dialect:9} {kind:4} history {got['history']:>6} tokens: "
                     + " ".join(f"{m * 1e3:.2f}" for m in b.values())
-                    + f" ms -> last/first {b[len(b) - 1] / b[0]:.2f}x; the client's body alone "
-                    + " ".join(f"{m * 1e3:.2f}" for m in carry.values())
-                    + " ms; gateway CPU "
-                    + " ".join(f"{m * 1e3:.2f}" for m in got["cpu"].values())
-                    + f" ms; forks {got['forks']}, samples "
+                    + f" ms -> last/first {b[len(b) - 1] / b[0]:.2f}x; "
+                    + (
+                        "the client's body alone "
+                        + " ".join(f"{m * 1e3:.2f}" for m in carry.values())
+                        + " ms; gateway CPU "
+                        + " ".join(f"{m * 1e3:.2f}" for m in got["cpu"].values())
+                        + " ms; "
+                        if args.paired_detail
+                        else ""
+                    )
+                    + f"forks {got['forks']}, samples "
                     f"{got['samples']}, stored {got['stored']} tokens, prefill {got['prefill']:.0f} tokens/turn",
                     flush=True,
                 )
@@ -272,20 +281,29 @@ def paired_table(
         f"\ngateway's own cost per turn, {args.turns}-turn sessions (turn minus a direct /generate of as many "
         "input ids, paired, medians, ms):"
     )
+    extra = (
+        " the client's body alone, first -> last | last/first, less the body | gateway CPU, first -> last |"
+        if args.paired_detail
+        else ""
+    )
     print(
         "| dialect | answers | history at the last turn (tokens) | turns 1-8 | "
-        + f"turns {8 * n - 7}-{8 * n} | last/first | the client's body alone, first -> last | "
-        "last/first, less the body | gateway CPU, first -> last | forks | samples | stored tokens | "
+        + f"turns {8 * n - 7}-{8 * n} | last/first |{extra} forks | samples | stored tokens | "
         "prefill tokens/turn |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.paired_detail else ""))
     for dialect, kind, got in rows:
         b, carry, cpu = got["buckets"], got["carry"], got["cpu"]
-        less = (b[n - 1] - carry[n - 1]) / (b[0] - carry[0])
+        cells = ""
+        if args.paired_detail:
+            less = (b[n - 1] - carry[n - 1]) / (b[0] - carry[0])
+            cells = (
+                f" {carry[0] * 1e3:.2f} -> {carry[n - 1] * 1e3:.2f} | {less:.2f}x | "
+                f"{cpu[0] * 1e3:.2f} -> {cpu[n - 1] * 1e3:.2f} ({cpu[n - 1] / cpu[0]:.2f}x) |"
+            )
         print(
             f"| {dialect} | {kind} | {got['history']} | {b[0] * 1e3:.2f} | {b[n - 1] * 1e3:.2f} | "
-            f"{b[n - 1] / b[0]:.2f}x | {carry[0] * 1e3:.2f} -> {carry[n - 1] * 1e3:.2f} | {less:.2f}x | "
-            f"{cpu[0] * 1e3:.2f} -> {cpu[n - 1] * 1e3:.2f} ({cpu[n - 1] / cpu[0]:.2f}x) | "
+            f"{b[n - 1] / b[0]:.2f}x |{cells} "
             f"{got['forks']} | {got['samples']} | {got['stored']} | {got['prefill']:.0f} |"
         )
 
@@ -404,6 +422,13 @@ def main() -> None:
     )
     ap.add_argument("--paired-sessions", type=int, default=4, help="sessions side by side in the paired test")
     ap.add_argument("--paired-cycles", type=int, default=1, help="turns of each bucket per session slot")
+    ap.add_argument(
+        "--paired-detail",
+        action="store_true",
+        help="also time each turn's request body carried alone and read the gateway's CPU per turn "
+        "(two more calls and /proc reads between turns: the gateway idles longer, which raises "
+        "every bucket's cost; off, the table is comparable with earlier runs)",
+    )
     ap.add_argument(
         "--paired-history",
         default="8000,32000,100000",
