@@ -201,6 +201,23 @@ def median(rows: Iterable[dict], value: Callable[[dict], float]) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+# -- a process's threads, from the kernel's scheduler statistics ----------------------------------
+def thread_stats(pid: int, native_ids: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
+    """Thread id -> (CPU nanoseconds, times the kernel ran it) for each thread of `pid` (or for those
+    of `native_ids`), from /proc/PID/task/TID/schedstat; a thread that just ended is left out."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        if native_ids is not None and tid not in native_ids:
+            continue
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out[tid] = (int(fields[0]), int(fields[2]))
+    return out
+
+
 # -- starting a server, one kind against another -----------------------------------------------
 START_COLUMNS = ("wall s", "cpu s", "rss MB")
 

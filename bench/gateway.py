@@ -56,13 +56,7 @@ ENV = {"PALAESTRA_API_KEY": "bench", "PALAESTRA_ADMIN_KEY": "bench-admin"}
 def cpu_seconds(pid: int) -> float:
     """CPU time of every thread of `pid`, from schedstat (nanoseconds; /proc/PID/stat counts 10 ms
     ticks, too coarse for a per-turn cost of about a millisecond)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-            continue
-    return total / 1e9
+    return sum(cpu for cpu, _ in common.thread_stats(pid).values()) / 1e9
 
 
 RUN = 10

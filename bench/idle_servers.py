@@ -50,43 +50,36 @@ kind(uvicorn.Config(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="war
 """
 
 
-def threads(pid: int, native_ids: list[int] | None = None) -> dict[int, tuple[int, int, str]]:
-    """thread id -> (CPU ns, times run, name) of `pid`'s threads (or of these threads of it)."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        if native_ids is not None and int(task.name) not in native_ids:
-            continue
-        try:
-            fields = (task / "schedstat").read_text().split()
-            name = (task / "comm").read_text().strip()
-        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-            continue
-        out[int(task.name)] = (int(fields[0]), int(fields[2]), name)
-    return out
-
-
-def watch(pids: dict[str, int], seconds: float) -> dict[str, dict]:
-    """Per label: CPU ms/s, wake-ups/s and the busiest threads over `seconds` (after one to settle)."""
+def watch(targets: dict[str, tuple[int, list[int] | None]], seconds: float) -> dict[str, dict]:
+    """Per label (a pid, and its threads to count or None for all): CPU ms/s, wake-ups/s and the
+    busiest threads over `seconds`, after one to settle."""
     time.sleep(1.0)
-    before = {label: threads(pid) for label, pid in pids.items()}
+    before = {label: common.thread_stats(pid, ids) for label, (pid, ids) in targets.items()}
     t0 = time.monotonic()
     time.sleep(seconds)
-    after = {label: threads(pid) for label, pid in pids.items()}
+    after = {label: common.thread_stats(pid, ids) for label, (pid, ids) in targets.items()}
     span = time.monotonic() - t0
     out = {}
-    for label in pids:
-        rows = []
-        for tid, (cpu, runs, name) in after[label].items():
-            if tid in before[label]:
-                cpu0, runs0, _ = before[label][tid]
-                rows.append(((cpu - cpu0) / 1e6 / span, (runs - runs0) / span, name, tid))
+    for label, (pid, _) in targets.items():
+        rows = [
+            ((cpu - before[label][tid][0]) / 1e6 / span, (runs - before[label][tid][1]) / span, tid)
+            for tid, (cpu, runs) in after[label].items()
+            if tid in before[label]
+        ]
         rows.sort(reverse=True)
         out[label] = {
             "cpu": sum(r[0] for r in rows),
             "wakeups": sum(r[1] for r in rows),
-            "top": [r for r in rows if r[1] > 0][:4],
+            "top": [(cpu, w, _name(pid, tid), tid) for cpu, w, tid in rows if w > 0][:4],
         }
     return out
+
+
+def _name(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return "?"
 
 
 def line(label: str, figures: dict) -> str:
@@ -103,7 +96,7 @@ def servers_idle(seconds: float) -> None:
         gateway_process("tiny", engine.url, spool, env=ENV) as gw,
     ):
         assert engine.pid is not None and gw.pid is not None
-        figures = watch({"engine": engine.pid, "gateway": gw.pid}, seconds)
+        figures = watch({"engine": (engine.pid, None), "gateway": (gw.pid, None)}, seconds)
     for label, f in figures.items():
         print(line(f"idle {label} (`palaestra {label} serve`, tiny)", f))
 
@@ -116,7 +109,7 @@ def uvicorn_vs_quiet(seconds: float) -> None:
             proc = subprocess.Popen([sys.executable, "-c", APP, str(port), kind])
             procs.append(proc)
             wait_http_ok(f"http://127.0.0.1:{port}/health", 60)
-            pids[kind] = proc.pid
+            pids[kind] = (proc.pid, None)
         figures = watch(pids, seconds)
     finally:
         for proc in procs:
@@ -146,19 +139,10 @@ def waiting_threads(seconds: float) -> None:
     started = [threading.Thread(target=fn, daemon=True) for fn in (polling, waiting)]
     for t in started:
         t.start()
-    time.sleep(0.2)
-    ids = [t.native_id for t in started]
-    time.sleep(1.0)
-    before = threads(os.getpid(), ids)
-    t0 = time.monotonic()
-    time.sleep(seconds)
-    after = threads(os.getpid(), ids)
-    span = time.monotonic() - t0
+    figures = watch({t.name: (os.getpid(), [t.native_id]) for t in started}, seconds)
     stop.set()
     write.set()
-    (p_cpu, p_runs), (w_cpu, w_runs) = (
-        ((after[i][0] - before[i][0]) / 1e6 / span, (after[i][1] - before[i][1]) / span) for i in ids
-    )
+    (p_cpu, p_runs), (w_cpu, w_runs) = ((figures[t.name]["cpu"], figures[t.name]["wakeups"]) for t in started)
     print(
         f"the journal's fsync thread, idle: polling every 50 ms (as before) {p_cpu:.2f} ms CPU a second, "
         f"{p_runs:.1f} wake-ups a second; waiting for a write (now) {w_cpu:.3f} ms, {w_runs:.1f} wake-ups"

@@ -167,10 +167,11 @@ _TAILS_KEPT = 64
 
 def _echo_tail(rest: dict[str, Any]) -> str:
     """`json.dumps(rest, ensure_ascii=False)[1:-1]`, kept by the fields' orjson text (in C: 4 us
-    against 76 us for Codex's 18 KB of instructions and tools): a harness echoes the same instructions and tools on every call of every session. The
-    same orjson text is the same values in the same order, so the same `json.dumps` text: the body
-    was parsed by orjson (no NaN or infinity, which orjson would write as null; no subclasses) and
-    orjson writes each float in its shortest round-trip form. The oldest of `_TAILS_KEPT` goes."""
+    against 76 us for Codex's 18 KB of instructions and tools): a harness echoes the same
+    instructions and tools on every call of every session. The same orjson text is the same values
+    in the same order, so the same `json.dumps` text: the body was parsed by orjson (no NaN or
+    infinity, which orjson would write as null; no subclasses) and orjson writes each float in its
+    shortest round-trip form. The oldest of `_TAILS_KEPT` goes."""
     try:
         key = orjson.dumps(rest)
     except (TypeError, orjson.JSONEncodeError):  # not from a JSON body (an int past 64 bits)

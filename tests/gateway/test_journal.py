@@ -23,6 +23,7 @@ from palaestra.gateway.sessions.replay import restore
 from palaestra.gateway.sessions.session import Session
 from palaestra.gateway.sessions.spool import SampleSpool
 from palaestra.gateway.sessions.trajectory import Turn, linearize
+from tests.support.schedstat import thread_runs
 from tests.support.servers import ScriptedEngine, ThreadServer, gateway_server
 
 KEY = {"Authorization": "Bearer k-test"}
@@ -227,8 +228,8 @@ def test_batch_fsync_thread_sleeps_while_nothing_is_written(tmp_path):
             time.sleep(0.01)
         assert journal.fsyncs == n
 
-    def wakeups() -> int:  # times the kernel ran the thread (schedstat's third field)
-        return int(Path(f"/proc/self/task/{journal._flusher.native_id}/schedstat").read_text().split()[2])
+    def wakeups() -> int:
+        return thread_runs(journal._flusher.native_id)
 
     base = journal.fsyncs
     journal.opened(Session("a", "e", "t", "g", {}))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from palaestra import lifeline
+from tests.support.schedstat import thread_runs
 
 # The server: imports palaestra (as every engine, router and gateway does) and answers /health.
 CHILD = textwrap.dedent(
@@ -105,10 +106,9 @@ def test_the_watch_sleeps_on_a_pidfd_until_the_process_exits():
             target=lifeline._sleep_until_it_exits, args=(watched.pid, lifeline._not_running)
         )
         thread.start()
-        stat = Path(f"/proc/self/task/{thread.native_id}/schedstat")
 
-        def runs() -> int:  # times the kernel ran the thread
-            return int(stat.read_text().split()[2])
+        def runs() -> int:
+            return thread_runs(thread.native_id)
 
         deadline, last = time.monotonic() + 60, -1
         while runs() != last and time.monotonic() < deadline:  # until it has gone to sleep

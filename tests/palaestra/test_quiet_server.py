@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from fastapi import FastAPI
 
 from palaestra import quiet_server
 from palaestra.net import free_port
+from tests.support.schedstat import thread_runs
 
 
 def _app() -> FastAPI:
@@ -65,11 +65,10 @@ def test_an_idle_server_wakes_about_once_a_second():
     own server runs it at least 15 times (a 0.1 s tick); this one 1-2 ticks plus the start's tail."""
     server = _server(free_port())
     thread = _started(server)
-    stat = Path(f"/proc/self/task/{thread.native_id}/schedstat")
     time.sleep(0.5)  # the start's last steps
-    before = int(stat.read_text().split()[2])
+    before = thread_runs(thread.native_id)
     time.sleep(1.5)
-    woken = int(stat.read_text().split()[2]) - before
+    woken = thread_runs(thread.native_id) - before
     server.should_exit = True
     thread.join(timeout=60)
     assert woken <= 6, woken
