@@ -140,32 +140,37 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    work = Path(tempfile.mkdtemp(prefix="bench-harness-"))
-    data = work / "swe.jsonl"
-    asyncio.run(generate(data, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4))
-    with engine_process(args.model, extra_args=["--num-threads", "1"]) as engine:
-        script = PrefillingScript(
-            tok, args.harness, engine.url, args.turns, args.output_chars, args.reasoning_chars
+    with tempfile.TemporaryDirectory(prefix="bench-harness-") as tmp:
+        work = Path(tmp)
+        data = work / "swe.jsonl"
+        asyncio.run(
+            generate(data, SubprocessBackendForTests(), per_kind=1, repos=["textkit"], tries_per_kind=4)
         )
-        fake = ScriptedEngine(script, stop_ids={script.end})
-        with (
-            ThreadServer(fake.app()) as front,
-            gateway_process(args.model, front.url, str(work / "spool"), env=ENV) as gw,
-        ):
-            script.gateway_pid = gw.pid
-            env = HarnessEnv(
-                harness=args.harness,
-                data=str(data),
-                backend=LocalBackend(),
-                max_turns=args.turns + 20,
-                time_limit_s=3000,
+        with engine_process(args.model, extra_args=["--num-threads", "1"]) as engine:
+            script = PrefillingScript(
+                tok, args.harness, engine.url, args.turns, args.output_chars, args.reasoning_chars
             )
-            started = time.perf_counter()
-            result = rollouts(gw.url, KEY, env, [env.tasks(0)[0]]).results[0]
-            wall = time.perf_counter() - started
-            with httpx.Client(timeout=60, trust_env=False, headers={"Authorization": f"Bearer {KEY}"}) as c:
-                metrics = c.get(f"{gw.url}/metrics").text
-                traj = c.get(f"{gw.url}/sessions/{result.session_id}").json()
+            fake = ScriptedEngine(script, stop_ids={script.end})
+            with (
+                ThreadServer(fake.app()) as front,
+                gateway_process(args.model, front.url, str(work / "spool"), env=ENV) as gw,
+            ):
+                script.gateway_pid = gw.pid
+                env = HarnessEnv(
+                    harness=args.harness,
+                    data=str(data),
+                    backend=LocalBackend(),
+                    max_turns=args.turns + 20,
+                    time_limit_s=3000,
+                )
+                started = time.perf_counter()
+                result = rollouts(gw.url, KEY, env, [env.tasks(0)[0]]).results[0]
+                wall = time.perf_counter() - started
+                with httpx.Client(
+                    timeout=60, trust_env=False, headers={"Authorization": f"Bearer {KEY}"}
+                ) as c:
+                    metrics = c.get(f"{gw.url}/metrics").text
+                    traj = c.get(f"{gw.url}/sessions/{result.session_id}").json()
     rows = script.rows
     # a turn's gateway CPU: from the start of its engine call to the start of the next one
     per_turn = [(rows[i], rows[i + 1]["cpu"] - rows[i]["cpu"]) for i in range(len(rows) - 1)]

@@ -86,9 +86,11 @@ class SnapshotStore:
                     f"snapshot host budget {host_budget_bytes} bytes holds {self._max_slots} copies of the "
                     f"weights ({self.nbytes} bytes each); it needs at least 2 (the outgoing and the incoming tag)"
                 )
-        self._tmp = tempfile.TemporaryDirectory(prefix="snapshots-") if spill_dir is None else None
-        self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        # without a spill_dir a private temporary one is made at the first spill, not here: a store
+        # that never spills (no host budget, or one that holds every tag) leaves nothing behind
+        # when its process is killed before close()
+        self._spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._slots: list[dict[torch.dtype, torch.Tensor]] = []
         self._free: list[int] = []
         self._busy: set[int] = set()  # slots a prefetch is filling (owned by no entry yet)
@@ -108,6 +110,15 @@ class SnapshotStore:
         )
         self._stats = dict.fromkeys(_COUNTERS, 0.0)
         self._fingerprint = self.fingerprint()
+
+    @property
+    def spill_dir(self) -> Path:
+        """Where spilled tags are written: the given directory, or a temporary one made on first use."""
+        if self._spill_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="snapshots-")
+            self._spill_dir = Path(self._tmp.name)
+        self._spill_dir.mkdir(parents=True, exist_ok=True)
+        return self._spill_dir
 
     # -- introspection -----------------------------------------------------------------------
     @property
@@ -436,7 +447,8 @@ class SnapshotStore:
                 e = self._entries.pop(tag, None)
                 if e is not None and e.slot is not None:
                     self._free.append(e.slot)
-                spill_path(self.spill_dir, tag).unlink(missing_ok=True)
+                if self._spill_dir is not None:
+                    spill_path(self._spill_dir, tag).unlink(missing_ok=True)
 
     def tensors(self, tag: str) -> dict[str, torch.Tensor]:
         """A copy of the stored tensors of `tag` by parameter name (read back from disk if needed)."""

@@ -230,3 +230,23 @@ def test_a_switch_waits_for_a_prefetch_holding_the_last_free_slot(tmp_path, monk
     store.switch("teacher/a")
     assert _same(m, w["teacher/a"])
     store.close()
+
+
+def test_without_a_spill_dir_a_temporary_one_is_made_at_the_first_spill(tmp_path, monkeypatch):
+    # a trainer killed before close() leaves its spill directory behind: one it never needed is
+    # never made (every store without a budget, or whose budget holds every tag)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    m = _model()
+    probe = SnapshotStore(m)
+    probe.load("teacher/0", _weights(m, 0))
+    store = SnapshotStore(m, host_budget_bytes=2 * probe.nbytes, prefetch=False)
+    store.load("teacher/0", _weights(m, 0))
+    store.load("teacher/1", _weights(m, 1))
+    assert list(tmp_path.iterdir()) == []
+    store.load("teacher/2", _weights(m, 2))  # two slots, three teachers: one goes to disk
+    (made,) = tmp_path.iterdir()
+    assert made.name.startswith("snapshots-") and any(made.iterdir())
+    store.drop(["teacher/0", "teacher/1", "teacher/2"])
+    store.close()
+    probe.close()
+    assert list(tmp_path.iterdir()) == []
