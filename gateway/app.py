@@ -104,6 +104,20 @@ def build_service(
     return svc
 
 
+class GatewayApp(FastAPI):
+    """The FastAPI app, served through `front` (set by `create_app`): the body limit, then the turn
+    routes (`HotRoutes`), then FastAPI's own stack (`stack`) for everything else."""
+
+    front: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await (self.front or self.stack)(scope, receive, send)
+
+    async def stack(self, scope: Any, receive: Any, send: Any) -> None:
+        """FastAPI's middleware stack, routing and dependencies."""
+        await super().__call__(scope, receive, send)
+
+
 def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     """Builds the app. `tokenizer` defaults to the model's (preset name or HF directory)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -155,17 +169,19 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     # FastAPI's own OpenTelemetry instrumentation off: nothing here configures a provider, so it only
     # looked the three providers up again on every request to find that out (the gateway's
     # metrics are its Prometheus ones, `metrics.py`)
-    app = FastAPI(
+    app = GatewayApp(
         title="palaestra gateway",
         lifespan=lifespan,
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.service = svc
-    # the turn routes served without FastAPI's routing and dependency layers, inside the body limit
-    app.add_middleware(HotRoutes)
-    # outermost: an oversized body is refused before routing, auth or parsing see it
-    app.add_middleware(
-        BodyLimit, max_bytes=config.max_body_bytes, rejected=svc.metrics.rejected, error_body=error_body
+    # outermost: an oversized body is refused before routing, auth or parsing see it; then the turn
+    # routes, served ahead of FastAPI's middleware, routing and dependency layers (hot_routes.py)
+    app.front = BodyLimit(
+        HotRoutes(app, app.stack),
+        max_bytes=config.max_body_bytes,
+        rejected=svc.metrics.rejected,
+        error_body=error_body,
     )
     for router in (public, openai, anthropic, bound, sessions, admin):
         app.include_router(router)

@@ -99,6 +99,9 @@ class EngineTurns:
         gens = await self._whole(session, call_id, ids, sampling, top_logprobs, routed_from)
         out = []
         for gen in gens:
+            if not (gen.finish_reason.interrupted and (self.gate.paused or self.gate.pauses != pauses)):
+                out.append(gen)  # what `_choice` answers for a choice not to be continued, without it
+                continue
             call = self._whole_call(session, call_id, top_logprobs)
             pieces = self._choice(session, call_id, ids, sampling, routed_from, pauses, call, gen)
             async with contextlib.aclosing(pieces):

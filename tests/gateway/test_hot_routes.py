@@ -13,6 +13,7 @@ import pytest
 from starlette.routing import Router
 
 from palaestra.gateway.hot_routes import HotRoutes
+from palaestra.gateway.service import GatewayService
 from palaestra.testing.zero import make_app
 from tests.support.servers import ADMIN_KEY, ENV_KEY, ThreadServer, gateway_server
 
@@ -86,10 +87,50 @@ def test_the_hot_routes_answer_as_fastapis_routes(engine, tok, tmp_path, monkeyp
     answers = {}
     for hot in (True, False):
         with gateway_server(engine.url, tmp_path / str(hot), tok) as gw:
-            if not hot:  # the app as it was: FastAPI routes every call
-                gw.app.user_middleware = [m for m in gw.app.user_middleware if m.cls is not HotRoutes]
-                gw.app.middleware_stack = gw.app.build_middleware_stack()
+            if not hot:  # the app as it was: FastAPI routes every call (inside the body limit)
+                assert isinstance(gw.app.front.app, HotRoutes)
+                gw.app.front.app = gw.app.stack
             answers[hot] = exchange(gw.url, routed, hot)
     assert answers[True] == answers[False]
     statuses = [status for status, _ in answers[True]]
     assert statuses.count(200) == 6 and {400, 401, 403, 404, 405} <= set(statuses), statuses
+
+
+def test_an_unexpected_error_is_a_500_in_the_dialects_envelope_and_the_gateway_serves_on(
+    engine, tok, tmp_path, monkeypatch
+):
+    # what FastAPI's last handler answered (app.create_app's `unexpected`), the hot routes answer too
+    calls = {"n": 0}
+
+    async def broken(self, session_id, body, dialect, headers=None):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("boom")
+        return await chat(self, session_id, body, dialect, headers)
+
+    chat = GatewayService.chat
+    monkeypatch.setattr(GatewayService, "chat", broken)
+    answers = {}
+    for hot in (True, False):
+        with gateway_server(engine.url, tmp_path / str(hot), tok) as gw:
+            if not hot:
+                gw.app.front.app = gw.app.stack
+            out = []
+            sid = httpx.post(f"{gw.url}/sessions", json={"env": "e"}, headers=KEY).json()["session_id"]
+            # FastAPI's stack raises the error on to uvicorn, which closes the connection after the
+            # 500: each call on its own connection there; the hot routes keep it open
+            with httpx.Client(base_url=gw.url, timeout=60) as kept:
+                for path, body in ROUTES:
+                    for _ in range(2):  # the first raises, the second answers
+                        if hot:
+                            r = kept.post(f"/s/{sid}/v1/{path}", json=body, headers=KEY)
+                        else:
+                            r = httpx.post(f"{gw.url}/s/{sid}/v1/{path}", json=body, headers=KEY, timeout=60)
+                        out.append((r.status_code, without_ids(r.json())))
+                if hot:  # one connection served all six
+                    assert len(kept._transport._pool.connections) == 1  # httpcore's pool
+            answers[hot] = out
+    assert answers[True] == answers[False]
+    assert [status for status, _ in answers[True]] == [500, 200] * 3
+    assert answers[True][0][1]["error"]["message"] == "internal gateway error: RuntimeError: boom"
+    assert answers[True][4][1]["type"] == "error"  # Anthropic's envelope on /messages
