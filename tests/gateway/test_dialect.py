@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -327,7 +328,11 @@ def test_a_second_dialect_runs_on_the_same_core(tok, tmp_path):
     def script(input_ids: list[int], index: int) -> list[int]:
         return tok.encode(replies[index], add_special_tokens=False) + [end]
 
-    engine = ScriptedEngine(script, stop_ids={end})
+    # the engine holds its stream after the first token until the toy stream has sent an event: text
+    # goes out before the end however the chunks would have arrived (in one read, all would be in
+    # the end event's `rest`)
+    first_sent = threading.Event()
+    engine = ScriptedEngine(script, stop_ids={end}, hold_stream=first_sent)
 
     async def run(url: str) -> tuple[dict[str, Any], list[str], Session]:
         config = GatewayConfig(model="tiny", engine_url=url, spool_dir=str(tmp_path / "spool"))
@@ -337,7 +342,10 @@ def test_a_second_dialect_runs_on_the_same_core(tok, tmp_path):
         first = await svc.chat(session.session_id, {"turns": [["user", "hi"]]}, TOY)
         turns = [["user", "hi"], ["assistant", first["said"]], ["user", "how are you?"]]
         stream = await svc.chat(session.session_id, {"turns": turns, "stream": True}, TOY)
-        events = [e async for e in stream]
+        events = []
+        async for e in stream:
+            events.append(e)
+            first_sent.set()
         await client.close()
         return first, events, session
 

@@ -188,6 +188,9 @@ class ScriptedEngine:
     fail_next: int = 0  # answer this many calls with 503 (nothing generated)
     delay_s: float = 0.0
     incremental: bool = False  # stream deltas (SGLang's --incremental-streaming-output)
+    # streams the first chunk, then waits until this is set (60 s at most) before the rest: the
+    # first chunk is then read on its own, whatever the machine's timing
+    hold_stream: threading.Event | None = None
 
     def _answer(self, body: dict[str, Any], index: int) -> dict[str, Any]:
         ids = self.script(list(body["input_ids"]), index)
@@ -242,6 +245,8 @@ class ScriptedEngine:
                         "finish_reason": answer["meta_info"]["finish_reason"] if k == len(ids) else None,
                     }
                     yield f"data: {json.dumps({'text': '', 'output_ids': ids[start:k], 'meta_info': meta})}\n\n"
+                    if k == 1 and self.hold_stream is not None:
+                        self.hold_stream.wait(60)  # (a sync iterator: Starlette runs it in a thread)
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
