@@ -114,7 +114,7 @@ def test_the_gateway_bench_refuses_a_negative_run_skip_and_knows_the_idle_part(m
 
 def test_this_waves_benches_refuse_bad_options_in_one_line(monkeypatch, capsys):
     """bench.harness_episode's --reasoning-chars, bench.session_heap's, bench.template_render's and
-    bench.gateway_start's, bench.engine_start's and bench.idle_servers' counts: a usage error naming the option, before anything is built or started."""
+    bench.gateway_start's, bench.engine_start's, bench.idle_servers' and bench.body_receive's counts: a usage error naming the option, before anything is built or started."""
     import importlib
     import sys
 
@@ -128,6 +128,10 @@ def test_this_waves_benches_refuse_bad_options_in_one_line(monkeypatch, capsys):
         ("gateway_start", ["--rounds", "0"], "--rounds must be 1 or more; got 0"),
         ("engine_start", ["--rounds", "0"], "--rounds must be 1 or more; got 0"),
         ("idle_servers", ["--seconds", "0"], "--seconds must be more than 0; got 0.0"),
+        ("body_receive", ["--kb", "500,x"], "--kb takes sizes of 1 or more, comma-separated; got '500,x'"),
+        ("body_receive", ["--kb", "0"], "--kb takes sizes of 1 or more"),
+        ("body_receive", ["--read-kb", "0"], "--read-kb must be 1 or more; got 0"),
+        ("body_receive", ["--rounds", "-1"], "--rounds must be 1 or more; got -1"),
     ):
         bench = importlib.import_module(f"bench.{module}")
         monkeypatch.setattr(sys, "argv", [f"bench.{module}", *argv])

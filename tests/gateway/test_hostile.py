@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from palaestra.gateway.guards import MAX_ARGUMENTS_DEPTH, MAX_JSON_DEPTH
+from palaestra.gateway.http_writes import HeadJoiningProtocol
 from palaestra.gateway.streaming import MAX_STOP_CHARS
 from tests.support.servers import RecordingProxy, ThreadServer, gateway_server
 
@@ -38,8 +38,8 @@ CALM = 4
 STOPS = ["e", "a", "o", "i", " "]  # random weights rarely stop: common letters end turns, so turns bridge
 
 
-class _SmallWriteBuffer(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-    """uvicorn's HTTP protocol whose transport holds at most `SNDBUF` bytes unsent before a send
+class _SmallWriteBuffer(HeadJoiningProtocol):
+    """The gateway's HTTP protocol whose transport holds at most `SNDBUF` bytes unsent before a send
     waits (asyncio's default is 64 KiB)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -55,7 +55,7 @@ class SmallBufferServer(ThreadServer):
     the stuck stream below), so an answer whose events came in bunches (a loaded machine: fewer,
     larger events) could end inside the buffers and never be cut."""
 
-    def __init__(self, app):
+    def __init__(self, app, http=None):
         super().__init__(app)
         self.server.config.http = _SmallWriteBuffer
         sock = socket.socket()

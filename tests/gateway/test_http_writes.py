@@ -235,3 +235,109 @@ def test_fastapis_own_telemetry_is_not_looked_up_per_request(monkeypatch, tok, t
     assert asyncio.run(call()) == 200
     assert asked == []
     app.state.service.close()
+
+
+def _body_app(received: list[list[bytes]]):
+    """An ASGI app that reads its request's body message by message and answers its length."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        pieces: list[bytes] = []
+        while True:
+            message = await receive()
+            pieces.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        received.append(pieces)
+        body = str(len(b"".join(pieces))).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def _feed(protocol_class, reads: list[bytes]) -> tuple[list[list[bytes]], _Recorder, list[str]]:
+    """The body messages an app received from `protocol_class` fed `reads` one socket read at a
+    time (the app's task runs between them), what the protocol wrote, and its reading pauses."""
+    received: list[list[bytes]] = []
+    flow_calls: list[str] = []
+
+    async def run() -> _Recorder:
+        config = Config(_body_app(received), log_level="critical", lifespan="off")
+        state = ServerState()
+        proto = protocol_class(
+            config=config, server_state=state, app_state={}, _loop=asyncio.get_running_loop()
+        )
+        transport = _Recorder()
+        transport.pause_reading = lambda: flow_calls.append("pause")  # type: ignore[method-assign]
+        transport.resume_reading = lambda: flow_calls.append("resume")  # type: ignore[method-assign]
+        proto.connection_made(transport)
+        for read in reads:
+            proto.data_received(read)
+            for _ in range(5):
+                await asyncio.sleep(0)
+        for _ in range(200):
+            await asyncio.sleep(0)
+            if not state.tasks:
+                break
+        if proto.timeout_keep_alive_task is not None:
+            proto.timeout_keep_alive_task.cancel()
+        return transport
+
+    transport = asyncio.run(run())
+    return received, transport, flow_calls
+
+
+def _reads(body: bytes, read: int, chunked: bool) -> list[bytes]:
+    """A POST of `body` split into socket reads of `read` bytes (its head in the first)."""
+    if chunked:  # chunks of 1000 bytes, whatever the reads
+        framed = b"".join(
+            b"%x\r\n%s\r\n" % (len(body[i : i + 1000]), body[i : i + 1000]) for i in range(0, len(body), 1000)
+        )
+        wire = b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + framed + b"0\r\n\r\n"
+    else:
+        wire = b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    return [wire[i : i + read] for i in range(0, len(wire), read)]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_of_several_reads_reaches_the_app_in_one_piece(chunked):
+    body = os.urandom(300_000)
+    reads = _reads(body, 70_000, chunked)
+    stock, stock_wrote, _ = _feed(HttpToolsProtocol, reads)
+    gathered, wrote, pauses = _feed(HeadJoiningProtocol, reads)
+    assert len(stock[0]) > 2, "uvicorn's protocol handed the body over whole: the case is wrong"
+    assert b"".join(stock[0]) == b"".join(gathered[0]) == body
+    assert gathered[0] == [body, b""] or gathered[0] == [body]
+    assert b"".join(wrote.writes) == b"".join(stock_wrote.writes)  # the same answer
+    assert "pause" not in pauses
+
+
+def test_a_body_past_the_gather_limit_is_handed_over_in_pieces_and_reading_pauses(monkeypatch):
+    monkeypatch.setattr("palaestra.gateway.http_writes.BODY_GATHER", 100_000)
+    body = os.urandom(350_000)
+    gathered, _, pauses = _feed(HeadJoiningProtocol, _reads(body, 30_000, False))
+    pieces = [p for p in gathered[0] if p]
+    assert b"".join(pieces) == body
+    assert len(pieces) >= 3 and all(
+        len(p) > 100_000 for p in pieces[:-1]
+    )  # never more held than one read past it
+    assert all(len(p) <= 100_000 + 30_000 for p in pieces)
+    assert pauses.count("pause") >= 3
+
+
+def test_pipelined_requests_keep_their_own_bodies():
+    first, second = os.urandom(5000), os.urandom(7000)
+    wire = b"".join(
+        b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(b) + b for b in (first, second)
+    )
+    gathered, wrote, _ = _feed(HeadJoiningProtocol, [wire[i : i + 3000] for i in range(0, len(wire), 3000)])
+    assert [b"".join(p) for p in gathered] == [first, second]
+    assert wrote.writes[-1].endswith(b"7000")

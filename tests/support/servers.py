@@ -46,15 +46,18 @@ def gateway_server(
     """The gateway app (`gateway_config`) served in a thread; use as a context manager. `.app` is the
     app (its `app.state.service` is the turn core). `tokenizer` saves loading the preset's again."""
     from palaestra.gateway.app import create_app
+    from palaestra.gateway.http_writes import HeadJoiningProtocol
 
     app = create_app(gateway_config(engine_url, spool_dir, **options), tokenizer=tokenizer)
-    return (server or ThreadServer)(app)
+    # the server protocol `palaestra gateway serve` runs (gateway/http_writes.py)
+    return (server or ThreadServer)(app, http=HeadJoiningProtocol)
 
 
 class ThreadServer:
-    """Runs an ASGI app with uvicorn on a free 127.0.0.1 port in a daemon thread."""
+    """Runs an ASGI app with uvicorn on a free 127.0.0.1 port in a daemon thread (`http`: uvicorn's
+    protocol option)."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, http: Any = "auto"):
         self.app = app
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -69,6 +72,7 @@ class ThreadServer:
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=1,
+                http=http,
             )
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
