@@ -64,11 +64,18 @@ def _token_session(token: str) -> str | None:
 
 
 def presented_key(request: Request) -> str | None:
-    """The credential a request carries: a bearer token, else ``x-api-key``."""
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return request.headers.get("x-api-key")
+    """The credential a request carries: a bearer token, else ``x-api-key`` (each header's first
+    value). Read from the raw header list in one pass, as every call does: ASGI names are lower-case."""
+    auth = api_key = None
+    for name, value in request.scope["headers"]:
+        if name == b"authorization":
+            if auth is None:
+                auth = value
+        elif name == b"x-api-key" and api_key is None:
+            api_key = value
+    if auth is not None and auth[:7].lower() == b"bearer ":
+        return auth[7:].decode("latin-1").strip()
+    return api_key.decode("latin-1") if api_key is not None else None
 
 
 def _same(got: str, expected: str | None) -> bool:

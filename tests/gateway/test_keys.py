@@ -288,3 +288,30 @@ def test_the_sdk_gives_an_agent_its_session_token_never_the_environment_key(gate
         assert seen["reward"] == 403 and seen["samples"] == 403 and seen["reply"] == "ok"
     # the rewards that count are the environment's (1.0), not the 9.0 the agent tried to post
     assert {r.reward for r in summary.results} == {1.0}
+
+
+@pytest.mark.parametrize(
+    ("headers", "key"),
+    [
+        ([(b"authorization", b"Bearer k1")], "k1"),
+        ([(b"authorization", b"bEaReR   k1  ")], "k1"),
+        ([(b"x-api-key", b"k2")], "k2"),
+        ([(b"x-api-key", b"k2"), (b"authorization", b"Bearer k1")], "k1"),  # a bearer token first
+        ([(b"authorization", b"Basic abc"), (b"x-api-key", b"k2")], "k2"),
+        ([(b"authorization", b"Basic abc")], None),
+        ([(b"authorization", b"Bearer k1"), (b"authorization", b"Bearer k3")], "k1"),  # the first value
+        ([(b"x-api-key", b"k2"), (b"x-api-key", b"k4")], "k2"),
+        ([(b"authorization", "Bearer clé".encode("latin-1"))], "clé"),  # latin-1, as Starlette reads it
+        ([(b"content-type", b"application/json")], None),
+    ],
+)
+def test_the_presented_key_is_read_from_the_raw_headers_as_starlettes_headers_read_it(headers, key):
+    from starlette.requests import Request
+
+    from palaestra.gateway.auth import presented_key
+
+    request = Request({"type": "http", "headers": headers})
+    assert presented_key(request) == key
+    # what the earlier reading through `request.headers` gave
+    auth = request.headers.get("authorization", "")
+    assert key == (auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key"))
