@@ -26,6 +26,7 @@ from uvicorn.server import ServerState
 
 from bench import common
 from palaestra.gateway.http_writes import HeadJoiningProtocol
+from palaestra.testing.transport import StandInTransport
 
 
 class _ReadByRead(HeadJoiningProtocol):
@@ -33,34 +34,6 @@ class _ReadByRead(HeadJoiningProtocol):
 
     on_body = HttpToolsProtocol.on_body
     on_message_complete = HttpToolsProtocol.on_message_complete
-
-
-class _Sink:
-    """A transport that keeps nothing (a stand-in for the socket: no syscalls on either way)."""
-
-    def write(self, data) -> None:
-        pass
-
-    def writelines(self, chunks) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def get_extra_info(self, name, default=None):
-        return {"peername": ("127.0.0.1", 1234), "sockname": ("127.0.0.1", 8000)}.get(name, default)
 
 
 async def _app(scope, receive, send) -> None:
@@ -97,7 +70,7 @@ async def _requests(protocol_class, reads: list[bytes], n: int, app) -> float:
     config = Config(app, log_level="critical", lifespan="off")
     state = ServerState()
     proto = protocol_class(config=config, server_state=state, app_state={}, _loop=asyncio.get_running_loop())
-    proto.connection_made(_Sink())
+    proto.connection_made(StandInTransport())
     started = time.perf_counter()
     for _ in range(n):
         for read in reads:

@@ -14,9 +14,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from palaestra.gateway.http_writes import HeadJoiningProtocol, _HeadJoiner
+from palaestra.testing.transport import StandInTransport
 
 
-class _Recorder:
+class _Recorder(StandInTransport):
     """A transport that records what is written to it (and what else is done to it)."""
 
     def __init__(self) -> None:
@@ -28,10 +29,6 @@ class _Recorder:
         self.writes.append(bytes(data))
         self.events.append("write")
 
-    def writelines(self, chunks) -> None:
-        for chunk in chunks:
-            self.write(chunk)
-
     def close(self) -> None:
         self.closing = True
         self.events.append("close")
@@ -42,15 +39,6 @@ class _Recorder:
 
     def is_closing(self) -> bool:
         return self.closing
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def get_extra_info(self, name, default=None):
-        return {"peername": ("127.0.0.1", 1234), "sockname": ("127.0.0.1", 8000)}.get(name, default)
 
 
 def _app() -> FastAPI:
