@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from palaestra.gateway import routes
@@ -67,6 +68,8 @@ class HotRoutes:
             response = await endpoint(session_id, request)
         except GatewayError as exc:  # as the app's handler answers it (app.create_app)
             response = JSONResponse(dialect.error_body(exc), status_code=exc.status, headers=exc.headers)
+        except ClientDisconnect:  # the client left before its body came: no one to answer, no error
+            return
         except Exception as exc:  # as the app's last handler answers it (logged, not raised on to
             # uvicorn, which would close the connection: the agent's next call may use it)
             log.exception("unexpected gateway error")

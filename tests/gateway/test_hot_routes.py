@@ -5,6 +5,7 @@ three routes skip FastAPI's router, every other request still goes through it.""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -134,3 +135,30 @@ def test_an_unexpected_error_is_a_500_in_the_dialects_envelope_and_the_gateway_s
     assert [status for status, _ in answers[True]] == [500, 200] * 3
     assert answers[True][0][1]["error"]["message"] == "internal gateway error: RuntimeError: boom"
     assert answers[True][4][1]["type"] == "error"  # Anthropic's envelope on /messages
+
+
+def test_a_client_gone_before_its_body_came_is_no_error(engine, tok, tmp_path, caplog):
+    # driven by hand (no server): the turn route's body read meets the disconnect at once
+    gw = gateway_server(engine.url, tmp_path, tok)
+    svc = gw.app.state.service
+    session = svc.sessions.create("e", "t", None, {})
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": f"/s/{session.session_id}/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {ENV_KEY}".encode()), (b"content-length", b"100")],
+    }
+    with caplog.at_level("ERROR"):
+        asyncio.run(gw.app.front(scope, receive, send))
+    assert sent == [] and not [r for r in caplog.records if "unexpected" in r.getMessage()]
+    assert session.turns == [] and not session.refused
