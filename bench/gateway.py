@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -452,15 +453,17 @@ def main() -> None:
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
     zero = zero_engine.process("--reply-ids", *map(str, reply), "--context-length", "262144", "--keep-bodies")
-    spool = Path("runs/bench-gateway-spool")
+    # the gateways' spools and journals, removed after the run (each run left ~11 MB in runs/)
     with (
+        tempfile.TemporaryDirectory(prefix="bench-gateway-spool-") as spool_dir,
         zero,
         RouterProcess([zero.url]) as router,
         _passthrough.process(zero.url) as hop,
-        gateway_process("tiny", zero.url, str(spool / str(time.time())), env=ENV) as gw,
+        gateway_process("tiny", zero.url, str(Path(spool_dir) / "gateway"), env=ENV) as gw,
         httpx.Client(timeout=60, trust_env=False) as c,
         contextlib.ExitStack() as extra,
     ):
+        spool = Path(spool_dir)
         gen_body = {"input_ids": reply * 8, "sampling_params": {"max_new_tokens": 8}}
 
         def new_session() -> str:

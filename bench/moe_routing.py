@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +40,6 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-moe", help="a MoE preset or directory")
     args = ap.parse_args()
 
-    spool = Path("runs/bench-moe-routing-spool") / str(time.time())
     words = " ".join(["routing"] * args.words)
     messages = [{"role": "user", "content": words}]
     chat = {
@@ -50,13 +50,18 @@ def main() -> None:
         "temperature": 0,
     }
     with (
+        tempfile.TemporaryDirectory(prefix="bench-spool-") as spool_dir,  # removed after the run
         engine_process(
             args.model, extra_args=["--num-threads", "1", "--enable-return-routed-experts"]
         ) as engine,
         gateway_process(
-            args.model, engine.url, str(spool / "on"), env=ENV, extra_args=["--return-routed-experts"]
+            args.model,
+            engine.url,
+            str(Path(spool_dir) / "on"),
+            env=ENV,
+            extra_args=["--return-routed-experts"],
         ) as on,
-        gateway_process(args.model, engine.url, str(spool / "off"), env=ENV) as off,
+        gateway_process(args.model, engine.url, str(Path(spool_dir) / "off"), env=ENV) as off,
         httpx.Client(timeout=300, trust_env=False) as c,
     ):
 

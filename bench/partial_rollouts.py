@@ -24,8 +24,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import re
 import statistics
+import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
@@ -72,12 +72,12 @@ def main() -> int:
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     weights = str(resolve_model("tiny"))
-    spool = Path("runs/bench-partial-spool") / str(time.time())
     version = 0
     rows = []
     with (
+        tempfile.TemporaryDirectory(prefix="bench-spool-") as spool_dir,  # removed after the run
         engine_process("tiny", extra_args=["--num-threads", "1"]) as engine,
-        gateway_process("tiny", engine.url, str(spool), env=ENV) as gw,
+        gateway_process("tiny", engine.url, spool_dir, env=ENV) as gw,
         httpx.Client(timeout=600, trust_env=False) as c,
         cf.ThreadPoolExecutor(args.calls) as pool,
     ):
