@@ -24,7 +24,7 @@ from palaestra.gateway.engine_side.engine_client import EngineClient
 from palaestra.gateway.engine_side.pause import PauseGate
 from palaestra.gateway.engine_side.routing import EngineRouting, RoutingOptions
 from palaestra.gateway.engine_side.turns import EngineTurns
-from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.errors import GatewayError, internal_error
 from palaestra.gateway.guards import BodyLimit
 from palaestra.gateway.header_sessions import bound
 from palaestra.gateway.hot_routes import HotRoutes
@@ -201,6 +201,6 @@ def create_app(config: GatewayConfig, tokenizer: Any | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected gateway error")
-        return answer(request, GatewayError(f"internal gateway error: {type(exc).__name__}: {exc}", 500))
+        return answer(request, internal_error(exc))
 
     return app

@@ -30,3 +30,8 @@ class GatewayError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def internal_error(exc: Exception) -> GatewayError:
+    """The 500 an unexpected exception is answered with (its traceback goes to the log, not here)."""
+    return GatewayError(f"internal gateway error: {type(exc).__name__}: {exc}", 500)

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from palaestra.gateway import routes
 from palaestra.gateway.dialect import Dialect
-from palaestra.gateway.errors import GatewayError
+from palaestra.gateway.errors import GatewayError, internal_error
 
 __all__ = ["HotRoutes"]
 
@@ -67,12 +67,16 @@ class HotRoutes:
             await routes.require_session_access(request, session_id)
             response = await endpoint(session_id, request)
         except GatewayError as exc:  # as the app's handler answers it (app.create_app)
-            response = JSONResponse(dialect.error_body(exc), status_code=exc.status, headers=exc.headers)
+            error = exc
         except ClientDisconnect:  # the client left before its body came: no one to answer, no error
             return
         except Exception as exc:  # as the app's last handler answers it (logged, not raised on to
             # uvicorn, which would close the connection: the agent's next call may use it)
             log.exception("unexpected gateway error")
-            error = GatewayError(f"internal gateway error: {type(exc).__name__}: {exc}", 500)
-            response = JSONResponse(dialect.error_body(error), status_code=500)
-        await response(scope, receive, send)
+            error = internal_error(exc)
+        else:
+            await response(scope, receive, send)
+            return
+        await JSONResponse(dialect.error_body(error), status_code=error.status, headers=error.headers)(
+            scope, receive, send
+        )

@@ -55,9 +55,9 @@ class SmallBufferServer(ThreadServer):
     the stuck stream below), so an answer whose events came in bunches (a loaded machine: fewer,
     larger events) could end inside the buffers and never be cut."""
 
-    def __init__(self, app, http=None):
+    def __init__(self, app, http=HeadJoiningProtocol):
         super().__init__(app)
-        self.server.config.http = _SmallWriteBuffer
+        self.server.config.http = _SmallWriteBuffer  # the gateway's protocol (`http`), small buffers
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
